@@ -1,0 +1,145 @@
+"""Settings of an engine, as pydantic models.
+
+Every YAML file under ``configs/`` loads into :class:`TandemConfig`. Unknown keys and
+values of the wrong type are errors that name the key (``ConfigError``).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+
+class ConfigError(ValueError):
+    """A configuration file or value is invalid; the message names the key."""
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+DType = Literal["float32", "bfloat16", "float16", "auto"]
+
+
+class ModelConfig(_Strict):
+    model: str = Field("smollm2-135m-instruct", description="short name, HF folder or .gguf file")
+    dtype: DType = "float32"
+    max_model_len: int | None = Field(None, ge=1, description="defaults to the model's context length")
+    cache_dir: str | None = Field(None, description="where fetched and converted weights live")
+    seed: int = 0
+
+
+class CacheConfig(_Strict):
+    block_size: int = Field(16, ge=1, le=1024)
+    kv_cache_memory: str | int | None = Field(
+        "512MiB", description="bytes, or a size like '2GiB'; overrides kv_cache_fraction"
+    )
+    kv_cache_fraction: float = Field(
+        0.3, gt=0, le=0.95, description="share of free device memory when kv_cache_memory is unset"
+    )
+    num_blocks: int | None = Field(None, ge=1, description="exact pool size; overrides both")
+
+    def memory_bytes(self) -> int | None:
+        return parse_size(self.kv_cache_memory) if self.kv_cache_memory is not None else None
+
+
+class SchedulerConfig(_Strict):
+    max_num_seqs: int = Field(64, ge=1)
+    max_num_batched_tokens: int = Field(2048, ge=1)
+    enable_chunked_prefill: bool = True
+    waiting_served_ratio: float = Field(
+        1.2, ge=0, description="TGI: admit waiting requests once waiting/running exceeds this"
+    )
+    max_queued_requests: int | None = Field(None, ge=1)
+
+
+class DeviceConfig(_Strict):
+    device: str = "auto"  # auto | cpu | cuda | cuda:N
+    num_threads: int | None = Field(None, ge=1, description="torch intra-op threads on CPU")
+
+
+class TandemConfig(_Strict):
+    model: ModelConfig = ModelConfig()
+    cache: CacheConfig = CacheConfig()
+    scheduler: SchedulerConfig = SchedulerConfig()
+    device: DeviceConfig = DeviceConfig()
+
+    @model_validator(mode="after")
+    def _check(self) -> "TandemConfig":
+        limit = self.scheduler.max_num_batched_tokens
+        if not self.scheduler.enable_chunked_prefill and self.model.max_model_len:
+            if limit < self.model.max_model_len:
+                raise ValueError(
+                    "scheduler.max_num_batched_tokens must be >= model.max_model_len "
+                    "when chunked prefill is off"
+                )
+        return self
+
+
+_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9,
+          "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}
+
+
+def parse_size(value: str | int) -> int:
+    """'512MiB' -> 536870912; plain integers are bytes."""
+    if isinstance(value, int):
+        if value <= 0:
+            raise ConfigError(f"a memory size must be positive, got {value}")
+        return value
+    text = value.strip().upper().replace(" ", "")
+    number = text.rstrip("KMGIB")
+    unit = text[len(number):]
+    if unit not in _UNITS or not number:
+        raise ConfigError(f"cannot read memory size {value!r}; use e.g. 536870912, '512MiB' or '2GiB'")
+    return int(float(number) * _UNITS[unit])
+
+
+def _format_errors(err: ValidationError, source: str) -> str:
+    lines = []
+    for e in err.errors():
+        key = ".".join(str(p) for p in e["loc"]) or "(top level)"
+        if e["type"] == "extra_forbidden":
+            lines.append(f"{source}: unknown key '{key}'")
+        else:
+            lines.append(f"{source}: '{key}': {e['msg']} (got {e.get('input')!r})")
+    return "\n".join(lines)
+
+
+def config_from_dict(data: dict, source: str = "config") -> TandemConfig:
+    try:
+        return TandemConfig.model_validate(data or {})
+    except ValidationError as err:
+        raise ConfigError(_format_errors(err, source)) from None
+
+
+def load_config(path: str | Path) -> TandemConfig:
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"config file {path} does not exist")
+    try:
+        data = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as err:
+        raise ConfigError(f"{path}: not valid YAML: {err}") from None
+    if data is not None and not isinstance(data, dict):
+        raise ConfigError(f"{path}: the top level must be a mapping of sections")
+    return config_from_dict(data, str(path))
+
+
+def with_overrides(config: TandemConfig, **overrides) -> TandemConfig:
+    """A copy of ``config`` with flat overrides routed to the section that owns each key.
+
+    ``with_overrides(cfg, dtype="bfloat16", max_num_seqs=8)`` sets ``model.dtype`` and
+    ``scheduler.max_num_seqs``. Unknown keys raise ConfigError naming them.
+    """
+    data = config.model_dump()
+    sections = {name: type(getattr(config, name)) for name in TandemConfig.model_fields}
+    for key, value in overrides.items():
+        owners = [s for s, cls in sections.items() if key in cls.model_fields]
+        if not owners:
+            known = sorted(k for cls in sections.values() for k in cls.model_fields)
+            raise ConfigError(f"unknown setting {key!r}; known settings: {', '.join(known)}")
+        data[owners[0]][key] = value
+    return config_from_dict(data, "overrides")

@@ -1,0 +1,145 @@
+"""Async streaming over the engine, for servers.
+
+One background task owns the engine. It applies queued adds and aborts between
+steps, runs ``Engine.step`` in a single worker thread (so the event loop stays
+responsive while the model computes) and routes outputs to per-request queues.
+A consumer that stops iterating (break, cancel, disconnect) aborts its request,
+which frees its blocks before the next step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from concurrent.futures import ThreadPoolExecutor
+from typing import AsyncIterator
+
+from cluster.config import TandemConfig
+from cluster.engine.engine import Engine
+from cluster.engine.outputs import RequestOutput
+from cluster.engine.request import Request
+from cluster.engine.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+class EngineDeadError(RuntimeError):
+    """The engine loop failed; in-flight requests were failed with this error."""
+
+
+class AsyncEngine:
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+        self._queues: dict[str, asyncio.Queue] = {}
+        self._pending_adds: list[Request] = []
+        self._pending_aborts: list[str] = []
+        self._wakeup: asyncio.Event | None = None
+        self._loop_task: asyncio.Task | None = None
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tandem-engine")
+
+    @classmethod
+    def from_config(cls, config: TandemConfig) -> "AsyncEngine":
+        return cls(Engine(config))
+
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer
+
+    async def generate(
+        self,
+        prompt: str | list[int],
+        sampling_params: SamplingParams | None = None,
+        request_id: str | None = None,
+    ) -> AsyncIterator[RequestOutput]:
+        """Incremental outputs of one request; the last has ``finished=True``.
+
+        Bad input raises ValueError before anything is queued.
+        """
+        request = self.engine.make_request(prompt, sampling_params, request_id)
+        rid = request.request_id
+        if rid in self._queues:
+            raise ValueError(f"request id {rid!r} is already in use")
+        queue: asyncio.Queue = asyncio.Queue()
+        self._queues[rid] = queue
+        self._pending_adds.append(request)
+        self._ensure_loop()
+        self._wakeup.set()
+        finished = False
+        try:
+            while True:
+                item = await queue.get()
+                if isinstance(item, BaseException):
+                    raise item
+                finished = item.finished
+                yield item
+                if finished:
+                    return
+        finally:
+            self._queues.pop(rid, None)
+            if not finished:
+                self.abort(rid)
+
+    def abort(self, request_id: str) -> None:
+        self._pending_aborts.append(request_id)
+        if self._wakeup is not None:
+            self._wakeup.set()
+
+    def _ensure_loop(self) -> None:
+        if self._loop_task is None or self._loop_task.done():
+            self._wakeup = asyncio.Event()
+            self._loop_task = asyncio.get_running_loop().create_task(self._run())
+
+    async def _run(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            self._apply_pending()
+            if not self.engine.has_unfinished():
+                self._wakeup.clear()
+                await self._wakeup.wait()
+                continue
+            try:
+                outputs = await loop.run_in_executor(self._executor, self.engine.step)
+            except Exception as err:  # a bug or a device failure: fail in-flight requests, keep serving
+                logger.exception("engine step failed")
+                self._fail_all(EngineDeadError(f"engine step failed: {err}"))
+                continue
+            for out in outputs:
+                queue = self._queues.get(out.request_id)
+                if queue is not None:
+                    queue.put_nowait(out)
+            await asyncio.sleep(0)  # let consumers run between steps
+
+    def _apply_pending(self) -> None:
+        adds, self._pending_adds = self._pending_adds, []
+        for request in adds:
+            if request.request_id in self._pending_aborts:
+                continue
+            try:
+                self.engine.add_prepared(request)
+            except ValueError as err:
+                queue = self._queues.get(request.request_id)
+                if queue is not None:
+                    queue.put_nowait(err)
+        aborts, self._pending_aborts = self._pending_aborts, []
+        for rid in aborts:
+            self.engine.abort(rid)
+
+    def _fail_all(self, error: BaseException) -> None:
+        for rid in list(self.engine.scheduler.requests):
+            self.engine.abort(rid)
+            queue = self._queues.get(rid)
+            if queue is not None:
+                queue.put_nowait(error)
+
+    async def shutdown(self) -> None:
+        """Abort everything in flight and stop the loop."""
+        for rid in list(self._queues):
+            self.abort(rid)
+        if self._loop_task is not None:
+            self._apply_pending()
+            self._loop_task.cancel()
+            try:
+                await self._loop_task
+            except asyncio.CancelledError:
+                pass
+        self._executor.shutdown(wait=True)

@@ -1,0 +1,181 @@
+"""The engine: requests in, one scheduled model step at a time, outputs out.
+
+``Engine.step`` is the whole loop: schedule, run the model, update the queues, turn
+new tokens into outputs. It is synchronous and single-threaded; ``AsyncEngine`` runs
+it off the event loop.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from cluster.config import TandemConfig
+from cluster.engine.detokenizer import IncrementalDetokenizer
+from cluster.engine.outputs import CompletionOutput, Logprob, RequestOutput, TokenLogprobs, Usage
+from cluster.engine.request import Request, RequestStatus
+from cluster.engine.sampling_params import SamplingParams
+from cluster.engine.scheduler import Scheduler
+from cluster.kv.block_manager import BlockManager, cdiv
+from cluster.runner.model_runner import SampledToken
+from cluster.runner.worker import Worker
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class _OutputState:
+    detokenizer: IncrementalDetokenizer | None
+    logprobs: list[TokenLogprobs] | None
+    num_sent_tokens: int = 0
+
+
+class Engine:
+    def __init__(self, config: TandemConfig, worker: Worker | None = None) -> None:
+        self.config = config
+        self.worker = worker or Worker.from_config(config)
+        self.tokenizer = self.worker.tokenizer
+        self.max_model_len = self.worker.max_model_len
+        self.block_manager = BlockManager(self.worker.runner.num_blocks, config.cache.block_size)
+        self.scheduler = Scheduler(config.scheduler, self.block_manager, self.max_model_len)
+        self.eos_token_id = self.worker.eos_token_id
+        self.vocab_size = self.worker.vocab_size
+        self._states: dict[str, _OutputState] = {}
+        self._ids = itertools.count()
+
+    # ---- requests -----------------------------------------------------------------
+    def make_request(
+        self,
+        prompt: str | list[int],
+        sampling_params: SamplingParams | None = None,
+        request_id: str | None = None,
+    ) -> Request:
+        """Validate and tokenize; raises ValueError saying what is wrong with the input."""
+        params = sampling_params or SamplingParams()
+        if isinstance(prompt, str):
+            if not prompt:
+                raise ValueError("the prompt is empty; send at least one token")
+            if self.tokenizer is None:
+                raise ValueError("this model has no tokenizer; send prompt token ids")
+            prompt_ids = self.tokenizer.encode(prompt)
+            text = prompt
+        else:
+            prompt_ids, text = list(prompt), None
+            bad = [t for t in prompt_ids if not isinstance(t, int) or not 0 <= t < self.vocab_size]
+            if bad:
+                raise ValueError(f"prompt token ids must be integers in [0, {self.vocab_size}), got {bad[:3]}")
+        if not prompt_ids:
+            raise ValueError("the prompt is empty; send at least one token")
+        if len(prompt_ids) >= self.max_model_len:
+            raise ValueError(
+                f"the prompt has {len(prompt_ids)} tokens; max_model_len is {self.max_model_len}, "
+                "so prompts may have at most max_model_len - 1 tokens"
+            )
+        block_size = self.block_manager.block_size
+        if cdiv(len(prompt_ids) + 1, block_size) > self.block_manager.pool.num_blocks:
+            raise ValueError(
+                f"the prompt has {len(prompt_ids)} tokens and cannot fit in the KV cache "
+                f"({self.block_manager.pool.num_blocks} blocks of {block_size})"
+            )
+        if params.stop and self.tokenizer is None:
+            raise ValueError("stop strings need a tokenizer; this model has none (use stop_token_ids)")
+        if any(t >= self.vocab_size for t in params.stop_token_ids):
+            raise ValueError(f"stop_token_ids must be below the vocabulary size {self.vocab_size}")
+        rid = request_id if request_id is not None else f"req-{next(self._ids)}"
+        if rid in self.scheduler.requests:
+            raise ValueError(f"request id {rid!r} is already in use")
+        return Request(rid, prompt_ids, params, self.eos_token_id, prompt=text)
+
+    def add_request(
+        self,
+        prompt: str | list[int],
+        sampling_params: SamplingParams | None = None,
+        request_id: str | None = None,
+    ) -> str:
+        return self.add_prepared(self.make_request(prompt, sampling_params, request_id))
+
+    def add_prepared(self, request: Request) -> str:
+        self.scheduler.add_request(request)
+        params = request.sampling_params
+        detok = None
+        if self.tokenizer is not None:
+            detok = IncrementalDetokenizer(
+                self.tokenizer, request.prompt_token_ids, params.stop, params.skip_special_tokens
+            )
+        self._states[request.request_id] = _OutputState(detok, [] if params.logprobs is not None else None)
+        return request.request_id
+
+    def abort(self, request_id: str) -> None:
+        """Stop a request now and free its blocks; unknown or finished ids are ignored."""
+        self.scheduler.finish_request(request_id, RequestStatus.FINISHED_ABORTED)
+        self.worker.runner.free_request(request_id)
+        self._states.pop(request_id, None)
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # ---- the loop ---------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        out = self.scheduler.schedule()
+        tables = [self.block_manager.get_block_table(s.request.request_id) for s in out.scheduled]
+        sampled = self.worker.runner.execute(out.scheduled, tables)
+        self.scheduler.update(out, {rid: [s.token_id] for rid, s in sampled.items()})
+        return [self._output(s.request, sampled.get(s.request.request_id)) for s in out.scheduled
+                if s.request.request_id in sampled]
+
+    def _output(self, request: Request, sampled: SampledToken | None) -> RequestOutput:
+        state = self._states[request.request_id]
+        new_ids = request.output_token_ids[state.num_sent_tokens :]
+        if state.detokenizer is not None:
+            for token in new_ids:
+                stop = state.detokenizer.add_token(token)
+                if stop is not None and not request.is_finished:
+                    request.stop_reason = stop
+                    self.scheduler.finish_request(request.request_id, RequestStatus.FINISHED_STOPPED)
+                    break
+        delta_logprobs = None
+        if state.logprobs is not None and sampled is not None and sampled.logprobs is not None:
+            delta_logprobs = [self._logprobs(sampled)]
+            state.logprobs.extend(delta_logprobs)
+        state.num_sent_tokens = request.num_output_tokens
+        finished = request.is_finished
+        if finished:
+            self.worker.runner.free_request(request.request_id)
+            del self._states[request.request_id]
+        detok = state.detokenizer
+        delta_text = detok.release(finished) if detok is not None else ""
+        completion = CompletionOutput(
+            index=0,
+            text=detok.released_text if detok is not None else "",
+            token_ids=list(request.output_token_ids),
+            finish_reason=request.finish_reason,
+            stop_reason=request.stop_reason,
+            logprobs=state.logprobs,
+            delta_text=delta_text,
+            delta_token_ids=new_ids,
+            delta_logprobs=delta_logprobs,
+        )
+        usage = Usage(request.num_prompt_tokens, request.num_output_tokens, request.num_cached_tokens)
+        return RequestOutput(request.request_id, request.prompt, request.prompt_token_ids, [completion],
+                             finished, usage)
+
+    def _logprobs(self, sampled: SampledToken) -> TokenLogprobs:
+        ids, values, rank = sampled.logprobs
+        result: TokenLogprobs = {}
+        for position, (token, value) in enumerate(zip(ids, values)):
+            token_rank = rank if position == 0 else position
+            decoded = self.tokenizer.decode([token]) if self.tokenizer is not None else None
+            result.setdefault(token, Logprob(value, token_rank, decoded))
+        return result
+
+    def check_invariants(self) -> None:
+        self.scheduler.check_invariants()
+
+
+def default_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)

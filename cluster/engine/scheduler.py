@@ -1,0 +1,236 @@
+"""Continuous batching: which requests run this step, and how many tokens each.
+
+Policy, per step, under a token budget (``max_num_batched_tokens``) and a cap on
+running requests (``max_num_seqs``):
+
+1. Running requests first, in arrival order: one token for a decoding request, the
+   next chunk for one still in prefill. When blocks run out, the newest running
+   request is preempted (blocks freed, recomputed later) until the older one fits.
+2. Then waiting requests, first come first served, each with as much of its prompt
+   as the remaining budget allows (chunked prefill). While requests are running,
+   waiting ones are admitted only when there are at least
+   ``floor(num_running * waiting_served_ratio)`` of them, or the oldest has waited
+   ``max_waiting_steps`` steps (TGI's ``waiting_served_ratio``).
+
+The scheduler decides; it never touches tensors.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+from cluster.config import SchedulerConfig
+from cluster.engine.request import Request, RequestStatus
+from cluster.kv.block_manager import BlockManager
+
+
+@dataclass(frozen=True)
+class ScheduledRequest:
+    request: Request
+    num_computed_tokens: int  # before this step
+    num_new_tokens: int  # tokens whose K/V this step computes
+
+    @property
+    def samples(self) -> bool:
+        """True when this step reaches the end of the request's tokens, so it samples."""
+        return self.num_computed_tokens + self.num_new_tokens == self.request.num_tokens
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[ScheduledRequest] = field(default_factory=list)
+    preempted: list[Request] = field(default_factory=list)
+
+    @property
+    def num_batched_tokens(self) -> int:
+        return sum(s.num_new_tokens for s in self.scheduled)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+class Scheduler:
+    def __init__(
+        self,
+        config: SchedulerConfig,
+        block_manager: BlockManager,
+        max_model_len: int,
+        max_waiting_steps: int = 20,
+    ) -> None:
+        self.config = config
+        self.block_manager = block_manager
+        self.max_model_len = max_model_len
+        self.max_waiting_steps = max_waiting_steps
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.requests: dict[str, Request] = {}
+        self.num_preemptions = 0
+
+    # ---- queue management -------------------------------------------------------
+    def add_request(self, request: Request) -> None:
+        if request.request_id in self.requests:
+            raise ValueError(f"request id {request.request_id!r} is already in use")
+        self.requests[request.request_id] = request
+        self.waiting.append(request)
+
+    def finish_request(self, request_id: str, status: RequestStatus) -> Request | None:
+        """Finish (or abort) a request now and free its blocks. Unknown ids are ignored."""
+        request = self.requests.pop(request_id, None)
+        if request is None:
+            return None
+        if request in self.running:
+            self.running.remove(request)
+        else:
+            try:
+                self.waiting.remove(request)
+            except ValueError:
+                pass
+        request.status = status
+        self.block_manager.free(request_id)
+        return request
+
+    def has_unfinished(self) -> bool:
+        return bool(self.requests)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    # ---- one step ---------------------------------------------------------------
+    def schedule(self, num_lookahead_tokens: int = 0) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.config.max_num_batched_tokens
+        scheduled_ids: set[str] = set()
+
+        i = 0
+        while i < len(self.running) and budget > 0:
+            request = self.running[i]
+            num_new = self._num_new_tokens(request, budget)
+            if num_new == 0:
+                i += 1
+                continue
+            lookahead = num_lookahead_tokens if self._is_decoding(request, num_new) else 0
+            while not self.block_manager.allocate_slots(
+                request.request_id, request.num_computed_tokens, num_new, lookahead
+            ):
+                victim = self.running[-1]
+                self._preempt(victim, out)
+                if victim is request:
+                    break
+            if request.status is not RequestStatus.RUNNING:
+                break  # it preempted itself: nothing after it is left either
+            out.scheduled.append(ScheduledRequest(request, request.num_computed_tokens, num_new))
+            scheduled_ids.add(request.request_id)
+            budget -= num_new
+            i += 1
+
+        if self.waiting and self._should_admit():
+            self._admit_waiting(out, budget)
+        for request in self.waiting:
+            request.waiting_steps += 1
+        return out
+
+    def _should_admit(self) -> bool:
+        if not self.running:
+            return True
+        if self.waiting[0].waiting_steps >= self.max_waiting_steps:
+            return True
+        return len(self.waiting) >= math.floor(len(self.running) * self.config.waiting_served_ratio)
+
+    def _admit_waiting(self, out: SchedulerOutput, budget: int) -> None:
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            request = self.waiting[0]
+            num_new = self._num_new_tokens(request, budget)
+            if num_new == 0:
+                break
+            if not self.block_manager.allocate_slots(
+                request.request_id, request.num_computed_tokens, num_new
+            ):
+                break  # FCFS: no overtaking the head of the queue
+            self.waiting.popleft()
+            request.status = RequestStatus.RUNNING
+            request.waiting_steps = 0
+            if request.scheduled_time is None:
+                request.scheduled_time = time.monotonic()
+            self.running.append(request)
+            out.scheduled.append(ScheduledRequest(request, request.num_computed_tokens, num_new))
+            budget -= num_new
+
+    def _num_new_tokens(self, request: Request, budget: int) -> int:
+        remaining = request.num_tokens - request.num_computed_tokens
+        if remaining <= budget:
+            return remaining
+        return budget if self.config.enable_chunked_prefill else 0
+
+    @staticmethod
+    def _is_decoding(request: Request, num_new: int) -> bool:
+        return request.num_output_tokens > 0 and request.num_computed_tokens + num_new == request.num_tokens
+
+    def _preempt(self, request: Request, out: SchedulerOutput) -> None:
+        self.running.remove(request)
+        self.block_manager.free(request.request_id)
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(request)
+        out.preempted.append(request)
+        out.scheduled[:] = [s for s in out.scheduled if s.request is not request]
+
+    # ---- after the model ran ----------------------------------------------------
+    def update(
+        self, out: SchedulerOutput, new_token_ids: dict[str, list[int]]
+    ) -> list[Request]:
+        """Advance computed counts, append sampled tokens, finish what should stop.
+
+        Returns the requests that finished in this step (their blocks are already free).
+        """
+        finished: list[Request] = []
+        now = time.monotonic()
+        for sched in out.scheduled:
+            request = sched.request
+            if request.is_finished:  # aborted while the step ran
+                continue
+            request.num_computed_tokens = sched.num_computed_tokens + sched.num_new_tokens
+            tokens = new_token_ids.get(request.request_id)
+            if not tokens:
+                continue
+            if request.first_token_time is None:
+                request.first_token_time = now
+            for token in tokens:
+                request.append_output_token_ids([token])
+                status = self._stop_status(request, token)
+                if status is not None:
+                    finished.append(self.finish_request(request.request_id, status))
+                    break
+        return finished
+
+    def _stop_status(self, request: Request, token: int) -> RequestStatus | None:
+        params = request.sampling_params
+        if request.num_output_tokens >= params.min_tokens:
+            if token == request.eos_token_id and not params.ignore_eos:
+                return RequestStatus.FINISHED_STOPPED
+            if token in params.stop_token_ids:
+                request.stop_reason = token
+                return RequestStatus.FINISHED_STOPPED
+        if request.num_output_tokens >= params.max_tokens or request.num_tokens >= self.max_model_len:
+            return RequestStatus.FINISHED_LENGTH
+        return None
+
+    def check_invariants(self) -> None:
+        self.block_manager.check_invariants()
+        ids = {r.request_id for r in self.running} | {r.request_id for r in self.waiting}
+        if ids != set(self.requests):
+            raise AssertionError("the running and waiting queues disagree with the request table")
+        for r in self.waiting:
+            if r.request_id in self.block_manager.block_tables and r.num_computed_tokens == 0:
+                if self.block_manager.block_tables[r.request_id]:
+                    raise AssertionError(f"waiting {r} holds blocks")

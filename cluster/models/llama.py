@@ -1,0 +1,133 @@
+"""The Llama family (Llama 2/3, Mistral, Qwen2, SmolLM) over the paged KV cache.
+
+Q, K and V are one fused projection and gate/up another, so a layer runs four
+matrix multiplications. Weights load from Hugging Face names; Qwen2 adds a bias
+to the QKV projection. Sliding-window attention (Mistral) is not applied: contexts
+must stay within the window.
+"""
+
+from __future__ import annotations
+
+from typing import Iterable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from cluster.models.layers.attention import AttentionMetadata, PagedAttention
+from cluster.models.layers.rotary import RotaryEmbedding
+from cluster.models.layers.weights import load_named_weights
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, hidden_size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # In float32 like the reference, then back to the activation dtype.
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, config, rotary: RotaryEmbedding) -> None:
+        super().__init__()
+        hidden = config.hidden_size
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = getattr(config, "head_dim", None) or hidden // self.num_heads
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        qkv_bias = getattr(config, "attention_bias", False) or config.model_type == "qwen2"
+        self.qkv_proj = nn.Linear(hidden, self.q_size + 2 * self.kv_size, bias=qkv_bias)
+        self.o_proj = nn.Linear(self.q_size, hidden, bias=getattr(config, "attention_bias", False))
+        mlp_bias = getattr(config, "mlp_bias", False)
+        self.intermediate_size = config.intermediate_size
+        self.gate_up_proj = nn.Linear(hidden, 2 * config.intermediate_size, bias=mlp_bias)
+        self.down_proj = nn.Linear(config.intermediate_size, hidden, bias=mlp_bias)
+        self.input_layernorm = RMSNorm(hidden, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(hidden, config.rms_norm_eps)
+        self.rotary = rotary
+        self.attn = PagedAttention(self.num_heads, self.num_kv_heads, self.head_dim, self.head_dim**-0.5)
+        if config.hidden_act != "silu":
+            raise ValueError(f"Llama-family hidden_act {config.hidden_act!r} is not supported (silu is)")
+
+    def forward(
+        self,
+        positions: torch.Tensor,  # [num_tokens]
+        hidden: torch.Tensor,  # [num_tokens, hidden_size]
+        kv_cache: torch.Tensor,  # [2, num_slots, num_kv_heads, head_dim]
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        residual = hidden
+        qkv = self.qkv_proj(self.input_layernorm(hidden))
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q, k = self.rotary(positions, q, k)
+        hidden = residual + self.o_proj(self.attn(q, k, v, kv_cache, meta))
+        residual = hidden
+        gate, up = self.gate_up_proj(self.post_attention_layernorm(hidden)).chunk(2, dim=-1)
+        return residual + self.down_proj(F.silu(gate) * up)
+
+
+class LlamaForCausalLM(nn.Module):
+    def __init__(self, config, max_position: int) -> None:
+        super().__init__()
+        self.config = config
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        self.rotary = RotaryEmbedding(config, head_dim, max_position)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(config, self.rotary) for _ in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        if self.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+        self.num_layers = config.num_hidden_layers
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = head_dim
+        self.vocab_size = config.vocab_size
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # [num_tokens]
+        positions: torch.Tensor,  # [num_tokens]
+        kv_caches: torch.Tensor,  # [num_layers, 2, num_slots, num_kv_heads, head_dim]
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:  # [num_tokens, hidden_size]
+        hidden = self.embed_tokens(input_ids)
+        for i, layer in enumerate(self.layers):
+            hidden = layer(positions, hidden, kv_caches[i], meta)
+        return self.norm(hidden)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [n, hidden] -> [n, vocab]
+        return self.lm_head(hidden)
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Load HF-named tensors; raises ValueError on a missing or unexpected tensor."""
+        layer = self.layers[0]
+        sizes = {
+            "qkv_proj": [layer.q_size, layer.kv_size, layer.kv_size],
+            "gate_up_proj": [layer.intermediate_size] * 2,
+        }
+
+        def rename(name: str) -> str | None:
+            if "rotary_emb.inv_freq" in name or (name == "lm_head.weight" and self.tie_word_embeddings):
+                return None
+            return name.removeprefix("model.").replace(".self_attn.", ".").replace(".mlp.", ".")
+
+        load_named_weights(
+            self, weights, rename, _STACKED, lambda target: sizes[target.split(".")[-2]]
+        )
+
+
+_STACKED = {
+    "q_proj": ("qkv_proj", 0),
+    "k_proj": ("qkv_proj", 1),
+    "v_proj": ("qkv_proj", 2),
+    "gate_proj": ("gate_up_proj", 0),
+    "up_proj": ("gate_up_proj", 1),
+}

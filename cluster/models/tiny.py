@@ -1,0 +1,49 @@
+"""Tiny random-weight Hugging Face configs of each family, for tests and smoke runs."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from transformers import LlamaConfig, OPTConfig
+
+TINY_VOCAB = 256
+
+
+def tiny_llama_config(**overrides) -> LlamaConfig:
+    """2 layers, GQA (4 query heads over 2 KV heads), tied embeddings."""
+    values = dict(
+        vocab_size=TINY_VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+        tie_word_embeddings=True, bos_token_id=1, eos_token_id=2, pad_token_id=0,
+    )
+    values.update(overrides)
+    return LlamaConfig(**values)
+
+
+def tiny_opt_config(**overrides) -> OPTConfig:
+    values = dict(
+        vocab_size=TINY_VOCAB, hidden_size=64, ffn_dim=128, num_hidden_layers=2,
+        num_attention_heads=4, max_position_embeddings=512, word_embed_proj_dim=64,
+        bos_token_id=1, eos_token_id=2, pad_token_id=0, do_layer_norm_before=True,
+    )
+    values.update(overrides)
+    return OPTConfig(**values)
+
+
+def save_tiny_model(config, path: Path, seed: int = 0) -> Path:
+    """Build the HF model for ``config`` with random weights from ``seed`` and save it.
+
+    Weights are scaled up from HF's tiny init so that greedy decoding is not trivially
+    repetitive, which would hide position bugs.
+    """
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() >= 2:
+                p.normal_(0, 0.15)
+    model.save_pretrained(path)
+    return Path(path)

@@ -1,0 +1,101 @@
+"""Turning a scheduled step into the flat tensors one forward pass needs."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from cluster.engine.scheduler import ScheduledRequest
+from cluster.models.layers.attention import AttentionMetadata
+
+
+@dataclass
+class ModelInputs:
+    input_ids: torch.Tensor  # [num_tokens]
+    positions: torch.Tensor  # [num_tokens]
+    attn: AttentionMetadata
+    logits_indices: torch.Tensor  # [num_sampling]: flat index of each sampling request's last token
+    sampling_rows: list[int]  # index into the scheduled list of each sampling request
+
+
+def prepare_inputs(
+    scheduled: list[ScheduledRequest],
+    block_tables: list[list[int]],
+    block_size: int,
+    device: torch.device,
+) -> ModelInputs:
+    """Flat token ids and positions, cache slots, and the attention mask of one step.
+
+    Sequence ``s`` computes tokens ``[num_computed, num_computed + num_new)`` and attends
+    to all ``num_computed + num_new`` tokens of its context.
+    """
+    input_ids: list[int] = []
+    positions: list[int] = []
+    query_lens: list[int] = []
+    context_lens: list[int] = []
+    logits_indices: list[int] = []
+    sampling_rows: list[int] = []
+    for row, sched in enumerate(scheduled):
+        start, n = sched.num_computed_tokens, sched.num_new_tokens
+        input_ids.extend(sched.request.all_token_ids[start : start + n])
+        positions.extend(range(start, start + n))
+        query_lens.append(n)
+        context_lens.append(start + n)
+        if sched.samples:
+            logits_indices.append(len(input_ids) - 1)
+            sampling_rows.append(row)
+
+    num_seqs = len(scheduled)
+    max_query_len = max(query_lens)
+    max_context_len = max(context_lens)
+    max_blocks = max(len(t) for t in block_tables)
+    table = torch.zeros(num_seqs, max_blocks, dtype=torch.int64)
+    for s, blocks in enumerate(block_tables):
+        table[s, : len(blocks)] = torch.tensor(blocks, dtype=torch.int64)
+
+    positions_t = torch.tensor(positions, dtype=torch.int64)
+    query_lens_t = torch.tensor(query_lens, dtype=torch.int64)
+    context_lens_t = torch.tensor(context_lens, dtype=torch.int64)
+    seq_of_token = torch.repeat_interleave(torch.arange(num_seqs), query_lens_t)
+    slot_mapping = table[seq_of_token, positions_t // block_size] * block_size + positions_t % block_size
+
+    context_pos = torch.arange(max_context_len)
+    context_slots = table.gather(1, (context_pos // block_size).expand(num_seqs, -1)) * block_size
+    context_slots = context_slots + context_pos % block_size  # [num_seqs, max_context_len]
+
+    if max_query_len == 1:
+        query_pad_index = None
+        if min(context_lens) == max_context_len:
+            attn_mask = None
+        else:
+            attn_mask = (context_pos[None, :] < context_lens_t[:, None]).view(num_seqs, 1, 1, -1)
+    else:
+        starts = torch.cumsum(query_lens_t, 0) - query_lens_t
+        offset_in_seq = torch.arange(len(input_ids)) - starts[seq_of_token]
+        query_pad_index = seq_of_token * max_query_len + offset_in_seq
+        # Query row i of sequence s sits at position context_len - query_len + i.
+        query_pos = context_lens_t[:, None] - query_lens_t[:, None] + torch.arange(max_query_len)[None, :]
+        attn_mask = (context_pos[None, None, :] <= query_pos[:, :, None]) & (
+            context_pos[None, None, :] < context_lens_t[:, None, None]
+        )
+        attn_mask = attn_mask.unsqueeze(1)  # [num_seqs, 1, max_query_len, max_context_len]
+
+    def to(t: torch.Tensor | None) -> torch.Tensor | None:
+        return None if t is None else t.to(device, non_blocking=True)
+
+    attn = AttentionMetadata(
+        slot_mapping=to(slot_mapping),
+        context_slots=to(context_slots),
+        attn_mask=to(attn_mask),
+        query_pad_index=to(query_pad_index),
+        num_seqs=num_seqs,
+        max_query_len=max_query_len,
+    )
+    return ModelInputs(
+        input_ids=to(torch.tensor(input_ids, dtype=torch.int64)),
+        positions=to(positions_t),
+        attn=attn,
+        logits_indices=to(torch.tensor(logits_indices, dtype=torch.int64)),
+        sampling_rows=sampling_rows,
+    )

@@ -1,0 +1,171 @@
+"""Logits processors: the tensor steps between a model's logits and the distribution a request samples from.
+
+Contract shared by every function here:
+
+- Out of place. A processor returns a new tensor and never writes into its input, so the
+  speculative rejection sampler can run the same logits through them more than once.
+- Vectorized over rows with per-row settings; no Python loop over rows or over the vocabulary.
+- Device-agnostic: every tensor is created on the device of the logits (or of the metadata,
+  which the runner builds on the same device).
+- Logits are float32 ``[num_reqs, vocab_size]``; a masked-out token is ``-inf``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+
+from cluster.engine.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from cluster.runner.sampler import SamplingMetadata
+
+
+def padded_token_ids(
+    token_ids: Sequence[Sequence[int]], pad_id: int, device: torch.device
+) -> torch.Tensor:
+    """Rows of token ids as one ``[num_rows, max_len]`` int64 tensor padded with ``pad_id``.
+
+    Ids >= ``pad_id`` are clamped to ``pad_id``: with ``pad_id == vocab_size`` they land in the
+    extra bin that callers drop (a token the head cannot produce needs no penalty, as in HF).
+    The width is at least 1 so that scatters always have a well-formed index.
+    """
+    max_len = max((len(ids) for ids in token_ids), default=0)
+    out = np.full((len(token_ids), max(max_len, 1)), pad_id, dtype=np.int64)
+    for row, ids in enumerate(token_ids):
+        out[row, : len(ids)] = ids
+    return torch.from_numpy(out).to(device).clamp_(max=pad_id)
+
+
+@dataclass(frozen=True)
+class PenaltyState:
+    """Per-row penalty settings and token statistics for one step.
+
+    A row without penalties has presence 0, frequency 0 and repetition 1 and passes through
+    ``apply_penalties`` bit-for-bit unchanged.
+    """
+
+    presence: torch.Tensor  # [num_reqs] float32
+    frequency: torch.Tensor  # [num_reqs] float32
+    repetition: torch.Tensor  # [num_reqs] float32
+    output_counts: torch.Tensor  # [num_reqs, vocab_size] int32: occurrences among output tokens
+    prompt_mask: torch.Tensor  # [num_reqs, vocab_size] bool: token occurs in the prompt
+
+    @classmethod
+    def build(
+        cls,
+        params: Sequence[SamplingParams],
+        prompt_token_ids: Sequence[Sequence[int]],
+        output_token_ids: Sequence[Sequence[int]],
+        vocab_size: int,
+        device: torch.device,
+    ) -> PenaltyState:
+        """Count tokens with one scatter over padded id matrices (pad id = ``vocab_size``).
+
+        Only rows that use a penalty contribute ids: the prompt only matters for the
+        repetition penalty and the output only when some penalty is on.
+        """
+        prompts = [ids if p.repetition_penalty != 1.0 else () for p, ids in zip(params, prompt_token_ids)]
+        outputs = [ids if p.needs_penalties else () for p, ids in zip(params, output_token_ids)]
+        num_reqs = len(params)
+
+        output_ids = padded_token_ids(outputs, vocab_size, device)  # [num_reqs, max_output_len]
+        output_counts = torch.zeros(num_reqs, vocab_size + 1, dtype=torch.int32, device=device)
+        output_counts.scatter_add_(1, output_ids, torch.ones_like(output_ids, dtype=torch.int32))
+
+        prompt_ids = padded_token_ids(prompts, vocab_size, device)  # [num_reqs, max_prompt_len]
+        prompt_mask = torch.zeros(num_reqs, vocab_size + 1, dtype=torch.bool, device=device)
+        prompt_mask.scatter_(1, prompt_ids, True)
+
+        def per_row(values: list[float]) -> torch.Tensor:
+            return torch.tensor(values, dtype=torch.float32, device=device)
+
+        return cls(
+            presence=per_row([p.presence_penalty for p in params]),
+            frequency=per_row([p.frequency_penalty for p in params]),
+            repetition=per_row([p.repetition_penalty for p in params]),
+            output_counts=output_counts[:, :vocab_size],
+            prompt_mask=prompt_mask[:, :vocab_size],
+        )
+
+
+def apply_penalties(
+    logits: torch.Tensor,  # [num_reqs, vocab_size] float32
+    metadata: SamplingMetadata,
+) -> torch.Tensor:  # [num_reqs, vocab_size] float32
+    """Repetition penalty on prompt + output tokens, then presence/frequency on output tokens.
+
+    Repetition follows vLLM and HF ``RepetitionPenaltyLogitsProcessor``: a seen token's logit is
+    divided by the penalty when positive and multiplied by it otherwise, once per token however
+    often it occurs. Presence and frequency follow the OpenAI API:
+    ``logit - presence * (count > 0) - frequency * count`` over output tokens only.
+    """
+    state = metadata.penalties
+    if state is None:
+        return logits
+    counts = state.output_counts.to(logits.dtype)
+    seen = state.prompt_mask | (state.output_counts > 0)
+    repetition = torch.where(seen, state.repetition[:, None], 1.0)
+    logits = torch.where(logits > 0, logits / repetition, logits * repetition)
+    return logits - state.frequency[:, None] * counts - state.presence[:, None] * (counts > 0)
+
+
+def apply_banned_token_ids(
+    logits: torch.Tensor,  # [num_reqs, vocab_size] float32
+    metadata: SamplingMetadata,
+) -> torch.Tensor:  # [num_reqs, vocab_size] float32
+    """Set each row's banned token ids (e.g. EOS and stop ids before ``min_tokens``) to ``-inf``."""
+    if not metadata.banned_token_ids:
+        return logits
+    rows = [row for row, ids in metadata.banned_token_ids.items() for _ in ids]
+    cols = [token for ids in metadata.banned_token_ids.values() for token in ids]
+    index = torch.tensor([rows, cols], dtype=torch.long, device=logits.device)
+    return logits.index_put((index[0], index[1]), logits.new_full((), float("-inf")))
+
+
+def apply_temperature(
+    logits: torch.Tensor,  # [num_reqs, vocab_size] float32
+    metadata: SamplingMetadata,
+) -> torch.Tensor:  # [num_reqs, vocab_size] float32
+    """Divide each row by its temperature; greedy rows (temperature 0) are divided by 1."""
+    temperature = metadata.temperature
+    if not metadata.all_random:
+        temperature = torch.where(temperature == 0, 1.0, temperature)
+    return logits / temperature[:, None]
+
+
+def apply_top_k_top_p_min_p(
+    logits: torch.Tensor,  # [num_reqs, vocab_size] float32, after temperature
+    metadata: SamplingMetadata,
+) -> torch.Tensor:  # [num_reqs, vocab_size] float32
+    """Mask every token outside its row's top-k, top-p and min-p sets to ``-inf``; one sort per row.
+
+    Applied in the order top-k, top-p, min-p (as SGLang):
+
+    - top-k keeps the tokens whose logit is >= the k-th largest, so ties with the k-th token
+      survive (as HF and vLLM); ``top_k == 0`` keeps everything.
+    - top-p, on the top-k distribution renormalized, keeps the smallest set of most likely
+      tokens whose mass is >= ``top_p``: a token is dropped when it and every less likely token
+      together hold at most ``1 - top_p``. The most likely token is always kept; ties at the
+      boundary are broken by sort order.
+    - min-p drops tokens with probability < ``min_p * max_prob``. It is a ratio test, so it gives
+      the same set before or after renormalization.
+    """
+    vocab_size = logits.shape[-1]
+    sorted_logits, sorted_ids = logits.sort(dim=-1)  # ascending: the most likely token is last
+    top_k = metadata.top_k
+    top_k = torch.where((top_k <= 0) | (top_k > vocab_size), vocab_size, top_k)
+    kth_largest = sorted_logits.gather(1, (vocab_size - top_k)[:, None])  # [num_reqs, 1]
+    sorted_logits = sorted_logits.masked_fill(sorted_logits < kth_largest, float("-inf"))
+
+    sorted_probs = sorted_logits.softmax(dim=-1)
+    tail_mass = sorted_probs.cumsum(dim=-1)  # mass of this token and every less likely one
+    drop = tail_mass <= (1.0 - metadata.top_p)[:, None]
+    drop |= sorted_probs < (metadata.min_p * sorted_probs[:, -1])[:, None]
+    drop[:, -1] = False
+    sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+    return torch.empty_like(logits).scatter_(1, sorted_ids, sorted_logits)

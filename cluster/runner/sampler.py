@@ -1,0 +1,242 @@
+"""The sampler: logits in, one token per request (and optionally logprobs) out.
+
+Pipeline per row: penalties -> banned ids -> temperature -> top-k -> top-p -> min-p -> softmax,
+then an exponential race. ``compute_probs`` and ``sample_from_probs`` are exposed separately
+because the speculative rejection sampler needs the distribution itself: it calls
+``compute_probs`` on target and draft logits and samples recovered and bonus tokens with
+``sample_from_probs``.
+
+Randomness: unseeded rows share one batched draw from the default generator of the device;
+a seeded row draws only from its own ``torch.Generator`` (one vocab-sized draw per step), so its
+tokens depend on its seed and its own history, never on its position or on the other rows.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import torch
+
+from cluster.engine.sampling_params import SamplingParams
+from cluster.runner.logits_processors import (
+    PenaltyState,
+    apply_banned_token_ids,
+    apply_penalties,
+    apply_temperature,
+    apply_top_k_top_p_min_p,
+)
+
+__all__ = [
+    "LogprobsTensors",
+    "PenaltyState",
+    "Sampler",
+    "SamplerOutput",
+    "SamplingMetadata",
+    "apply_penalties",
+    "compute_probs",
+    "gather_logprobs",
+    "sample_from_probs",
+]
+
+
+@dataclass(frozen=True)
+class SamplingMetadata:
+    """Per-step sampling state for the rows of a logits tensor (one row per request that samples).
+
+    Invariants (kept by ``build``): ``temperature`` is exactly 0 on greedy rows and > 0 elsewhere;
+    ``top_k`` is 0 when off or >= vocab_size; ``generators`` and the filter flags only concern
+    random rows; every banned id is in ``[0, vocab_size)``; tensors live on one device.
+    """
+
+    temperature: torch.Tensor  # [num_reqs] float32; 0 for greedy rows
+    top_p: torch.Tensor  # [num_reqs] float32
+    top_k: torch.Tensor  # [num_reqs] int64; 0 = off
+    min_p: torch.Tensor  # [num_reqs] float32
+    all_greedy: bool
+    all_random: bool
+    no_top_p_top_k_min_p: bool  # no random row uses top-p, top-k or min-p: skip the sort
+    generators: dict[int, torch.Generator]  # row -> per-request generator (seeded random rows)
+    penalties: PenaltyState | None  # None when no row has a penalty
+    banned_token_ids: dict[int, list[int]]  # row -> ids whose logits are set to -inf
+    max_num_logprobs: int | None  # None when no row asks for logprobs
+
+    @classmethod
+    def build(
+        cls,
+        params: Sequence[SamplingParams],
+        prompt_token_ids: Sequence[Sequence[int]],
+        output_token_ids: Sequence[Sequence[int]],
+        generators: Sequence[torch.Generator | None],
+        banned_token_ids: Sequence[Sequence[int]],
+        vocab_size: int,
+        device: torch.device,
+    ) -> SamplingMetadata:
+        """Gather one step's per-row settings into tensors on ``device``.
+
+        ``generators[i]`` is request i's own generator (on ``device``) when it has a seed; it is
+        kept across steps by the caller and advanced here. Banned ids outside the vocabulary
+        are dropped: such a token can never be sampled anyway.
+        """
+        num_reqs = len(params)
+        lengths = {len(prompt_token_ids), len(output_token_ids), len(generators), len(banned_token_ids)}
+        if lengths != {num_reqs}:
+            raise ValueError(
+                "params, prompt_token_ids, output_token_ids, generators and banned_token_ids must "
+                f"have one entry per request ({num_reqs}), got lengths {sorted(lengths)}"
+            )
+        greedy = [p.greedy for p in params]
+        top_k = [0 if p.top_k >= vocab_size else p.top_k for p in params]
+        filtered = [
+            not g and (p.top_p < 1.0 or k > 0 or p.min_p > 0.0) for p, g, k in zip(params, greedy, top_k)
+        ]
+        banned = {
+            row: valid
+            for row, ids in enumerate(banned_token_ids)
+            if (valid := sorted({t for t in ids if 0 <= t < vocab_size}))
+        }
+        num_logprobs = [p.logprobs for p in params if p.logprobs is not None]
+        needs_penalties = any(p.needs_penalties for p in params)
+
+        def per_row(values: list, dtype: torch.dtype) -> torch.Tensor:
+            return torch.tensor(values, dtype=dtype, device=device)
+
+        return cls(
+            temperature=per_row([0.0 if g else p.temperature for p, g in zip(params, greedy)], torch.float32),
+            top_p=per_row([p.top_p for p in params], torch.float32),
+            top_k=per_row(top_k, torch.int64),
+            min_p=per_row([p.min_p for p in params], torch.float32),
+            all_greedy=all(greedy),
+            all_random=not any(greedy),
+            no_top_p_top_k_min_p=not any(filtered),
+            generators={row: gen for row, gen in enumerate(generators) if gen is not None and not greedy[row]},
+            penalties=(
+                PenaltyState.build(params, prompt_token_ids, output_token_ids, vocab_size, device)
+                if needs_penalties
+                else None
+            ),
+            banned_token_ids=banned,
+            max_num_logprobs=max(num_logprobs) if num_logprobs else None,
+        )
+
+    @property
+    def greedy_mask(self) -> torch.Tensor:  # [num_reqs] bool
+        return self.temperature == 0
+
+
+class LogprobsTensors(NamedTuple):
+    """Raw logprobs (log_softmax of the model's logits before any processing).
+
+    The width is ``1 + min(max_num_logprobs, vocab_size)``; each request slices its own count.
+    """
+
+    token_ids: torch.Tensor  # [num_reqs, 1 + max_num_logprobs] int64: the sampled token, then the top ones
+    logprobs: torch.Tensor  # [num_reqs, 1 + max_num_logprobs] float32
+    sampled_rank: torch.Tensor  # [num_reqs] int64: 1 + number of tokens with a strictly greater logprob
+
+
+class SamplerOutput(NamedTuple):
+    sampled_token_ids: torch.Tensor  # [num_reqs] int64
+    logprobs: LogprobsTensors | None
+
+
+def _penalized_logits(
+    logits: torch.Tensor,  # [num_reqs, vocab_size] any float dtype
+    metadata: SamplingMetadata,
+) -> torch.Tensor:  # [num_reqs, vocab_size] float32
+    """The logits greedy rows take the argmax of: float32, penalties, banned ids."""
+    return apply_banned_token_ids(apply_penalties(logits.float(), metadata), metadata)
+
+
+def _one_hot(
+    token_ids: torch.Tensor,  # [num_reqs] int64
+    vocab_size: int,
+) -> torch.Tensor:  # [num_reqs, vocab_size] float32
+    out = torch.zeros(token_ids.shape[0], vocab_size, dtype=torch.float32, device=token_ids.device)
+    return out.scatter_(1, token_ids[:, None], 1.0)
+
+
+def compute_probs(
+    logits: torch.Tensor,  # [num_reqs, vocab_size] any float dtype
+    metadata: SamplingMetadata,
+) -> torch.Tensor:  # [num_reqs, vocab_size] float32
+    """The distribution each row samples from; a pure function of (logits, metadata).
+
+    Greedy rows get a one-hot of the argmax of their penalized logits (first index on ties),
+    so a greedy request's speculative tokens are accepted exactly when they match it.
+    """
+    logits = _penalized_logits(logits, metadata)
+    if metadata.all_greedy:
+        return _one_hot(logits.argmax(dim=-1), logits.shape[-1])
+    greedy_probs = None if metadata.all_random else _one_hot(logits.argmax(dim=-1), logits.shape[-1])
+    logits = apply_temperature(logits, metadata)
+    if not metadata.no_top_p_top_k_min_p:
+        logits = apply_top_k_top_p_min_p(logits, metadata)
+    probs = logits.softmax(dim=-1)
+    if greedy_probs is not None:
+        probs = torch.where(metadata.greedy_mask[:, None], greedy_probs, probs)
+    return probs
+
+
+def sample_from_probs(
+    probs: torch.Tensor,  # [num_reqs, vocab_size] float32
+    metadata: SamplingMetadata,
+) -> torch.Tensor:  # [num_reqs] int64
+    """Greedy rows: argmax. Random rows: the exponential race ``argmax(probs / Exponential(1))``.
+
+    The race picks token i with probability ``probs[i] / probs.sum()`` and never picks a token of
+    probability 0. Unseeded rows share one batched draw; each seeded row makes exactly one
+    vocab-sized draw from its own generator, which advances it.
+    """
+    greedy_ids = probs.argmax(dim=-1)
+    if metadata.all_greedy:
+        return greedy_ids
+    noise = torch.empty_like(probs)
+    if len(metadata.generators) < probs.shape[0]:
+        noise.exponential_()
+    for row, generator in metadata.generators.items():
+        noise[row].exponential_(generator=generator)
+    # exponential_ may return exactly 0; 0/0 would be NaN and win the argmax.
+    noise.clamp_(min=torch.finfo(noise.dtype).tiny)
+    random_ids = (probs / noise).argmax(dim=-1)
+    if metadata.all_random:
+        return random_ids
+    return torch.where(metadata.greedy_mask, greedy_ids, random_ids)
+
+
+def gather_logprobs(
+    raw_logprobs: torch.Tensor,  # [num_reqs, vocab_size] float32
+    sampled_token_ids: torch.Tensor,  # [num_reqs] int64
+    num_logprobs: int,
+) -> LogprobsTensors:
+    """The sampled token's logprob and rank, then the top ``num_logprobs`` in descending order."""
+    sampled = sampled_token_ids[:, None]  # [num_reqs, 1]
+    sampled_logprobs = raw_logprobs.gather(1, sampled)  # [num_reqs, 1]
+    sampled_rank = (raw_logprobs > sampled_logprobs).sum(dim=-1) + 1
+    top_logprobs, top_ids = raw_logprobs.topk(min(num_logprobs, raw_logprobs.shape[-1]), dim=-1)
+    return LogprobsTensors(
+        token_ids=torch.cat([sampled, top_ids], dim=1),
+        logprobs=torch.cat([sampled_logprobs, top_logprobs], dim=1),
+        sampled_rank=sampled_rank,
+    )
+
+
+class Sampler(torch.nn.Module):
+    """Samples one token per row; stateless apart from the generators in the metadata."""
+
+    def forward(
+        self,
+        logits: torch.Tensor,  # [num_reqs, vocab_size] any float dtype
+        metadata: SamplingMetadata,
+    ) -> SamplerOutput:
+        logits = logits.float()
+        raw_logprobs = None if metadata.max_num_logprobs is None else logits.log_softmax(dim=-1)
+        if metadata.all_greedy:
+            sampled = _penalized_logits(logits, metadata).argmax(dim=-1)
+        else:
+            sampled = sample_from_probs(compute_probs(logits, metadata), metadata)
+        logprobs = None
+        if raw_logprobs is not None:
+            logprobs = gather_logprobs(raw_logprobs, sampled, metadata.max_num_logprobs)
+        return SamplerOutput(sampled_token_ids=sampled, logprobs=logprobs)
