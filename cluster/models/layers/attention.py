@@ -49,8 +49,10 @@ class PagedAttention(torch.nn.Module):
         v_cache.index_copy_(0, meta.slot_mapping, v.view(num_tokens, self.num_kv_heads, self.head_dim))
 
         # [num_seqs, num_kv_heads, max_context_len, head_dim]
-        keys = k_cache[meta.context_slots].transpose(1, 2)
-        values = v_cache[meta.context_slots].transpose(1, 2)
+        gather_shape = (meta.num_seqs, -1, self.num_kv_heads, self.head_dim)
+        flat_slots = meta.context_slots.view(-1)
+        keys = k_cache.index_select(0, flat_slots).view(gather_shape).transpose(1, 2)
+        values = v_cache.index_select(0, flat_slots).view(gather_shape).transpose(1, 2)
 
         q = q.view(num_tokens, self.num_heads, self.head_dim)
         if meta.query_pad_index is None:  # every sequence has one query token

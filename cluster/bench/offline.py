@@ -1,0 +1,277 @@
+"""``tandem bench offline``: output tok/s of offline batch generation, Tandem next to transformers.
+
+Both systems get the same prompt token ids (the model's tokenizer applied once to
+:data:`PROMPTS`), generate exactly ``output_len`` greedy tokens per request (EOS
+ignored), and run on the same weights in the same process, one model at a time.
+Every (system, dtype, batch size) cell has one short untimed warm-up, then the best
+of ``repeats`` timed runs. The batch-1 rows are set against the memory-bandwidth
+bound: measured read bandwidth / bytes of weights read per token.
+
+Heavy imports (torch, transformers, rich) are inside functions: ``tandem`` builds
+this parser for every command.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+SYSTEMS = ("tandem", "transformers")
+DTYPES = ("float32", "bfloat16", "float16")
+WARMUP_LEN = 8
+BANDWIDTH_BYTES = 512 << 20
+
+PROMPTS = [
+    "Explain why the sky looks blue on a clear afternoon.",
+    "Write a short poem about a lighthouse keeper who spends the long winter alone, watching the grey sea.",
+    "What are three good habits for keeping a small vegetable garden healthy?",
+    "Describe how the gears on a bicycle help a rider climb a steep hill without getting too tired.",
+    "Give me a simple recipe for a warm tomato soup with basil.",
+    "Why do cats like to sleep in small cardboard boxes?",
+    "Summarize the main causes of the French Revolution in a few sentences, for a student who is new to history.",
+    "How does a refrigerator keep food cold without any ice inside it?",
+    "Tell a bedtime story about a brave little turtle who wants to fly over the mountains with the birds.",
+    "What is the difference between weather and climate?",
+    "List some tips for writing a clear and friendly email to a new colleague.",
+    "How do bees find their way back to the hive after collecting nectar from flowers that are far away?",
+    "Explain what a prime number is to a ten year old child.",
+    "Describe the smell of a forest right after a summer rainstorm.",
+    "What should I pack for a three day hiking trip in the mountains if the nights are cold and it might rain?",
+    "Why does bread rise when it is baked in a hot oven?",
+    "Write a friendly note thanking a neighbor for watering my plants.",
+    "How did people tell the time before mechanical clocks were invented, and how accurate were their methods?",
+    "Explain how a rainbow forms when sunlight passes through raindrops.",
+    "What are the rules of chess for moving a knight?",
+    "Describe a busy morning market in a small coastal town, with the fishermen, the bakers and the flower sellers.",
+    "Why is it important to drink enough water during a hot day?",
+    "Give three reasons why reading books can improve your vocabulary.",
+    "How does a compass needle always point toward the north, and what can make it point the wrong way?",
+    "Write the opening lines of a mystery novel set on an old train.",
+    "What makes the ocean taste salty while most rivers taste fresh?",
+    "Explain how plants turn sunlight, air and water into their food, and why they need all three of them.",
+    "Describe the life cycle of a butterfly from egg to adult.",
+    "What are some fun games to play with friends on a rainy day?",
+    "How do airplanes stay in the air even though they are so heavy?",
+    "Suggest a calm routine for the last hour before going to sleep on a night before an important exam.",
+    "Why do leaves change color and fall from the trees in autumn?",
+]
+
+
+@dataclass(frozen=True)
+class Cell:
+    """One measured (system, dtype, batch size): the best of the timed runs."""
+
+    system: str
+    dtype: str
+    batch_size: int
+    output_len: int
+    output_tokens: int
+    seconds: float
+    tok_per_s: float
+
+
+def _csv(allowed: tuple[str, ...] | None = None):
+    def parse(text: str) -> list:
+        items = [s.strip() for s in text.split(",") if s.strip()]
+        if allowed is None:
+            if not items or not all(s.isdigit() and int(s) > 0 for s in items):
+                raise argparse.ArgumentTypeError(f"expected positive integers like 1,8,32, got {text!r}")
+            return [int(s) for s in items]
+        bad = [s for s in items if s not in allowed]
+        if not items or bad:
+            raise argparse.ArgumentTypeError(f"got {text!r}; allowed: a comma list of {', '.join(allowed)}")
+        return items
+    return parse
+
+
+def add_offline_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default="smollm2-135m-instruct", help="short name, HF folder or .gguf file")
+    parser.add_argument("--batch-sizes", type=_csv(), default=[1, 8, 32], help="comma list (default 1,8,32)")
+    parser.add_argument("--output-len", type=int, default=128, help="output tokens per request (EOS ignored)")
+    parser.add_argument("--dtypes", type=_csv(DTYPES), default=["float32", "bfloat16"])
+    parser.add_argument("--systems", type=_csv(SYSTEMS), default=list(SYSTEMS))
+    parser.add_argument("--repeats", type=int, default=1, help="timed runs per cell; the best is reported")
+    parser.add_argument("--threads", type=int, help="torch.set_num_threads (default: torch's choice)")
+    parser.add_argument("--kv-cache-memory", default="1GiB", help="Tandem's KV cache budget")
+    parser.add_argument("--json", type=Path, help="write the results here")
+
+
+class _TandemRunner:
+    def __init__(self, model: str, dtype: str, max_num_seqs: int, kv_cache_memory: str) -> None:
+        from cluster.engine.llm import LLM
+
+        self.llm = LLM(model, dtype=dtype, device="cpu", max_num_seqs=max_num_seqs,
+                       kv_cache_memory=kv_cache_memory)
+
+    def generate(self, prompt_ids: list[list[int]], output_len: int) -> int:
+        """Greedy, EOS ignored; returns the number of output tokens produced."""
+        from cluster.engine.sampling_params import SamplingParams
+
+        params = SamplingParams(max_tokens=output_len, temperature=0, ignore_eos=True)
+        return sum(len(out.outputs[0].token_ids) for out in self.llm.generate(prompt_ids, params))
+
+
+class _TransformersRunner:
+    def __init__(self, path: Path, dtype: str, tokenizer) -> None:
+        import torch
+        from transformers import AutoModelForCausalLM
+
+        self.model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype)).eval()
+        self.tokenizer = tokenizer
+
+    def generate(self, prompt_ids: list[list[int]], output_len: int) -> int:
+        import torch
+
+        batch = self.tokenizer.pad({"input_ids": prompt_ids}, padding=True, return_tensors="pt")
+        with torch.inference_mode():
+            out = self.model.generate(
+                **batch, max_new_tokens=output_len, min_new_tokens=output_len, do_sample=False,
+                pad_token_id=self.tokenizer.pad_token_id,
+            )
+        return out.shape[0] * (out.shape[1] - batch["input_ids"].shape[1])
+
+
+def measure_read_bandwidth(repeats: int = 5) -> float:
+    """GB/s of ``tensor.sum()`` over a 512 MiB float32 tensor, best of ``repeats``."""
+    import torch
+
+    x = torch.ones(BANDWIDTH_BYTES // 4, dtype=torch.float32)
+    x.sum()
+    best = min(_timed(x.sum)[1] for _ in range(repeats))
+    del x
+    return BANDWIDTH_BYTES / best / 1e9
+
+
+def params_read_per_token(source) -> int:
+    """Parameters read to decode one token: all stored weights (a tied head counts once),
+    less the input embedding of an untied model (only one row of it is read)."""
+    from cluster.models.loader import iter_weights, load_hf_config
+
+    num_params = sum(t.numel() for _, t in iter_weights(source))
+    config = load_hf_config(source)
+    if not getattr(config, "tie_word_embeddings", True):
+        num_params -= config.vocab_size * config.hidden_size
+    return num_params
+
+
+def _timed(fn, *args):
+    start = time.perf_counter()
+    result = fn(*args)
+    return result, time.perf_counter() - start
+
+
+def _measure(runner, system: str, dtype: str, prompt_ids: list[list[int]], output_len: int, repeats: int) -> Cell:
+    batch_size = len(prompt_ids)
+    runner.generate(prompt_ids, min(WARMUP_LEN, output_len))
+    runs = [_timed(runner.generate, prompt_ids, output_len) for _ in range(repeats)]
+    output_tokens, seconds = min(runs, key=lambda run: run[1])
+    if output_tokens != batch_size * output_len:
+        raise RuntimeError(f"{system} produced {output_tokens} tokens, expected {batch_size} x {output_len}")
+    return Cell(system, dtype, batch_size, output_len, output_tokens, seconds, output_tokens / seconds)
+
+
+def run_offline_bench(args: argparse.Namespace) -> dict:
+    """Measure every cell, print the table, write ``args.json`` if set; returns the JSON dict."""
+    import torch
+    from rich.console import Console
+    from rich.progress import Progress
+
+    from cluster.models.loader import load_tokenizer, resolve_model
+
+    if args.output_len < 1 or args.repeats < 1 or (args.threads is not None and args.threads < 1):
+        raise ValueError("--output-len, --repeats and --threads must be integers >= 1")
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    source = resolve_model(args.model)
+    tokenizer = load_tokenizer(source)
+    tokenizer.padding_side = "left"
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    prompt_ids = tokenizer(PROMPTS)["input_ids"]
+    bandwidth = measure_read_bandwidth()
+    num_params = params_read_per_token(source)
+
+    cells: list[Cell] = []
+    console = Console()
+    with Progress(console=console) as progress:
+        task = progress.add_task("cells", total=len(args.dtypes) * len(args.systems) * len(args.batch_sizes))
+        for dtype in args.dtypes:
+            for system in args.systems:
+                progress.update(task, description=f"loading {system} {dtype}")
+                runner = (_TandemRunner(args.model, dtype, max(args.batch_sizes), args.kv_cache_memory)
+                          if system == "tandem" else _TransformersRunner(source.path, dtype, tokenizer))
+                for batch_size in args.batch_sizes:
+                    progress.update(task, description=f"{system} {dtype} batch {batch_size}")
+                    batch = [prompt_ids[i % len(prompt_ids)] for i in range(batch_size)]
+                    cells.append(_measure(runner, system, dtype, batch, args.output_len, args.repeats))
+                    progress.advance(task)
+                del runner
+                gc.collect()
+
+    result = _report(args, source, cells, bandwidth, num_params, prompt_ids)
+    _print_table(console, result)
+    if args.json:
+        args.json.write_text(json.dumps(result, indent=2) + "\n")
+    return result
+
+
+def _report(args, source, cells: list[Cell], bandwidth: float, num_params: int, prompt_ids) -> dict:
+    import torch
+
+    rate = {(c.system, c.dtype, c.batch_size): c.tok_per_s for c in cells}
+    ratios = [
+        {"dtype": d, "batch_size": b, "tandem_over_transformers": rate[("tandem", d, b)] / rate[("transformers", d, b)]}
+        for d in args.dtypes for b in args.batch_sizes
+        if ("tandem", d, b) in rate and ("transformers", d, b) in rate
+    ]
+    bounds = []
+    for d in args.dtypes:
+        bytes_per_token = num_params * getattr(torch, d).itemsize
+        bound = bandwidth * 1e9 / bytes_per_token
+        entry = {"dtype": d, "bytes_per_token": bytes_per_token, "bound_tok_per_s": bound}
+        for s in args.systems:
+            if (s, d, 1) in rate:
+                entry[f"{s}_batch1_fraction"] = rate[(s, d, 1)] / bound
+        bounds.append(entry)
+    return {
+        "machine": {"cpu_count": os.cpu_count(), "torch_version": torch.__version__,
+                    "threads": torch.get_num_threads(), "read_bandwidth_gb_s": bandwidth},
+        "settings": {"model": args.model, "model_path": str(source.path), "systems": args.systems,
+                     "dtypes": args.dtypes, "batch_sizes": args.batch_sizes, "output_len": args.output_len,
+                     "repeats": args.repeats, "warmup_len": WARMUP_LEN, "num_params_per_token": num_params,
+                     "prompt_lens": [len(p) for p in prompt_ids]},
+        "cells": [asdict(c) for c in cells],
+        "ratios": ratios,
+        "bandwidth_bound": bounds,
+    }
+
+
+def _print_table(console, result: dict) -> None:
+    from rich.table import Table
+
+    def fmt(value: float | None, spec: str) -> str:
+        return "-" if value is None else format(value, spec)
+
+    rate = {(c["system"], c["dtype"], c["batch_size"]): c["tok_per_s"] for c in result["cells"]}
+    ratio = {(r["dtype"], r["batch_size"]): r["tandem_over_transformers"] for r in result["ratios"]}
+    bound = {b["dtype"]: b for b in result["bandwidth_bound"]}
+    machine, settings = result["machine"], result["settings"]
+    table = Table(title=f"offline output tok/s: {settings['model']}, {settings['output_len']} tokens/request, "
+                        f"{machine['threads']} threads, read bandwidth {machine['read_bandwidth_gb_s']:.1f} GB/s")
+    for header in ("dtype", "batch", "Tandem tok/s", "transformers tok/s", "Tandem/transformers",
+                   "bound tok/s", "Tandem/bound", "transformers/bound"):
+        table.add_column(header, justify="left" if header == "dtype" else "right")
+    for d in settings["dtypes"]:
+        for b in settings["batch_sizes"]:
+            at_1 = bound[d] if b == 1 else {}
+            table.add_row(
+                d, str(b), fmt(rate.get(("tandem", d, b)), ".1f"), fmt(rate.get(("transformers", d, b)), ".1f"),
+                fmt(ratio.get((d, b)), ".2f"), fmt(at_1.get("bound_tok_per_s"), ".0f"),
+                fmt(at_1.get("tandem_batch1_fraction"), ".0%"), fmt(at_1.get("transformers_batch1_fraction"), ".0%"),
+            )
+    console.print(table)

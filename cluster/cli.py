@@ -1,0 +1,94 @@
+"""The ``tandem`` command.
+
+    tandem generate "prompt" [--chat] [--config configs/local.yaml] [--max-tokens N] ...
+    tandem bench offline [--json PATH] ...
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+from cluster.config import ConfigError, TandemConfig, load_config, with_overrides
+
+
+def _engine_config(args: argparse.Namespace) -> TandemConfig:
+    config = load_config(args.config) if args.config else TandemConfig()
+    overrides = {k: v for k, v in (("model", args.model), ("dtype", args.dtype), ("device", args.device))
+                 if v is not None}
+    return with_overrides(config, **overrides)
+
+
+def _add_engine_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--config", help="YAML settings file (e.g. configs/local.yaml)")
+    parser.add_argument("--model", help="short name, Hugging Face folder or .gguf file")
+    parser.add_argument("--dtype", choices=["float32", "bfloat16", "float16", "auto"])
+    parser.add_argument("--device", help="auto, cpu, cuda or cuda:N")
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from cluster.engine.llm import LLM, apply_chat_template
+    from cluster.engine.sampling_params import SamplingParams
+
+    llm = LLM(config=_engine_config(args))
+    prompt = args.prompt
+    if args.chat:
+        prompt = apply_chat_template(llm.tokenizer, [{"role": "user", "content": prompt}])
+    params = SamplingParams(
+        max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, seed=args.seed
+    )
+    request_id = llm.engine.add_request(prompt, params)
+    while llm.engine.has_unfinished():
+        for out in llm.engine.step():
+            if out.request_id == request_id:
+                sys.stdout.write(out.outputs[0].delta_text)
+                sys.stdout.flush()
+    sys.stdout.write("\n")
+    return 0
+
+
+def cmd_bench_offline(args: argparse.Namespace) -> int:
+    from cluster.bench.offline import run_offline_bench
+
+    run_offline_bench(args)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="tandem", description="Tandem: speculative decoding LLM serving")
+    parser.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    gen = sub.add_parser("generate", help="complete one prompt on the local engine")
+    gen.add_argument("prompt")
+    gen.add_argument("--chat", action="store_true", help="apply the model's chat template")
+    gen.add_argument("--max-tokens", type=int, default=128)
+    gen.add_argument("--temperature", type=float, default=0.0)
+    gen.add_argument("--top-p", type=float, default=1.0)
+    gen.add_argument("--seed", type=int)
+    _add_engine_args(gen)
+    gen.set_defaults(func=cmd_generate)
+
+    bench = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="bench", required=True)
+    offline = bench.add_parser("offline", help="output tok/s at several batch sizes, Tandem vs transformers")
+    from cluster.bench.offline import add_offline_args
+
+    add_offline_args(offline)
+    offline.set_defaults(func=cmd_bench_offline)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
+                        format="%(levelname)s %(name)s: %(message)s")
+    try:
+        return args.func(args)
+    except (ConfigError, ValueError) as err:
+        print(f"tandem: error: {err}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
