@@ -5,10 +5,8 @@ Both systems get the same prompt token ids (the model's tokenizer applied once t
 ignored), and run on the same weights in the same process, one model at a time.
 Every (system, dtype, batch size) cell has one short untimed warm-up, then the best
 of ``repeats`` timed runs. The batch-1 rows are set against the memory-bandwidth
-bound: measured read bandwidth / bytes of weights read per token.
-
-Heavy imports (torch, transformers, rich) are inside functions: ``tandem`` builds
-this parser for every command.
+bound: measured read bandwidth / bytes of weights read per token. Heavy imports
+are inside functions: ``tandem`` builds this parser for every command.
 """
 
 from __future__ import annotations
@@ -75,28 +73,33 @@ class Cell:
     tok_per_s: float
 
 
-def _csv(allowed: tuple[str, ...] | None = None):
-    def parse(text: str) -> list:
-        items = [s.strip() for s in text.split(",") if s.strip()]
-        if allowed is None:
-            if not items or not all(s.isdigit() and int(s) > 0 for s in items):
-                raise argparse.ArgumentTypeError(f"expected positive integers like 1,8,32, got {text!r}")
-            return [int(s) for s in items]
-        bad = [s for s in items if s not in allowed]
-        if not items or bad:
+def _positive_int(text: str) -> int:
+    if not text.strip().isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}")
+    return int(text)
+
+
+def _int_list(text: str) -> list[int]:
+    return [_positive_int(s) for s in text.split(",")]
+
+
+def _name_list(allowed: tuple[str, ...]):
+    def parse(text: str) -> list[str]:
+        names = [s.strip() for s in text.split(",")]
+        if not all(n in allowed for n in names):
             raise argparse.ArgumentTypeError(f"got {text!r}; allowed: a comma list of {', '.join(allowed)}")
-        return items
+        return names
     return parse
 
 
 def add_offline_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default="smollm2-135m-instruct", help="short name, HF folder or .gguf file")
-    parser.add_argument("--batch-sizes", type=_csv(), default=[1, 8, 32], help="comma list (default 1,8,32)")
-    parser.add_argument("--output-len", type=int, default=128, help="output tokens per request (EOS ignored)")
-    parser.add_argument("--dtypes", type=_csv(DTYPES), default=["float32", "bfloat16"])
-    parser.add_argument("--systems", type=_csv(SYSTEMS), default=list(SYSTEMS))
-    parser.add_argument("--repeats", type=int, default=1, help="timed runs per cell; the best is reported")
-    parser.add_argument("--threads", type=int, help="torch.set_num_threads (default: torch's choice)")
+    parser.add_argument("--batch-sizes", type=_int_list, default=[1, 8, 32], help="comma list (default 1,8,32)")
+    parser.add_argument("--output-len", type=_positive_int, default=128, help="output tokens per request (EOS ignored)")
+    parser.add_argument("--dtypes", type=_name_list(DTYPES), default=["float32", "bfloat16"])
+    parser.add_argument("--systems", type=_name_list(SYSTEMS), default=list(SYSTEMS))
+    parser.add_argument("--repeats", type=_positive_int, default=1, help="timed runs per cell; the best is reported")
+    parser.add_argument("--threads", type=_positive_int, help="torch.set_num_threads (default: torch's choice)")
     parser.add_argument("--kv-cache-memory", default="1GiB", help="Tandem's KV cache budget")
     parser.add_argument("--json", type=Path, help="write the results here")
 
@@ -120,7 +123,9 @@ class _TransformersRunner:
     def __init__(self, path: Path, dtype: str, tokenizer) -> None:
         import torch
         from transformers import AutoModelForCausalLM
+        from transformers.utils import logging as hf_logging
 
+        hf_logging.disable_progress_bar()  # its tqdm bars would tear through the rich progress bar
         self.model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype)).eval()
         self.tokenizer = tokenizer
 
@@ -183,8 +188,6 @@ def run_offline_bench(args: argparse.Namespace) -> dict:
 
     from cluster.models.loader import load_tokenizer, resolve_model
 
-    if args.output_len < 1 or args.repeats < 1 or (args.threads is not None and args.threads < 1):
-        raise ValueError("--output-len, --repeats and --threads must be integers >= 1")
     if args.threads:
         torch.set_num_threads(args.threads)
     source = resolve_model(args.model)
@@ -203,7 +206,7 @@ def run_offline_bench(args: argparse.Namespace) -> dict:
         for dtype in args.dtypes:
             for system in args.systems:
                 progress.update(task, description=f"loading {system} {dtype}")
-                runner = (_TandemRunner(args.model, dtype, max(args.batch_sizes), args.kv_cache_memory)
+                runner = (_TandemRunner(str(source.path), dtype, max(args.batch_sizes), args.kv_cache_memory)
                           if system == "tandem" else _TransformersRunner(source.path, dtype, tokenizer))
                 for batch_size in args.batch_sizes:
                     progress.update(task, description=f"{system} {dtype} batch {batch_size}")
@@ -252,6 +255,7 @@ def _report(args, source, cells: list[Cell], bandwidth: float, num_params: int, 
 
 
 def _print_table(console, result: dict) -> None:
+    from rich import box
     from rich.table import Table
 
     def fmt(value: float | None, spec: str) -> str:
@@ -261,10 +265,13 @@ def _print_table(console, result: dict) -> None:
     ratio = {(r["dtype"], r["batch_size"]): r["tandem_over_transformers"] for r in result["ratios"]}
     bound = {b["dtype"]: b for b in result["bandwidth_bound"]}
     machine, settings = result["machine"], result["settings"]
-    table = Table(title=f"offline output tok/s: {settings['model']}, {settings['output_len']} tokens/request, "
-                        f"{machine['threads']} threads, read bandwidth {machine['read_bandwidth_gb_s']:.1f} GB/s")
-    for header in ("dtype", "batch", "Tandem tok/s", "transformers tok/s", "Tandem/transformers",
-                   "bound tok/s", "Tandem/bound", "transformers/bound"):
+    table = Table(
+        title=f"output tok/s, {Path(settings['model']).name}, {settings['output_len']} tokens per request",
+        caption=f"bound: batch-1 tok/s at the read bandwidth ({machine['read_bandwidth_gb_s']:.1f} GB/s "
+                f"measured, {machine['threads']} threads); HF = transformers",
+        box=box.SIMPLE_HEAD, show_edge=False,
+    )
+    for header in ("dtype", "batch", "Tandem", "HF", "Tandem/HF", "bound", "Tandem/bound", "HF/bound"):
         table.add_column(header, justify="left" if header == "dtype" else "right")
     for d in settings["dtypes"]:
         for b in settings["batch_sizes"]:

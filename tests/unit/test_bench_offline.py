@@ -1,0 +1,55 @@
+"""``tandem bench offline`` end to end on a tiny random Llama (no download, no timing assertions)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from cluster.cli import main
+from cluster.models.tiny import save_tiny_model, save_tiny_tokenizer, tiny_llama_config
+
+
+@pytest.fixture(scope="module")
+def tiny_folder(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("tiny-llama")
+    save_tiny_model(tiny_llama_config(), folder)
+    save_tiny_tokenizer(folder)
+    return folder
+
+
+def test_both_systems_every_cell(tiny_folder, tmp_path):
+    out = tmp_path / "b.json"
+    code = main(["bench", "offline", "--model", str(tiny_folder), "--batch-sizes", "1,2", "--output-len", "4",
+                 "--dtypes", "float32", "--kv-cache-memory", "16MiB", "--json", str(out)])
+    assert code == 0
+    result = json.loads(out.read_text())
+    cells = {(c["system"], c["batch_size"]): c for c in result["cells"]}
+    assert set(cells) == {(s, b) for s in ("tandem", "transformers") for b in (1, 2)}
+    for (_, batch_size), cell in cells.items():
+        assert cell["dtype"] == "float32" and cell["output_len"] == 4
+        assert cell["output_tokens"] == batch_size * 4
+        assert cell["seconds"] > 0 and cell["tok_per_s"] > 0
+    assert [(r["dtype"], r["batch_size"]) for r in result["ratios"]] == [("float32", 1), ("float32", 2)]
+    assert all(r["tandem_over_transformers"] > 0 for r in result["ratios"])
+    assert result["machine"]["read_bandwidth_gb_s"] > 0 and result["machine"]["threads"] >= 1
+    (bound,) = result["bandwidth_bound"]
+    assert bound["bytes_per_token"] == result["settings"]["num_params_per_token"] * 4
+    assert bound["tandem_batch1_fraction"] > 0 and bound["transformers_batch1_fraction"] > 0
+
+
+def test_one_system_only(tiny_folder, tmp_path):
+    out = tmp_path / "b.json"
+    main(["bench", "offline", "--model", str(tiny_folder), "--batch-sizes", "3", "--output-len", "2",
+          "--dtypes", "float32", "--systems", "transformers", "--json", str(out)])
+    result = json.loads(out.read_text())
+    assert [(c["system"], c["output_tokens"]) for c in result["cells"]] == [("transformers", 6)]
+    assert result["ratios"] == []
+
+
+@pytest.mark.parametrize("flag,value", [("--batch-sizes", "1,x"), ("--dtypes", "int4"), ("--systems", "vllm")])
+def test_bad_lists_are_rejected(flag, value, capsys):
+    with pytest.raises(SystemExit):
+        main(["bench", "offline", flag, value])
+    err = capsys.readouterr().err
+    assert f"argument {flag}" in err and value in err
