@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 
 class ConfigError(ValueError):
@@ -41,6 +41,13 @@ class CacheConfig(_Strict):
         0.3, gt=0, le=0.95, description="share of free device memory when kv_cache_memory is unset"
     )
     num_blocks: int | None = Field(None, ge=1, description="exact pool size; overrides both")
+
+    @field_validator("kv_cache_memory")
+    @classmethod
+    def _check_size(cls, value):
+        if value is not None:
+            parse_size(value)
+        return value
 
     def memory_bytes(self) -> int | None:
         return parse_size(self.kv_cache_memory) if self.kv_cache_memory is not None else None
@@ -92,9 +99,13 @@ def parse_size(value: str | int) -> int:
     text = value.strip().upper().replace(" ", "")
     number = text.rstrip("KMGIB")
     unit = text[len(number):]
-    if unit not in _UNITS or not number:
+    try:
+        size = int(float(number) * _UNITS[unit])
+    except (KeyError, ValueError):
+        size = 0
+    if size <= 0:
         raise ConfigError(f"cannot read memory size {value!r}; use e.g. 536870912, '512MiB' or '2GiB'")
-    return int(float(number) * _UNITS[unit])
+    return size
 
 
 def _format_errors(err: ValidationError, source: str) -> str:

@@ -80,7 +80,9 @@ def _positive_int(text: str) -> int:
 
 
 def _int_list(text: str) -> list[int]:
-    return [_positive_int(s) for s in text.split(",")]
+    if not all(s.strip().isdigit() and int(s) > 0 for s in text.split(",")):
+        raise argparse.ArgumentTypeError(f"expected positive integers like 1,8,32, got {text!r}")
+    return [int(s) for s in text.split(",")]
 
 
 def _name_list(allowed: tuple[str, ...]):
@@ -227,11 +229,9 @@ def _report(args, source, cells: list[Cell], bandwidth: float, num_params: int, 
     import torch
 
     rate = {(c.system, c.dtype, c.batch_size): c.tok_per_s for c in cells}
-    ratios = [
-        {"dtype": d, "batch_size": b, "tandem_over_transformers": rate[("tandem", d, b)] / rate[("transformers", d, b)]}
-        for d in args.dtypes for b in args.batch_sizes
-        if ("tandem", d, b) in rate and ("transformers", d, b) in rate
-    ]
+    ratios = [{"dtype": d, "batch_size": b, "tandem_over_transformers": rate[t] / rate[h]}
+              for d in args.dtypes for b in args.batch_sizes
+              for t, h in [(("tandem", d, b), ("transformers", d, b))] if t in rate and h in rate]
     bounds = []
     for d in args.dtypes:
         bytes_per_token = num_params * getattr(torch, d).itemsize

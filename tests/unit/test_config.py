@@ -1,0 +1,54 @@
+from pathlib import Path
+
+import pytest
+
+from cluster.config import ConfigError, TandemConfig, load_config, parse_size, with_overrides
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_local_yaml_loads():
+    config = load_config(ROOT / "configs" / "local.yaml")
+    assert config.model.model == "smollm2-135m-instruct"
+    assert config.cache.block_size == 16
+
+
+def test_unknown_key_is_named(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("scheduler:\n  max_num_seqs: 4\n  max_num_seqz: 8\n")
+    with pytest.raises(ConfigError, match="scheduler.max_num_seqz"):
+        load_config(path)
+
+
+def test_wrong_type_is_named(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("cache:\n  block_size: sixteen\n")
+    with pytest.raises(ConfigError, match="cache.block_size"):
+        load_config(path)
+
+
+def test_unknown_section_and_bad_yaml(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("modle:\n  dtype: float32\n")
+    with pytest.raises(ConfigError, match="modle"):
+        load_config(path)
+    path.write_text("model: [unclosed\n")
+    with pytest.raises(ConfigError, match="YAML"):
+        load_config(path)
+
+
+def test_overrides_route_to_sections():
+    config = with_overrides(TandemConfig(), dtype="bfloat16", max_num_seqs=3, block_size=8)
+    assert (config.model.dtype, config.scheduler.max_num_seqs, config.cache.block_size) == ("bfloat16", 3, 8)
+    with pytest.raises(ConfigError, match="unknown setting 'max_seqs'"):
+        with_overrides(TandemConfig(), max_seqs=3)
+    with pytest.raises(ConfigError, match="dtype"):
+        with_overrides(TandemConfig(), dtype="int3")
+
+
+def test_sizes():
+    assert parse_size("512MiB") == 512 * 2**20
+    assert parse_size("2GB") == 2 * 10**9
+    assert parse_size(1024) == 1024
+    with pytest.raises(ConfigError):
+        parse_size("lots")
