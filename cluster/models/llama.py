@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from cluster.models.layers.attention import AttentionMetadata, PagedAttention
-from cluster.models.layers.rotary import RotaryEmbedding
+from cluster.models.layers.rotary import RotaryEmbedding, apply_rotary
 from cluster.models.layers.weights import load_named_weights
 
 
@@ -34,7 +34,7 @@ class RMSNorm(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config, rotary: RotaryEmbedding) -> None:
+    def __init__(self, config) -> None:
         super().__init__()
         hidden = config.hidden_size
         self.num_heads = config.num_attention_heads
@@ -51,22 +51,25 @@ class LlamaDecoderLayer(nn.Module):
         self.down_proj = nn.Linear(config.intermediate_size, hidden, bias=mlp_bias)
         self.input_layernorm = RMSNorm(hidden, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(hidden, config.rms_norm_eps)
-        self.rotary = rotary
         self.attn = PagedAttention(self.num_heads, self.num_kv_heads, self.head_dim, self.head_dim**-0.5)
         if config.hidden_act != "silu":
             raise ValueError(f"Llama-family hidden_act {config.hidden_act!r} is not supported (silu is)")
 
     def forward(
         self,
-        positions: torch.Tensor,  # [num_tokens]
+        rope: tuple[torch.Tensor, torch.Tensor],  # cos, sin_signed: [num_tokens, 1, head_dim] each
         hidden: torch.Tensor,  # [num_tokens, hidden_size]
         kv_cache: torch.Tensor,  # [2, num_slots, num_kv_heads, head_dim]
         meta: AttentionMetadata,
     ) -> torch.Tensor:
         residual = hidden
+        num_tokens = hidden.shape[0]
         qkv = self.qkv_proj(self.input_layernorm(hidden))
-        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q, k = self.rotary(positions, q, k)
+        # Rotate Q and K heads together: [num_tokens, num_heads + num_kv_heads, head_dim]
+        qk = apply_rotary(qkv[:, : self.q_size + self.kv_size].view(num_tokens, -1, self.head_dim), *rope)
+        q = qk[:, : self.num_heads].reshape(num_tokens, self.q_size)
+        k = qk[:, self.num_heads :].reshape(num_tokens, self.kv_size)
+        v = qkv[:, self.q_size + self.kv_size :]
         hidden = residual + self.o_proj(self.attn(q, k, v, kv_cache, meta))
         residual = hidden
         gate, up = self.gate_up_proj(self.post_attention_layernorm(hidden)).chunk(2, dim=-1)
@@ -80,7 +83,7 @@ class LlamaForCausalLM(nn.Module):
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         self.rotary = RotaryEmbedding(config, head_dim, max_position)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(config, self.rotary) for _ in range(config.num_hidden_layers))
+        self.layers = nn.ModuleList(LlamaDecoderLayer(config) for _ in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
@@ -99,8 +102,9 @@ class LlamaForCausalLM(nn.Module):
         meta: AttentionMetadata,
     ) -> torch.Tensor:  # [num_tokens, hidden_size]
         hidden = self.embed_tokens(input_ids)
+        rope = self.rotary(positions, hidden.dtype)
         for i, layer in enumerate(self.layers):
-            hidden = layer(positions, hidden, kv_caches[i], meta)
+            hidden = layer(rope, hidden, kv_caches[i], meta)
         return self.norm(hidden)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [n, hidden] -> [n, vocab]

@@ -48,30 +48,44 @@ class PagedAttention(torch.nn.Module):
         k_cache.index_copy_(0, meta.slot_mapping, k.view(num_tokens, self.num_kv_heads, self.head_dim))
         v_cache.index_copy_(0, meta.slot_mapping, v.view(num_tokens, self.num_kv_heads, self.head_dim))
 
-        # [num_seqs, num_kv_heads, max_context_len, head_dim]
         gather_shape = (meta.num_seqs, -1, self.num_kv_heads, self.head_dim)
         flat_slots = meta.context_slots.view(-1)
-        keys = k_cache.index_select(0, flat_slots).view(gather_shape).transpose(1, 2)
-        values = v_cache.index_select(0, flat_slots).view(gather_shape).transpose(1, 2)
+        keys = k_cache.index_select(0, flat_slots).view(gather_shape)  # [num_seqs, ctx, num_kv_heads, head_dim]
+        values = v_cache.index_select(0, flat_slots).view(gather_shape)
+        if meta.query_pad_index is None:
+            return self._decode(q, keys, values, meta)
 
         q = q.view(num_tokens, self.num_heads, self.head_dim)
-        if meta.query_pad_index is None:  # every sequence has one query token
-            queries = q.unsqueeze(2)  # [num_seqs, num_heads, 1, head_dim]
-        else:
-            padded = q.new_zeros(meta.num_seqs * meta.max_query_len, self.num_heads, self.head_dim)
-            padded.index_copy_(0, meta.query_pad_index, q)
-            queries = padded.view(meta.num_seqs, meta.max_query_len, self.num_heads, self.head_dim)
-            queries = queries.transpose(1, 2)
-
+        padded = q.new_zeros(meta.num_seqs * meta.max_query_len, self.num_heads, self.head_dim)
+        padded.index_copy_(0, meta.query_pad_index, q)
+        queries = padded.view(meta.num_seqs, meta.max_query_len, self.num_heads, self.head_dim)
         out = F.scaled_dot_product_attention(
-            queries,
-            keys,
-            values,
+            queries.transpose(1, 2),
+            keys.transpose(1, 2),
+            values.transpose(1, 2),
             attn_mask=meta.attn_mask,
             scale=self.scale,
             enable_gqa=self.num_heads != self.num_kv_heads,
         )  # [num_seqs, num_heads, max_query_len, head_dim]
         out = out.transpose(1, 2).reshape(-1, self.num_heads * self.head_dim)
-        if meta.query_pad_index is not None:
-            out = out.index_select(0, meta.query_pad_index)
-        return out
+        return out.index_select(0, meta.query_pad_index)
+
+    def _decode(
+        self,
+        q: torch.Tensor,  # [num_seqs, num_heads * head_dim]
+        keys: torch.Tensor,  # [num_seqs, ctx, num_kv_heads, head_dim]
+        values: torch.Tensor,  # [num_seqs, ctx, num_kv_heads, head_dim]
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:  # [num_seqs, num_heads * head_dim]
+        """One query per sequence: two batched matmuls, the query heads of a KV head grouped
+        together (GQA without repeating K/V); softmax in float32."""
+        num_seqs = q.shape[0]
+        group = self.num_heads // self.num_kv_heads
+        queries = q.view(num_seqs, self.num_kv_heads, group, self.head_dim)
+        scores = torch.matmul(queries, keys.permute(0, 2, 3, 1))  # [num_seqs, num_kv_heads, group, ctx]
+        scores = scores.float() * self.scale
+        if meta.attn_mask is not None:  # [num_seqs, 1, 1, ctx]
+            scores = scores.masked_fill(~meta.attn_mask, float("-inf"))
+        probs = torch.softmax(scores, dim=-1).to(values.dtype)
+        out = torch.matmul(probs, values.transpose(1, 2))  # [num_seqs, num_kv_heads, group, head_dim]
+        return out.reshape(num_seqs, self.num_heads * self.head_dim)

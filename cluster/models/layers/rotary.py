@@ -2,7 +2,8 @@
 
 Frequencies come from ``transformers``' own RoPE initialisers, so every scaling type a
 Hugging Face config can name (linear, llama3, yarn, longrope, ...) is computed the way
-the reference computes it. Rotation is the "rotate half" layout HF Llama weights use.
+the reference computes it. Rotation is the "rotate half" layout HF Llama weights use;
+cos/sin are looked up once per step and shared by every layer.
 """
 
 from __future__ import annotations
@@ -33,22 +34,24 @@ class RotaryEmbedding(torch.nn.Module):
         freqs = torch.outer(positions, inv_freq.float())  # [max_position, head_dim / 2]
         emb = torch.cat([freqs, freqs], dim=-1)
         self.register_buffer("cos", emb.cos() * scaling, persistent=False)  # [max_position, head_dim]
-        self.register_buffer("sin", emb.sin() * scaling, persistent=False)
+        sin = emb.sin() * scaling
+        half = head_dim // 2
+        # rotate_half(x) = [-x2, x1] = roll(x, half) * [-1 ... -1, 1 ... 1]
+        sign = torch.cat([-torch.ones(half), torch.ones(half)])
+        self.register_buffer("sin_signed", sin * sign, persistent=False)
         self.head_dim = head_dim
 
     def forward(
-        self,
-        positions: torch.Tensor,  # [num_tokens]
-        q: torch.Tensor,  # [num_tokens, num_heads * head_dim]
-        k: torch.Tensor,  # [num_tokens, num_kv_heads * head_dim]
+        self, positions: torch.Tensor, dtype: torch.dtype  # positions: [num_tokens]
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        cos = self.cos[positions].unsqueeze(1).to(q.dtype)  # [num_tokens, 1, head_dim]
-        sin = self.sin[positions].unsqueeze(1).to(q.dtype)
-        return self._rotate(q, cos, sin), self._rotate(k, cos, sin)
+        """cos and sign-folded sin for ``apply_rotary``, once per step: [num_tokens, 1, head_dim] each."""
+        return self.cos[positions].unsqueeze(1).to(dtype), self.sin_signed[positions].unsqueeze(1).to(dtype)
 
-    def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        shape = x.shape
-        x = x.view(shape[0], -1, self.head_dim)
-        half = self.head_dim // 2
-        rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
-        return (x * cos + rotated * sin).view(shape)
+
+def apply_rotary(
+    x: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+    cos: torch.Tensor,  # [num_tokens, 1, head_dim]
+    sin_signed: torch.Tensor,  # [num_tokens, 1, head_dim]
+) -> torch.Tensor:
+    """x * cos + rotate_half(x) * sin, with rotate_half done as one roll (sin carries the sign)."""
+    return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * sin_signed
