@@ -9,6 +9,7 @@ import torch
 
 from cluster.config import TandemConfig
 from cluster.models.loader import iter_weights, load_hf_config, load_tokenizer, resolve_model
+from cluster.models.layers.packed_linear import pack_linears
 from cluster.models.registry import build_model, context_length, resolve_dtype
 from cluster.runner.model_runner import KVCacheSpec, ModelRunner, free_device_memory, num_blocks_for_budget
 
@@ -52,6 +53,7 @@ class Worker:
             )
         model = build_model(hf_config, dtype, device, max_model_len)
         model.load_weights(iter_weights(source))
+        pack_linears(model, device, dtype)
         spec = KVCacheSpec(model.num_layers, model.num_kv_heads, model.head_dim, config.cache.block_size, dtype)
         num_blocks = config.cache.num_blocks
         if num_blocks is None:
