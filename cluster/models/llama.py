@@ -26,11 +26,8 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # In float32 like the reference, then back to the activation dtype.
-        dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)
+        # torch's fused kernel accumulates in float32, like the reference's upcast.
+        return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
 
 
 class LlamaDecoderLayer(nn.Module):

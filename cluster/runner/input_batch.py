@@ -91,6 +91,7 @@ def prepare_inputs(
         query_pad_index=to(query_pad_index),
         num_seqs=num_seqs,
         max_query_len=max_query_len,
+        decode_padding=to(~attn_mask) if query_pad_index is None and attn_mask is not None else None,
     )
     return ModelInputs(
         input_ids=to(torch.tensor(input_ids, dtype=torch.int64)),

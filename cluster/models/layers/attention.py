@@ -25,6 +25,7 @@ class AttentionMetadata:
     query_pad_index: torch.Tensor | None  # [num_tokens] int64 into num_seqs * max_query_len; None when every query_len is 1
     num_seqs: int
     max_query_len: int
+    decode_padding: torch.Tensor | None = None  # [num_seqs, 1, 1, max_context_len] bool: True = padding (decode only)
 
 
 class PagedAttention(torch.nn.Module):
@@ -82,10 +83,9 @@ class PagedAttention(torch.nn.Module):
         num_seqs = q.shape[0]
         group = self.num_heads // self.num_kv_heads
         queries = q.view(num_seqs, self.num_kv_heads, group, self.head_dim)
-        scores = torch.matmul(queries, keys.permute(0, 2, 3, 1))  # [num_seqs, num_kv_heads, group, ctx]
-        scores = scores.float() * self.scale
-        if meta.attn_mask is not None:  # [num_seqs, 1, 1, ctx]
-            scores = scores.masked_fill(~meta.attn_mask, float("-inf"))
-        probs = torch.softmax(scores, dim=-1).to(values.dtype)
+        scores = torch.matmul(queries * self.scale, keys.permute(0, 2, 3, 1))  # [num_seqs, num_kv_heads, group, ctx]
+        if meta.decode_padding is not None:  # [num_seqs, 1, 1, ctx]
+            scores = scores.masked_fill(meta.decode_padding, float("-inf"))
+        probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(values.dtype)
         out = torch.matmul(probs, values.transpose(1, 2))  # [num_seqs, num_kv_heads, group, head_dim]
         return out.reshape(num_seqs, self.num_heads * self.head_dim)
