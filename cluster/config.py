@@ -41,6 +41,7 @@ class CacheConfig(_Strict):
         0.3, gt=0, le=0.95, description="share of free device memory when kv_cache_memory is unset"
     )
     num_blocks: int | None = Field(None, ge=1, description="exact pool size; overrides both")
+    enable_prefix_caching: bool = True
 
     @field_validator("kv_cache_memory")
     @classmethod

@@ -12,12 +12,14 @@ import logging
 from dataclasses import dataclass
 
 import torch
+import xxhash
 
 from cluster.config import TandemConfig
 from cluster.engine.detokenizer import IncrementalDetokenizer
 from cluster.engine.outputs import CompletionOutput, Logprob, RequestOutput, TokenLogprobs, Usage
 from cluster.engine.request import Request, RequestStatus
 from cluster.engine.sampling_params import SamplingParams
+from cluster.engine.stats import EngineStats
 from cluster.engine.scheduler import Scheduler
 from cluster.kv.block_manager import BlockManager, cdiv
 from cluster.runner.model_runner import SampledToken
@@ -39,7 +41,12 @@ class Engine:
         self.worker = worker or Worker.from_config(config)
         self.tokenizer = self.worker.tokenizer
         self.max_model_len = self.worker.max_model_len
-        self.block_manager = BlockManager(self.worker.runner.num_blocks, config.cache.block_size)
+        self.block_manager = BlockManager(
+            self.worker.runner.num_blocks,
+            config.cache.block_size,
+            enable_caching=config.cache.enable_prefix_caching,
+            hash_seed=_hash_seed(config),
+        )
         self.scheduler = Scheduler(config.scheduler, self.block_manager, self.max_model_len)
         self.eos_token_id = self.worker.eos_token_id
         self.vocab_size = self.worker.vocab_size
@@ -52,6 +59,7 @@ class Engine:
         prompt: str | list[int],
         sampling_params: SamplingParams | None = None,
         request_id: str | None = None,
+        cache_salt: str | None = None,
     ) -> Request:
         """Validate and tokenize; raises ValueError saying what is wrong with the input."""
         params = sampling_params or SamplingParams()
@@ -87,15 +95,18 @@ class Engine:
         rid = request_id if request_id is not None else f"req-{next(self._ids)}"
         if rid in self.scheduler.requests:
             raise ValueError(f"request id {rid!r} is already in use")
-        return Request(rid, prompt_ids, params, self.eos_token_id, prompt=text)
+        if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt):
+            raise ValueError("cache_salt must be a non-empty string when given")
+        return Request(rid, prompt_ids, params, self.eos_token_id, prompt=text, cache_salt=cache_salt)
 
     def add_request(
         self,
         prompt: str | list[int],
         sampling_params: SamplingParams | None = None,
         request_id: str | None = None,
+        cache_salt: str | None = None,
     ) -> str:
-        return self.add_prepared(self.make_request(prompt, sampling_params, request_id))
+        return self.add_prepared(self.make_request(prompt, sampling_params, request_id, cache_salt))
 
     def add_prepared(self, request: Request) -> str:
         self.scheduler.add_request(request)
@@ -171,8 +182,26 @@ class Engine:
             result.setdefault(token, Logprob(value, token_rank, decoded))
         return result
 
+    def stats(self) -> EngineStats:
+        bm, sched = self.block_manager, self.scheduler
+        return EngineStats(
+            num_running=sched.num_running,
+            num_waiting=sched.num_waiting,
+            kv_cache_usage=bm.usage,
+            num_preemptions=sched.num_preemptions,
+            num_computed_tokens=sched.num_computed_tokens_total,
+            prefix_cache_queries=bm.prefix_cache_queries,
+            prefix_cache_hits=bm.prefix_cache_hits,
+            num_cached_blocks=bm.pool.num_cached_blocks,
+        )
+
     def check_invariants(self) -> None:
         self.scheduler.check_invariants()
+
+
+def _hash_seed(config: TandemConfig) -> int:
+    """Per engine: blocks are only shared between requests to the same model."""
+    return xxhash.xxh64_intdigest(f"{config.model.model}|{config.model.dtype}".encode(), seed=config.model.seed)
 
 
 def default_device(name: str) -> torch.device:

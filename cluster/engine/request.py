@@ -41,6 +41,7 @@ class Request:
         eos_token_id: int | None,
         prompt: str | None = None,
         arrival_time: float | None = None,
+        cache_salt: str | None = None,
     ) -> None:
         self.request_id = request_id
         self.prompt = prompt
@@ -58,6 +59,11 @@ class Request:
         self.scheduled_time: float | None = None
         self.first_token_time: float | None = None
         self.waiting_steps = 0  # steps spent waiting, for waiting_served_ratio
+        # Prefix cache: names of the request's full blocks, computed lazily, and what
+        # besides the tokens changes their KV (a salt keeps tenants' caches apart).
+        self.cache_salt = cache_salt
+        self.extra_keys: tuple = (cache_salt,) if cache_salt else ()
+        self.block_hashes: list = []
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -10,7 +10,9 @@ running requests (``max_num_seqs``):
    as the remaining budget allows (chunked prefill). While requests are running,
    waiting ones are admitted only when there are at least
    ``floor(num_running * waiting_served_ratio)`` of them, or the oldest has waited
-   ``max_waiting_steps`` steps (TGI's ``waiting_served_ratio``).
+   ``max_waiting_steps`` steps (TGI's ``waiting_served_ratio``). A step that had to
+   preempt admits nothing. A new or preempted request first takes the longest cached
+   prefix of its tokens from the prefix cache and is scheduled only for the rest.
 
 The scheduler decides; it never touches tensors.
 """
@@ -24,7 +26,7 @@ from dataclasses import dataclass, field
 
 from cluster.config import SchedulerConfig
 from cluster.engine.request import Request, RequestStatus
-from cluster.kv.block_manager import BlockManager
+from cluster.kv.block_manager import NO_PREFIX, BlockManager
 
 
 @dataclass(frozen=True)
@@ -69,6 +71,7 @@ class Scheduler:
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
         self.num_preemptions = 0
+        self.num_computed_tokens_total = 0  # tokens that went through the model
 
     # ---- queue management -------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -132,7 +135,8 @@ class Scheduler:
             budget -= num_new
             i += 1
 
-        if self.waiting and self._should_admit():
+        # No admissions in a step that had to preempt: memory is short already.
+        if self.waiting and not out.preempted and self._should_admit():
             self._admit_waiting(out, budget)
         for request in self.waiting:
             request.waiting_steps += 1
@@ -148,13 +152,20 @@ class Scheduler:
     def _admit_waiting(self, out: SchedulerOutput, budget: int) -> None:
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.waiting[0]
-            num_new = self._num_new_tokens(request, budget)
+            cached = NO_PREFIX
+            if request.num_computed_tokens == 0:  # new or preempted: reuse cached blocks
+                cached = self.block_manager.find_cached_prefix(request)
+            num_new = self._num_new_tokens(request, budget, cached.num_tokens)
             if num_new == 0:
                 break
             if not self.block_manager.allocate_slots(
-                request.request_id, request.num_computed_tokens, num_new
+                request.request_id, cached.num_tokens, num_new, cached=cached
             ):
                 break  # FCFS: no overtaking the head of the queue
+            if cached.num_tokens:
+                request.num_computed_tokens = cached.num_tokens
+                if request.num_preemptions == 0:
+                    request.num_cached_tokens = cached.num_tokens
             self.waiting.popleft()
             request.status = RequestStatus.RUNNING
             request.waiting_steps = 0
@@ -164,8 +175,10 @@ class Scheduler:
             out.scheduled.append(ScheduledRequest(request, request.num_computed_tokens, num_new))
             budget -= num_new
 
-    def _num_new_tokens(self, request: Request, budget: int) -> int:
-        remaining = request.num_tokens - request.num_computed_tokens
+    def _num_new_tokens(self, request: Request, budget: int, num_computed: int | None = None) -> int:
+        if num_computed is None:
+            num_computed = request.num_computed_tokens
+        remaining = request.num_tokens - num_computed
         if remaining <= budget:
             return remaining
         return budget if self.config.enable_chunked_prefill else 0
@@ -200,6 +213,8 @@ class Scheduler:
             if request.is_finished:  # aborted while the step ran
                 continue
             request.num_computed_tokens = sched.num_computed_tokens + sched.num_new_tokens
+            self.num_computed_tokens_total += sched.num_new_tokens
+            self.block_manager.cache_full_blocks(request)
             tokens = new_token_ids.get(request.request_id)
             if not tokens:
                 continue

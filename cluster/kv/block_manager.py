@@ -1,24 +1,52 @@
-"""Per-request block tables over a :class:`BlockPool`.
+"""Per-request block tables over a :class:`BlockPool`, with prefix-cache lookups.
 
 A request's block table maps its token positions to KV blocks: position ``p`` lives in
-block ``block_table[p // block_size]`` at offset ``p % block_size``. Tables only grow,
-until the request is freed (finish, abort or preemption), which returns its blocks.
+block ``block_table[p // block_size]`` at offset ``p % block_size``. Tables only grow
+until the request is freed (finish, abort or preemption), which drops its references.
+
+With prefix caching, a new (or preempted) request first looks up the longest run of
+its full blocks that is cached, shares those blocks, and computes only the rest. A
+hit never covers the last token: its logits are needed to sample.
 """
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
+from cluster.engine.request import Request
 from cluster.kv.block_pool import BlockPool
+from cluster.kv.prefix_cache import BlockHasher, HashFunction, xxh3_block_hash
 
 
 def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
+class CachedPrefix(NamedTuple):
+    block_ids: list[int]
+    num_tokens: int
+
+
+NO_PREFIX = CachedPrefix([], 0)
+
+
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int) -> None:
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        enable_caching: bool = True,
+        hash_seed: int = 0,
+        hash_fn: HashFunction = xxh3_block_hash,
+    ) -> None:
         self.block_size = block_size
-        self.pool = BlockPool(num_blocks)
+        self.enable_caching = enable_caching
+        self.pool = BlockPool(num_blocks, enable_caching)
+        self.hasher = BlockHasher(block_size, hash_seed, hash_fn)
         self.block_tables: dict[str, list[int]] = {}
+        self._num_cached_in_table: dict[str, int] = {}  # leading blocks of a table already named
+        self.prefix_cache_queries = 0  # tokens looked up
+        self.prefix_cache_hits = 0  # tokens found
 
     @property
     def num_free_blocks(self) -> int:
@@ -26,13 +54,26 @@ class BlockManager:
 
     @property
     def usage(self) -> float:
-        """Fraction of the pool in use, in [0, 1]."""
+        """Fraction of the pool held by requests, in [0, 1]."""
         return self.pool.num_used_blocks / self.pool.num_blocks
 
-    def num_blocks_needed(self, request_id: str, num_total_tokens: int) -> int:
-        """Blocks to add so the request can hold ``num_total_tokens`` tokens."""
-        have = len(self.block_tables.get(request_id, ()))
-        return max(0, cdiv(num_total_tokens, self.block_size) - have)
+    def find_cached_prefix(self, request: Request) -> CachedPrefix:
+        """The longest cached run of the request's leading full blocks, leaving at least
+        its last token to compute. Takes nothing: pass the result to ``allocate_slots``."""
+        if not self.enable_caching:
+            return NO_PREFIX
+        self.hasher.extend(request.block_hashes, request.all_token_ids, request.num_tokens, request.extra_keys)
+        max_blocks = (request.num_tokens - 1) // self.block_size
+        blocks: list[int] = []
+        for block_hash in request.block_hashes[:max_blocks]:
+            block_id = self.pool.lookup(block_hash)
+            if block_id is None:
+                break
+            blocks.append(block_id)
+        num_tokens = len(blocks) * self.block_size
+        self.prefix_cache_queries += request.num_tokens
+        self.prefix_cache_hits += num_tokens
+        return CachedPrefix(blocks, num_tokens)
 
     def allocate_slots(
         self,
@@ -40,19 +81,44 @@ class BlockManager:
         num_computed_tokens: int,
         num_new_tokens: int,
         num_lookahead_tokens: int = 0,
+        cached: CachedPrefix = NO_PREFIX,
     ) -> bool:
-        """Make room for ``num_new_tokens`` (+ lookahead slots for draft tokens).
+        """Make room for ``num_new_tokens`` (+ lookahead slots for draft tokens) after
+        ``num_computed_tokens``, first sharing the ``cached`` prefix blocks if given.
 
         Returns False, changing nothing, when the pool has too few free blocks.
         """
+        table = self.block_tables.get(request_id, [])
         total = num_computed_tokens + num_new_tokens + num_lookahead_tokens
-        needed = self.num_blocks_needed(request_id, total)
-        if needed > self.pool.num_free_blocks:
+        needed = max(0, cdiv(total, self.block_size) - len(table) - len(cached.block_ids))
+        # Cached blocks that sit in the free queue stop being available once shared.
+        available = self.pool.num_free_blocks - sum(1 for b in cached.block_ids if self.pool.is_free(b))
+        if needed > available:
             return False
-        table = self.block_tables.setdefault(request_id, [])
+        table = self.block_tables.setdefault(request_id, table)
+        if cached.block_ids:
+            self.pool.touch(cached.block_ids)
+            table.extend(cached.block_ids)
+            self._num_cached_in_table[request_id] = len(cached.block_ids)
         if needed:
             table.extend(self.pool.allocate(needed))
         return True
+
+    def cache_full_blocks(self, request: Request) -> None:
+        """Name every full block whose tokens are all computed (and verified), so later
+        requests can share it."""
+        if not self.enable_caching:
+            return
+        table = self.block_tables.get(request.request_id)
+        if not table:
+            return
+        self.hasher.extend(request.block_hashes, request.all_token_ids, request.num_computed_tokens,
+                           request.extra_keys)
+        start = self._num_cached_in_table.get(request.request_id, 0)
+        end = min(request.num_computed_tokens // self.block_size, len(table))
+        for i in range(start, end):
+            self.pool.cache_block(table[i], request.block_hashes[i])
+        self._num_cached_in_table[request.request_id] = max(start, end)
 
     def get_block_table(self, request_id: str) -> list[int]:
         return self.block_tables.get(request_id, [])
@@ -60,8 +126,9 @@ class BlockManager:
     def free(self, request_id: str) -> None:
         """Release every block the request holds; a no-op for unknown ids."""
         table = self.block_tables.pop(request_id, None)
+        self._num_cached_in_table.pop(request_id, None)
         if table:
-            # Free the tail first so that, with prefix caching, leaves are evicted first.
+            # Tail first, so leaves enter the free queue (and are evicted) before parents.
             self.pool.free(list(reversed(table)))
 
     def check_invariants(self) -> None:
