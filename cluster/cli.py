@@ -2,6 +2,7 @@
 
     tandem generate "prompt" [--chat] [--config configs/local.yaml] [--max-tokens N] ...
     tandem bench offline [--json PATH] ...
+    tandem bench prefix [--json PATH] ...
 """
 
 from __future__ import annotations
@@ -55,6 +56,13 @@ def cmd_bench_offline(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_bench_prefix(args: argparse.Namespace) -> int:
+    from cluster.bench.prefix import run_prefix_bench
+
+    run_prefix_bench(args)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="tandem", description="Tandem: speculative decoding LLM serving")
     parser.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
@@ -76,6 +84,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_offline_args(offline)
     offline.set_defaults(func=cmd_bench_offline)
+    prefix = bench.add_parser("prefix", help="TTFT and multi-turn chat throughput, prefix cache on vs off")
+    from cluster.bench.prefix import add_prefix_args
+
+    add_prefix_args(prefix)
+    prefix.set_defaults(func=cmd_bench_prefix)
     return parser
 
 
