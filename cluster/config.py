@@ -64,6 +64,23 @@ class SchedulerConfig(_Strict):
     max_queued_requests: int | None = Field(None, ge=1)
 
 
+class SpeculativeConfig(_Strict):
+    method: Literal["none", "draft", "ngram"] = "none"
+    draft_model: str | None = Field(None, description="short name, HF folder or .gguf file (method: draft)")
+    draft_dtype: DType | None = Field(None, description="defaults to the target's dtype")
+    num_speculative_tokens: int = Field(4, ge=0, le=16, description="k for the fixed controller")
+    ngram_min: int = Field(1, ge=1)
+    ngram_max: int = Field(4, ge=1)
+
+    @model_validator(mode="after")
+    def _check(self) -> "SpeculativeConfig":
+        if self.method == "draft" and not self.draft_model:
+            raise ValueError("speculative.draft_model is required when speculative.method is 'draft'")
+        if self.ngram_min > self.ngram_max:
+            raise ValueError("speculative.ngram_min must be <= speculative.ngram_max")
+        return self
+
+
 class DeviceConfig(_Strict):
     device: str = "auto"  # auto | cpu | cuda | cuda:N
     num_threads: int | None = Field(None, ge=1, description="torch intra-op threads on CPU")
@@ -73,6 +90,7 @@ class TandemConfig(_Strict):
     model: ModelConfig = ModelConfig()
     cache: CacheConfig = CacheConfig()
     scheduler: SchedulerConfig = SchedulerConfig()
+    speculative: SpeculativeConfig = SpeculativeConfig()
     device: DeviceConfig = DeviceConfig()
 
     @model_validator(mode="after")

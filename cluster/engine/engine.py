@@ -22,8 +22,11 @@ from cluster.engine.sampling_params import SamplingParams
 from cluster.engine.stats import EngineStats
 from cluster.engine.scheduler import Scheduler
 from cluster.kv.block_manager import BlockManager, cdiv
-from cluster.runner.model_runner import SampledToken
+from cluster.runner.model_runner import SampledTokens
 from cluster.runner.worker import Worker
+from cluster.spec.controller import BatchState
+from cluster.spec.factory import build_speculation
+from cluster.spec.stats import SpecDecodeStats
 
 logger = logging.getLogger(__name__)
 
@@ -52,6 +55,8 @@ class Engine:
         self.vocab_size = self.worker.vocab_size
         self._states: dict[str, _OutputState] = {}
         self._ids = itertools.count()
+        self.proposer, self.controller = build_speculation(config, self.worker)
+        self.spec_stats = SpecDecodeStats()
 
     # ---- requests -----------------------------------------------------------------
     def make_request(
@@ -130,26 +135,53 @@ class Engine:
 
     # ---- the loop ---------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        out = self.scheduler.schedule()
+        k = self._choose_k()
+        out = self.scheduler.schedule(num_lookahead_tokens=k)
         tables = [self.block_manager.get_block_table(s.request.request_id) for s in out.scheduled]
-        sampled = self.worker.runner.execute(out.scheduled, tables)
-        self.scheduler.update(out, {rid: [s.token_id] for rid, s in sampled.items()})
-        return [self._output(s.request, sampled.get(s.request.request_id)) for s in out.scheduled
+        drafts = None
+        if any(s.num_draft_tokens for s in out.scheduled):
+            drafts = self.proposer.propose(out.scheduled, tables, {})
+        sampled = self.worker.runner.execute(out.scheduled, tables, drafts)
+        self.scheduler.update(out, {rid: s.token_ids for rid, s in sampled.items()})
+        self._record_spec(k, out, drafts, sampled)
+        return [self._output(s.request, sampled[s.request.request_id]) for s in out.scheduled
                 if s.request.request_id in sampled]
 
-    def _output(self, request: Request, sampled: SampledToken | None) -> RequestOutput:
+    def _choose_k(self) -> int:
+        if self.controller is None:
+            return 0
+        return self.controller.choose_k(BatchState(self.scheduler.num_running, self.scheduler.num_waiting))
+
+    def _record_spec(self, k: int, out, drafts, sampled) -> None:
+        if self.controller is None:
+            return
+        self.spec_stats.record_step(k)
+        if drafts is None:
+            return
+        for rid, tokens in drafts.token_ids.items():
+            if rid in sampled:
+                self.spec_stats.record_request(len(tokens), sampled[rid].num_accepted)
+
+    def _output(self, request: Request, sampled: SampledTokens) -> RequestOutput:
         state = self._states[request.request_id]
         new_ids = request.output_token_ids[state.num_sent_tokens :]
         if state.detokenizer is not None:
-            for token in new_ids:
+            for j, token in enumerate(new_ids):
                 stop = state.detokenizer.add_token(token)
-                if stop is not None and not request.is_finished:
+                if stop is not None:
+                    # A stop string ends the output at the token that completed it, even
+                    # inside a run of accepted draft tokens.
+                    request.truncate_output(state.num_sent_tokens + j + 1)
+                    new_ids = new_ids[: j + 1]
                     request.stop_reason = stop
-                    self.scheduler.finish_request(request.request_id, RequestStatus.FINISHED_STOPPED)
+                    if not request.is_finished:
+                        self.scheduler.finish_request(request.request_id, RequestStatus.FINISHED_STOPPED)
+                    else:
+                        request.status = RequestStatus.FINISHED_STOPPED
                     break
         delta_logprobs = None
-        if state.logprobs is not None and sampled is not None and sampled.logprobs is not None:
-            delta_logprobs = [self._logprobs(sampled)]
+        if state.logprobs is not None and sampled.logprobs is not None:
+            delta_logprobs = [self._logprobs(entry) for entry in sampled.logprobs]
             state.logprobs.extend(delta_logprobs)
         state.num_sent_tokens = request.num_output_tokens
         finished = request.is_finished
@@ -173,8 +205,8 @@ class Engine:
         return RequestOutput(request.request_id, request.prompt, request.prompt_token_ids, [completion],
                              finished, usage)
 
-    def _logprobs(self, sampled: SampledToken) -> TokenLogprobs:
-        ids, values, rank = sampled.logprobs
+    def _logprobs(self, entry: tuple[list[int], list[float], int]) -> TokenLogprobs:
+        ids, values, rank = entry
         result: TokenLogprobs = {}
         for position, (token, value) in enumerate(zip(ids, values)):
             token_rank = rank if position == 0 else position
@@ -193,6 +225,7 @@ class Engine:
             prefix_cache_queries=bm.prefix_cache_queries,
             prefix_cache_hits=bm.prefix_cache_hits,
             num_cached_blocks=bm.pool.num_cached_blocks,
+            spec=self.spec_stats if self.controller is not None else None,
         )
 
     def check_invariants(self) -> None:

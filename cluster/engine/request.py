@@ -64,6 +64,9 @@ class Request:
         self.cache_salt = cache_salt
         self.extra_keys: tuple = (cache_salt,) if cache_salt else ()
         self.block_hashes: list = []
+        # Speculative decoding: tokens whose K/V the draft model holds (never more than
+        # the target's verified ``num_computed_tokens``; 0 again after preemption).
+        self.draft_num_computed_tokens = 0
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -88,6 +91,13 @@ class Request:
     def append_output_token_ids(self, token_ids: list[int]) -> None:
         self.output_token_ids.extend(token_ids)
         self.all_token_ids.extend(token_ids)
+
+    def truncate_output(self, num_output_tokens: int) -> None:
+        """Drop output tokens past ``num_output_tokens`` (a stop string ended the output)."""
+        drop = self.num_output_tokens - num_output_tokens
+        if drop > 0:
+            del self.output_token_ids[num_output_tokens:]
+            del self.all_token_ids[len(self.all_token_ids) - drop :]
 
     def __repr__(self) -> str:
         return (

@@ -34,6 +34,7 @@ class ScheduledRequest:
     request: Request
     num_computed_tokens: int  # before this step
     num_new_tokens: int  # tokens whose K/V this step computes
+    num_draft_tokens: int = 0  # draft tokens the target verifies after them (lookahead slots reserved)
 
     @property
     def samples(self) -> bool:
@@ -111,7 +112,6 @@ class Scheduler:
     def schedule(self, num_lookahead_tokens: int = 0) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
-        scheduled_ids: set[str] = set()
 
         i = 0
         while i < len(self.running) and budget > 0:
@@ -120,9 +120,11 @@ class Scheduler:
             if num_new == 0:
                 i += 1
                 continue
-            lookahead = num_lookahead_tokens if self._is_decoding(request, num_new) else 0
+            num_drafts = 0
+            if num_lookahead_tokens and self._is_decoding(request, num_new):
+                num_drafts = min(self.num_draft_tokens(request, num_lookahead_tokens), budget - num_new)
             while not self.block_manager.allocate_slots(
-                request.request_id, request.num_computed_tokens, num_new, lookahead
+                request.request_id, request.num_computed_tokens, num_new, num_drafts
             ):
                 victim = self.running[-1]
                 self._preempt(victim, out)
@@ -130,9 +132,8 @@ class Scheduler:
                     break
             if request.status is not RequestStatus.RUNNING:
                 break  # it preempted itself: nothing after it is left either
-            out.scheduled.append(ScheduledRequest(request, request.num_computed_tokens, num_new))
-            scheduled_ids.add(request.request_id)
-            budget -= num_new
+            out.scheduled.append(ScheduledRequest(request, request.num_computed_tokens, num_new, num_drafts))
+            budget -= num_new + num_drafts
             i += 1
 
         # No admissions in a step that had to preempt: memory is short already.
@@ -183,6 +184,19 @@ class Scheduler:
             return remaining
         return budget if self.config.enable_chunked_prefill else 0
 
+    def num_draft_tokens(self, request: Request, k: int) -> int:
+        """How many of ``k`` draft tokens this request can verify in its next step.
+
+        Drafts never push the output past ``max_tokens`` or the context past
+        ``max_model_len``. Requests with penalties, logprobs or a pending ``min_tokens``
+        decode without drafts: their sampling state changes token by token.
+        """
+        params = request.sampling_params
+        if params.needs_penalties or params.logprobs is not None or request.num_output_tokens < params.min_tokens:
+            return 0
+        room = min(params.max_tokens - request.num_output_tokens - 1, self.max_model_len - request.num_tokens)
+        return max(0, min(k, room))
+
     @staticmethod
     def _is_decoding(request: Request, num_new: int) -> bool:
         return request.num_output_tokens > 0 and request.num_computed_tokens + num_new == request.num_tokens
@@ -192,6 +206,7 @@ class Scheduler:
         self.block_manager.free(request.request_id)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
+        request.draft_num_computed_tokens = 0
         request.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(request)
@@ -204,7 +219,10 @@ class Scheduler:
     ) -> list[Request]:
         """Advance computed counts, append sampled tokens, finish what should stop.
 
-        Returns the requests that finished in this step (their blocks are already free).
+        ``new_token_ids`` holds, per request that sampled, its accepted draft tokens and
+        then one sampled token; the K/V of the accepted drafts is verified, so they
+        count as computed. Returns the requests that finished in this step (their
+        blocks are already free).
         """
         finished: list[Request] = []
         now = time.monotonic()
@@ -212,10 +230,12 @@ class Scheduler:
             request = sched.request
             if request.is_finished:  # aborted while the step ran
                 continue
-            request.num_computed_tokens = sched.num_computed_tokens + sched.num_new_tokens
-            self.num_computed_tokens_total += sched.num_new_tokens
-            self.block_manager.cache_full_blocks(request)
             tokens = new_token_ids.get(request.request_id)
+            num_accepted = len(tokens) - 1 if tokens else 0
+            request.num_computed_tokens = sched.num_computed_tokens + sched.num_new_tokens + num_accepted
+            request.draft_num_computed_tokens = min(request.draft_num_computed_tokens, request.num_computed_tokens)
+            self.num_computed_tokens_total += sched.num_new_tokens + sched.num_draft_tokens
+            self.block_manager.cache_full_blocks(request)
             if not tokens:
                 continue
             if request.first_token_time is None:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from cluster.spec.stats import SpecDecodeStats
+
 
 @dataclass(frozen=True)
 class EngineStats:
@@ -15,6 +17,7 @@ class EngineStats:
     prefix_cache_queries: int  # tokens looked up in the prefix cache since start
     prefix_cache_hits: int  # of those, tokens found
     num_cached_blocks: int  # blocks currently findable in the prefix cache
+    spec: SpecDecodeStats | None = None  # speculative decoding counters, when it is on
 
     @property
     def prefix_cache_hit_rate(self) -> float:

@@ -3,11 +3,19 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
-from cluster.engine.scheduler import ScheduledRequest
 from cluster.models.layers.attention import AttentionMetadata
+
+
+class SeqChunk(NamedTuple):
+    """New tokens of one sequence for one forward pass."""
+
+    token_ids: list[int]  # the tokens to compute, at positions start, start + 1, ...
+    start: int  # tokens already in the KV cache before them
+    num_logits: int  # how many of the last positions need logits (0 for a mid-prefill chunk)
 
 
 @dataclass
@@ -15,38 +23,34 @@ class ModelInputs:
     input_ids: torch.Tensor  # [num_tokens]
     positions: torch.Tensor  # [num_tokens]
     attn: AttentionMetadata
-    logits_indices: torch.Tensor  # [num_sampling]: flat index of each sampling request's last token
-    sampling_rows: list[int]  # index into the scheduled list of each sampling request
+    logits_indices: torch.Tensor  # [num_logits]: flat indices of the positions that need logits, chunk by chunk
 
 
 def prepare_inputs(
-    scheduled: list[ScheduledRequest],
+    chunks: list[SeqChunk],
     block_tables: list[list[int]],
     block_size: int,
     device: torch.device,
 ) -> ModelInputs:
-    """Flat token ids and positions, cache slots, and the attention mask of one step.
+    """Flat token ids and positions, cache slots, and the attention mask of one pass.
 
-    Sequence ``s`` computes tokens ``[num_computed, num_computed + num_new)`` and attends
-    to all ``num_computed + num_new`` tokens of its context.
+    Chunk ``s`` computes tokens at positions ``[start, start + len(token_ids))`` and
+    attends to all ``start + len(token_ids)`` tokens of its context.
     """
     input_ids: list[int] = []
     positions: list[int] = []
     query_lens: list[int] = []
     context_lens: list[int] = []
     logits_indices: list[int] = []
-    sampling_rows: list[int] = []
-    for row, sched in enumerate(scheduled):
-        start, n = sched.num_computed_tokens, sched.num_new_tokens
-        input_ids.extend(sched.request.all_token_ids[start : start + n])
+    for chunk in chunks:
+        start, n = chunk.start, len(chunk.token_ids)
+        input_ids.extend(chunk.token_ids)
         positions.extend(range(start, start + n))
         query_lens.append(n)
         context_lens.append(start + n)
-        if sched.samples:
-            logits_indices.append(len(input_ids) - 1)
-            sampling_rows.append(row)
+        logits_indices.extend(range(len(input_ids) - chunk.num_logits, len(input_ids)))
 
-    num_seqs = len(scheduled)
+    num_seqs = len(chunks)
     max_query_len = max(query_lens)
     max_context_len = max(context_lens)
     max_blocks = max(len(t) for t in block_tables)
@@ -98,5 +102,4 @@ def prepare_inputs(
         positions=to(positions_t),
         attn=attn,
         logits_indices=to(torch.tensor(logits_indices, dtype=torch.int64)),
-        sampling_rows=sampling_rows,
     )

@@ -8,19 +8,26 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
 from cluster.engine.scheduler import ScheduledRequest
-from cluster.runner.input_batch import prepare_inputs
-from cluster.runner.sampler import Sampler, SamplingMetadata
+from cluster.runner.input_batch import SeqChunk, prepare_inputs
+from cluster.runner.sampler import Sampler, SamplingMetadata, compute_probs
+from cluster.spec.rejection import rejection_sample
+
+if TYPE_CHECKING:
+    from cluster.spec.proposer import DraftProposal
 
 
-class SampledToken(NamedTuple):
-    token_id: int
-    # (token ids, logprobs, rank of the sampled token): sampled first, then the top-n
-    logprobs: tuple[list[int], list[float], int] | None
+class SampledTokens(NamedTuple):
+    """A request's new tokens from one step: accepted drafts, then one sampled token."""
+
+    token_ids: list[int]
+    # per token: (token ids, logprobs, rank of the sampled token), sampled first then the top-n
+    logprobs: list[tuple[list[int], list[float], int]] | None
+    num_accepted: int  # draft tokens accepted (0 without speculation)
 
 
 @dataclass(frozen=True)
@@ -81,42 +88,115 @@ class ModelRunner:
             self.generators[request.request_id] = gen
         return gen
 
-    @torch.inference_mode()
-    def execute(
-        self, scheduled: list[ScheduledRequest], block_tables: list[list[int]]
-    ) -> dict[str, SampledToken]:
-        """Run one forward pass over the step and sample for requests that reached their end."""
-        if not scheduled:
-            return {}
-        inputs = prepare_inputs(scheduled, block_tables, self.spec.block_size, self.device)
-        hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.attn)
-        if not inputs.sampling_rows:
-            return {}
-        logits = self.model.compute_logits(hidden.index_select(0, inputs.logits_indices))
-        requests = [scheduled[row].request for row in inputs.sampling_rows]
-        metadata = SamplingMetadata.build(
+    def generator(self, request) -> torch.Generator | None:
+        """The request's own generator (seeded requests), created on first use."""
+        return self._generator(request)
+
+    def sampling_metadata(self, requests: list, vocab_size: int) -> SamplingMetadata:
+        return SamplingMetadata.build(
             params=[r.sampling_params for r in requests],
             prompt_token_ids=[r.prompt_token_ids for r in requests],
             output_token_ids=[r.output_token_ids for r in requests],
             generators=[self._generator(r) for r in requests],
             banned_token_ids=[_banned_ids(r) for r in requests],
-            vocab_size=logits.shape[-1],
+            vocab_size=vocab_size,
             device=self.device,
         )
-        out = self.sampler(logits, metadata)
+
+    @torch.inference_mode()
+    def forward_logits(self, chunks: list[SeqChunk], block_tables: list[list[int]]) -> torch.Tensor:
+        """One forward pass; logits at each chunk's last ``num_logits`` positions, in order:
+        [total num_logits, vocab_size] float32."""
+        inputs = prepare_inputs(chunks, block_tables, self.spec.block_size, self.device)
+        hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.attn)
+        if inputs.logits_indices.numel() == 0:
+            return hidden.new_empty(0, self.model.vocab_size, dtype=torch.float32)
+        return self.model.compute_logits(hidden.index_select(0, inputs.logits_indices)).float()
+
+    @torch.inference_mode()
+    def execute(
+        self,
+        scheduled: list[ScheduledRequest],
+        block_tables: list[list[int]],
+        drafts: DraftProposal | None = None,
+    ) -> dict[str, SampledTokens]:
+        """Run the step's forward pass and decide the new tokens of every request that
+        reached the end of its tokens: one sampled token, or (with drafts) the accepted
+        drafts plus one recovered or bonus token."""
+        if not scheduled:
+            return {}
+        draft_ids = drafts.token_ids if drafts is not None else {}
+        chunks, plain, spec = [], [], []
+        for sched in scheduled:
+            request = sched.request
+            start = sched.num_computed_tokens
+            tokens = request.all_token_ids[start : start + sched.num_new_tokens]
+            proposed = draft_ids.get(request.request_id, []) if sched.samples else []
+            num_logits = 1 + len(proposed) if sched.samples else 0
+            chunks.append(SeqChunk(tokens + proposed, start, num_logits))
+            if sched.samples:
+                (spec if proposed else plain).append((request, proposed))
+        logits = self.forward_logits(chunks, block_tables)
+        # Rows of ``logits`` follow the scheduled order; split them per request.
+        rows: dict[str, slice] = {}
+        offset = 0
+        for chunk, sched in zip(chunks, scheduled):
+            rows[sched.request.request_id] = slice(offset, offset + chunk.num_logits)
+            offset += chunk.num_logits
+        results: dict[str, SampledTokens] = {}
+        if plain:
+            index = torch.tensor([rows[r.request_id].start for r, _ in plain], device=logits.device)
+            results.update(self._sample(logits.index_select(0, index), [r for r, _ in plain]))
+        if spec:
+            results.update(self._verify(logits, rows, spec, drafts))
+        return results
+
+    def _sample(self, logits: torch.Tensor, requests: list) -> dict[str, SampledTokens]:
+        """logits: [num_reqs, vocab_size], one row per request."""
+        out = self.sampler(logits, self.sampling_metadata(requests, logits.shape[-1]))
         token_ids = out.sampled_token_ids.tolist()
-        results: dict[str, SampledToken] = {}
         lp = out.logprobs
-        lp_ids = lp.token_ids.tolist() if lp is not None else None
-        lp_vals = lp.logprobs.tolist() if lp is not None else None
-        lp_ranks = lp.sampled_rank.tolist() if lp is not None else None
+        if lp is not None:
+            lp_ids, lp_vals, lp_ranks = lp.token_ids.tolist(), lp.logprobs.tolist(), lp.sampled_rank.tolist()
+        results = {}
         for i, request in enumerate(requests):
             num = request.sampling_params.logprobs
             logprobs = None
             if num is not None and lp is not None:
-                logprobs = (lp_ids[i][: num + 1], lp_vals[i][: num + 1], lp_ranks[i])
-            results[request.request_id] = SampledToken(token_ids[i], logprobs)
+                logprobs = [(lp_ids[i][: num + 1], lp_vals[i][: num + 1], lp_ranks[i])]
+            results[request.request_id] = SampledTokens([token_ids[i]], logprobs, 0)
         return results
+
+    def _verify(
+        self, logits: torch.Tensor, rows: dict[str, slice], spec: list, drafts: DraftProposal
+    ) -> dict[str, SampledTokens]:
+        """Rejection-sample the drafts of ``spec`` requests against the target's logits."""
+        requests = [r for r, _ in spec]
+        num_drafts = [len(d) for _, d in spec]
+        max_k = max(num_drafts)
+        vocab = logits.shape[-1]
+        # Target distributions at every verified position: [num_reqs, max_k + 1, vocab]
+        expanded = [r for r, d in spec for _ in range(len(d) + 1)]
+        flat = torch.cat([logits[rows[r.request_id]] for r in requests])
+        flat_probs = compute_probs(flat, self.sampling_metadata(expanded, vocab))
+        target_probs = flat_probs.new_zeros(len(requests), max_k + 1, vocab)
+        draft_token_ids = torch.zeros(len(requests), max_k, dtype=torch.int64, device=logits.device)
+        draft_probs = None if drafts.probs is None else flat_probs.new_zeros(len(requests), max_k, vocab)
+        offset = 0
+        for i, (request, proposed) in enumerate(spec):
+            k = len(proposed)
+            target_probs[i, : k + 1] = flat_probs[offset : offset + k + 1]
+            draft_token_ids[i, :k] = torch.tensor(proposed, device=logits.device)
+            if draft_probs is not None:
+                draft_probs[i, :k] = drafts.probs[request.request_id]
+            offset += k + 1
+        greedy = torch.tensor([r.sampling_params.greedy for r in requests], device=logits.device)
+        generators = {i: g for i, r in enumerate(requests) if (g := self._generator(r)) is not None}
+        out = rejection_sample(draft_token_ids, num_drafts, draft_probs, target_probs, greedy, generators)
+        return {
+            r.request_id: SampledTokens(tokens, None, accepted)
+            for r, tokens, accepted in zip(requests, out.output_token_ids, out.num_accepted)
+        }
 
 
 def _banned_ids(request) -> list[int]:

@@ -1,0 +1,48 @@
+"""Proposers: where draft tokens come from.
+
+A proposer gets the step's decoding requests, each with the number of draft tokens
+the scheduler reserved room for, and returns up to that many tokens per request
+(fewer is fine). ``probs`` holds, per request, the distributions the drafts were
+sampled from (``[num_drafts, vocab_size]``), or is None when drafts are
+deterministic (n-gram lookup): the rejection sampler then treats them as one-hot.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple, Protocol
+
+import torch
+
+from cluster.engine.scheduler import ScheduledRequest
+from cluster.spec.ngram import NgramProposer
+
+
+class DraftProposal(NamedTuple):
+    token_ids: dict[str, list[int]]  # request id -> draft tokens
+    probs: dict[str, torch.Tensor] | None  # request id -> [num_drafts, vocab_size] float32
+
+
+class Proposer(Protocol):
+    def propose(
+        self, scheduled: list[ScheduledRequest], block_tables: list[list[int]], generators: dict
+    ) -> DraftProposal: ...
+
+    def free_request(self, request_id: str) -> None: ...
+
+
+class NgramStepProposer:
+    """Prompt lookup over each request's own tokens; no model, no KV cache."""
+
+    def __init__(self, min_n: int, max_n: int) -> None:
+        self.ngram = NgramProposer(min_n, max_n)
+
+    def propose(
+        self, scheduled: list[ScheduledRequest], block_tables: list[list[int]], generators: dict
+    ) -> DraftProposal:
+        active = [s for s in scheduled if s.num_draft_tokens > 0]
+        drafts = self.ngram.propose([s.request.all_token_ids for s in active],
+                                    [s.num_draft_tokens for s in active])
+        return DraftProposal({s.request.request_id: d for s, d in zip(active, drafts) if d}, None)
+
+    def free_request(self, request_id: str) -> None:
+        pass

@@ -1,0 +1,208 @@
+"""Exact speculative sampling (Leviathan et al. 2023; Chen et al. 2023): drafts in, verified tokens out.
+
+Request i drafted ``k_i`` tokens ``x_0 .. x_{k_i-1}``; ``x_j`` was sampled from ``draft_probs[j]``
+and the target scored all ``k_i + 1`` positions in one pass, giving ``target_probs[j]`` (the
+target's distribution after the prefix ending in ``x_{j-1}``). For ``j = 0, 1, ...``:
+
+* accept ``x_j`` with probability ``min(1, target_probs[j][x_j] / draft_probs[j][x_j])``;
+* at the first rejection, emit a *recovered* token sampled from
+  ``normalize(max(0, target_probs[j] - draft_probs[j]))`` and stop;
+* if all ``k_i`` drafts are accepted, emit a *bonus* token sampled from ``target_probs[k_i]``.
+
+A step therefore yields between 1 and ``k_i + 1`` tokens, and ``k_i = 0`` is plain sampling.
+
+Why the output follows the target exactly. Fix one position, write ``t = target_probs[j]`` and
+``d = draft_probs[j]``. Token ``y`` is proposed with probability ``d(y)`` and kept with
+probability ``min(1, t(y) / d(y))``, so it is emitted by acceptance with probability
+``min(d(y), t(y))``. A rejection happens with probability
+``1 - sum(min(d, t)) = sum(max(0, t - d)) = Z``, and then ``y`` is emitted with probability
+``max(0, t(y) - d(y)) / Z``. In total ``min(d(y), t(y)) + max(0, t(y) - d(y)) = t(y)``. After an
+acceptance the next position starts from a prefix that was itself drawn from the target, so by
+induction every emitted token follows the target's distribution given the tokens before it,
+whatever the draft. A token with ``t(y) = 0`` is never emitted (never accepted, zero residual).
+Deterministic drafts (n-gram lookup, a greedy draft model) are the case ``d = one_hot(x)``:
+accept with probability ``t(x)``, else emit from ``t`` with ``x`` removed and renormalized.
+``Z = 0`` (``t == d``) means a rejection has probability 0; ``recovered_probs`` then falls back
+to ``t`` so that float rounding can never produce NaN.
+
+Greedy rows (temperature 0, one-hot ``target_probs``) take a fast path without random numbers:
+accept while ``x_j == argmax(target_probs[j])``, then emit that argmax.
+
+Randomness mirrors ``cluster.runner.sampler``: unseeded random rows share one batched draw of
+uniforms ``[num_reqs, max_k]`` and one batched exponential race; a seeded row draws exactly
+``k_i`` uniforms and then one vocab-sized exponential race from its own generator, so its tokens
+depend on its seed and its own inputs, never on its position or on the other rows. Greedy rows
+never advance a generator, and an all-greedy batch draws nothing at all.
+
+Host syncs: one read of the greedy mask (it decides which draws to make) and one ``.tolist()``
+of the result.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+__all__ = ["RejectionOutput", "recovered_probs", "rejection_sample"]
+
+
+class RejectionOutput(NamedTuple):
+    # per request: the accepted draft tokens, then one recovered or bonus token (num_accepted + 1)
+    output_token_ids: list[list[int]]
+    num_accepted: list[int]  # per request: accepted draft tokens, 0..num_draft_tokens[i]
+
+
+def recovered_probs(
+    target_probs: torch.Tensor,  # [num_reqs, vocab_size] float32
+    draft_probs: torch.Tensor,  # [num_reqs, vocab_size] float32
+) -> torch.Tensor:  # [num_reqs, vocab_size] float32
+    """``normalize(max(0, target_probs - draft_probs))`` per row; ``target_probs`` where that is all 0."""
+    residual = (target_probs - draft_probs).clamp_(min=0)
+    total = residual.sum(dim=-1, keepdim=True)  # [num_reqs, 1]
+    normalized = residual / total.clamp(min=torch.finfo(residual.dtype).tiny)
+    return torch.where(total > 0, normalized, target_probs)
+
+
+def rejection_sample(
+    draft_token_ids: torch.Tensor,  # [num_reqs, max_k] int64, padded past each row's num_draft_tokens
+    num_draft_tokens: list[int],  # per request, 0..max_k
+    draft_probs: torch.Tensor | None,  # [num_reqs, max_k, vocab_size] float32; None = one-hot drafts
+    target_probs: torch.Tensor,  # [num_reqs, max_k + 1, vocab_size] float32 from compute_probs
+    greedy: torch.Tensor,  # [num_reqs] bool
+    generators: dict[int, torch.Generator],  # row -> the request's own generator (seeded rows)
+) -> RejectionOutput:
+    """Verify each row's drafts; see the module docstring for the rule and why it is exact.
+
+    Padding (draft ids, draft and target probabilities past a row's ``k_i``, resp. ``k_i + 1``)
+    is never read into the result and may hold anything. ``draft_probs`` and ``target_probs``
+    are not normalized here: the exponential race is scale-free.
+    """
+    num_reqs, max_k, vocab_size = _check_shapes(
+        draft_token_ids, num_draft_tokens, draft_probs, target_probs, greedy, generators
+    )
+    if num_reqs == 0:
+        return RejectionOutput(output_token_ids=[], num_accepted=[])
+    device = target_probs.device
+    greedy_rows = greedy.tolist()
+    all_greedy, any_greedy = all(greedy_rows), any(greedy_rows)
+    seeded = {row: gen for row, gen in generators.items() if not greedy_rows[row]}
+    any_unseeded_random = len(seeded) < num_reqs - sum(greedy_rows)
+
+    num_draft = torch.tensor(num_draft_tokens, dtype=torch.int64, device=device)  # [num_reqs]
+    is_draft = torch.arange(max_k, device=device) < num_draft[:, None]  # [num_reqs, max_k]
+    draft_ids = torch.where(is_draft, draft_token_ids.long(), 0)  # [num_reqs, max_k] padding -> a valid id
+
+    if any_greedy:
+        target_argmax = target_probs.argmax(dim=-1)  # [num_reqs, max_k + 1]
+        accepted = draft_ids == target_argmax[:, :max_k]  # [num_reqs, max_k]
+    if not all_greedy:
+        uniforms = _draw_uniforms(num_reqs, max_k, num_draft_tokens, seeded, any_unseeded_random, device)
+        # Accept iff u < target / draft, written without a division: P = min(1, target / draft).
+        target_at_draft = target_probs[:, :max_k].gather(2, draft_ids[..., None]).squeeze(2)
+        if draft_probs is None:
+            random_accepted = uniforms < target_at_draft
+        else:
+            draft_at_draft = draft_probs.gather(2, draft_ids[..., None]).squeeze(2)
+            random_accepted = uniforms * draft_at_draft < target_at_draft
+        accepted = torch.where(greedy[:, None], accepted, random_accepted) if any_greedy else random_accepted
+    accepted &= is_draft
+    # The first rejection (or k_i) is the length of the leading run of accepted drafts.
+    num_accepted = accepted.long().cumprod(dim=1).sum(dim=1)  # [num_reqs]
+
+    rows = torch.arange(num_reqs, device=device)
+    if all_greedy:
+        final_ids = target_argmax[rows, num_accepted]  # [num_reqs]
+    else:
+        final_probs = target_probs[rows, num_accepted]  # [num_reqs, vocab_size] bonus distribution
+        if max_k > 0:
+            rejected = num_accepted < num_draft  # [num_reqs]
+            rejected_ids = draft_ids[rows, num_accepted.clamp(max=max_k - 1)]  # [num_reqs]
+            if draft_probs is None:
+                rejected_draft_probs = torch.zeros_like(final_probs).scatter_(1, rejected_ids[:, None], 1.0)
+            else:
+                rejected_draft_probs = draft_probs[rows, num_accepted.clamp(max=max_k - 1)]
+            recovered = recovered_probs(final_probs, rejected_draft_probs)
+            final_probs = torch.where(rejected[:, None], recovered, final_probs)
+        final_ids = _exponential_race(final_probs, seeded, any_unseeded_random)
+        if any_greedy:
+            final_ids = torch.where(greedy, target_argmax[rows, num_accepted], final_ids)
+
+    output = torch.cat([draft_ids, torch.zeros_like(final_ids)[:, None]], dim=1)  # [num_reqs, max_k + 1]
+    output.scatter_(1, num_accepted[:, None], final_ids[:, None])
+    host_rows = torch.cat([output, num_accepted[:, None]], dim=1).tolist()
+    return RejectionOutput(
+        output_token_ids=[row[: row[-1] + 1] for row in host_rows],
+        num_accepted=[row[-1] for row in host_rows],
+    )
+
+
+def _draw_uniforms(
+    num_reqs: int,
+    max_k: int,
+    num_draft_tokens: list[int],
+    seeded: dict[int, torch.Generator],
+    batched: bool,
+    device: torch.device,
+) -> torch.Tensor:  # [num_reqs, max_k] float32 in [0, 1)
+    """One batched draw for unseeded rows; exactly ``k_i`` draws from each seeded row's generator."""
+    if batched:
+        uniforms = torch.rand(num_reqs, max_k, device=device)
+    else:
+        uniforms = torch.zeros(num_reqs, max_k, device=device)
+    for row, generator in seeded.items():
+        if num_draft_tokens[row] > 0:
+            uniforms[row, : num_draft_tokens[row]].uniform_(generator=generator)
+    return uniforms
+
+
+def _exponential_race(
+    probs: torch.Tensor,  # [num_reqs, vocab_size] float32, unnormalized is fine
+    seeded: dict[int, torch.Generator],
+    batched: bool,
+) -> torch.Tensor:  # [num_reqs] int64
+    """``argmax(probs / Exponential(1))`` picks i with probability ``probs[i] / probs.sum()``."""
+    noise = torch.empty_like(probs)
+    if batched:
+        noise.exponential_()
+    for row, generator in seeded.items():
+        noise[row].exponential_(generator=generator)
+    # exponential_ may return exactly 0; 0/0 would be NaN and win the argmax.
+    noise.clamp_(min=torch.finfo(noise.dtype).tiny)
+    return (probs / noise).argmax(dim=-1)
+
+
+def _check_shapes(
+    draft_token_ids: torch.Tensor,  # [num_reqs, max_k] int64
+    num_draft_tokens: list[int],
+    draft_probs: torch.Tensor | None,  # [num_reqs, max_k, vocab_size]
+    target_probs: torch.Tensor,  # [num_reqs, max_k + 1, vocab_size]
+    greedy: torch.Tensor,  # [num_reqs] bool
+    generators: dict[int, torch.Generator],
+) -> tuple[int, int, int]:
+    if draft_token_ids.dim() != 2 or target_probs.dim() != 3:
+        raise ValueError(
+            "draft_token_ids must be [num_reqs, max_k] and target_probs [num_reqs, max_k + 1, vocab_size], "
+            f"got {tuple(draft_token_ids.shape)} and {tuple(target_probs.shape)}"
+        )
+    num_reqs, max_k = draft_token_ids.shape
+    vocab_size = target_probs.shape[-1]
+    if tuple(target_probs.shape) != (num_reqs, max_k + 1, vocab_size):
+        raise ValueError(
+            f"target_probs must be [num_reqs, max_k + 1, vocab_size] = [{num_reqs}, {max_k + 1}, vocab_size], "
+            f"got {tuple(target_probs.shape)}"
+        )
+    if draft_probs is not None and tuple(draft_probs.shape) != (num_reqs, max_k, vocab_size):
+        raise ValueError(
+            f"draft_probs must be None or [num_reqs, max_k, vocab_size] = [{num_reqs}, {max_k}, {vocab_size}], "
+            f"got {tuple(draft_probs.shape)}"
+        )
+    if tuple(greedy.shape) != (num_reqs,) or greedy.dtype != torch.bool:
+        raise ValueError(f"greedy must be a [{num_reqs}] bool tensor, got {tuple(greedy.shape)} {greedy.dtype}")
+    if len(num_draft_tokens) != num_reqs or any(not 0 <= n <= max_k for n in num_draft_tokens):
+        raise ValueError(
+            f"num_draft_tokens must hold {num_reqs} counts in [0, {max_k}], got {list(num_draft_tokens)}"
+        )
+    if any(not 0 <= row < num_reqs for row in generators):
+        raise ValueError(f"generators must be keyed by rows in [0, {num_reqs}), got {sorted(generators)}")
+    return num_reqs, max_k, vocab_size

@@ -1,0 +1,40 @@
+"""Counters of speculative decoding, under the meanings vLLM exports them with."""
+
+from __future__ import annotations
+
+from collections import Counter, deque
+from dataclasses import dataclass, field
+
+
+@dataclass
+class SpecDecodeStats:
+    num_drafts: int = 0  # requests-steps that verified at least one draft token
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    accepted_per_position: list[int] = field(default_factory=list)  # [j]: accepted drafts at position j
+    k_per_step: Counter = field(default_factory=Counter)  # k chosen -> number of steps
+    recent_k: deque = field(default_factory=lambda: deque(maxlen=1024))  # k of the latest steps
+
+    def record_step(self, k: int) -> None:
+        self.k_per_step[k] += 1
+        self.recent_k.append(k)
+
+    def record_request(self, num_draft_tokens: int, num_accepted: int) -> None:
+        if num_draft_tokens == 0:
+            return
+        self.num_drafts += 1
+        self.num_draft_tokens += num_draft_tokens
+        self.num_accepted_tokens += num_accepted
+        if len(self.accepted_per_position) < num_draft_tokens:
+            self.accepted_per_position.extend([0] * (num_draft_tokens - len(self.accepted_per_position)))
+        for j in range(num_accepted):
+            self.accepted_per_position[j] += 1
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
+
+    @property
+    def mean_acceptance_length(self) -> float:
+        """Tokens emitted per verifying step of a request: accepted drafts + 1."""
+        return 1 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else 1.0
