@@ -241,12 +241,12 @@ class Row(NamedTuple):
     greedy: bool = False
 
 
-def padded_batch(rows: list[Row], max_k: int):
-    """The arguments of rejection_sample, padding filled with -1 ids and NaN probabilities."""
+def padded_batch(rows: list[Row], max_k: int, pad_id: int = -1, pad_prob: float = float("nan")):
+    """The arguments of rejection_sample, padding filled with ``pad_id`` and ``pad_prob``."""
     num_reqs = len(rows)
-    draft_token_ids = torch.full((num_reqs, max_k), -1, dtype=torch.int64)
-    draft_probs = torch.full((num_reqs, max_k, VOCAB), float("nan"))
-    target_probs = torch.full((num_reqs, max_k + 1, VOCAB), float("nan"))
+    draft_token_ids = torch.full((num_reqs, max_k), pad_id, dtype=torch.int64)
+    draft_probs = torch.full((num_reqs, max_k, VOCAB), pad_prob)
+    target_probs = torch.full((num_reqs, max_k + 1, VOCAB), pad_prob)
     for i, row in enumerate(rows):
         k = len(row.draft_token_ids)
         draft_token_ids[i, :k] = torch.tensor(row.draft_token_ids, dtype=torch.int64)
@@ -288,7 +288,13 @@ def test_seeded_row_independent_of_position_and_other_rows():
 # ---------------------------------------------------------------- shapes and padding
 
 
-def test_mixed_draft_counts_and_padding_ignored():
+@pytest.mark.parametrize(
+    ("pad_id", "pad_prob"),
+    [(-1, float("nan")), (VOCAB + 7, float("nan")), (0, 1.0 / VOCAB)],
+    ids=["negative-nan", "out-of-vocab-nan", "valid-looking"],
+)
+def test_mixed_draft_counts_and_padding_ignored(pad_id, pad_prob):
+    """Padding that would be accepted if it were read (id 0, draft == target) must not be."""
     uniform = torch.full((VOCAB,), 1.0 / VOCAB)
     rows = [
         # draft_probs == target_probs: always accepted, then the bonus (a one-hot at 4)
@@ -297,10 +303,27 @@ def test_mixed_draft_counts_and_padding_ignored():
         Row([1, 2, 3], torch.stack([uniform] * 3), one_hots([1, 2, 0, 5]), greedy=True),
         # target gives x_0 = 3 probability 0: rejected; the residual is all on token 5
         Row([3], uniform[None], one_hots([5, 0])),
+        Row([4], uniform[None], one_hots([4, 0]), greedy=True),  # accepted; padding would match argmax 0
+        Row([0], uniform[None], torch.stack([uniform, uniform])),  # always accepted, then a random bonus
     ]
-    out = rejection_sample(*padded_batch(rows, max_k=3), {1: torch.Generator().manual_seed(0)})
-    assert out.output_token_ids == [[1, 5, 4], [2], [1, 2, 0], [5]]
-    assert out.num_accepted == [2, 0, 2, 0]
+    batch = padded_batch(rows, max_k=3, pad_id=pad_id, pad_prob=pad_prob)
+    out = rejection_sample(*batch, {1: torch.Generator().manual_seed(0)})
+    assert out.output_token_ids[:5] == [[1, 5, 4], [2], [1, 2, 0], [5], [4, 0]]
+    assert out.num_accepted == [2, 0, 2, 0, 1, 1]
+    assert len(out.output_token_ids[5]) == 2 and out.output_token_ids[5][0] == 0
+
+
+def test_greedy_row_generator_untouched_in_mixed_batch():
+    rows = [
+        Row([1], DRAFT[None], torch.stack([TARGET, BONUS])),
+        Row([1], DRAFT[None], one_hots([1, 3]), greedy=True),
+    ]
+    random_generator, greedy_generator = torch.Generator().manual_seed(1), torch.Generator().manual_seed(2)
+    random_state, greedy_state = random_generator.get_state(), greedy_generator.get_state()
+    out = rejection_sample(*padded_batch(rows, max_k=1), {0: random_generator, 1: greedy_generator})
+    assert out.output_token_ids[1] == [1, 3]
+    assert not torch.equal(random_generator.get_state(), random_state)
+    assert torch.equal(greedy_generator.get_state(), greedy_state), "a greedy row advanced its generator"
 
 
 def test_no_drafts_at_all_and_empty_batch():
