@@ -127,7 +127,7 @@ def test_streamed_deltas_never_show_a_stop_string(llm):
     greedy = dict(max_tokens=30, temperature=0, ignore_eos=True)
     text = llm.generate(["The dog"], SamplingParams(**greedy))[0].outputs[0].text
     stop = text[12:15]
-    rid = engine.add_request("The dog", SamplingParams(stop=[stop], **greedy))
+    engine.add_request("The dog", SamplingParams(stop=[stop], **greedy))
     pieces = []
     while engine.has_unfinished():
         for out in engine.step():

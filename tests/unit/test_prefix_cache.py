@@ -65,9 +65,9 @@ def test_lookup_stops_before_the_last_token_and_at_the_first_miss():
 
 def test_eviction_takes_least_recent_leaves_first_and_never_a_referenced_block():
     bm = BlockManager(num_blocks=5, block_size=2)
-    a = _computed(bm, "a", [1, 2, 3, 4, 5, 6])  # a0 a1 a2
+    _computed(bm, "a", [1, 2, 3, 4, 5, 6])  # a0 a1 a2
     table_a = list(bm.get_block_table("a"))
-    b = _computed(bm, "b", [1, 2, 3, 4, 7, 8])  # shares a0 a1, adds b2
+    _computed(bm, "b", [1, 2, 3, 4, 7, 8])  # shares a0 a1, adds b2
     b2 = bm.get_block_table("b")[2]
     assert bm.get_block_table("b")[:2] == table_a[:2]
     bm.free("a")  # a2 becomes free (cached); a0, a1 still held by b

@@ -16,6 +16,7 @@ import torch
 
 from cluster.spec import rejection
 from cluster.spec.rejection import RejectionOutput, recovered_probs, rejection_sample
+from tests.statistics import chi2_quantile
 
 VOCAB = 6
 NUM_ROWS = 20_000
@@ -27,23 +28,6 @@ BONUS = torch.tensor([0.10, 0.30, 0.05, 0.25, 0.20, 0.10])
 
 
 # ---------------------------------------------------------------- statistics
-
-
-def chi2_quantile(q: float, df: int) -> float:
-    """Quantile of the chi-square distribution by bisection on its CDF, P(df/2, x/2)."""
-    lo, hi = 0.0, df + 20.0 * math.sqrt(df) + 50.0
-    shape = torch.tensor(df / 2, dtype=torch.float64)
-    for _ in range(200):
-        mid = (lo + hi) / 2
-        cdf = torch.special.gammainc(shape, torch.tensor(mid / 2, dtype=torch.float64)).item()
-        lo, hi = (mid, hi) if cdf < q else (lo, mid)
-    return (lo + hi) / 2
-
-
-def test_chi2_quantile_matches_table():
-    table_999 = {2: 13.816, 3: 16.266, 5: 20.515}
-    for df, value in table_999.items():
-        assert chi2_quantile(0.999, df) == pytest.approx(value, abs=2e-3)
 
 
 class Chi2(NamedTuple):

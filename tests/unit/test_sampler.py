@@ -9,7 +9,6 @@ p = 0.001.
 from __future__ import annotations
 
 import dataclasses
-import math
 
 import numpy as np
 import pytest
@@ -17,6 +16,7 @@ import torch
 from transformers import RepetitionPenaltyLogitsProcessor
 
 from cluster.engine.sampling_params import SamplingParams
+from tests.statistics import chi2_quantile
 from cluster.runner.sampler import (
     Sampler,
     SamplingMetadata,
@@ -46,23 +46,6 @@ def seeded(seed: int) -> torch.Generator:
 
 
 # ---------------------------------------------------------------- statistics
-
-
-def chi2_quantile(q: float, df: int) -> float:
-    """Quantile of the chi-square distribution by bisection on its CDF, P(df/2, x/2)."""
-    lo, hi = 0.0, df + 20.0 * math.sqrt(df) + 50.0
-    shape = torch.tensor(df / 2, dtype=torch.float64)
-    for _ in range(200):
-        mid = (lo + hi) / 2
-        cdf = torch.special.gammainc(shape, torch.tensor(mid / 2, dtype=torch.float64)).item()
-        lo, hi = (mid, hi) if cdf < q else (lo, mid)
-    return (lo + hi) / 2
-
-
-def test_chi2_quantile_matches_table():
-    table_999 = {1: 10.828, 2: 13.816, 3: 16.266, 5: 20.515, 7: 24.322}
-    for df, value in table_999.items():
-        assert chi2_quantile(0.999, df) == pytest.approx(value, abs=2e-3)
 
 
 def assert_matches_distribution(samples: torch.Tensor, probs: torch.Tensor) -> None:

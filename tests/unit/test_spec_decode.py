@@ -5,7 +5,6 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass
 
-import numpy as np
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
@@ -128,7 +127,7 @@ def test_stops_inside_accepted_runs_and_limits(tiny_llama_dir, expected_greedy):
 def test_stop_string_inside_accepted_run_cuts_tokens_and_text(tiny_llama_dir):
     plain = _engine(tiny_llama_dir, num_blocks=64)
     params = SamplingParams(max_tokens=30, temperature=0, ignore_eos=True)
-    rid = plain.add_request("The cat sat", params)
+    plain.add_request("The cat sat", params)
     text, ids = "", []
     while plain.has_unfinished():
         for out in plain.step():
