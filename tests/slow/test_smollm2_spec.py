@@ -1,0 +1,41 @@
+"""Speculative decoding on the embedded default: greedy tokens equal plain decoding."""
+
+from __future__ import annotations
+
+import pytest
+
+from cluster.engine.llm import LLM
+from cluster.engine.sampling_params import SamplingParams
+
+pytestmark = pytest.mark.slow
+
+PROMPTS = [
+    "Repeat after me exactly: the quick brown fox jumps over the lazy dog. The quick brown fox",
+    "def add(a, b):\n    return a + b\n\ndef sub(a, b):\n    return a - b\n\ndef mul(a, b):",
+    "The capital of France is",
+    "List the numbers from one to twenty: one, two, three, four, five,",
+]
+PARAMS = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def expected() -> list[list[int]]:
+    llm = LLM("smollm2-135m-instruct", dtype="float32", device="cpu", kv_cache_memory="128MiB")
+    return [o.outputs[0].token_ids for o in llm.generate(PROMPTS, PARAMS)]
+
+
+def test_ngram_speculation_matches_plain_greedy(expected):
+    llm = LLM("smollm2-135m-instruct", dtype="float32", device="cpu", kv_cache_memory="128MiB",
+              method="ngram", num_speculative_tokens=4)
+    assert [o.outputs[0].token_ids for o in llm.generate(PROMPTS, PARAMS)] == expected
+    spec = llm.engine.stats().spec
+    assert spec.num_accepted_tokens > 0
+    llm.engine.check_invariants()
+
+
+def test_self_draft_accepts_every_token(expected):
+    llm = LLM("smollm2-135m-instruct", dtype="float32", device="cpu", kv_cache_memory="128MiB",
+              method="draft", draft_model="smollm2-135m-instruct", num_speculative_tokens=3)
+    assert [o.outputs[0].token_ids for o in llm.generate(PROMPTS, PARAMS)] == expected
+    spec = llm.engine.stats().spec
+    assert spec.num_accepted_tokens == spec.num_draft_tokens > 0
