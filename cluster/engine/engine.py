@@ -140,7 +140,7 @@ class Engine:
         tables = [self.block_manager.get_block_table(s.request.request_id) for s in out.scheduled]
         drafts = None
         if any(s.num_draft_tokens for s in out.scheduled):
-            drafts = self.proposer.propose(out.scheduled, tables, {})
+            drafts = self.proposer.propose(out.scheduled, tables)
         sampled = self.worker.runner.execute(out.scheduled, tables, drafts)
         self.scheduler.update(out, {rid: s.token_ids for rid, s in sampled.items()})
         self._record_spec(k, out, drafts, sampled)

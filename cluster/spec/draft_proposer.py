@@ -41,7 +41,7 @@ class DraftModelProposer:
 
     @torch.inference_mode()
     def propose(
-        self, scheduled: list[ScheduledRequest], block_tables: list[list[int]], generators: dict | None = None
+        self, scheduled: list[ScheduledRequest], block_tables: list[list[int]]
     ) -> DraftProposal:
         active = [(s, t) for s, t in zip(scheduled, block_tables) if s.num_draft_tokens > 0]
         if not active:
@@ -78,7 +78,4 @@ class DraftModelProposer:
             {r.request_id: d for r, d in zip(requests, drafts)},
             {r.request_id: torch.stack(p) for r, p in zip(requests, probs)},
         )
-
-    def free_request(self, request_id: str) -> None:
-        pass
 

@@ -24,10 +24,8 @@ class DraftProposal(NamedTuple):
 
 class Proposer(Protocol):
     def propose(
-        self, scheduled: list[ScheduledRequest], block_tables: list[list[int]], generators: dict
+        self, scheduled: list[ScheduledRequest], block_tables: list[list[int]]
     ) -> DraftProposal: ...
-
-    def free_request(self, request_id: str) -> None: ...
 
 
 class NgramStepProposer:
@@ -37,12 +35,9 @@ class NgramStepProposer:
         self.ngram = NgramProposer(min_n, max_n)
 
     def propose(
-        self, scheduled: list[ScheduledRequest], block_tables: list[list[int]], generators: dict
+        self, scheduled: list[ScheduledRequest], block_tables: list[list[int]]
     ) -> DraftProposal:
         active = [s for s in scheduled if s.num_draft_tokens > 0]
         drafts = self.ngram.propose([s.request.all_token_ids for s in active],
                                     [s.num_draft_tokens for s in active])
         return DraftProposal({s.request.request_id: d for s, d in zip(active, drafts) if d}, None)
-
-    def free_request(self, request_id: str) -> None:
-        pass
