@@ -29,7 +29,7 @@ def test_both_systems_every_cell(tiny_folder, tmp_path):
     for (_, batch_size), cell in cells.items():
         assert cell["dtype"] == "float32" and cell["output_len"] == 4
         assert cell["output_tokens"] == batch_size * 4
-        assert cell["seconds"] > 0 and cell["tok_per_s"] > 0
+        assert cell["tok_per_s"] > 0
     assert [(r["dtype"], r["batch_size"]) for r in result["ratios"]] == [("float32", 1), ("float32", 2)]
     assert all(r["tandem_over_transformers"] > 0 for r in result["ratios"])
     assert result["machine"]["read_bandwidth_gb_s"] > 0 and result["machine"]["threads"] >= 1

@@ -50,7 +50,7 @@ def test_multi_turn_on_vs_off(result):
     on, off = chat["runs"]
     assert (on["prefix_caching"], off["prefix_caching"]) == (True, False)
     for run in (on, off):
-        assert run["output_tokens"] == 2 * 2 * 4 and run["seconds"] > 0 and run["tok_per_s"] > 0
+        assert run["output_tokens"] == 2 * 2 * 4 and run["tok_per_s"] > 0
     assert on["prompt_tokens"] == off["prompt_tokens"]
     assert chat["outputs_identical"] and chat["num_mismatched_turns"] == 0
     assert on["num_computed_tokens"] < off["num_computed_tokens"]

@@ -6,19 +6,14 @@ import random
 
 import pytest
 
-from cluster.config import TandemConfig, with_overrides
-from cluster.engine.engine import Engine
 from cluster.engine.llm import LLM
 from cluster.engine.sampling_params import SamplingParams
+from tests.engine_helpers import drain, make_engine
 
 
 @pytest.fixture(scope="module")
 def llm(tiny_llama_dir) -> LLM:
     return LLM(str(tiny_llama_dir), device="cpu", num_blocks=64, max_model_len=128)
-
-
-def _engine(path, **overrides) -> Engine:
-    return Engine(with_overrides(TandemConfig(), model=str(path), device="cpu", **overrides))
 
 
 # ---- bad input ----------------------------------------------------------------------
@@ -65,7 +60,7 @@ def test_bad_prompts_raise_and_engine_keeps_serving(llm):
 
 
 def test_prompt_that_cannot_fit_in_the_kv_pool_is_refused(tiny_llama_dir):
-    engine = _engine(tiny_llama_dir, num_blocks=2, block_size=4)
+    engine = make_engine(tiny_llama_dir, num_blocks=2, block_size=4)
     with pytest.raises(ValueError, match="KV cache"):
         engine.add_request(list(range(3, 20)))
 
@@ -158,7 +153,7 @@ def test_min_tokens_blocks_eos(tiny_llama_dir):
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_random_workload_with_aborts_frees_every_block(tiny_llama_dir, seed):
     rng = random.Random(seed)
-    engine = _engine(tiny_llama_dir, num_blocks=24, block_size=4, max_num_seqs=6,
+    engine = make_engine(tiny_llama_dir, num_blocks=24, block_size=4, max_num_seqs=6,
                      max_num_batched_tokens=rng.choice([8, 32, 256]))
     live: set[str] = set()
     added = 0
@@ -179,11 +174,7 @@ def test_random_workload_with_aborts_frees_every_block(tiny_llama_dir, seed):
         engine.check_invariants()
         if added >= 40 and not engine.has_unfinished():
             break
-    while engine.has_unfinished():
-        for out in engine.step():
-            if out.finished:
-                live.discard(out.request_id)
-        engine.check_invariants()
+    drain(engine, live)
     assert not live
     assert engine.scheduler.num_preemptions > 0  # the pool was small enough to force them
     assert engine.block_manager.num_free_blocks == engine.block_manager.pool.num_blocks

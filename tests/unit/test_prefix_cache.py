@@ -6,12 +6,11 @@ import random
 
 import pytest
 
-from cluster.config import TandemConfig, with_overrides
-from cluster.engine.engine import Engine
 from cluster.engine.request import Request
 from cluster.engine.sampling_params import SamplingParams
 from cluster.kv.block_manager import BlockManager
 from cluster.models.tiny import save_tiny_model, tiny_llama_config
+from tests.engine_helpers import drain, make_engine, run_to_completion
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
 
@@ -21,21 +20,6 @@ def long_llama_dir(tmp_path_factory):
     path = tmp_path_factory.mktemp("tiny_llama_long")
     save_tiny_model(tiny_llama_config(max_position_embeddings=1024), path, seed=2)
     return path
-
-
-def _engine(path, **overrides) -> Engine:
-    return Engine(with_overrides(TandemConfig(), model=str(path), device="cpu", **overrides))
-
-
-def _run(engine: Engine, prompts, params) -> list[list[int]]:
-    ids = [engine.add_request(p, sp) for p, sp in zip(prompts, params)]
-    done = {}
-    while engine.has_unfinished():
-        for out in engine.step():
-            if out.finished:
-                done[out.request_id] = out.outputs[0].token_ids
-        engine.check_invariants()
-    return [done[i] for i in ids]
 
 
 # ---- block manager on its own ---------------------------------------------------------
@@ -107,9 +91,9 @@ def test_outputs_equal_with_cache_on_and_off_greedy_and_seeded(tiny_llama_dir):
         params.append(GREEDY if i % 2 else SamplingParams(max_tokens=12, temperature=1.0, top_p=0.9, seed=i))
     results = {}
     for caching in (False, True):
-        engine = _engine(tiny_llama_dir, num_blocks=64, block_size=4, enable_prefix_caching=caching)
-        first = _run(engine, prompts[:1], params[:1])  # warm the cache with the system prompt
-        results[caching] = first + _run(engine, prompts[1:], params[1:])
+        engine = make_engine(tiny_llama_dir, num_blocks=64, block_size=4, enable_prefix_caching=caching)
+        first = run_to_completion(engine, prompts[:1], params[:1])  # warm the cache with the system prompt
+        results[caching] = first + run_to_completion(engine, prompts[1:], params[1:])
         if caching:
             assert engine.stats().prefix_cache_hits >= 5 * 40 - 5 * 4
     assert results[True] == results[False]
@@ -120,14 +104,14 @@ def test_multi_turn_history_is_reused_and_outputs_match(tiny_llama_dir):
     computed = {}
     for caching in (False, True):
         rng = random.Random(1)
-        engine = _engine(tiny_llama_dir, num_blocks=128, block_size=4, enable_prefix_caching=caching)
+        engine = make_engine(tiny_llama_dir, num_blocks=128, block_size=4, enable_prefix_caching=caching)
         history = [[rng.randrange(3, 256) for _ in range(30)] for _ in range(3)]
         rng_turns = random.Random(7)
         turns = []
         for _ in range(4):
             user = [[rng_turns.randrange(3, 256) for _ in range(5)] for _ in history]
             prompts = [h + u for h, u in zip(history, user)]
-            answers = _run(engine, prompts, [GREEDY] * len(prompts))
+            answers = run_to_completion(engine, prompts, [GREEDY] * len(prompts))
             history = [p + a for p, a in zip(prompts, answers)]
             turns.append(answers)
         outputs[caching] = turns
@@ -137,18 +121,18 @@ def test_multi_turn_history_is_reused_and_outputs_match(tiny_llama_dir):
 
 
 def test_shared_512_token_prefix_computes_only_the_new_tokens(long_llama_dir):
-    engine = _engine(long_llama_dir, num_blocks=256, block_size=16)
+    engine = make_engine(long_llama_dir, num_blocks=256, block_size=16)
     rng = random.Random(2)
     prefix = [rng.randrange(3, 256) for _ in range(512)]
-    _run(engine, [prefix + [5, 6, 7]], [SamplingParams(max_tokens=1)])
+    run_to_completion(engine, [prefix + [5, 6, 7]], [SamplingParams(max_tokens=1)])
     before = engine.stats().num_computed_tokens
     second = prefix + [9, 10, 11, 12, 13]
-    _run(engine, [second], [SamplingParams(max_tokens=1)])
+    run_to_completion(engine, [second], [SamplingParams(max_tokens=1)])
     assert engine.stats().num_computed_tokens - before == len(second) - 512
 
 
 def test_usage_reports_cached_prompt_tokens(long_llama_dir):
-    engine = _engine(long_llama_dir, num_blocks=256, block_size=16)
+    engine = make_engine(long_llama_dir, num_blocks=256, block_size=16)
     prompt = list(range(3, 200))
     engine.add_request(prompt, SamplingParams(max_tokens=1))
     while engine.has_unfinished():
@@ -165,13 +149,13 @@ def test_forced_hash_collisions_never_serve_wrong_kv(tiny_llama_dir):
     rng = random.Random(3)
     prompts = [[rng.randrange(3, 256) for _ in range(rng.randint(10, 40))] for _ in range(8)]
     prompts += [p[:20] + [rng.randrange(3, 256) for _ in range(6)] for p in prompts[:4]]
-    expected = _run(_engine(tiny_llama_dir, num_blocks=64, block_size=4, enable_prefix_caching=False),
+    expected = run_to_completion(make_engine(tiny_llama_dir, num_blocks=64, block_size=4, enable_prefix_caching=False),
                     prompts, [GREEDY] * len(prompts))
-    engine = _engine(tiny_llama_dir, num_blocks=64, block_size=4)
+    engine = make_engine(tiny_llama_dir, num_blocks=64, block_size=4)
     engine.block_manager.hasher.hash_fn = lambda seed, parent, tokens, extra: 42  # every block collides
     got = []
     for p in prompts:  # one at a time so that every lookup meets a colliding cached block
-        got += _run(engine, [p], [GREEDY])
+        got += run_to_completion(engine, [p], [GREEDY])
     assert got == expected
     assert engine.stats().num_cached_blocks == 1  # only the first name could be taken
 
@@ -179,7 +163,7 @@ def test_forced_hash_collisions_never_serve_wrong_kv(tiny_llama_dir):
 @pytest.mark.parametrize("seed", [0, 1])
 def test_random_shared_prefix_workload_with_aborts_returns_every_block(tiny_llama_dir, seed):
     rng = random.Random(seed)
-    engine = _engine(tiny_llama_dir, num_blocks=20, block_size=4, max_num_seqs=5, max_num_batched_tokens=24)
+    engine = make_engine(tiny_llama_dir, num_blocks=20, block_size=4, max_num_seqs=5, max_num_batched_tokens=24)
     prefixes = [[rng.randrange(3, 256) for _ in range(rng.choice([8, 13, 24]))] for _ in range(3)]
     live: set[str] = set()
     for step in range(300):
@@ -195,10 +179,7 @@ def test_random_shared_prefix_workload_with_aborts_returns_every_block(tiny_llam
             if out.finished:
                 live.discard(out.request_id)
         engine.check_invariants()
-    while engine.has_unfinished():
-        for out in engine.step():
-            live.discard(out.request_id) if out.finished else None
-        engine.check_invariants()
+    drain(engine, live)
     stats = engine.stats()
     assert not live and stats.kv_cache_usage == 0
     assert engine.block_manager.num_free_blocks == engine.block_manager.pool.num_blocks

@@ -9,10 +9,9 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from cluster.config import TandemConfig, with_overrides
-from cluster.engine.engine import Engine
 from cluster.engine.sampling_params import SamplingParams
 from cluster.models.tiny import save_tiny_model, save_tiny_tokenizer, tiny_llama_config
+from tests.engine_helpers import drain, make_engine, run_to_completion
 
 GREEDY = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)
 
@@ -34,24 +33,6 @@ def noisy_draft_dir(tiny_llama_dir, tmp_path_factory):
     return _noisy_copy(tiny_llama_dir, tmp_path_factory.mktemp("noisy_draft"), 0.3, seed=1)
 
 
-def _engine(target, **overrides) -> Engine:
-    return Engine(with_overrides(TandemConfig(), model=str(target), device="cpu", **overrides))
-
-
-def _run(engine: Engine, prompts, params) -> list[list[int]]:
-    if isinstance(params, SamplingParams):
-        params = [params] * len(prompts)
-    ids = [engine.add_request(p, sp) for p, sp in zip(prompts, params)]
-    done = {}
-    while engine.has_unfinished():
-        for out in engine.step():
-            if out.finished:
-                done[out.request_id] = out.outputs[0].token_ids
-        engine.check_invariants()
-    assert engine.block_manager.num_free_blocks == engine.block_manager.pool.num_blocks
-    return [done[i] for i in ids]
-
-
 def _prompts(seed=0, lengths=(5, 17, 30, 3, 44, 9)):
     rng = random.Random(seed)
     return [[rng.randrange(3, 256) for _ in range(n)] for n in lengths]
@@ -59,7 +40,7 @@ def _prompts(seed=0, lengths=(5, 17, 30, 3, 44, 9)):
 
 @pytest.fixture(scope="module")
 def expected_greedy(tiny_llama_dir):
-    return _run(_engine(tiny_llama_dir, num_blocks=128), _prompts(), GREEDY)
+    return run_to_completion(make_engine(tiny_llama_dir, num_blocks=128), _prompts(), GREEDY)
 
 
 SPEC_SETUPS = {
@@ -72,9 +53,9 @@ SPEC_SETUPS = {
 @pytest.mark.parametrize("setup", sorted(SPEC_SETUPS))
 @pytest.mark.parametrize("k", [1, 4])
 def test_greedy_outputs_equal_plain_decoding(setup, k, tiny_llama_dir, noisy_draft_dir, expected_greedy):
-    engine = _engine(tiny_llama_dir, num_blocks=128, num_speculative_tokens=k,
+    engine = make_engine(tiny_llama_dir, num_blocks=128, num_speculative_tokens=k,
                      **SPEC_SETUPS[setup](tiny_llama_dir, noisy_draft_dir))
-    assert _run(engine, _prompts(), GREEDY) == expected_greedy
+    assert run_to_completion(engine, _prompts(), GREEDY) == expected_greedy
     spec = engine.stats().spec
     assert spec.num_draft_tokens > 0
     if setup == "self-draft":
@@ -84,13 +65,13 @@ def test_greedy_outputs_equal_plain_decoding(setup, k, tiny_llama_dir, noisy_dra
 
 
 def test_preemption_prefix_hits_and_small_budget(tiny_llama_dir, noisy_draft_dir, expected_greedy):
-    engine = _engine(tiny_llama_dir, num_blocks=14, block_size=8, max_num_batched_tokens=16,
+    engine = make_engine(tiny_llama_dir, num_blocks=14, block_size=8, max_num_batched_tokens=16,
                      num_speculative_tokens=3, method="draft", draft_model=str(noisy_draft_dir))
     prompts = _prompts()
-    assert _run(engine, prompts, GREEDY) == expected_greedy
+    assert run_to_completion(engine, prompts, GREEDY) == expected_greedy
     assert engine.stats().num_preemptions > 0
     # Again, now with every prompt's full blocks in the prefix cache.
-    assert _run(engine, prompts, GREEDY) == expected_greedy
+    assert run_to_completion(engine, prompts, GREEDY) == expected_greedy
     assert engine.stats().prefix_cache_hits > 0
 
 
@@ -105,27 +86,27 @@ class CyclingController:
 
 
 def test_k_changing_every_step_including_zero(tiny_llama_dir, noisy_draft_dir, expected_greedy):
-    engine = _engine(tiny_llama_dir, num_blocks=128, method="draft", draft_model=str(noisy_draft_dir))
+    engine = make_engine(tiny_llama_dir, num_blocks=128, method="draft", draft_model=str(noisy_draft_dir))
     engine.controller = CyclingController()
-    assert _run(engine, _prompts(), GREEDY) == expected_greedy
+    assert run_to_completion(engine, _prompts(), GREEDY) == expected_greedy
     assert set(engine.stats().spec.k_per_step) == {0, 1, 2, 3, 4}
 
 
 def test_stops_inside_accepted_runs_and_limits(tiny_llama_dir, expected_greedy):
-    engine = _engine(tiny_llama_dir, num_blocks=128, num_speculative_tokens=4,
+    engine = make_engine(tiny_llama_dir, num_blocks=128, num_speculative_tokens=4,
                      method="draft", draft_model=str(tiny_llama_dir))
     prompts = _prompts()
     stop_ids = [ref[7] for ref in expected_greedy]
     params = [SamplingParams(max_tokens=20, temperature=0, ignore_eos=True, stop_token_ids=[s]) for s in stop_ids]
-    for got, ref, stop in zip(_run(engine, prompts, params), expected_greedy, stop_ids):
+    for got, ref, stop in zip(run_to_completion(engine, prompts, params), expected_greedy, stop_ids):
         assert got == ref[: ref.index(stop) + 1]
     for max_tokens in (1, 2, 6):
-        short = _run(engine, prompts, SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True))
+        short = run_to_completion(engine, prompts, SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True))
         assert short == [ref[:max_tokens] for ref in expected_greedy]
 
 
 def test_stop_string_inside_accepted_run_cuts_tokens_and_text(tiny_llama_dir):
-    plain = _engine(tiny_llama_dir, num_blocks=64)
+    plain = make_engine(tiny_llama_dir, num_blocks=64)
     params = SamplingParams(max_tokens=30, temperature=0, ignore_eos=True)
     plain.add_request("The cat sat", params)
     text, ids = "", []
@@ -133,7 +114,7 @@ def test_stop_string_inside_accepted_run_cuts_tokens_and_text(tiny_llama_dir):
         for out in plain.step():
             text, ids = out.outputs[0].text, out.outputs[0].token_ids
     stop = text[9:11]
-    spec = _engine(tiny_llama_dir, num_blocks=64, num_speculative_tokens=5, method="draft",
+    spec = make_engine(tiny_llama_dir, num_blocks=64, num_speculative_tokens=5, method="draft",
                    draft_model=str(tiny_llama_dir))
     spec.add_request("The cat sat", SamplingParams(max_tokens=30, temperature=0, ignore_eos=True, stop=[stop]))
     last = None
@@ -152,16 +133,16 @@ def test_seeded_sampling_with_speculation_is_reproducible(tiny_llama_dir, noisy_
     params = [SamplingParams(max_tokens=16, temperature=1.0, top_p=0.9, seed=s) for s in range(4)]
     runs = []
     for _ in range(2):
-        engine = _engine(tiny_llama_dir, num_blocks=128, num_speculative_tokens=3,
+        engine = make_engine(tiny_llama_dir, num_blocks=128, num_speculative_tokens=3,
                          method="draft", draft_model=str(noisy_draft_dir))
-        runs.append(_run(engine, _prompts(lengths=(4, 9, 14, 6)), params))
+        runs.append(run_to_completion(engine, _prompts(lengths=(4, 9, 14, 6)), params))
     assert runs[0] == runs[1]
 
 
 @pytest.mark.parametrize("seed", [0, 1])
 def test_random_workload_with_speculation_and_aborts(tiny_llama_dir, noisy_draft_dir, seed):
     rng = random.Random(seed)
-    engine = _engine(tiny_llama_dir, num_blocks=24, block_size=4, max_num_seqs=5, max_num_batched_tokens=32,
+    engine = make_engine(tiny_llama_dir, num_blocks=24, block_size=4, max_num_seqs=5, max_num_batched_tokens=32,
                      num_speculative_tokens=3, method="draft", draft_model=str(noisy_draft_dir))
     engine.controller = CyclingController()
     live: set[str] = set()
@@ -180,11 +161,7 @@ def test_random_workload_with_speculation_and_aborts(tiny_llama_dir, noisy_draft
                 live.discard(out.request_id)
                 assert len(out.outputs[0].token_ids) <= 20
         engine.check_invariants()
-    while engine.has_unfinished():
-        for out in engine.step():
-            if out.finished:
-                live.discard(out.request_id)
-        engine.check_invariants()
+    drain(engine, live)
     assert not live
     assert engine.block_manager.num_free_blocks == engine.block_manager.pool.num_blocks
     assert engine.stats().spec.num_draft_tokens > 0
@@ -193,9 +170,9 @@ def test_random_workload_with_speculation_and_aborts(tiny_llama_dir, noisy_draft
 def test_draft_with_another_vocabulary_is_refused(tiny_llama_dir, tmp_path):
     other = save_tiny_model(tiny_llama_config(vocab_size=300), tmp_path / "other", seed=0)
     with pytest.raises(ValueError, match="vocabulary"):
-        _engine(tiny_llama_dir, num_blocks=32, method="draft", draft_model=str(other))
+        make_engine(tiny_llama_dir, num_blocks=32, method="draft", draft_model=str(other))
 
 
 def test_draft_method_needs_a_draft_model(tiny_llama_dir):
     with pytest.raises(ValueError, match="draft_model"):
-        _engine(tiny_llama_dir, method="draft")
+        make_engine(tiny_llama_dir, method="draft")
