@@ -49,6 +49,31 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_profile(args: argparse.Namespace) -> int:
+    import json
+
+    from cluster.engine.engine import Engine
+    from cluster.spec.profiler import power_of_two_sizes, run_profile
+
+    config = _engine_config(args)
+    if config.speculative.method == "none":
+        config = with_overrides(config, method="ngram")
+    # The profile is what the controllers will read: make one with the fixed policy.
+    config = with_overrides(config, controller="fixed", num_speculative_tokens=args.max_k)
+    engine = Engine(config)
+    max_batch = args.max_batch or config.scheduler.max_num_seqs
+    profile = run_profile(engine, power_of_two_sizes(max_batch), args.max_k, args.context_len, args.repeats)
+    profile.save(args.out)
+    print(f"device {profile.device}; draft {profile.draft}; acceptance per position "
+          + ", ".join(f"{a:.2f}" for a in profile.acceptance))
+    print(f"fitted step-time model, mean relative error {profile.fit_error:.1%}")
+    print("best k per batch size: " + ", ".join(f"{b}: {k}" for b, k in profile.table.items()))
+    if args.vllm_schedule:
+        print(json.dumps({"num_speculative_tokens_per_batch_size": profile.vllm_schedule()}))
+    print(f"wrote {args.out}")
+    return 0
+
+
 def cmd_bench_offline(args: argparse.Namespace) -> int:
     from cluster.bench.offline import run_offline_bench
 
@@ -77,6 +102,20 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--seed", type=int)
     _add_engine_args(gen)
     gen.set_defaults(func=cmd_generate)
+
+    prof = sub.add_parser("profile", help="measure step times and acceptance; write the k-per-batch-size profile")
+    prof.add_argument("config", nargs="?", help="YAML settings file (e.g. configs/local.yaml)")
+    prof.add_argument("--out", default="speculation-profile.json", help="where to write the profile JSON")
+    prof.add_argument("--max-k", type=int, default=8, help="largest speculation length to measure")
+    prof.add_argument("--max-batch", type=int, help="largest batch size (default: scheduler.max_num_seqs)")
+    prof.add_argument("--context-len", type=int, default=128, help="context tokens per sequence while timing")
+    prof.add_argument("--repeats", type=int, default=3, help="timed passes per cell (median is kept)")
+    prof.add_argument("--vllm-schedule", action="store_true",
+                      help="also print the table as vLLM's num_speculative_tokens_per_batch_size")
+    prof.add_argument("--model", help="short name, Hugging Face folder or .gguf file")
+    prof.add_argument("--dtype", choices=["float32", "bfloat16", "float16", "auto"])
+    prof.add_argument("--device", help="auto, cpu, cuda or cuda:N")
+    prof.set_defaults(func=cmd_profile)
 
     bench = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="bench", required=True)
     offline = bench.add_parser("offline", help="output tok/s at several batch sizes, Tandem vs transformers")

@@ -68,7 +68,10 @@ class SpeculativeConfig(_Strict):
     method: Literal["none", "draft", "ngram"] = "none"
     draft_model: str | None = Field(None, description="short name, HF folder or .gguf file (method: draft)")
     draft_dtype: DType | None = Field(None, description="defaults to the target's dtype")
-    num_speculative_tokens: int = Field(4, ge=0, le=16, description="k for the fixed controller")
+    num_speculative_tokens: int = Field(4, ge=0, le=16, description="k (fixed), or the largest k (table, adaptive)")
+    controller: Literal["fixed", "table", "adaptive"] = "fixed"
+    profile: str | None = Field(None, description="`tandem profile` JSON, needed by table and adaptive")
+    hysteresis: float = Field(0.05, ge=0, lt=1, description="adaptive: switch k only when this much better")
     ngram_min: int = Field(1, ge=1)
     ngram_max: int = Field(4, ge=1)
 
@@ -76,6 +79,8 @@ class SpeculativeConfig(_Strict):
     def _check(self) -> "SpeculativeConfig":
         if self.method == "draft" and not self.draft_model:
             raise ValueError("speculative.draft_model is required when speculative.method is 'draft'")
+        if self.controller != "fixed" and self.method != "none" and not self.profile:
+            raise ValueError(f"speculative.profile is required by the {self.controller!r} controller")
         if self.ngram_min > self.ngram_max:
             raise ValueError("speculative.ngram_min must be <= speculative.ngram_max")
         return self

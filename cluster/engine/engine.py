@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import time
 from dataclasses import dataclass
 
 import torch
@@ -24,7 +25,7 @@ from cluster.engine.scheduler import Scheduler
 from cluster.kv.block_manager import BlockManager, cdiv
 from cluster.runner.model_runner import SampledTokens
 from cluster.runner.worker import Worker
-from cluster.spec.controller import BatchState
+from cluster.spec.controller import BatchState, StepObservation
 from cluster.spec.factory import build_speculation
 from cluster.spec.stats import SpecDecodeStats
 
@@ -135,6 +136,7 @@ class Engine:
 
     # ---- the loop ---------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        started = time.perf_counter()
         k = self._choose_k()
         out = self.scheduler.schedule(num_lookahead_tokens=k)
         tables = [self.block_manager.get_block_table(s.request.request_id) for s in out.scheduled]
@@ -143,7 +145,7 @@ class Engine:
             drafts = self.proposer.propose(out.scheduled, tables)
         sampled = self.worker.runner.execute(out.scheduled, tables, drafts)
         self.scheduler.update(out, {rid: s.token_ids for rid, s in sampled.items()})
-        self._record_spec(k, out, drafts, sampled)
+        self._record_spec(k, out, drafts, sampled, time.perf_counter() - started)
         return [self._output(s.request, sampled[s.request.request_id]) for s in out.scheduled
                 if s.request.request_id in sampled]
 
@@ -152,15 +154,20 @@ class Engine:
             return 0
         return self.controller.choose_k(BatchState(self.scheduler.num_running, self.scheduler.num_waiting))
 
-    def _record_spec(self, k: int, out, drafts, sampled) -> None:
+    def _record_spec(self, k: int, out, drafts, sampled, seconds: float) -> None:
         if self.controller is None:
             return
         self.spec_stats.record_step(k)
-        if drafts is None:
-            return
-        for rid, tokens in drafts.token_ids.items():
-            if rid in sampled:
-                self.spec_stats.record_request(len(tokens), sampled[rid].num_accepted)
+        verified = []
+        if drafts is not None:
+            for rid, tokens in drafts.token_ids.items():
+                if rid in sampled:
+                    self.spec_stats.record_request(len(tokens), sampled[rid].num_accepted)
+                    verified.append((len(tokens), sampled[rid].num_accepted))
+        observe = getattr(self.controller, "observe", None)
+        # Steps with prefill chunks are not what the latency model describes.
+        if observe is not None and out.scheduled and all(s.num_new_tokens == 1 for s in out.scheduled):
+            observe(StepObservation(len(out.scheduled), k, seconds, verified))
 
     def _output(self, request: Request, sampled: SampledTokens) -> RequestOutput:
         state = self._states[request.request_id]

@@ -1,14 +1,27 @@
-"""The speculation controller: batch state in, speculation length ``k`` out.
+"""Speculation controllers: batch state in, speculation length ``k`` out (0 = plain decoding).
 
-``k = 0`` means plain decoding for that step. This file holds the interface and the
-fixed-``k`` controller; the adaptive one (profiled per batch size, re-fitted online)
-implements the same interface.
+- ``FixedController``: one ``k`` for every step.
+- ``TableController``: the paper's policy, a profiled lookup of the best ``k`` by the
+  live batch size.
+- ``AdaptiveController``: starts from the profile, keeps per-position acceptance and
+  the step-time model true online from the engine's own observations (exponential
+  moving averages; least squares with forgetting), re-solves the best ``k`` for the
+  batch at hand, and switches only when the new ``k`` is predicted to be clearly
+  better and the current one has been held for a while (so ``k`` does not flap when
+  the batch size sits at the edge between two best values). ``k = 0`` falls out of
+  the model wherever drafting does not pay; while at 0 it drafts one token every
+  ``explore_every`` steps, so acceptance estimates that recover are noticed.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import bisect
+from dataclasses import dataclass, field
 from typing import Protocol
+
+import numpy as np
+
+from cluster.spec.latency_model import LatencyModel
 
 
 @dataclass(frozen=True)
@@ -17,13 +30,114 @@ class BatchState:
     num_waiting: int
 
 
+@dataclass(frozen=True)
+class StepObservation:
+    batch_size: int  # requests in the step
+    k: int
+    seconds: float  # wall time of the whole step (drafting included)
+    drafts: list[tuple[int, int]] = field(default_factory=list)  # per request: (drafted, accepted)
+
+
 class SpeculationController(Protocol):
     def choose_k(self, state: BatchState) -> int: ...
 
 
-@dataclass(frozen=True)
+@dataclass
 class FixedController:
     k: int
 
     def choose_k(self, state: BatchState) -> int:
         return self.k
+
+
+class TableController:
+    """``table[b]`` is the best k for batch size ``b``; sizes between entries use the
+    largest entry not above them."""
+
+    def __init__(self, table: dict[int, int]) -> None:
+        if not table:
+            raise ValueError("a speculation table needs at least one batch size")
+        self.sizes = sorted(table)
+        self.table = dict(table)
+
+    def choose_k(self, state: BatchState) -> int:
+        i = bisect.bisect_right(self.sizes, max(1, state.num_running)) - 1
+        return self.table[self.sizes[max(i, 0)]]
+
+
+class AdaptiveController:
+    def __init__(
+        self,
+        model: LatencyModel,
+        acceptance: list[float],
+        max_k: int,
+        hysteresis: float = 0.05,
+        min_dwell_steps: int = 8,
+        acceptance_ema: float = 0.02,
+        forgetting: float = 0.995,
+        prior_weight: float = 50.0,
+        explore_every: int = 64,
+    ) -> None:
+        self.max_k = max_k
+        self.hysteresis = hysteresis
+        self.min_dwell_steps = min_dwell_steps
+        self.acceptance_ema = acceptance_ema
+        self.explore_every = explore_every
+        self.forgetting = forgetting
+        self.acceptance = [float(acceptance[min(j, len(acceptance) - 1)]) if acceptance else 0.5
+                           for j in range(max(1, max_k))]
+        self.model = LatencyModel(list(model.target_coef), list(model.draft_coef))
+        # Least squares over whole-step times, forgetting old steps. A step costs
+        # c0 + (c1 + c2) b + d0 k + (d1 + c2) k b: only those four sums can be learnt
+        # from whole steps, so those are the unknowns; c2 keeps its profiled value.
+        # The profile enters as ``prior_weight`` pseudo-steps over a grid of (b, k).
+        self._c2 = self.model.target_coef[2]
+        c0, c1, c2 = self.model.target_coef
+        d0, d1 = self.model.draft_coef
+        theta = np.array([c0, c1 + c2, d0, d1 + c2], dtype=np.float64)
+        grid = np.array([_step_features(b, k) for b in (1, 2, 4, 8, 16, 32, 64) for k in range(max_k + 1)])
+        self._xtx = prior_weight / len(grid) * grid.T @ grid + 1e-9 * np.eye(4)
+        self._xty = self._xtx @ theta
+        self.k: int | None = None
+        self._steps_at_k = 0
+        self.num_switches = 0
+
+    # ---- deciding ---------------------------------------------------------------------
+    def choose_k(self, state: BatchState) -> int:
+        b = max(1, state.num_running)
+        best = self.model.best_k(b, self.acceptance, self.max_k)
+        if self.k is None:
+            self.k = best
+        elif best != self.k and self._steps_at_k >= self.min_dwell_steps:
+            current = self.model.time_per_token(b, self.k, self.acceptance)
+            if self.model.time_per_token(b, best, self.acceptance) < current * (1 - self.hysteresis):
+                self.k, self._steps_at_k = best, 0
+                self.num_switches += 1
+        self._steps_at_k += 1
+        if self.k == 0 and self.max_k > 0 and self._steps_at_k % self.explore_every == 0:
+            return 1
+        return self.k
+
+    def table(self, batch_sizes: list[int]) -> dict[int, int]:
+        """The best k per batch size under the current estimates."""
+        return {b: self.model.best_k(b, self.acceptance, self.max_k) for b in batch_sizes}
+
+    # ---- learning ---------------------------------------------------------------------
+    def observe(self, obs: StepObservation) -> None:
+        for drafted, accepted in obs.drafts:
+            for j in range(min(accepted + 1, drafted, len(self.acceptance))):
+                hit = 1.0 if j < accepted else 0.0
+                self.acceptance[j] += self.acceptance_ema * (hit - self.acceptance[j])
+        if obs.batch_size < 1 or obs.seconds <= 0:
+            return
+        x = _step_features(obs.batch_size, obs.k)
+        self._xtx = self.forgetting * self._xtx + np.outer(x, x)
+        self._xty = self.forgetting * self._xty + x * obs.seconds
+        c0, per_request, d0, per_draft_request = np.clip(np.linalg.solve(self._xtx, self._xty), 0.0, None)
+        c2 = min(self._c2, per_request, per_draft_request)
+        self.model = LatencyModel([c0, per_request - c2, c2], [d0, per_draft_request - c2])
+
+
+def _step_features(b: int, k: int) -> np.ndarray:
+    """Whole-step features: the target's pass plus k draft passes, [1, b, k, k b]."""
+    return np.array([1.0, b, k, k * b], dtype=np.float64)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from cluster.config import TandemConfig, with_overrides
-from cluster.spec.controller import FixedController, SpeculationController
+from cluster.spec.controller import AdaptiveController, FixedController, SpeculationController, TableController
 from cluster.spec.proposer import NgramStepProposer, Proposer
 
 
@@ -13,7 +13,7 @@ def build_speculation(config: TandemConfig, target_worker) -> tuple[Proposer | N
     spec = config.speculative
     if spec.method == "none":
         return None, None
-    controller = FixedController(spec.num_speculative_tokens)
+    controller = build_controller(config)
     if spec.method == "ngram":
         return NgramStepProposer(spec.ngram_min, spec.ngram_max), controller
 
@@ -30,3 +30,16 @@ def build_speculation(config: TandemConfig, target_worker) -> tuple[Proposer | N
     draft = Worker.from_config(draft_config)
     check_vocab_compatible(target_worker.tokenizer, draft.tokenizer, target_worker.vocab_size, draft.vocab_size)
     return DraftModelProposer(draft.runner, target_worker.runner), controller
+
+
+def build_controller(config: TandemConfig) -> SpeculationController:
+    spec = config.speculative
+    if spec.controller == "fixed":
+        return FixedController(spec.num_speculative_tokens)
+    from cluster.spec.profile_data import SpeculationProfile
+
+    profile = SpeculationProfile.load(spec.profile)
+    max_k = min(spec.num_speculative_tokens, profile.max_k)
+    if spec.controller == "table":
+        return TableController({b: min(k, max_k) for b, k in profile.table.items()})
+    return AdaptiveController(profile.latency_model, profile.acceptance, max_k, hysteresis=spec.hysteresis)

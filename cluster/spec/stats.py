@@ -12,6 +12,7 @@ class SpecDecodeStats:
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
     accepted_per_position: list[int] = field(default_factory=list)  # [j]: accepted drafts at position j
+    reached_per_position: list[int] = field(default_factory=list)  # [j]: drafts at j whose predecessors were accepted
     k_per_step: Counter = field(default_factory=Counter)  # k chosen -> number of steps
     recent_k: deque = field(default_factory=lambda: deque(maxlen=1024))  # k of the latest steps
 
@@ -25,10 +26,18 @@ class SpecDecodeStats:
         self.num_drafts += 1
         self.num_draft_tokens += num_draft_tokens
         self.num_accepted_tokens += num_accepted
-        if len(self.accepted_per_position) < num_draft_tokens:
-            self.accepted_per_position.extend([0] * (num_draft_tokens - len(self.accepted_per_position)))
+        for counts in (self.accepted_per_position, self.reached_per_position):
+            if len(counts) < num_draft_tokens:
+                counts.extend([0] * (num_draft_tokens - len(counts)))
         for j in range(num_accepted):
             self.accepted_per_position[j] += 1
+        for j in range(min(num_accepted + 1, num_draft_tokens)):
+            self.reached_per_position[j] += 1
+
+    @property
+    def conditional_acceptance(self) -> list[float]:
+        """Per position j: P(draft j accepted | drafts before it accepted)."""
+        return [a / r if r else 0.0 for a, r in zip(self.accepted_per_position, self.reached_per_position)]
 
     @property
     def acceptance_rate(self) -> float:

@@ -16,7 +16,7 @@ import torch
 
 from cluster.spec import rejection
 from cluster.spec.rejection import RejectionOutput, recovered_probs, rejection_sample
-from tests.statistics import chi2_quantile
+from tests.goodness_of_fit import chi2_quantile
 
 VOCAB = 6
 NUM_ROWS = 20_000

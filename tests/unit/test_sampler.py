@@ -16,7 +16,7 @@ import torch
 from transformers import RepetitionPenaltyLogitsProcessor
 
 from cluster.engine.sampling_params import SamplingParams
-from tests.statistics import chi2_quantile
+from tests.goodness_of_fit import chi2_quantile
 from cluster.runner.sampler import (
     Sampler,
     SamplingMetadata,

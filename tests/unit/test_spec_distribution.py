@@ -17,7 +17,7 @@ from cluster.config import TandemConfig, with_overrides
 from cluster.engine.engine import Engine
 from cluster.engine.sampling_params import SamplingParams
 from cluster.models.tiny import save_tiny_model, tiny_llama_config
-from tests.statistics import chi2_quantile, chi2_statistic
+from tests.goodness_of_fit import chi2_quantile, chi2_statistic
 
 VOCAB = 12
 PROMPT = [3, 5, 7, 1]

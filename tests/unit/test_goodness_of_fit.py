@@ -1,7 +1,7 @@
 import numpy as np
 import pytest
 
-from tests.statistics import chi2_quantile, chi2_statistic
+from tests.goodness_of_fit import chi2_quantile, chi2_statistic
 
 
 def test_chi2_quantile_matches_table():

@@ -1,0 +1,89 @@
+"""The latency model that picks the speculation length (arXiv 2310.18813, section 4).
+
+Expected time per output token of a batch of ``b`` decoding requests at length ``k``::
+
+    TPOT(b, k) = (k * T_draft(b) + T_target(b, k + 1)) / E(k)
+
+    E(k) = 1 + a_1 + a_1 a_2 + ... + a_1 a_2 ... a_k
+
+where ``a_j`` is the probability that draft position ``j`` is accepted given that the
+positions before it were (with one rate ``a`` for all positions, E(k) = (1 - a^(k+1)) /
+(1 - a)). ``E(k)`` counts the tokens a request gains per step: accepted drafts plus the
+recovered or bonus token. ``k = 0`` is plain decoding: ``TPOT = T_target(b, 1)``.
+
+Step times are linear in what the hardware does per step:
+
+    T_target(b, n) = c0 + c1 * b + c2 * b * n     (n = tokens per request = k + 1)
+    T_draft(b)     = d0 + d1 * b                  (one draft pass)
+
+``c0`` and ``d0`` are the fixed costs of a pass (launches, Python, reading the weights
+once while the batch is small), ``c1`` per-request costs (attention over the context,
+sampling), ``c2`` the per-token compute. Assumptions: acceptance does not depend on the
+batch size; contexts are about as long as when profiled (attention cost sits in c1);
+the batch does not change within a step. The benchmark reports how far the predictions
+fall from measurements.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+
+def target_features(batch_size: float, tokens_per_request: float) -> list[float]:
+    return [1.0, batch_size, batch_size * tokens_per_request]
+
+
+def draft_features(batch_size: float) -> list[float]:
+    return [1.0, batch_size]
+
+
+def fit_linear(features: list[list[float]], seconds: list[float]) -> list[float]:
+    """Least-squares coefficients, clipped at 0 (a negative cost is noise)."""
+    coef, *_ = np.linalg.lstsq(np.asarray(features, dtype=np.float64), np.asarray(seconds, dtype=np.float64),
+                               rcond=None)
+    return [max(0.0, float(c)) for c in coef]
+
+
+def expected_tokens(acceptance: list[float], k: int) -> float:
+    """E(k): tokens emitted per verifying step; positions beyond the list reuse its last rate."""
+    total, survive = 1.0, 1.0
+    for j in range(k):
+        rate = acceptance[min(j, len(acceptance) - 1)] if acceptance else 0.0
+        survive *= min(max(rate, 0.0), 1.0)
+        total += survive
+    return total
+
+
+@dataclass
+class LatencyModel:
+    target_coef: list[float]  # c0, c1, c2
+    draft_coef: list[float]  # d0, d1
+
+    def target_time(self, batch_size: int, tokens_per_request: int) -> float:
+        return float(np.dot(self.target_coef, target_features(batch_size, tokens_per_request)))
+
+    def draft_time(self, batch_size: int) -> float:
+        return float(np.dot(self.draft_coef, draft_features(batch_size)))
+
+    def step_time(self, batch_size: int, k: int) -> float:
+        return k * self.draft_time(batch_size) + self.target_time(batch_size, k + 1)
+
+    def time_per_token(self, batch_size: int, k: int, acceptance: list[float]) -> float:
+        return self.step_time(batch_size, k) / expected_tokens(acceptance, k)
+
+    def best_k(self, batch_size: int, acceptance: list[float], max_k: int) -> int:
+        costs = [self.time_per_token(batch_size, k, acceptance) for k in range(max_k + 1)]
+        return int(np.argmin(costs))
+
+    @classmethod
+    def fit(
+        cls,
+        target_samples: list[tuple[int, int, float]],  # (batch size, tokens per request, seconds)
+        draft_samples: list[tuple[int, float]],  # (batch size, seconds)
+    ) -> "LatencyModel":
+        target = fit_linear([target_features(b, n) for b, n, _ in target_samples], [t for *_, t in target_samples])
+        draft = fit_linear([draft_features(b) for b, _ in draft_samples], [t for _, t in draft_samples]) \
+            if draft_samples else [0.0, 0.0]
+        return cls(target, draft)

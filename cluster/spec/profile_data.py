@@ -1,0 +1,50 @@
+"""A speculation profile: what ``tandem profile`` measured on a device, as JSON."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from pydantic import BaseModel, ConfigDict, ValidationError
+
+from cluster.spec.latency_model import LatencyModel
+
+
+class SpeculationProfile(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    device: str  # e.g. "cpu: Intel(R) Xeon(R) Processor (2 threads)" or a CUDA device name
+    target_model: str
+    draft: str  # "ngram" or the draft model
+    dtype: str
+    tensor_parallel_size: int = 1
+    max_k: int
+    batch_sizes: list[int]
+    target_grid: list[tuple[int, int, float]]  # (batch size, tokens per request, seconds per pass)
+    draft_grid: list[tuple[int, float]]  # (batch size, seconds per draft pass)
+    acceptance: list[float]  # per draft position, conditional on the previous ones accepted
+    target_coef: list[float]
+    draft_coef: list[float]
+    table: dict[int, int]  # batch size -> best k
+    fit_error: float  # mean relative error of the fitted step times on the grid
+
+    @property
+    def latency_model(self) -> LatencyModel:
+        return LatencyModel(list(self.target_coef), list(self.draft_coef))
+
+    def vllm_schedule(self) -> list[list[int]]:
+        """The table as vLLM's ``num_speculative_tokens_per_batch_size``: [[max batch, k], ...]."""
+        sizes = sorted(self.table)
+        return [[b, self.table[b]] for b in sizes]
+
+    def save(self, path: str | Path) -> None:
+        Path(path).write_text(self.model_dump_json(indent=1))
+
+    @classmethod
+    def load(cls, path: str | Path) -> "SpeculationProfile":
+        path = Path(path)
+        if not path.is_file():
+            raise ValueError(f"speculation profile {path} does not exist; make one with `tandem profile`")
+        try:
+            return cls.model_validate_json(path.read_text())
+        except ValidationError as err:
+            raise ValueError(f"{path} is not a speculation profile: {err}") from None

@@ -1,0 +1,153 @@
+"""``tandem profile``: measure a target/draft pair on the device at hand, fit the latency
+model, and write the speculation profile (the table of best k per batch size).
+
+Step times are measured on synthetic batches through the engine's own runners:
+``b`` sequences with ``context_len`` tokens of context each (their K/V is whatever the
+cache holds: attention costs the same), each computing ``k + 1`` new tokens with logits
+at every one of them, exactly as a verification pass does. Acceptance is measured by
+generating the calibration prompts with speculation at the largest ``k``.
+"""
+
+from __future__ import annotations
+
+import platform
+import statistics
+import time
+
+import torch
+from tqdm import tqdm
+
+from cluster.engine.engine import Engine
+from cluster.engine.llm import apply_chat_template
+from cluster.engine.sampling_params import SamplingParams
+from cluster.runner.input_batch import SeqChunk
+from cluster.spec.calibration import CALIBRATION_PROMPTS
+from cluster.spec.controller import FixedController
+from cluster.spec.draft_proposer import DraftModelProposer
+from cluster.spec.latency_model import LatencyModel
+from cluster.spec.profile_data import SpeculationProfile
+
+_PROFILE_PREFIX = "__profile-"
+
+
+def device_name(device: torch.device) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return f"cpu: {platform.processor() or platform.machine()} ({torch.get_num_threads()} threads)"
+
+
+def power_of_two_sizes(max_batch: int) -> list[int]:
+    sizes, b = [], 1
+    while b < max_batch:
+        sizes.append(b)
+        b *= 2
+    return sizes + [max_batch]
+
+
+class _SyntheticBatch:
+    """Block tables for ``b`` fake sequences, taken from the engine's pool and given back."""
+
+    def __init__(self, engine: Engine, batch_size: int, num_tokens: int) -> None:
+        self.engine = engine
+        self.ids = [f"{_PROFILE_PREFIX}{i}" for i in range(batch_size)]
+        for rid in self.ids:
+            if not engine.block_manager.allocate_slots(rid, 0, num_tokens):
+                self.close()
+                raise ValueError(f"the KV cache cannot hold {batch_size} x {num_tokens} tokens for profiling")
+        self.tables = [engine.block_manager.get_block_table(rid) for rid in self.ids]
+
+    def close(self) -> None:
+        for rid in self.ids:
+            self.engine.block_manager.free(rid)
+
+
+def _time(fn, repeats: int) -> float:
+    fn()  # warm-up
+    samples = []
+    for _ in range(repeats):
+        started = time.perf_counter()
+        fn()
+        samples.append(time.perf_counter() - started)
+    return statistics.median(samples)
+
+
+def measure_acceptance(engine: Engine, k: int, max_tokens: int = 64) -> list[float]:
+    saved, saved_stats = engine.controller, engine.spec_stats
+    engine.controller = FixedController(k)
+    engine.spec_stats = type(saved_stats)()
+    try:
+        tokenizer = engine.tokenizer
+        params = SamplingParams(max_tokens=max_tokens, temperature=0)
+        for prompt in CALIBRATION_PROMPTS:
+            text = prompt
+            if tokenizer is not None and getattr(tokenizer, "chat_template", None):
+                text = apply_chat_template(tokenizer, [{"role": "user", "content": prompt}])
+            engine.add_request(text if tokenizer is not None else list(range(3, 40)), params)
+        while engine.has_unfinished():
+            engine.step()
+        rates = engine.spec_stats.conditional_acceptance
+    finally:
+        engine.controller, engine.spec_stats = saved, saved_stats
+    return (rates + [rates[-1] if rates else 0.0] * k)[:k]
+
+
+def run_profile(
+    engine: Engine,
+    batch_sizes: list[int],
+    max_k: int,
+    context_len: int = 128,
+    repeats: int = 3,
+) -> SpeculationProfile:
+    if engine.proposer is None:
+        raise ValueError("profiling needs speculation on: set speculative.method to 'draft' or 'ngram'")
+    runner = engine.worker.runner
+    vocab = runner.model.vocab_size
+    gen = torch.Generator().manual_seed(0)
+    target_grid: list[tuple[int, int, float]] = []
+    draft_grid: list[tuple[int, float]] = []
+    cells = [(b, k) for b in batch_sizes for k in range(max_k + 1)]
+    with tqdm(total=len(cells) + len(batch_sizes) + 1, desc="profiling") as bar:
+        for b in batch_sizes:
+            batch = _SyntheticBatch(engine, b, context_len + max_k + 1)
+            try:
+                for k in range(max_k + 1):
+                    tokens = torch.randint(3, vocab, (b, k + 1), generator=gen).tolist()
+                    chunks = [SeqChunk(t, context_len, k + 1) for t in tokens]
+                    seconds = _time(lambda: runner.forward_logits(chunks, batch.tables), repeats)
+                    target_grid.append((b, k + 1, seconds))
+                    bar.update(1)
+                draft_grid.append((b, _time_draft(engine, batch.tables, b, context_len, max_k, vocab, gen, repeats)))
+                bar.update(1)
+            finally:
+                batch.close()
+        acceptance = measure_acceptance(engine, max_k)
+        bar.update(1)
+    model = LatencyModel.fit(target_grid, draft_grid)
+    errors = [abs(model.target_time(b, n) - t) / t for b, n, t in target_grid]
+    return SpeculationProfile(
+        device=device_name(runner.device),
+        target_model=engine.config.model.model,
+        draft=engine.config.speculative.draft_model or engine.config.speculative.method,
+        dtype=engine.config.model.dtype,
+        max_k=max_k,
+        batch_sizes=batch_sizes,
+        target_grid=target_grid,
+        draft_grid=draft_grid,
+        acceptance=acceptance,
+        target_coef=model.target_coef,
+        draft_coef=model.draft_coef,
+        table={b: model.best_k(b, acceptance, max_k) for b in batch_sizes},
+        fit_error=sum(errors) / len(errors),
+    )
+
+
+def _time_draft(engine: Engine, tables, b: int, context_len: int, max_k: int, vocab: int, gen, repeats: int) -> float:
+    """Seconds of one draft pass for ``b`` sequences (n-gram: a whole proposal / max_k)."""
+    proposer = engine.proposer
+    if isinstance(proposer, DraftModelProposer):
+        tokens = torch.randint(3, vocab, (b,), generator=gen).tolist()
+        chunks = [SeqChunk([t], context_len, 1) for t in tokens]
+        return _time(lambda: proposer.runner.forward_logits(chunks, tables), repeats)
+    sequences = torch.randint(3, vocab, (b, context_len), generator=gen).tolist()
+    ngram = proposer.ngram
+    return _time(lambda: ngram.propose(sequences, [max_k] * b), repeats) / max(1, max_k)

@@ -1,0 +1,165 @@
+"""Speculation length: latency model fit, table and adaptive controllers, profiling."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+
+from cluster.cli import main
+from cluster.engine.sampling_params import SamplingParams
+from cluster.spec.controller import (
+    AdaptiveController,
+    BatchState,
+    FixedController,
+    StepObservation,
+    TableController,
+)
+from cluster.spec.latency_model import LatencyModel, expected_tokens
+from cluster.spec.profile_data import SpeculationProfile
+from tests.engine_helpers import make_engine, run_to_completion
+
+# Per-token compute dominates as the batch grows, as on the paper's GPUs: best k 3 at
+# batch 1, 1 at 8-32, 0 at 64 for acceptance 0.8.
+TRUE = LatencyModel(target_coef=[0.020, 0.0005, 0.003], draft_coef=[0.003, 0.0001])
+
+
+def _state(b: int) -> BatchState:
+    return BatchState(num_running=b, num_waiting=0)
+
+
+def test_fit_recovers_known_coefficients_from_noisy_timings():
+    rng = random.Random(0)
+    target = [(b, n, TRUE.target_time(b, n) * rng.uniform(0.98, 1.02)) for b in (1, 2, 4, 8, 16, 32)
+              for n in range(1, 9)]
+    draft = [(b, TRUE.draft_time(b) * rng.uniform(0.98, 1.02)) for b in (1, 2, 4, 8, 16, 32)]
+    fitted = LatencyModel.fit(target, draft)
+    for got, want in zip(fitted.target_coef + fitted.draft_coef, TRUE.target_coef + TRUE.draft_coef):
+        assert got == pytest.approx(want, rel=0.15)
+
+
+def test_expected_tokens_matches_the_closed_form():
+    a = 0.7
+    for k in range(6):
+        assert expected_tokens([a] * k, k) == pytest.approx((1 - a ** (k + 1)) / (1 - a))
+
+
+def test_best_k_is_the_minimum_and_shrinks_as_the_batch_grows():
+    acceptance = [0.8, 0.75, 0.7, 0.65, 0.6, 0.55, 0.5, 0.45]
+    best = {}
+    for b in (1, 2, 4, 8, 16, 32, 64):
+        costs = [TRUE.time_per_token(b, k, acceptance) for k in range(9)]
+        best[b] = TRUE.best_k(b, acceptance, 8)
+        assert costs[best[b]] == min(costs)
+    sizes = sorted(best)
+    assert all(best[x] >= best[y] for x, y in zip(sizes, sizes[1:]))
+    assert best[1] > best[64]
+
+
+def test_table_controller_uses_the_largest_entry_not_above_the_batch():
+    table = TableController({1: 5, 4: 3, 16: 1})
+    assert [table.choose_k(_state(b)) for b in (1, 2, 3, 4, 15, 16, 40)] == [5, 5, 5, 3, 3, 1, 1]
+
+
+def _edge(acceptance):
+    """A batch size where the best k changes between b and b + 1."""
+    for b in range(1, 200):
+        if TRUE.best_k(b, acceptance, 8) != TRUE.best_k(b + 1, acceptance, 8):
+            return b
+    raise AssertionError("no edge")
+
+
+def test_hysteresis_holds_k_when_the_batch_oscillates_at_an_edge():
+    acceptance = [0.8] * 8
+    edge = _edge(acceptance)
+    adaptive = AdaptiveController(TRUE, acceptance, max_k=8, hysteresis=0.05)
+    ks = [adaptive.choose_k(_state(edge + (i % 2))) for i in range(200)]
+    assert len(set(ks)) == 1
+    # Without hysteresis the table policy flaps on every step.
+    table = TableController({b: TRUE.best_k(b, acceptance, 8) for b in (edge, edge + 1)})
+    flaps = [table.choose_k(_state(edge + (i % 2))) for i in range(10)]
+    assert len(set(flaps)) == 2
+
+
+def test_adaptive_still_switches_when_the_batch_really_changes():
+    acceptance = [0.8] * 8
+    adaptive = AdaptiveController(TRUE, acceptance, max_k=8)
+    small = [adaptive.choose_k(_state(1)) for _ in range(20)][-1]
+    large = [adaptive.choose_k(_state(64)) for _ in range(20)][-1]
+    assert small == TRUE.best_k(1, acceptance, 8) == 3 and large == TRUE.best_k(64, acceptance, 8) == 0
+
+
+def test_acceptance_near_zero_drives_k_to_zero():
+    adaptive = AdaptiveController(TRUE, [0.9] * 8, max_k=8)
+    assert adaptive.choose_k(_state(1)) > 0
+    for _ in range(400):
+        k = adaptive.choose_k(_state(1))
+        adaptive.observe(StepObservation(1, k, TRUE.step_time(1, k), [(k, 0)] if k else []))
+    assert adaptive.k == 0
+    assert adaptive.acceptance[0] < 0.3
+
+
+def test_exploration_at_zero_notices_recovered_acceptance():
+    adaptive = AdaptiveController(TRUE, [0.01] * 8, max_k=8, explore_every=16)
+    assert adaptive.choose_k(_state(1)) == 0
+    ks = []
+    for _ in range(3000):
+        k = adaptive.choose_k(_state(1))
+        ks.append(k)
+        adaptive.observe(StepObservation(1, k, TRUE.step_time(1, k), [(k, k)] if k else []))
+    assert 1 in ks[:40]  # it probed while at 0
+    assert adaptive.k == TRUE.best_k(1, adaptive.acceptance, 8) > 0
+
+
+def test_adaptive_relearns_step_times_online():
+    slow_draft = LatencyModel(TRUE.target_coef, [0.03, 0.001])  # the device's draft is 10x slower
+    adaptive = AdaptiveController(TRUE, [0.8] * 8, max_k=8)
+    assert adaptive.choose_k(_state(1)) == TRUE.best_k(1, [0.8] * 8, 8) > 0
+    rng = random.Random(1)
+    for _ in range(600):
+        b, k = rng.choice([1, 2, 4, 8]), rng.randint(0, 8)
+        adaptive.observe(StepObservation(b, k, slow_draft.step_time(b, k)))
+    assert adaptive.model.draft_coef[0] == pytest.approx(0.03, rel=0.2)
+    assert adaptive.table([1, 8]) == {b: slow_draft.best_k(b, adaptive.acceptance, 8) for b in (1, 8)}
+
+
+class RecordingController:
+    def __init__(self):
+        self.returned = []
+        self.rng = random.Random(5)
+
+    def choose_k(self, state):
+        self.returned.append(self.rng.randint(0, 4))
+        return self.returned[-1]
+
+
+def test_engine_uses_the_k_the_controller_returns_every_step(tiny_llama_dir):
+    engine = make_engine(tiny_llama_dir, num_blocks=64, method="draft", draft_model=str(tiny_llama_dir))
+    engine.controller = RecordingController()
+    run_to_completion(engine, [[5, 6, 7], [8, 9, 10, 11]], SamplingParams(max_tokens=12, temperature=0))
+    assert list(engine.stats().spec.recent_k) == engine.controller.returned
+
+
+def test_profile_command_writes_a_profile_the_controllers_load(tiny_llama_dir, tmp_path):
+    out = tmp_path / "profile.json"
+    assert main(["profile", "--model", str(tiny_llama_dir), "--max-k", "3", "--max-batch", "4",
+                 "--context-len", "16", "--repeats", "1", "--out", str(out)]) == 0
+    profile = SpeculationProfile.load(out)
+    assert profile.batch_sizes == [1, 2, 4] and len(profile.target_grid) == 3 * 4
+    assert set(profile.table) == {1, 2, 4} and all(0 <= k <= 3 for k in profile.table.values())
+    assert len(profile.acceptance) == 3
+    assert profile.vllm_schedule() == [[b, profile.table[b]] for b in (1, 2, 4)]
+    assert json.loads(out.read_text())["draft"] == "ngram"
+    for policy in ("table", "adaptive"):
+        engine = make_engine(tiny_llama_dir, num_blocks=64, method="ngram", controller=policy,
+                             profile=str(out), num_speculative_tokens=3)
+        assert not isinstance(engine.controller, FixedController)
+        run_to_completion(engine, [[5, 6, 7, 5, 6, 7, 5, 6]], SamplingParams(max_tokens=8, temperature=0))
+
+
+def test_table_and_adaptive_need_a_profile(tiny_llama_dir):
+    with pytest.raises(ValueError, match="profile"):
+        make_engine(tiny_llama_dir, method="ngram", controller="table")
+    with pytest.raises(ValueError, match="does not exist"):
+        make_engine(tiny_llama_dir, method="ngram", controller="adaptive", profile="/nonexistent.json")
