@@ -3,6 +3,7 @@
     tandem generate "prompt" [--chat] [--config configs/local.yaml] [--max-tokens N] ...
     tandem bench offline [--json PATH] ...
     tandem bench prefix [--json PATH] ...
+    tandem bench spec [--vllm] [--json PATH] ...
 """
 
 from __future__ import annotations
@@ -88,6 +89,13 @@ def cmd_bench_prefix(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_bench_spec(args: argparse.Namespace) -> int:
+    from cluster.bench.spec import run_spec_bench
+
+    run_spec_bench(args)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="tandem", description="Tandem: speculative decoding LLM serving")
     parser.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
@@ -128,6 +136,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_prefix_args(prefix)
     prefix.set_defaults(func=cmd_bench_prefix)
+    spec = bench.add_parser("spec", help="tok/s and TPOT per batch size and k, with acceptance; vLLM as a peer")
+    from cluster.bench.spec import add_spec_args
+
+    add_spec_args(spec)
+    spec.set_defaults(func=cmd_bench_spec)
     return parser
 
 

@@ -160,7 +160,12 @@ def load_config(path: str | Path) -> TandemConfig:
         raise ConfigError(f"{path}: not valid YAML: {err}") from None
     if data is not None and not isinstance(data, dict):
         raise ConfigError(f"{path}: the top level must be a mapping of sections")
-    return config_from_dict(data, str(path))
+    config = config_from_dict(data, str(path))
+    profile = config.speculative.profile
+    if profile and not Path(profile).is_absolute():
+        # A profile named in a YAML file is found next to that file.
+        config.speculative.profile = str((path.parent / profile).resolve())
+    return config
 
 
 def with_overrides(config: TandemConfig, **overrides) -> TandemConfig:

@@ -52,3 +52,9 @@ def test_sizes():
     assert parse_size(1024) == 1024
     with pytest.raises(ConfigError):
         parse_size("lots")
+
+
+def test_local_yaml_profile_is_found_next_to_it():
+    config = load_config(ROOT / "configs" / "local.yaml")
+    assert config.speculative.method == "ngram" and config.speculative.controller == "adaptive"
+    assert Path(config.speculative.profile).is_file()

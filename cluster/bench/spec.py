@@ -1,0 +1,314 @@
+"""``tandem bench spec``: what speculative decoding buys per batch size and ``k``.
+
+The target is loaded once (with its n-gram proposer or draft model) and ``k`` is switched
+between cells by swapping in a ``FixedController(k)``; ``k = 0`` is plain decoding on the
+same engine. Every (batch size, k) cell serves the same prompts (:mod:`spec_workload`:
+rewrite / summarize / proofread / continue a passage given in the prompt, where prompt
+lookup is natural) closed-loop at concurrency = batch size: a finished request is replaced
+at once by the next prompt. Greedy, ``output_len`` tokens, EOS ignored, prefix caching off
+(so every cell prefills the same prompts cold). Each cell first runs an untimed warm-up of
+``batch size`` requests x ``WARMUP_LEN`` tokens at its own ``k``.
+
+Per cell: output tok/s (all output tokens / wall time, prefill included), TPOT per request
+as vLLM defines it ((last token time - first token time) / (output tokens - 1)), averaged
+over requests; TTFT; the engine's speculative counters over the timed run (acceptance rate
+= accepted / drafted tokens, mean acceptance length = 1 + accepted / drafting steps); and
+output tokens per target step (steps without a draft count too). Speedup is tok/s over
+``k = 0`` at the same batch size. ``--vllm`` adds vLLM's CPU server as a peer
+(:mod:`spec_vllm`), measured over HTTP.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import platform
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from cluster.bench.offline import DTYPES, _int_list, _positive_int
+from cluster.bench.spec_workload import build_prompt_ids
+
+WARMUP_LEN = 8
+MAX_K = 16  # the config's bound on num_speculative_tokens
+DEFAULT_VLLM_SCRIPT = Path(__file__).resolve().parents[3] / "shared" / "anchors" / "vllm_cpu.sh"
+WORKLOAD = ("each prompt asks to rewrite, summarize, proofread or continue a short passage given in full "
+            "in the prompt, so the output naturally repeats prompt text (where prompt lookup helps)")
+
+
+@dataclass(frozen=True)
+class RequestTiming:
+    ttft_s: float  # from submission to the first output token
+    decode_s: float  # from the first output token to the last
+    output_tokens: int
+    decode_steps: int | None = None  # target steps that emitted tokens after the first (Tandem only)
+
+
+@dataclass(frozen=True)
+class SpecCounts:
+    """Speculative decoding counters (vLLM's meanings); differences give one run's share."""
+
+    num_drafts: int = 0  # request-steps that verified at least one draft token
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    accepted_per_position: tuple[int, ...] = ()
+
+    @classmethod
+    def of(cls, stats) -> SpecCounts:
+        return cls(stats.num_drafts, stats.num_draft_tokens, stats.num_accepted_tokens,
+                   tuple(stats.accepted_per_position))
+
+    def minus(self, earlier: SpecCounts) -> SpecCounts:
+        width = len(self.accepted_per_position)
+        old = earlier.accepted_per_position + (0,) * (width - len(earlier.accepted_per_position))
+        return SpecCounts(self.num_drafts - earlier.num_drafts, self.num_draft_tokens - earlier.num_draft_tokens,
+                          self.num_accepted_tokens - earlier.num_accepted_tokens,
+                          tuple(a - b for a, b in zip(self.accepted_per_position, old)))
+
+
+@dataclass(frozen=True)
+class SpecCell:
+    """One (system, batch size, k) run over all prompts."""
+
+    system: str  # "tandem" or "vllm"
+    method: str
+    batch_size: int
+    k: int
+    num_requests: int
+    output_tokens: int
+    seconds: float
+    tok_per_s: float
+    tpot_ms: float | None  # mean over requests
+    ttft_ms: float  # mean over requests
+    tokens_per_step: float | None  # output tokens per target step after the first token
+    num_drafts: int | None = None
+    num_draft_tokens: int | None = None
+    num_accepted_tokens: int | None = None
+    acceptance_rate: float | None = None
+    mean_acceptance_length: float | None = None
+    accepted_per_position: list[int] = field(default_factory=list)
+
+
+def make_cell(system: str, method: str, batch_size: int, k: int, output_len: int,
+              timings: list[RequestTiming], seconds: float, counts: SpecCounts | None) -> SpecCell:
+    """Raises RuntimeError if any request did not produce exactly ``output_len`` tokens."""
+    wrong = [t.output_tokens for t in timings if t.output_tokens != output_len]
+    if wrong:
+        raise RuntimeError(f"{system} produced {wrong[:3]} tokens for some requests, expected {output_len} each")
+    output_tokens = sum(t.output_tokens for t in timings)
+    tpots = [t.decode_s / (t.output_tokens - 1) for t in timings if t.output_tokens > 1]
+    steps = [t.decode_steps for t in timings]
+    per_step = (sum(t.output_tokens - 1 for t in timings) / sum(steps)
+                if None not in steps and sum(steps) else None)
+    spec = {}
+    if counts is not None:
+        spec = dict(num_drafts=counts.num_drafts, num_draft_tokens=counts.num_draft_tokens,
+                    num_accepted_tokens=counts.num_accepted_tokens,
+                    accepted_per_position=list(counts.accepted_per_position))
+        if counts.num_draft_tokens:
+            spec["acceptance_rate"] = counts.num_accepted_tokens / counts.num_draft_tokens
+        if counts.num_drafts:
+            spec["mean_acceptance_length"] = 1 + counts.num_accepted_tokens / counts.num_drafts
+    return SpecCell(system, method, batch_size, k, len(timings), output_tokens, seconds, output_tokens / seconds,
+                    sum(tpots) / len(tpots) * 1e3 if tpots else None,
+                    sum(t.ttft_s for t in timings) / len(timings) * 1e3, per_step, **spec)
+
+
+def _k_list(text: str) -> list[int]:
+    parts = [s.strip() for s in text.split(",")]
+    if not all(p.isdigit() and int(p) <= MAX_K for p in parts):
+        raise argparse.ArgumentTypeError(f"expected integers in 0..{MAX_K} like 0,2,4, got {text!r}")
+    return [int(p) for p in parts]
+
+
+def add_spec_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default="smollm2-135m-instruct", help="short name, HF folder or .gguf file")
+    parser.add_argument("--method", choices=("ngram", "draft"), default="ngram", help="how drafts are proposed")
+    parser.add_argument("--draft-model", help="draft model for --method draft (the target itself = self-draft)")
+    parser.add_argument("--dtype", choices=DTYPES, default="bfloat16")
+    parser.add_argument("--batch-sizes", type=_int_list, default=[1, 4, 16], help="concurrency (default 1,4,16)")
+    parser.add_argument("--ks", type=_k_list, default=list(range(9)), help="speculation lengths (default 0..8)")
+    parser.add_argument("--output-len", type=_positive_int, default=128, help="output tokens per request (EOS ignored)")
+    parser.add_argument("--num-prompts", type=_positive_int, default=16, help="requests per cell (default 16)")
+    parser.add_argument("--threads", type=_positive_int, help="torch.set_num_threads (default: torch's choice)")
+    parser.add_argument("--kv-cache-memory", default="1GiB", help="Tandem's KV cache budget")
+    parser.add_argument("--vllm", action="store_true", help="also measure vLLM's CPU server (n-gram) as a peer")
+    parser.add_argument("--vllm-ks", type=_k_list, default=[0, 2, 4], help="vLLM's speculation lengths")
+    parser.add_argument("--vllm-script", type=Path, default=DEFAULT_VLLM_SCRIPT, help="the vllm_cpu.sh anchor")
+    parser.add_argument("--json", type=Path, help="write the results here")
+
+
+def run_closed_loop(engine, prompt_ids: list[list[int]], output_len: int,
+                    concurrency: int) -> tuple[list[RequestTiming], float]:
+    """Serve every prompt with at most ``concurrency`` in flight; returns timings and wall seconds."""
+    from cluster.engine.sampling_params import SamplingParams
+
+    if engine.has_unfinished():
+        raise RuntimeError("the benchmark needs an idle engine")
+    params = SamplingParams(max_tokens=output_len, temperature=0, ignore_eos=True)
+    added: dict[str, float] = {}
+    first: dict[str, float] = {}
+    steps: dict[str, int] = {}
+    timings: list[RequestTiming] = []
+    next_prompt = in_flight = 0
+    start = time.perf_counter()
+    while next_prompt < len(prompt_ids) or in_flight:
+        while next_prompt < len(prompt_ids) and in_flight < concurrency:
+            added[engine.add_request(prompt_ids[next_prompt], params)] = time.perf_counter()
+            next_prompt += 1
+            in_flight += 1
+        outputs = engine.step()
+        now = time.perf_counter()
+        for out in outputs:
+            rid = out.request_id
+            if out.outputs[0].delta_token_ids:
+                if rid in first:
+                    steps[rid] += 1
+                else:
+                    first[rid], steps[rid] = now, 0
+            if out.finished:
+                in_flight -= 1
+                timings.append(RequestTiming(first[rid] - added[rid], now - first[rid],
+                                             len(out.outputs[0].token_ids), steps[rid]))
+    return timings, time.perf_counter() - start
+
+
+def _measure_tandem(args, source, prompt_ids, progress, task) -> list[SpecCell]:
+    from cluster.engine.llm import LLM
+    from cluster.spec.controller import FixedController
+
+    if args.method == "draft" and not args.draft_model:
+        raise ValueError("--method draft needs --draft-model (a model sharing the target's tokenizer)")
+    progress.update(task, description=f"loading {Path(args.model).name} {args.dtype}, {args.method} drafts")
+    llm = LLM(str(source.path), dtype=args.dtype, device="cpu", method=args.method, draft_model=args.draft_model,
+              num_speculative_tokens=max(args.ks), enable_prefix_caching=False,
+              max_num_seqs=max(args.batch_sizes), kv_cache_memory=args.kv_cache_memory)
+    engine = llm.engine
+    cells = []
+    for batch_size in args.batch_sizes:
+        for k in args.ks:
+            progress.update(task, description=f"Tandem batch {batch_size}, k={k}")
+            engine.controller = FixedController(k)
+            run_closed_loop(engine, prompt_ids[:batch_size], min(WARMUP_LEN, args.output_len), batch_size)
+            before = SpecCounts.of(engine.stats().spec)
+            timings, seconds = run_closed_loop(engine, prompt_ids, args.output_len, batch_size)
+            counts = SpecCounts.of(engine.stats().spec).minus(before)
+            cells.append(make_cell("tandem", args.method, batch_size, k, args.output_len, timings, seconds, counts))
+            progress.advance(task)
+    del llm, engine
+    gc.collect()
+    return cells
+
+
+def run_spec_bench(args: argparse.Namespace) -> dict:
+    """Measure every cell, print the tables, write ``args.json`` if set; returns the JSON dict."""
+    import torch
+    from rich.console import Console
+    from rich.progress import Progress
+
+    from cluster.bench.spec_vllm import VllmResult, measure_vllm
+    from cluster.models.loader import load_tokenizer, resolve_model
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    load_average = os.getloadavg()
+    source = resolve_model(args.model)
+    tokenizer = load_tokenizer(source)
+    if tokenizer is None:
+        raise ValueError(f"{args.model} has no tokenizer; this benchmark builds text prompts")
+    prompt_ids, prompt_format = build_prompt_ids(tokenizer, args.num_prompts)
+    console = Console()
+    vllm = VllmResult(enabled=False)
+    num_vllm = len(args.vllm_ks) * len(args.batch_sizes) if args.vllm else 0
+    with Progress(console=console) as progress:
+        task = progress.add_task("loading", total=len(args.ks) * len(args.batch_sizes) + num_vllm)
+        cells = _measure_tandem(args, source, prompt_ids, progress, task)
+        if args.vllm:
+            vllm = measure_vllm(args, prompt_ids, console, progress, task)
+
+    result = _report(args, source, load_average, prompt_ids, prompt_format, cells, vllm)
+    _print_tables(console, result)
+    for error in vllm.errors:
+        console.print(f"[bold red]vLLM peer failed:[/] {error}")
+    if args.json:
+        args.json.write_text(json.dumps(result, indent=2) + "\n")
+    return result
+
+
+def _with_speedups(cells: list[SpecCell]) -> list[dict]:
+    base = {(c.system, c.batch_size): c.tok_per_s for c in cells if c.k == 0}
+    return [asdict(c) | {"speedup_vs_k0": (c.tok_per_s / base[(c.system, c.batch_size)]
+                                           if (c.system, c.batch_size) in base else None)} for c in cells]
+
+
+def _report(args, source, load_average, prompt_ids, prompt_format, cells, vllm) -> dict:
+    import torch
+
+    tandem = {(c.batch_size, c.k): c for c in cells}
+    comparison = [{"batch_size": v.batch_size, "k": v.k, "tandem_tok_per_s": t.tok_per_s,
+                   "vllm_tok_per_s": v.tok_per_s, "tandem_over_vllm": t.tok_per_s / v.tok_per_s,
+                   "tandem_tpot_ms": t.tpot_ms, "vllm_tpot_ms": v.tpot_ms}
+                  for v in vllm.cells for t in [tandem.get((v.batch_size, v.k))] if t is not None]
+    return {
+        "machine": {"cpu_count": os.cpu_count(), "processor": platform.processor() or platform.machine(),
+                    "torch_version": torch.__version__, "threads": torch.get_num_threads(),
+                    "load_average_1_5_15m": list(load_average)},
+        "settings": {"model": args.model, "model_path": str(source.path), "method": args.method,
+                     "draft_model": args.draft_model, "dtype": args.dtype, "batch_sizes": args.batch_sizes,
+                     "ks": args.ks, "output_len": args.output_len, "num_prompts": args.num_prompts,
+                     "prompt_format": prompt_format, "prompt_lens": [len(p) for p in prompt_ids],
+                     "workload": WORKLOAD, "warmup_len": WARMUP_LEN, "prefix_caching": False,
+                     "sampling": "greedy, ignore_eos", "concurrency": "closed loop, = batch size",
+                     "tpot": "per request (last token time - first token time) / (output tokens - 1), mean"},
+        "tandem": {"mode": "offline, in-process engine", "cells": _with_speedups(cells)},
+        "vllm": vllm.to_json() | {"cells": _with_speedups(vllm.cells)},
+        "tandem_vs_vllm": comparison,
+    }
+
+
+def _print_tables(console, result: dict) -> None:
+    from rich import box
+    from rich.table import Table
+
+    def fmt(value, spec: str) -> str:
+        return "-" if value is None else format(value, spec)
+
+    settings = result["settings"]
+    model = Path(settings["model"]).name
+    caption = ("speedup: tok/s over k=0 at the same batch; accept: accepted / drafted tokens; "
+               "acc. len: tokens per drafting step (accepted + 1); tok/step: output tokens per target step, "
+               f"steps without a draft included\nworkload: {settings['num_prompts']} prompts, {WORKLOAD}; "
+               f"prompts: {settings['prompt_format']}; prefix caching off")
+    ours = {(c["batch_size"], c["k"]): c for c in result["tandem"]["cells"]}
+    for system, section in (("tandem", result["tandem"]), ("vllm", result["vllm"])):
+        if not section["cells"]:
+            continue
+        if system == "tandem":
+            title = f"Tandem {settings['method']} speculation, {model} {settings['dtype']}, offline in-process"
+        else:
+            title = (f"vLLM CPU server, n-gram speculation, {model} {settings['dtype']}, over HTTP "
+                     "(streaming /v1/completions, HTTP overhead included)")
+        table = Table(title=f"{title}, {settings['output_len']} tokens per request",
+                      caption=caption if system == "tandem" else "Tandem/vLLM: Tandem's offline tok/s over vLLM's",
+                      box=box.SIMPLE_HEAD, show_edge=False)
+        headers = ["batch", "k", "tok/s", "TPOT ms", "TTFT ms", "accept", "acc. len",
+                   "tok/step" if system == "tandem" else "Tandem/vLLM", "speedup"]
+        for header in headers:
+            table.add_column(header, justify="right")
+        last_batch = None
+        for c in section["cells"]:
+            if last_batch is not None and c["batch_size"] != last_batch:
+                table.add_section()
+            last_batch = c["batch_size"]
+            if system == "tandem":
+                extra = fmt(c["tokens_per_step"], ".2f")
+            else:
+                t = ours.get((c["batch_size"], c["k"]))
+                extra = fmt(t["tok_per_s"] / c["tok_per_s"] if t else None, ".2f")
+            table.add_row(str(c["batch_size"]), str(c["k"]), f"{c['tok_per_s']:.1f}", fmt(c["tpot_ms"], ".1f"),
+                          f"{c['ttft_ms']:.0f}", fmt(c["acceptance_rate"], ".0%"),
+                          fmt(c["mean_acceptance_length"], ".2f"), extra, fmt(c["speedup_vs_k0"], ".2f"))
+        console.print(table)

@@ -1,0 +1,101 @@
+"""``tandem bench spec`` end to end on a tiny random Llama (no download, no vLLM, no timing assertions)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from cluster.bench.spec import SpecCounts
+from cluster.bench.spec_vllm import VllmResult
+from cluster.bench.spec_workload import PASSAGES, TASKS, build_prompt_ids
+from cluster.cli import main
+from cluster.models.tiny import save_tiny_model, save_tiny_tokenizer, tiny_llama_config
+
+
+@pytest.fixture(scope="module")
+def tiny_folder(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("tiny-llama")
+    # The character-level tokenizer turns each passage prompt into ~500 tokens.
+    save_tiny_model(tiny_llama_config(max_position_embeddings=2048), folder)
+    save_tiny_tokenizer(folder)
+    return folder
+
+
+def test_every_cell_with_its_counters(tiny_folder, tmp_path):
+    out = tmp_path / "spec.json"
+    code = main(["bench", "spec", "--model", str(tiny_folder), "--batch-sizes", "1,2", "--ks", "0,2",
+                 "--output-len", "6", "--json", str(out)])
+    assert code == 0
+    result = json.loads(out.read_text())
+    settings = result["settings"]
+    assert settings["prompt_format"] == "plain" and settings["method"] == "ngram"
+    assert settings["num_prompts"] == 16 and len(settings["prompt_lens"]) == 16
+    cells = {(c["batch_size"], c["k"]): c for c in result["tandem"]["cells"]}
+    assert set(cells) == {(b, k) for b in (1, 2) for k in (0, 2)}
+    for (batch_size, k), cell in cells.items():
+        assert cell["system"] == "tandem" and cell["num_requests"] == 16
+        assert cell["output_tokens"] == 16 * 6
+        assert cell["seconds"] > 0 and cell["tok_per_s"] > 0 and cell["tpot_ms"] > 0 and cell["ttft_ms"] > 0
+        # Tokens after the first take at least one target step each and at most k + 1 per step.
+        assert 1 <= cell["tokens_per_step"] <= k + 1
+        if k == 0:
+            assert cell["num_drafts"] == 0 and cell["num_draft_tokens"] == 0
+            assert cell["acceptance_rate"] is None and cell["mean_acceptance_length"] is None
+            assert cell["speedup_vs_k0"] == 1.0
+        else:
+            # Prompt lookup always finds a 1-gram in ~500 characters of English text.
+            assert cell["num_drafts"] > 0 and 0 < cell["num_draft_tokens"] <= 2 * cell["num_drafts"]
+            assert 0 <= cell["acceptance_rate"] <= 1
+            assert 1 <= cell["mean_acceptance_length"] <= k + 1
+            assert sum(cell["accepted_per_position"]) == cell["num_accepted_tokens"]
+            assert cell["speedup_vs_k0"] > 0
+    assert result["vllm"]["enabled"] is False and result["vllm"]["status"] == "off"
+    assert result["vllm"]["cells"] == [] and result["tandem_vs_vllm"] == []
+
+
+def test_missing_vllm_script_is_reported_and_tandem_still_written(tiny_folder, tmp_path, capsys):
+    out = tmp_path / "spec.json"
+    code = main(["bench", "spec", "--model", str(tiny_folder), "--batch-sizes", "1", "--ks", "0",
+                 "--output-len", "2", "--num-prompts", "2", "--vllm", "--vllm-script", str(tmp_path / "nope.sh"),
+                 "--json", str(out)])
+    assert code == 0
+    result = json.loads(out.read_text())
+    assert [c["output_tokens"] for c in result["tandem"]["cells"]] == [4]
+    assert result["vllm"]["status"] == "failed" and "nope.sh" in result["vllm"]["errors"][0]
+    assert "vLLM peer failed" in capsys.readouterr().out
+
+
+def test_prompts_hold_the_passage_and_match_the_chat_template(tiny_folder):
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_folder)
+    ids, fmt = build_prompt_ids(tokenizer, 5)
+    assert fmt == "plain" and len(ids) == 5
+    text = tokenizer.decode(ids[4], skip_special_tokens=True)
+    assert PASSAGES[4] in text and TASKS[0] in text
+    tokenizer.chat_template = "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% endfor %}<assistant>"
+    ids, fmt = build_prompt_ids(tokenizer, 1)
+    assert fmt == "chat_template"
+    assert tokenizer.decode(ids[0]) == f"<user>{TASKS[0]}\n\n{PASSAGES[0]}<assistant>"
+
+
+def test_counter_deltas_pad_positions():
+    before = SpecCounts(2, 4, 1, (1,))
+    after = SpecCounts(5, 10, 6, (3, 2, 1))
+    assert after.minus(before) == SpecCounts(3, 6, 5, (2, 2, 1))
+    assert VllmResult(enabled=True).to_json()["status"] == "failed"
+
+
+@pytest.mark.parametrize("flag,value", [("--ks", "0,17"), ("--ks", "a"), ("--batch-sizes", "0"),
+                                        ("--method", "eagle")])
+def test_bad_arguments_are_rejected(flag, value, capsys):
+    with pytest.raises(SystemExit):
+        main(["bench", "spec", flag, value])
+    err = capsys.readouterr().err
+    assert f"argument {flag}" in err and value in err
+
+
+def test_draft_method_needs_a_draft_model(tiny_folder, capsys):
+    assert main(["bench", "spec", "--model", str(tiny_folder), "--method", "draft", "--ks", "0"]) == 2
+    assert "--draft-model" in capsys.readouterr().err
