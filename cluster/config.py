@@ -59,7 +59,8 @@ class SchedulerConfig(_Strict):
     max_num_batched_tokens: int = Field(2048, ge=1)
     enable_chunked_prefill: bool = True
     waiting_served_ratio: float = Field(
-        1.2, ge=0, description="TGI: admit waiting requests once waiting/running exceeds this"
+        0.0, ge=0, description="TGI's knob: while requests run, admit waiting ones only once there are "
+        "at least running * ratio of them (or one waited 20 steps); 0 admits at once, like vLLM"
     )
     max_queued_requests: int | None = Field(None, ge=1)
 

@@ -163,6 +163,8 @@ class Scheduler:
                 request.request_id, cached.num_tokens, num_new, cached=cached
             ):
                 break  # FCFS: no overtaking the head of the queue
+            if request.num_computed_tokens == 0:
+                self.block_manager.record_lookup(request.num_tokens, cached.num_tokens)
             if cached.num_tokens:
                 request.num_computed_tokens = cached.num_tokens
                 if request.num_preemptions == 0:

@@ -70,10 +70,13 @@ class BlockManager:
             if block_id is None:
                 break
             blocks.append(block_id)
-        num_tokens = len(blocks) * self.block_size
-        self.prefix_cache_queries += request.num_tokens
-        self.prefix_cache_hits += num_tokens
-        return CachedPrefix(blocks, num_tokens)
+        return CachedPrefix(blocks, len(blocks) * self.block_size)
+
+    def record_lookup(self, num_tokens: int, num_hit_tokens: int) -> None:
+        """Count one admitted request's lookup (a failed admission retries without counting)."""
+        if self.enable_caching:
+            self.prefix_cache_queries += num_tokens
+            self.prefix_cache_hits += num_hit_tokens
 
     def allocate_slots(
         self,

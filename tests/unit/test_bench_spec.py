@@ -77,7 +77,9 @@ def test_prompts_hold_the_passage_and_match_the_chat_template(tiny_folder):
     tokenizer.chat_template = "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% endfor %}<assistant>"
     ids, fmt = build_prompt_ids(tokenizer, 1)
     assert fmt == "chat_template"
-    assert tokenizer.decode(ids[0]) == f"<user>{TASKS[0]}\n\n{PASSAGES[0]}<assistant>"
+    text = tokenizer.decode(ids[0])  # the tiny tokenizer has no newline: "\n" reads back as <unk>
+    assert text.startswith(f"<user>{TASKS[0]}") and text.endswith(f"{PASSAGES[0]}<assistant>")
+    assert ids[0][0] != tokenizer.bos_token_id  # a template holds any BOS it wants; none is added
 
 
 def test_counter_deltas_pad_positions():
