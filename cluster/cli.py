@@ -4,6 +4,7 @@
     tandem bench offline [--json PATH] ...
     tandem bench prefix [--json PATH] ...
     tandem bench spec [--vllm] [--json PATH] ...
+    tandem bench paper [--json PATH] [--plots DIR] ...
 """
 
 from __future__ import annotations
@@ -96,6 +97,13 @@ def cmd_bench_spec(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_bench_paper(args: argparse.Namespace) -> int:
+    from cluster.bench.paper import run_paper_bench
+
+    run_paper_bench(args)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="tandem", description="Tandem: speculative decoding LLM serving")
     parser.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
@@ -141,6 +149,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_spec_args(spec)
     spec.set_defaults(func=cmd_bench_spec)
+    paper = bench.add_parser("paper", help="arXiv 2310.18813 here: TPOT vs k per batch, k policies under traffic")
+    from cluster.bench.paper import add_paper_args
+
+    add_paper_args(paper)
+    paper.set_defaults(func=cmd_bench_paper)
     return parser
 
 

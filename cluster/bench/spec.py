@@ -229,6 +229,7 @@ def run_spec_bench(args: argparse.Namespace) -> dict:
         if args.vllm:
             vllm = measure_vllm(args, prompt_ids, console, progress, task)
 
+    load_average = {"start": list(load_average), "end": list(os.getloadavg())}
     result = _report(args, source, load_average, prompt_ids, prompt_format, cells, vllm)
     _print_tables(console, result)
     for error in vllm.errors:
@@ -239,7 +240,9 @@ def run_spec_bench(args: argparse.Namespace) -> dict:
 
 
 def _with_speedups(cells: list[SpecCell]) -> list[dict]:
+    """Cells ordered by (batch size, k), each with its tok/s over k = 0 at the same batch size."""
     base = {(c.system, c.batch_size): c.tok_per_s for c in cells if c.k == 0}
+    cells = sorted(cells, key=lambda c: (c.batch_size, c.k))
     return [asdict(c) | {"speedup_vs_k0": (c.tok_per_s / base[(c.system, c.batch_size)]
                                            if (c.system, c.batch_size) in base else None)} for c in cells]
 
@@ -255,7 +258,7 @@ def _report(args, source, load_average, prompt_ids, prompt_format, cells, vllm) 
     return {
         "machine": {"cpu_count": os.cpu_count(), "processor": platform.processor() or platform.machine(),
                     "torch_version": torch.__version__, "threads": torch.get_num_threads(),
-                    "load_average_1_5_15m": list(load_average)},
+                    "load_average_1_5_15m": load_average},
         "settings": {"model": args.model, "model_path": str(source.path), "method": args.method,
                      "draft_model": args.draft_model, "dtype": args.dtype, "batch_sizes": args.batch_sizes,
                      "ks": args.ks, "output_len": args.output_len, "num_prompts": args.num_prompts,
@@ -292,10 +295,11 @@ def _print_tables(console, result: dict) -> None:
             title = (f"vLLM CPU server, n-gram speculation, {model} {settings['dtype']}, over HTTP "
                      "(streaming /v1/completions, HTTP overhead included)")
         table = Table(title=f"{title}, {settings['output_len']} tokens per request",
-                      caption=caption if system == "tandem" else "Tandem/vLLM: Tandem's offline tok/s over vLLM's",
+                      caption=caption if system == "tandem" else "T/vLLM: Tandem's offline tok/s over vLLM's at the same "
+                      "batch and k; vLLM n-gram prompt lookup n = 1..4, prefix caching off",
                       box=box.SIMPLE_HEAD, show_edge=False)
         headers = ["batch", "k", "tok/s", "TPOT ms", "TTFT ms", "accept", "acc. len",
-                   "tok/step" if system == "tandem" else "Tandem/vLLM", "speedup"]
+                   "tok/step" if system == "tandem" else "T/vLLM", "speedup"]
         for header in headers:
             table.add_column(header, justify="right")
         last_batch = None

@@ -84,3 +84,9 @@ def test_bad_sizes_are_rejected(capsys):
     with pytest.raises(SystemExit):
         main(["bench", "prefix", "--turns", "0"])
     assert "argument --turns" in capsys.readouterr().err
+
+
+def test_first_diff():
+    from cluster.bench.prefix import _first_diff
+
+    assert _first_diff([1, 2, 3], [1, 5, 3]) == 1 and _first_diff([1, 2], [1, 2, 3]) == 2

@@ -64,14 +64,19 @@ def test_greedy_outputs_equal_plain_decoding(setup, k, tiny_llama_dir, noisy_dra
         assert 0 < spec.num_accepted_tokens < spec.num_draft_tokens
 
 
-def test_preemption_prefix_hits_and_small_budget(tiny_llama_dir, noisy_draft_dir, expected_greedy):
+def test_preemption_and_small_budget(tiny_llama_dir, noisy_draft_dir, expected_greedy):
     engine = make_engine(tiny_llama_dir, num_blocks=14, block_size=8, max_num_batched_tokens=16,
-                     num_speculative_tokens=3, method="draft", draft_model=str(noisy_draft_dir))
-    prompts = _prompts()
-    assert run_to_completion(engine, prompts, GREEDY) == expected_greedy
+                         num_speculative_tokens=3, method="draft", draft_model=str(noisy_draft_dir))
+    assert run_to_completion(engine, _prompts(), GREEDY) == expected_greedy
     assert engine.stats().num_preemptions > 0
+
+
+def test_prefix_cache_hits(tiny_llama_dir, noisy_draft_dir, expected_greedy):
+    engine = make_engine(tiny_llama_dir, num_blocks=128, block_size=4, num_speculative_tokens=3,
+                         method="draft", draft_model=str(noisy_draft_dir))
+    assert run_to_completion(engine, _prompts(), GREEDY) == expected_greedy
     # Again, now with every prompt's full blocks in the prefix cache.
-    assert run_to_completion(engine, prompts, GREEDY) == expected_greedy
+    assert run_to_completion(engine, _prompts(), GREEDY) == expected_greedy
     assert engine.stats().prefix_cache_hits > 0
 
 

@@ -1,0 +1,287 @@
+"""``tandem bench paper``: the results of arXiv 2310.18813 ("The Synergy of Speculative
+Decoding and Batching") on our engine, in one run on one loaded model.
+
+1. **TPOT vs k per batch size.** A speculation profile is made first (``run_profile``:
+   step times over (batch size, k) and acceptance on the calibration prompts; it fits
+   TPOT(b, k) = (k T_draft(b) + T_target(b, k + 1)) / E(k)). Then each (batch size b, k)
+   cell submits b prompts at once and generates ``output_len`` greedy tokens each (EOS
+   ignored) under ``FixedController(k)``, in rounds until at least
+   ``MIN_REQUESTS_PER_CELL`` requests were served (so batch 1 does not rest on one
+   prompt's acceptance). Measured TPOT is set against the model's prediction with the
+   profile's acceptance (what the controllers use) and with the cell's own measured
+   acceptance (which isolates the step-time part of the model).
+2. **Traffic.** Open-loop Poisson arrivals in real time (:mod:`paper_traffic`): uniform
+   rates at ``RATE_FRACTIONS`` of a capacity measured in part 1 (requests/s of the
+   largest batch at its best k), or ``--rates``; and a phased workload (the lightest
+   rate, the heaviest, the lightest again). Every policy (fixed k, ``table``,
+   ``adaptive``) serves the same arrival trace; adaptive starts afresh from the profile
+   in every run. Goals are checked on mean TPOT against the best fixed k.
+
+Prompts are :mod:`spec_workload`'s rewrite / summarize / proofread / continue requests
+(n-gram prompt lookup pays on them). Prefix caching is off, so identical prompts are
+prefilled cold in every run. Figures: :mod:`paper_plots`. Heavy imports stay inside
+functions: ``tandem`` builds this parser for every command.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+from cluster.bench.offline import DTYPES, _int_list, _positive_int
+from cluster.bench.paper_traffic import RunResult, Workload, phased_workload, run_open_loop, uniform_workload
+from cluster.bench.spec import WORKLOAD, SpecCounts, _k_list, make_cell, run_closed_loop
+from cluster.bench.spec_workload import build_prompt_ids
+
+WARMUP_LEN = 8
+MIN_REQUESTS_PER_CELL = 4
+NUM_PROMPTS = 16
+RATE_FRACTIONS = (0.25, 0.55, 0.85)  # of the measured capacity: light, medium, near saturation
+UNIFORM_GOAL = 0.02  # adaptive at most 2% behind the best fixed k at every uniform rate
+PHASED_GOAL = 0.09  # adaptive at least 9% ahead of the best fixed k on phased traffic
+HYSTERESIS = 0.05
+
+
+def _rate_list(text: str) -> list[float]:
+    try:
+        rates = [float(s) for s in text.split(",")]
+    except ValueError:
+        rates = []
+    if not rates or not all(r > 0 for r in rates):
+        raise argparse.ArgumentTypeError(f"expected request rates > 0 per second like 0.5,1,2, got {text!r}")
+    return rates
+
+
+def add_paper_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default="smollm2-135m-instruct", help="short name, HF folder or .gguf file")
+    parser.add_argument("--dtype", choices=DTYPES, default="bfloat16")
+    parser.add_argument("--batch-sizes", type=_int_list, default=[1, 2, 4, 8, 16],
+                        help="batch sizes of the TPOT-vs-k sweep and the profile (default 1,2,4,8,16)")
+    parser.add_argument("--ks", type=_k_list, default=list(range(7)),
+                        help="fixed speculation lengths, swept and served as policies (default 0..6)")
+    parser.add_argument("--max-k", type=_positive_int, default=6, help="largest k of table and adaptive")
+    parser.add_argument("--output-len", type=_positive_int, default=48, help="output tokens per request (EOS ignored)")
+    parser.add_argument("--requests", type=_positive_int, default=32, help="requests per traffic run (default 32)")
+    parser.add_argument("--rates", type=_rate_list,
+                        help="uniform arrival rates in requests/s (default: fractions of a measured capacity)")
+    parser.add_argument("--max-num-seqs", type=_positive_int,
+                        help="the engine's batch limit (default: the largest of --batch-sizes)")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the arrival traces")
+    parser.add_argument("--threads", type=_positive_int, help="torch.set_num_threads (default: torch's choice)")
+    parser.add_argument("--kv-cache-memory", default="1GiB", help="Tandem's KV cache budget")
+    parser.add_argument("--json", type=Path, help="write the results here")
+    parser.add_argument("--plots", type=Path, help="write PNG figures into this folder")
+
+
+def run_paper_bench(args: argparse.Namespace) -> dict:
+    """Profile, sweep, serve the traffic; print the tables, write JSON and plots if asked."""
+    import torch
+    from rich.console import Console
+    from rich.progress import Progress
+
+    from cluster.engine.llm import LLM
+    from cluster.models.loader import load_tokenizer, resolve_model
+    from cluster.spec.profiler import run_profile
+
+    if args.max_k > 16:
+        raise ValueError(f"--max-k must be at most 16 (the engine's bound), got {args.max_k}")
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    started, load_average = time.perf_counter(), os.getloadavg()
+    source = resolve_model(args.model)
+    tokenizer = load_tokenizer(source)
+    if tokenizer is None:
+        raise ValueError(f"{args.model} has no tokenizer; this benchmark builds text prompts")
+    prompt_ids, prompt_format = build_prompt_ids(tokenizer, NUM_PROMPTS)
+    top_k = max(args.max_k, max(args.ks))
+    console = Console()
+    console.print(f"loading {Path(args.model).name} {args.dtype} with n-gram speculation")
+    llm = LLM(str(source.path), dtype=args.dtype, device="cpu", method="ngram", num_speculative_tokens=top_k,
+              max_num_seqs=args.max_num_seqs or max(args.batch_sizes), enable_prefix_caching=False,
+              kv_cache_memory=args.kv_cache_memory)
+    engine = llm.engine
+    run_closed_loop(engine, prompt_ids[:max(args.batch_sizes)], WARMUP_LEN, max(args.batch_sizes))
+    context_len = round(sum(map(len, prompt_ids)) / len(prompt_ids) + args.output_len / 2)
+    profile = run_profile(engine, args.batch_sizes, top_k, context_len)
+
+    policies = [f"k={k}" for k in args.ks] + ["table", "adaptive"]
+    num_workloads = (len(args.rates) if args.rates else len(RATE_FRACTIONS)) + 1
+    with Progress(console=console) as progress:
+        task = progress.add_task("TPOT vs k", total=len(args.batch_sizes) * len(args.ks)
+                                 + num_workloads * len(policies))
+        cells = _sweep(engine, args, prompt_ids, profile, progress, task)
+        capacity = _capacity(cells, args)
+        rates = args.rates or [float(f"{f * capacity['requests_per_s']:.3g}") for f in RATE_FRACTIONS]
+        workloads = [uniform_workload(r, args.requests, args.seed) for r in rates]
+        workloads.append(phased_workload(min(rates), max(rates), args.requests, args.seed))
+        traffic = [_serve(engine, w, policies, profile, prompt_ids, args, progress, task) for w in workloads]
+
+    result = {
+        "machine": {"cpu_count": os.cpu_count(), "processor": platform.processor() or platform.machine(),
+                    "torch_version": torch.__version__, "threads": torch.get_num_threads(),
+                    "load_average_1_5_15m": list(load_average)},
+        "settings": {"model": args.model, "model_path": str(source.path), "method": "ngram", "dtype": args.dtype,
+                     "batch_sizes": args.batch_sizes, "ks": args.ks, "max_k": args.max_k,
+                     "max_num_seqs": engine.config.scheduler.max_num_seqs,
+                     "output_len": args.output_len, "requests": args.requests, "seed": args.seed,
+                     "prompt_format": prompt_format, "prompt_lens": [len(p) for p in prompt_ids],
+                     "workload": WORKLOAD, "prefix_caching": False, "sampling": "greedy, ignore_eos",
+                     "min_requests_per_cell": MIN_REQUESTS_PER_CELL, "rate_fractions": list(RATE_FRACTIONS),
+                     "profile_context_len": context_len, "adaptive_hysteresis": HYSTERESIS,
+                     "tpot": "per request (finish - first token) / (output tokens - 1), mean over requests"},
+        "profile": profile.model_dump(),
+        "tpot_vs_k": _sweep_summary(cells, args),
+        "capacity": capacity,
+        "traffic": {"policies": policies, "workloads": traffic},
+        "goals": _goals(traffic),
+        "wall_s": time.perf_counter() - started,
+    }
+    from cluster.bench.paper_report import print_tables
+
+    print_tables(console, result)
+    if args.json:
+        args.json.write_text(json.dumps(result, indent=2) + "\n")
+    if args.plots:
+        from cluster.bench.paper_plots import write_plots
+
+        for path in write_plots(result, args.plots):
+            console.print(f"wrote {path}")
+    return result
+
+
+# ---- part 1: TPOT vs k ----------------------------------------------------------------
+def _sweep(engine, args, prompt_ids, profile, progress, task) -> list[dict]:
+    from cluster.spec.controller import FixedController
+
+    model = profile.latency_model
+    cells = []
+    for b in args.batch_sizes:
+        engine.controller = FixedController(max(args.ks))
+        run_closed_loop(engine, prompt_ids[:b], min(WARMUP_LEN, args.output_len), b)
+        rounds = -(-MIN_REQUESTS_PER_CELL // b)
+        for k in args.ks:
+            progress.update(task, description=f"TPOT vs k: batch {b}, k={k}")
+            engine.controller = FixedController(k)
+            engine.spec_stats = type(engine.spec_stats)()
+            timings, seconds = [], 0.0
+            for r in range(rounds):
+                batch = [prompt_ids[(r * b + i) % len(prompt_ids)] for i in range(b)]
+                round_timings, round_seconds = run_closed_loop(engine, batch, args.output_len, b)
+                timings += round_timings
+                seconds += round_seconds
+            stats = engine.spec_stats
+            cell = asdict(make_cell("tandem", "ngram", b, k, args.output_len, timings, seconds,
+                                    SpecCounts.of(stats)))
+            acceptance = stats.conditional_acceptance[:k]
+            cell["conditional_acceptance"] = acceptance
+            cell["predicted_tpot_ms"] = model.time_per_token(b, k, profile.acceptance) * 1e3
+            cell["predicted_tpot_ms_measured_acceptance"] = (
+                model.time_per_token(b, k, acceptance) * 1e3 if k == 0 or acceptance else None)
+            for suffix in ("", "_measured_acceptance"):
+                predicted = cell[f"predicted_tpot_ms{suffix}"]
+                cell[f"prediction_error{suffix}"] = (predicted / cell["tpot_ms"] - 1
+                                                     if predicted is not None and cell["tpot_ms"] else None)
+            cells.append(cell)
+            progress.advance(task)
+    return cells
+
+
+def _argmin(cells: list[dict], key: str) -> dict | None:
+    usable = [c for c in cells if c[key] is not None]
+    return min(usable, key=lambda c: c[key]) if usable else None
+
+
+def _sweep_summary(cells: list[dict], args) -> dict:
+    per_batch = []
+    for b in args.batch_sizes:
+        row = [c for c in cells if c["batch_size"] == b]
+        best, model_pick = _argmin(row, "tpot_ms"), _argmin(row, "predicted_tpot_ms")
+        model_pick_acc = _argmin(row, "predicted_tpot_ms_measured_acceptance")
+        k0 = next((c for c in row if c["k"] == 0), None)
+        top = max(row, key=lambda c: c["k"])
+        per_batch.append({
+            "batch_size": b, "best_k": best["k"], "best_tpot_ms": best["tpot_ms"],
+            "k0_tpot_ms": k0["tpot_ms"] if k0 else None,
+            "speedup_vs_k0": k0["tpot_ms"] / best["tpot_ms"] if k0 else None,
+            "model_k": model_pick["k"], "model_k_tpot_ms": model_pick["tpot_ms"],
+            "model_k_regret": model_pick["tpot_ms"] / best["tpot_ms"] - 1,
+            "model_k_measured_acceptance": model_pick_acc["k"] if model_pick_acc else None,
+            "acceptance_rate_at_top_k": top["acceptance_rate"],
+            "mean_abs_prediction_error": _mean_abs(row, "prediction_error"),
+        })
+    best_ks = [p["best_k"] for p in per_batch]
+    return {
+        "cells": cells, "per_batch": per_batch,
+        "best_k_non_increasing": all(a >= b for a, b in zip(best_ks, best_ks[1:])),
+        "best_k_falls": len(best_ks) > 1 and best_ks[-1] < best_ks[0],
+        "mean_abs_prediction_error": _mean_abs(cells, "prediction_error"),
+        "mean_abs_prediction_error_measured_acceptance": _mean_abs(cells, "prediction_error_measured_acceptance"),
+    }
+
+
+def _mean_abs(cells: list[dict], key: str) -> float | None:
+    values = [abs(c[key]) for c in cells if c[key] is not None]
+    return sum(values) / len(values) if values else None
+
+
+def _capacity(cells: list[dict], args) -> dict:
+    """Requests/s of the largest batch at its best k: all submitted at once, prefill and tail included."""
+    b = max(args.batch_sizes)
+    best = max((c for c in cells if c["batch_size"] == b), key=lambda c: c["num_requests"] / c["seconds"])
+    measured = best["num_requests"] / best["seconds"]
+    return {"requests_per_s": measured, "batch_size": b, "k": best["k"],
+            "source": "given by --rates (not used)" if args.rates else "measured"}
+
+
+# ---- part 2: traffic ------------------------------------------------------------------
+def _controller(policy: str, profile, max_k: int):
+    from cluster.spec.controller import AdaptiveController, FixedController, TableController
+
+    if policy == "table":
+        return TableController({b: min(k, max_k) for b, k in profile.table.items()})
+    if policy == "adaptive":
+        return AdaptiveController(profile.latency_model, profile.acceptance, max_k, hysteresis=HYSTERESIS)
+    return FixedController(int(policy.removeprefix("k=")))
+
+
+def _serve(engine, workload: Workload, policies, profile, prompt_ids, args, progress, task) -> dict:
+    runs: list[RunResult] = []
+    for policy in policies:
+        progress.update(task, description=f"traffic {workload.name}: {policy}")
+        engine.controller = _controller(policy, profile, args.max_k)
+        runs.append(run_open_loop(engine, workload, prompt_ids, args.output_len, policy))
+        progress.advance(task)
+    fixed = [r for r in runs if r.policy.startswith("k=")]
+    best = min(fixed, key=lambda r: r.mean_tpot_ms)
+    gaps = {r.policy: r.mean_tpot_ms / best.mean_tpot_ms - 1 for r in runs if r.policy in ("table", "adaptive")}
+    entries = []
+    for r in runs:
+        entry = asdict(r)
+        if r.policy.startswith("k="):
+            entry["steps"] = []  # only the controllers' choices are worth the space
+        entry["gap_vs_best_fixed"] = r.mean_tpot_ms / best.mean_tpot_ms - 1
+        entries.append(entry)
+    return workload.to_json() | {"runs": entries, "gaps": gaps,
+                                 "best_fixed": {"policy": best.policy, "mean_tpot_ms": best.mean_tpot_ms}}
+
+
+def _goals(traffic: list[dict]) -> list[dict]:
+    """gap = policy TPOT / best fixed TPOT - 1: positive is behind, negative ahead."""
+    uniform = [w for w in traffic if w["kind"] == "uniform"]
+    phased = [w for w in traffic if w["kind"] == "phased"]
+    worst = max(uniform, key=lambda w: w["gaps"]["adaptive"]) if uniform else None
+    goals = []
+    if worst is not None:
+        goals.append({"goal": f"adaptive at most {UNIFORM_GOAL:.0%} behind the best fixed k at every uniform rate",
+                      "workload": worst["name"], "adaptive_gap": worst["gaps"]["adaptive"],
+                      "table_gap": worst["gaps"]["table"], "met": worst["gaps"]["adaptive"] <= UNIFORM_GOAL})
+    for w in phased:
+        goals.append({"goal": f"adaptive at least {PHASED_GOAL:.0%} ahead of the best fixed k on phased traffic",
+                      "workload": w["name"], "adaptive_gap": w["gaps"]["adaptive"], "table_gap": w["gaps"]["table"],
+                      "met": w["gaps"]["adaptive"] <= -PHASED_GOAL})
+    return goals

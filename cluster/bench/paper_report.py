@@ -1,0 +1,116 @@
+"""The rich tables of ``tandem bench paper``, printed from its JSON."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+
+def _fmt(value, spec: str) -> str:
+    return "-" if value is None else format(value, spec)
+
+
+def _pct(value: float | None) -> str:
+    return "-" if value is None else f"{value:+.1%}"
+
+
+def print_tables(console, result: dict) -> None:
+    _print_sweep(console, result)
+    _print_traffic(console, result)
+    _print_goals(console, result)
+
+
+def _print_sweep(console, result: dict) -> None:
+    from rich import box
+    from rich.table import Table
+
+    settings, sweep, profile = result["settings"], result["tpot_vs_k"], result["profile"]
+    model = Path(settings["model"]).name
+    cells = {(c["batch_size"], c["k"]): c for c in sweep["cells"]}
+    best = {p["batch_size"]: p["best_k"] for p in sweep["per_batch"]}
+    table = Table(
+        title=f"TPOT ms vs k, measured / predicted, {model} {settings['dtype']} n-gram, "
+              f"{settings['output_len']} tokens per request, batch submitted at once",
+        caption=f"predicted: the latency model fitted by run_profile (fit error {profile['fit_error']:.1%}) with the "
+                "profile's acceptance (" + ", ".join(f"{a:.2f}" for a in profile["acceptance"]) + "); "
+                "bold: best measured k",
+        box=box.SIMPLE_HEAD, show_edge=False,
+    )
+    table.add_column("batch", justify="right")
+    for k in settings["ks"]:
+        table.add_column(f"k={k}", justify="right")
+    for b in settings["batch_sizes"]:
+        row = []
+        for k in settings["ks"]:
+            c = cells[(b, k)]
+            text = f"{_fmt(c['tpot_ms'], '.1f')} / {c['predicted_tpot_ms']:.1f}"
+            row.append(f"[bold]{text}[/]" if k == best[b] else text)
+        table.add_row(str(b), *row)
+    console.print(table)
+
+    table = Table(
+        title="Best k per batch size: measured vs the latency model",
+        caption="model k: argmin of the predicted TPOT (profile acceptance); regret: measured TPOT at model k over "
+                "the best; model k (acc.): argmin with each cell's own measured acceptance; |err|: mean "
+                "|predicted / measured - 1| over k; accept: accepted / drafted at the largest k\n"
+                f"best k non-increasing as the batch grows: {'yes' if sweep['best_k_non_increasing'] else 'no'}; "
+                f"falls from the smallest to the largest batch: {'yes' if sweep['best_k_falls'] else 'no'}; "
+                f"mean |err| {_fmt(sweep['mean_abs_prediction_error'], '.1%')} (profile acceptance), "
+                f"{_fmt(sweep['mean_abs_prediction_error_measured_acceptance'], '.1%')} (measured acceptance)",
+        box=box.SIMPLE_HEAD, show_edge=False,
+    )
+    for header in ("batch", "best k", "TPOT ms", "k=0 ms", "speedup", "model k", "regret", "model k (acc.)",
+                   "|err|", "accept"):
+        table.add_column(header, justify="right")
+    for p in sweep["per_batch"]:
+        table.add_row(str(p["batch_size"]), str(p["best_k"]), _fmt(p["best_tpot_ms"], ".1f"),
+                      _fmt(p["k0_tpot_ms"], ".1f"), _fmt(p["speedup_vs_k0"], ".2f"), str(p["model_k"]),
+                      _pct(p["model_k_regret"]), _fmt(p["model_k_measured_acceptance"], "d"),
+                      _fmt(p["mean_abs_prediction_error"], ".1%"), _fmt(p["acceptance_rate_at_top_k"], ".0%"))
+    console.print(table)
+
+
+def _print_traffic(console, result: dict) -> None:
+    from rich import box
+    from rich.table import Table
+
+    settings, capacity = result["settings"], result["capacity"]
+    cap = (f"capacity {capacity['requests_per_s']:.2f} req/s measured (batch {capacity['batch_size']}, "
+           f"k={capacity['k']})" if capacity["source"] == "measured" else "rates given by --rates")
+    table = Table(
+        title=f"Open-loop Poisson traffic, {settings['requests']} requests per run, {settings['output_len']} tokens "
+              "each, same arrival trace for every policy",
+        caption=f"{cap}; vs best: mean TPOT over the best fixed k's (- is faster); latency and TTFT from the "
+                "scheduled arrival; batch and k: means over steps",
+        box=box.SIMPLE_HEAD, show_edge=False,
+    )
+    for header in ("workload", "policy", "TPOT ms", "vs best", "latency s", "TTFT s", "tok/s", "batch", "k",
+                   "accept"):
+        table.add_column(header, justify="left" if header in ("workload", "policy") else "right")
+    for i, w in enumerate(result["traffic"]["workloads"]):
+        if i:
+            table.add_section()
+        rates = " -> ".join(f"{p['rate']:.2f}" for p in w["phases"]) + " req/s"
+        for j, r in enumerate(w["runs"]):
+            policy = r["policy"]
+            if policy == w["best_fixed"]["policy"]:
+                policy = f"[bold]{policy}[/] (best fixed)"
+            table.add_row(w["name"] if j == 0 else (rates if j == 1 else ""), policy, f"{r['mean_tpot_ms']:.1f}",
+                          _pct(r["gap_vs_best_fixed"]), f"{r['mean_latency_s']:.2f}", f"{r['mean_ttft_s']:.2f}",
+                          f"{r['throughput_tok_s']:.1f}", f"{r['mean_batch_size']:.1f}", f"{r['mean_k']:.2f}",
+                          _fmt(r["acceptance_rate"], ".0%"))
+    console.print(table)
+
+
+def _print_goals(console, result: dict) -> None:
+    from rich import box
+    from rich.table import Table
+
+    table = Table(title="Goals (gap: policy TPOT / best fixed k TPOT - 1)", box=box.SIMPLE_HEAD, show_edge=False)
+    for header in ("goal", "workload", "adaptive", "table", "met"):
+        table.add_column(header, justify="left" if header in ("goal", "workload") else "right")
+    for g in result["goals"]:
+        table.add_row(g["goal"], g["workload"], _pct(g["adaptive_gap"]), _pct(g["table_gap"]),
+                      "[green]yes[/]" if g["met"] else "[red]no[/]")
+    console.print(table)
+    console.print(f"wall time {result['wall_s'] / 60:.1f} min; load average at start "
+                  + ", ".join(f"{x:.2f}" for x in result["machine"]["load_average_1_5_15m"]))

@@ -1,0 +1,112 @@
+"""``tandem bench paper`` end to end on a tiny random Llama (no download, no timing assertions)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from cluster.bench.paper_traffic import Phase, phased_workload, poisson_arrivals, uniform_workload
+from cluster.cli import main
+from cluster.models.tiny import save_tiny_model, save_tiny_tokenizer, tiny_llama_config
+
+POLICIES = ["k=0", "k=1", "k=2", "table", "adaptive"]
+
+
+@pytest.fixture(scope="module")
+def tiny_folder(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("tiny-llama")
+    # The character-level tokenizer turns each passage prompt into ~500 tokens.
+    save_tiny_model(tiny_llama_config(max_position_embeddings=2048), folder)
+    save_tiny_tokenizer(folder)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def paper_run(tiny_folder, tmp_path_factory):
+    out = tmp_path_factory.mktemp("paper")
+    code = main(["bench", "paper", "--model", str(tiny_folder), "--dtype", "float32", "--batch-sizes", "1,2",
+                 "--ks", "0,1,2", "--max-k", "2", "--output-len", "5", "--requests", "4", "--rates", "40,80",
+                 # A batch limit above the 12 calibration prompts keeps the profile's acceptance run short.
+                 "--max-num-seqs", "16", "--kv-cache-memory", "32MiB", "--json", str(out / "paper.json"), "--plots", str(out / "plots")])
+    assert code == 0
+    return json.loads((out / "paper.json").read_text()), out / "plots"
+
+
+def test_tpot_vs_k_every_cell_with_a_prediction(paper_run):
+    result, _ = paper_run
+    sweep = result["tpot_vs_k"]
+    cells = {(c["batch_size"], c["k"]): c for c in sweep["cells"]}
+    assert set(cells) == {(b, k) for b in (1, 2) for k in (0, 1, 2)}
+    for (b, k), cell in cells.items():
+        # At least four requests per cell, in whole rounds of b submitted at once.
+        assert cell["num_requests"] == 4 and cell["output_tokens"] == 4 * 5
+        assert cell["tpot_ms"] > 0 and cell["predicted_tpot_ms"] > 0
+        assert cell["prediction_error"] == pytest.approx(cell["predicted_tpot_ms"] / cell["tpot_ms"] - 1)
+        assert len(cell["conditional_acceptance"]) <= k
+        if k == 0:
+            assert cell["num_draft_tokens"] == 0
+    assert [p["batch_size"] for p in sweep["per_batch"]] == [1, 2]
+    for p in sweep["per_batch"]:
+        assert p["best_k"] in (0, 1, 2) and p["model_k"] in (0, 1, 2)
+        assert p["best_tpot_ms"] == min(cells[(p["batch_size"], k)]["tpot_ms"] for k in (0, 1, 2))
+        assert p["model_k_regret"] >= 0
+    assert isinstance(sweep["best_k_non_increasing"], bool)
+    profile = result["profile"]
+    assert profile["max_k"] == 2 and profile["batch_sizes"] == [1, 2] and len(profile["acceptance"]) == 2
+    assert set(profile["table"]) == {"1", "2"}
+
+
+def test_traffic_every_policy_and_workload(paper_run):
+    result, _ = paper_run
+    assert result["capacity"]["source"] == "given by --rates (not used)"
+    workloads = result["traffic"]["workloads"]
+    assert [w["name"] for w in workloads] == ["uniform-40.00", "uniform-80.00", "phased"]
+    assert [p["rate"] for p in workloads[2]["phases"]] == [40, 80, 40]
+    assert [p["num_requests"] for p in workloads[2]["phases"]] == [1, 2, 1]
+    assert result["traffic"]["policies"] == POLICIES
+    for w in workloads:
+        assert len(w["arrival_s"]) == 4 and w["arrival_s"] == sorted(w["arrival_s"])
+        assert [r["policy"] for r in w["runs"]] == POLICIES
+        for r in w["runs"]:
+            assert r["workload"] == w["name"] and r["num_requests"] == 4 and r["output_tokens"] == 4 * 5
+            assert r["mean_tpot_ms"] > 0 and r["mean_latency_s"] > 0 and r["throughput_tok_s"] > 0
+            assert sum(r["k_per_step"].values()) > 0
+            assert all(int(k) <= 2 for k in r["k_per_step"])
+            if r["policy"].startswith("k="):
+                assert set(r["k_per_step"]) == {r["policy"][2:]} and r["steps"] == []
+            else:
+                assert len(r["steps"]) == sum(r["k_per_step"].values())
+        assert w["best_fixed"]["policy"] in POLICIES[:3]
+        assert set(w["gaps"]) == {"table", "adaptive"} and min(r["gap_vs_best_fixed"] for r in w["runs"][:3]) == 0
+    goals = result["goals"]
+    assert [g["workload"] for g in goals][1:] == ["phased"] and all(isinstance(g["met"], bool) for g in goals)
+
+
+def test_plots_are_png_files(paper_run):
+    _, plots = paper_run
+    names = sorted(p.name for p in plots.iterdir())
+    assert names == ["phased_k_over_time.png", "tpot_vs_k.png", "traffic_tpot.png"]
+    for name in names:
+        assert (plots / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_arrivals_are_seeded_and_phased():
+    phases = (Phase(2.0, 3), Phase(10.0, 5))
+    assert poisson_arrivals(phases, 7) == poisson_arrivals(phases, 7) != poisson_arrivals(phases, 8)
+    # The same seed scales: a rate twice as high gives arrivals twice as early.
+    slow, fast = uniform_workload(1.0, 6, 0), uniform_workload(2.0, 6, 0)
+    assert fast.arrival_s == pytest.approx([t / 2 for t in slow.arrival_s])
+    phased = phased_workload(1.0, 5.0, 10, 0)
+    assert [(p.rate, p.num_requests) for p in phased.phases] == [(1.0, 2), (5.0, 6), (1.0, 2)]
+    with pytest.raises(ValueError, match="rates must be > 0"):
+        poisson_arrivals((Phase(0.0, 1),), 0)
+
+
+@pytest.mark.parametrize("flag,value", [("--rates", "0,1"), ("--rates", "x"), ("--ks", "0,17"),
+                                        ("--batch-sizes", "0")])
+def test_bad_arguments_are_rejected(flag, value, capsys):
+    with pytest.raises(SystemExit):
+        main(["bench", "paper", flag, value])
+    err = capsys.readouterr().err
+    assert f"argument {flag}" in err and value in err
