@@ -119,7 +119,7 @@ def _measure_server(args, k: int, prompt_ids, result: VllmResult, progress, task
             _run_clients(base, prompt_ids[:batch_size], min(WARMUP_LEN, args.output_len), batch_size)
             before = _scrape_counts(base)
             timings, seconds = _run_clients(base, prompt_ids, args.output_len, batch_size)
-            counts = _scrape_counts(base).minus(before) if k > 0 else None
+            counts = _scrape_counts(base).minus(before)  # all 0 at k = 0: vLLM exports no counters then
             result.cells.append(make_cell("vllm", "ngram", batch_size, k, args.output_len, timings, seconds,
                                           counts))
             progress.advance(task)
@@ -160,9 +160,12 @@ def _get_json(url: str) -> dict:
 
 
 def _scrape_counts(base: str) -> SpecCounts:
-    """vLLM's speculative counters summed over label sets (0 when it exports none)."""
     with urllib.request.urlopen(f"{base}/metrics", timeout=30) as resp:
-        text = resp.read().decode()
+        return parse_spec_counts(resp.read().decode())
+
+
+def parse_spec_counts(text: str) -> SpecCounts:
+    """vLLM's speculative counters in Prometheus text, summed over label sets (0 when absent)."""
     totals = {"drafts": 0.0, "draft_tokens": 0.0, "accepted_tokens": 0.0}
     per_pos: dict[int, float] = {}
     for line in text.splitlines():

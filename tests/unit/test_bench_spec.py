@@ -7,7 +7,7 @@ import json
 import pytest
 
 from cluster.bench.spec import SpecCounts
-from cluster.bench.spec_vllm import VllmResult
+from cluster.bench.spec_vllm import VllmResult, free_port, parse_spec_counts
 from cluster.bench.spec_workload import PASSAGES, TASKS, build_prompt_ids
 from cluster.cli import main
 from cluster.models.tiny import save_tiny_model, save_tiny_tokenizer, tiny_llama_config
@@ -66,6 +66,20 @@ def test_missing_vllm_script_is_reported_and_tandem_still_written(tiny_folder, t
     assert "vLLM peer failed" in capsys.readouterr().out
 
 
+def test_vllm_that_cannot_start_is_reported_once(tiny_folder, tmp_path, capsys):
+    script = tmp_path / "vllm_cpu.sh"
+    script.write_text("#!/bin/sh\necho 'setup failed: no space left on device' >&2\nexit 1\n")
+    script.chmod(0o755)
+    out = tmp_path / "spec.json"
+    assert main(["bench", "spec", "--model", str(tiny_folder), "--batch-sizes", "1", "--ks", "0",
+                 "--output-len", "2", "--num-prompts", "1", "--vllm", "--vllm-ks", "0,2",
+                 "--vllm-script", str(script), "--json", str(out)]) == 0
+    vllm = json.loads(out.read_text())["vllm"]
+    assert vllm["status"] == "failed" and len(vllm["errors"]) == 2
+    assert "no space left on device" in vllm["errors"][0] and "k=[2] not tried" in vllm["errors"][1]
+    assert "no space left on device" in capsys.readouterr().out
+
+
 def test_prompts_hold_the_passage_and_match_the_chat_template(tiny_folder):
     from transformers import AutoTokenizer
 
@@ -87,6 +101,23 @@ def test_counter_deltas_pad_positions():
     after = SpecCounts(5, 10, 6, (3, 2, 1))
     assert after.minus(before) == SpecCounts(3, 6, 5, (2, 2, 1))
     assert VllmResult(enabled=True).to_json()["status"] == "failed"
+
+
+def test_vllm_metrics_are_parsed():
+    labels = 'engine="0",model_name="m"'
+    text = "\n".join([
+        "# HELP vllm:spec_decode_num_drafts_total Number of spec decoding drafts.",
+        f"vllm:spec_decode_num_drafts_total{{{labels}}} 837.0",
+        f"vllm:spec_decode_num_drafts_created{{{labels}}} 1.76e+09",
+        f"vllm:spec_decode_num_draft_tokens_total{{{labels}}} 1674.0",
+        f"vllm:spec_decode_num_accepted_tokens_total{{{labels}}} 559.0",
+        f'vllm:spec_decode_num_accepted_tokens_per_pos_total{{{labels},position="1"}} 246.0',
+        f'vllm:spec_decode_num_accepted_tokens_per_pos_total{{{labels},position="0"}} 313.0',
+        f"vllm:generation_tokens_total{{{labels}}} 2048.0",
+    ])
+    assert parse_spec_counts(text) == SpecCounts(837, 1674, 559, (313, 246))
+    assert parse_spec_counts("vllm:generation_tokens_total 5.0") == SpecCounts()
+    assert 0 < free_port() < 65536
 
 
 @pytest.mark.parametrize("flag,value", [("--ks", "0,17"), ("--ks", "a"), ("--batch-sizes", "0"),
