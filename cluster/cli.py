@@ -5,6 +5,9 @@
     tandem bench prefix [--json PATH] ...
     tandem bench spec [--vllm] [--json PATH] ...
     tandem bench paper [--json PATH] [--plots DIR] ...
+    tandem bench serve --url URL ...
+    tandem serve CONFIG [--host H] [--port P] [--router tandem|pow2]
+    tandem bench serve [--url URL] [--endpoint completions|chat] [--dataset NAME] [--json PATH] ...
 """
 
 from __future__ import annotations
@@ -76,6 +79,19 @@ def cmd_profile(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_serve(args: argparse.Namespace) -> int:
+    config = load_config(args.config)
+    serve_overrides = {k: v for k, v in (("host", args.host), ("port", args.port), ("router", args.router),
+                                         ("api_key", args.api_key)) if v is not None}
+    if serve_overrides:
+        config = config.model_copy(update={"serve": config.serve.model_copy(update=serve_overrides)})
+        config = TandemConfig.model_validate(config.model_dump())
+    from deployments.local import start_local  # the only command that needs ray
+
+    start_local(config)
+    return 0
+
+
 def cmd_bench_offline(args: argparse.Namespace) -> int:
     from cluster.bench.offline import run_offline_bench
 
@@ -101,6 +117,13 @@ def cmd_bench_paper(args: argparse.Namespace) -> int:
     from cluster.bench.paper import run_paper_bench
 
     run_paper_bench(args)
+    return 0
+
+
+def cmd_bench_serve(args: argparse.Namespace) -> int:
+    from cluster.bench.serve import run_serve_bench
+
+    run_serve_bench(args)
     return 0
 
 
@@ -133,6 +156,14 @@ def build_parser() -> argparse.ArgumentParser:
     prof.add_argument("--device", help="auto, cpu, cuda or cuda:N")
     prof.set_defaults(func=cmd_profile)
 
+    srv = sub.add_parser("serve", help="serve the OpenAI API on a local Ray Serve cluster")
+    srv.add_argument("config", help="YAML settings file (e.g. configs/local.yaml)")
+    srv.add_argument("--host", help="default: serve.host (127.0.0.1)")
+    srv.add_argument("--port", type=int, help="default: serve.port (8000)")
+    srv.add_argument("--router", choices=["tandem", "pow2"], help="default: serve.router")
+    srv.add_argument("--api-key", help="require 'Authorization: Bearer KEY'")
+    srv.set_defaults(func=cmd_serve)
+
     bench = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="bench", required=True)
     offline = bench.add_parser("offline", help="output tok/s at several batch sizes, Tandem vs transformers")
     from cluster.bench.offline import add_offline_args
@@ -154,6 +185,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_paper_args(paper)
     paper.set_defaults(func=cmd_bench_paper)
+    serve_bench = bench.add_parser("serve", help="load-test an OpenAI-compatible server (vllm bench serve metrics)")
+    from cluster.bench.serve import add_serve_args
+
+    add_serve_args(serve_bench)
+    serve_bench.set_defaults(func=cmd_bench_serve)
     return parser
 
 

@@ -12,6 +12,8 @@ from typing import Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from cluster.config_serve import ServeConfig
+
 
 class ConfigError(ValueError):
     """A configuration file or value is invalid; the message names the key."""
@@ -98,6 +100,7 @@ class TandemConfig(_Strict):
     scheduler: SchedulerConfig = SchedulerConfig()
     speculative: SpeculativeConfig = SpeculativeConfig()
     device: DeviceConfig = DeviceConfig()
+    serve: ServeConfig = ServeConfig()
 
     @model_validator(mode="after")
     def _check(self) -> "TandemConfig":
@@ -108,6 +111,12 @@ class TandemConfig(_Strict):
                     "scheduler.max_num_batched_tokens must be >= model.max_model_len "
                     "when chunked prefill is off"
                 )
+        for group in self.serve.groups:
+            if group.engine:
+                try:
+                    group_engine_config(self, group.name)
+                except ConfigError as err:
+                    raise ValueError(f"serve.groups[{group.name}].engine: {err}") from None
         return self
 
 
@@ -162,11 +171,17 @@ def load_config(path: str | Path) -> TandemConfig:
     if data is not None and not isinstance(data, dict):
         raise ConfigError(f"{path}: the top level must be a mapping of sections")
     config = config_from_dict(data, str(path))
-    profile = config.speculative.profile
-    if profile and not Path(profile).is_absolute():
-        # A profile named in a YAML file is found next to that file.
-        config.speculative.profile = str((path.parent / profile).resolve())
+    # A profile named in a YAML file is found next to that file.
+    config.speculative.profile = _beside(path, config.speculative.profile)
+    for group in config.serve.groups:
+        group.profile = _beside(path, group.profile)
     return config
+
+
+def _beside(config_path: Path, relative: str | None) -> str | None:
+    if relative and not Path(relative).is_absolute():
+        return str((config_path.parent / relative).resolve())
+    return relative
 
 
 def with_overrides(config: TandemConfig, **overrides) -> TandemConfig:
@@ -176,7 +191,7 @@ def with_overrides(config: TandemConfig, **overrides) -> TandemConfig:
     ``scheduler.max_num_seqs``. Unknown keys raise ConfigError naming them.
     """
     data = config.model_dump()
-    sections = {name: type(getattr(config, name)) for name in TandemConfig.model_fields}
+    sections = {name: type(getattr(config, name)) for name in TandemConfig.model_fields if name != "serve"}
     for key, value in overrides.items():
         owners = [s for s, cls in sections.items() if key in cls.model_fields]
         if not owners:
@@ -184,3 +199,19 @@ def with_overrides(config: TandemConfig, **overrides) -> TandemConfig:
             raise ConfigError(f"unknown setting {key!r}; known settings: {', '.join(known)}")
         data[owners[0]][key] = value
     return config_from_dict(data, "overrides")
+
+
+def group_engine_config(config: TandemConfig, group_name: str) -> TandemConfig:
+    """The engine settings of one replica group: the shared ones, the group's ``engine``
+    overrides and its profile. The result's ``serve.groups`` holds only that group."""
+    groups = {g.name: g for g in config.serve.groups}
+    if group_name not in groups:
+        raise ConfigError(f"no replica group {group_name!r}; groups: {', '.join(groups)}")
+    group = groups[group_name]
+    data = config.model_dump()
+    data["serve"]["groups"] = [group.model_copy(update={"engine": {}}).model_dump()]
+    base = config_from_dict(data, f"serve.groups[{group_name}]")
+    result = with_overrides(base, **group.engine) if group.engine else base
+    if group.profile:
+        result.speculative.profile = group.profile
+    return result

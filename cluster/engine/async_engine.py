@@ -5,20 +5,26 @@ steps, runs ``Engine.step`` in a single worker thread (so the event loop stays
 responsive while the model computes) and routes outputs to per-request queues.
 A consumer that stops iterating (break, cancel, disconnect) aborts its request,
 which frees its blocks before the next step.
+
+``step_time_scale`` > 1 emulates a slower device by sleeping after each step for
+(scale - 1) times its duration; it exists for tests and demos of routing.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import AsyncIterator
 
 from cluster.config import TandemConfig
 from cluster.engine.engine import Engine
 from cluster.engine.outputs import RequestOutput
+from cluster.engine.protocol import QueueFullError
 from cluster.engine.request import Request
 from cluster.engine.sampling_params import SamplingParams
+from cluster.routing.step_times import StepTimeTracker
 
 logger = logging.getLogger(__name__)
 
@@ -28,8 +34,13 @@ class EngineDeadError(RuntimeError):
 
 
 class AsyncEngine:
-    def __init__(self, engine: Engine) -> None:
+    def __init__(self, engine: Engine, step_time_scale: float = 1.0) -> None:
+        if step_time_scale < 1.0:
+            raise ValueError(f"step_time_scale must be >= 1, got {step_time_scale}")
         self.engine = engine
+        self.step_time_scale = step_time_scale
+        controller_model = getattr(engine.controller, "model", None)
+        self.step_times = StepTimeTracker(controller_model)
         self._queues: dict[str, asyncio.Queue] = {}
         self._pending_adds: list[Request] = []
         self._pending_aborts: list[str] = []
@@ -38,8 +49,13 @@ class AsyncEngine:
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tandem-engine")
 
     @classmethod
-    def from_config(cls, config: TandemConfig) -> "AsyncEngine":
-        return cls(Engine(config))
+    def from_config(cls, config: TandemConfig, step_time_scale: float = 1.0) -> "AsyncEngine":
+        return cls(Engine(config), step_time_scale)
+
+    @property
+    def num_waiting(self) -> int:
+        """Requests queued in the engine or about to be."""
+        return self.engine.scheduler.num_waiting + len(self._pending_adds)
 
     @property
     def tokenizer(self):
@@ -50,12 +66,17 @@ class AsyncEngine:
         prompt: str | list[int],
         sampling_params: SamplingParams | None = None,
         request_id: str | None = None,
+        cache_salt: str | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Incremental outputs of one request; the last has ``finished=True``.
 
-        Bad input raises ValueError before anything is queued.
+        Bad input raises ValueError, and a full queue (``max_queued_requests``)
+        QueueFullError, before anything is queued.
         """
-        request = self.engine.make_request(prompt, sampling_params, request_id)
+        request = self.engine.make_request(prompt, sampling_params, request_id, cache_salt)
+        limit = self.engine.config.scheduler.max_queued_requests
+        if limit is not None and self.num_waiting >= limit:
+            raise QueueFullError(f"{self.num_waiting} requests are already waiting (max_queued_requests={limit})")
         rid = request.request_id
         if rid in self._queues:
             raise ValueError(f"request id {rid!r} is already in use")
@@ -98,7 +119,7 @@ class AsyncEngine:
                 await self._wakeup.wait()
                 continue
             try:
-                outputs = await loop.run_in_executor(self._executor, self.engine.step)
+                outputs = await loop.run_in_executor(self._executor, self._timed_step)
             except Exception as err:  # a bug or a device failure: fail in-flight requests, keep serving
                 logger.exception("engine step failed")
                 self._fail_all(EngineDeadError(f"engine step failed: {err}"))
@@ -108,6 +129,17 @@ class AsyncEngine:
                 if queue is not None:
                     queue.put_nowait(out)
             await asyncio.sleep(0)  # let consumers run between steps
+
+    def _timed_step(self) -> list[RequestOutput]:
+        started = time.perf_counter()
+        outputs = self.engine.step()
+        if self.step_time_scale > 1.0:
+            time.sleep((self.step_time_scale - 1.0) * (time.perf_counter() - started))
+        record = self.engine.last_step
+        if record is not None:
+            self.step_times.observe(record.num_seqs, record.k, record.num_prefill_tokens,
+                                    time.perf_counter() - started)
+        return outputs
 
     def _apply_pending(self) -> None:
         adds, self._pending_adds = self._pending_adds, []

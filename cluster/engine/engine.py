@@ -13,7 +13,6 @@ import time
 from dataclasses import dataclass
 
 import torch
-import xxhash
 
 from cluster.config import TandemConfig
 from cluster.engine.detokenizer import IncrementalDetokenizer
@@ -23,6 +22,7 @@ from cluster.engine.sampling_params import SamplingParams
 from cluster.engine.stats import EngineStats
 from cluster.engine.scheduler import Scheduler
 from cluster.kv.block_manager import BlockManager, cdiv
+from cluster.kv.prefix_cache import engine_hash_seed
 from cluster.runner.model_runner import SampledTokens
 from cluster.runner.worker import Worker
 from cluster.spec.controller import BatchState, StepObservation
@@ -30,6 +30,16 @@ from cluster.spec.factory import build_speculation
 from cluster.spec.stats import SpecDecodeStats
 
 logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class StepRecord:
+    """What the latest step did, for timing it against the batch it ran."""
+
+    num_seqs: int
+    k: int
+    num_prefill_tokens: int  # scheduled tokens of requests still prefilling (0: a decode-only step)
+    seconds: float
 
 
 @dataclass
@@ -58,6 +68,7 @@ class Engine:
         self._ids = itertools.count()
         self.proposer, self.controller = build_speculation(config, self.worker)
         self.spec_stats = SpecDecodeStats()
+        self.last_step: StepRecord | None = None
 
     # ---- requests -----------------------------------------------------------------
     def make_request(
@@ -145,7 +156,10 @@ class Engine:
             drafts = self.proposer.propose(out.scheduled, tables)
         sampled = self.worker.runner.execute(out.scheduled, tables, drafts)
         self.scheduler.update(out, {rid: s.token_ids for rid, s in sampled.items()})
-        self._record_spec(k, out, drafts, sampled, time.perf_counter() - started)
+        seconds = time.perf_counter() - started
+        self._record_spec(k, out, drafts, sampled, seconds)
+        num_prefill = sum(s.num_new_tokens for s in out.scheduled if s.num_new_tokens > 1)
+        self.last_step = StepRecord(len(out.scheduled), k, num_prefill, seconds)
         return [self._output(s.request, sampled[s.request.request_id]) for s in out.scheduled
                 if s.request.request_id in sampled]
 
@@ -240,8 +254,7 @@ class Engine:
 
 
 def _hash_seed(config: TandemConfig) -> int:
-    """Per engine: blocks are only shared between requests to the same model."""
-    return xxhash.xxh64_intdigest(f"{config.model.model}|{config.model.dtype}".encode(), seed=config.model.seed)
+    return engine_hash_seed(config.model.model, config.model.dtype, config.model.seed)
 
 
 def default_device(name: str) -> torch.device:

@@ -15,7 +15,7 @@ from typing import NamedTuple
 
 from cluster.engine.request import Request
 from cluster.kv.block_pool import BlockPool
-from cluster.kv.prefix_cache import BlockHasher, HashFunction, xxh3_block_hash
+from cluster.kv.prefix_cache import ROOT_HASH, BlockHasher, HashFunction, xxh3_block_hash
 
 
 def cdiv(a: int, b: int) -> int:
@@ -122,6 +122,27 @@ class BlockManager:
         for i in range(start, end):
             self.pool.cache_block(table[i], request.block_hashes[i])
         self._num_cached_in_table[request.request_id] = max(start, end)
+
+    def cached_prefix_hashes(self, max_depth: int) -> frozenset[int]:
+        """Hash values of cached blocks at depth ``< max_depth`` in the prefix tree, for
+        prefix-affinity routing.
+
+        A block whose parent is ``ROOT_HASH`` (a prompt's first block) has depth 0; any
+        other block has its parent's depth + 1, and only when its parent is itself cached:
+        a block hanging off an evicted parent is unreachable by a lookup and is left out.
+        Costs O(number of cached blocks).
+        """
+        if max_depth <= 0:
+            return frozenset()
+        children: dict[int, list[int]] = {}
+        for block_hash in self.pool.cached_block_hashes():
+            children.setdefault(block_hash.parent_value, []).append(block_hash.value)
+        found: set[int] = set()
+        level = children.get(ROOT_HASH, [])
+        for _ in range(max_depth):
+            found.update(level)
+            level = [child for value in level for child in children.get(value, ())]
+        return frozenset(found)
 
     def get_block_table(self, request_id: str) -> list[int]:
         return self.block_tables.get(request_id, [])

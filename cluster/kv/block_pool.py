@@ -100,6 +100,11 @@ class BlockPool:
         self.block_hash[block_id] = block_hash
         return True
 
+    def cached_block_hashes(self) -> list[BlockHash]:
+        """The names of every block findable in the prefix cache now (used or free), as a
+        snapshot list in no particular order."""
+        return [self.block_hash[b] for b in self._cached.values()]
+
     def _evict(self, block_id: int) -> None:
         block_hash = self.block_hash[block_id]
         if block_hash is not None:

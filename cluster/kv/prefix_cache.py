@@ -33,6 +33,12 @@ def xxh3_block_hash(seed: int, parent_hash: int, token_ids: Sequence[int], extra
     return hasher.intdigest()
 
 
+def engine_hash_seed(model: str, dtype: str, seed: int) -> int:
+    """The hash seed of an engine: blocks are only shared between requests to the same
+    model in the same dtype. The router computes it too, to match prompts to caches."""
+    return xxhash.xxh64_intdigest(f"{model}|{dtype}".encode(), seed=seed)
+
+
 @dataclass(frozen=True)
 class BlockHash:
     """The name of one full block, with what is needed to rule out a collision."""

@@ -141,6 +141,17 @@ def load_tokenizer(source: ModelSource) -> transformers.PreTrainedTokenizerBase:
         ) from exc
 
 
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")
+
+
+def load_tokenizer_if_present(source: ModelSource) -> transformers.PreTrainedTokenizerBase | None:
+    """The tokenizer, or None for a folder without tokenizer files (tiny test models
+    serve token ids only)."""
+    if any((source.path / f).exists() for f in _TOKENIZER_FILES):
+        return load_tokenizer(source)
+    return None
+
+
 def iter_weights(source: ModelSource) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield ``(HF parameter name, tensor)`` for every tensor of the folder's weight files.
 

@@ -51,7 +51,13 @@ def save_tiny_model(config, path: Path, seed: int = 0) -> Path:
     return Path(path)
 
 
-def save_tiny_tokenizer(path: Path, vocab_size: int = TINY_VOCAB) -> Path:
+TINY_CHAT_TEMPLATE = (
+    "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}<assistant>{% endif %}"
+)
+
+
+def save_tiny_tokenizer(path: Path, vocab_size: int = TINY_VOCAB, chat_template: str | None = None) -> Path:
     """A character-level tokenizer: ids 0-2 are <unk>, <s>, </s>, then printable ASCII.
 
     It lets tiny models take text prompts, stop strings and chat-free tests without any
@@ -71,5 +77,7 @@ def save_tiny_tokenizer(path: Path, vocab_size: int = TINY_VOCAB) -> Path:
     tokenizer = PreTrainedTokenizerFast(
         tokenizer_object=backend, unk_token="<unk>", bos_token="<s>", eos_token="</s>"
     )
+    if chat_template is not None:
+        tokenizer.chat_template = chat_template
     tokenizer.save_pretrained(path)
     return Path(path)

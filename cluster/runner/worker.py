@@ -8,14 +8,13 @@ import time
 import torch
 
 from cluster.config import TandemConfig
-from cluster.models.loader import iter_weights, load_hf_config, load_tokenizer, resolve_model
+from cluster.models.loader import iter_weights, load_hf_config, load_tokenizer_if_present, resolve_model
 from cluster.models.layers.packed_linear import pack_linears
 from cluster.models.registry import build_model, context_length, resolve_dtype
 from cluster.runner.model_runner import KVCacheSpec, ModelRunner, free_device_memory, num_blocks_for_budget
 
 logger = logging.getLogger(__name__)
 
-_TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")
 
 
 class Worker:
@@ -42,9 +41,7 @@ class Worker:
         started = time.monotonic()
         source = resolve_model(config.model.model, config.model.cache_dir)
         hf_config = load_hf_config(source)
-        # A folder without tokenizer files (tiny test models) serves token ids only.
-        has_tokenizer = any((source.path / f).exists() for f in _TOKENIZER_FILES)
-        tokenizer = load_tokenizer(source) if has_tokenizer else None
+        tokenizer = load_tokenizer_if_present(source)
         dtype = resolve_dtype(config.model.dtype, hf_config, device)
         max_model_len = config.model.max_model_len or context_length(hf_config)
         if max_model_len > context_length(hf_config):

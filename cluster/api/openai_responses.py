@@ -1,0 +1,176 @@
+"""OpenAI response bodies (whole and streamed) built from the engine's deltas.
+
+Shapes follow OpenAI's API reference: ``text_completion`` / ``chat.completion``
+objects, ``*.chunk`` objects for server-sent events, ``usage`` with
+``prompt_tokens_details.cached_tokens``, and the two logprobs layouts (the legacy
+completions one with parallel lists, the chat one with ``content`` entries).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from cluster.engine.outputs import TokenLogprobs
+from cluster.engine.protocol import GenerateDelta
+
+
+def error_body(message: str, type_: str = "invalid_request_error", param: str | None = None,
+               code: str | None = None) -> dict:
+    return {"error": {"message": message, "type": type_, "param": param, "code": code}}
+
+
+@dataclass
+class ChoiceState:
+    """Everything one choice has produced so far."""
+
+    index: int
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprobs] = field(default_factory=list)
+    finish_reason: str | None = None
+    num_prompt_tokens: int = 0
+    num_output_tokens: int = 0
+    num_cached_tokens: int = 0
+
+    def add(self, delta: GenerateDelta) -> None:
+        self.text += delta.text
+        self.token_ids.extend(delta.token_ids)
+        if delta.logprobs:
+            self.logprobs.extend(delta.logprobs)
+        if delta.finish_reason is not None:
+            self.finish_reason = "length" if delta.finish_reason == "length" else "stop"
+        self.num_prompt_tokens = delta.num_prompt_tokens or self.num_prompt_tokens
+        self.num_output_tokens = max(self.num_output_tokens, delta.num_output_tokens)
+        self.num_cached_tokens = max(self.num_cached_tokens, delta.num_cached_tokens)
+
+
+def usage(choices: list[ChoiceState], prompts_counted: dict[int, int]) -> dict:
+    """Usage over all choices; ``prompts_counted`` maps prompt index -> its token count
+    (each prompt counts once even when n > 1)."""
+    prompt_tokens = sum(prompts_counted.values())
+    completion_tokens = sum(c.num_output_tokens for c in choices)
+    cached = max((c.num_cached_tokens for c in choices), default=0)
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": cached},
+    }
+
+
+def completion_logprobs(entries: list[TokenLogprobs], start_offset: int = 0) -> dict:
+    tokens, token_logprobs, top, offsets = [], [], [], []
+    offset = start_offset
+    for entry in entries:
+        sampled_id, sampled = next(iter(entry.items()))
+        text = sampled.decoded_token or ""
+        tokens.append(text)
+        token_logprobs.append(sampled.logprob)
+        top.append({(lp.decoded_token or str(t)): lp.logprob for t, lp in entry.items()})
+        offsets.append(offset)
+        offset += len(text)
+    return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top, "text_offset": offsets}
+
+
+def chat_logprobs(entries: list[TokenLogprobs], num_top: int) -> dict:
+    content = []
+    for entry in entries:
+        items = list(entry.items())
+        _, sampled = items[0]
+        ranked = sorted(items, key=lambda item: item[1].rank)[:num_top] if num_top else []
+        content.append({
+            **_chat_token(sampled.decoded_token, sampled.logprob),
+            "top_logprobs": [_chat_token(lp.decoded_token, lp.logprob) for _, lp in ranked],
+        })
+    return {"content": content}
+
+
+def _chat_token(text: str | None, logprob: float) -> dict:
+    text = text or ""
+    return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+
+
+def completion_body(response_id: str, created: int, model: str, choices: list[ChoiceState],
+                    usage_dict: dict, with_logprobs: bool) -> dict:
+    return {
+        "id": response_id,
+        "object": "text_completion",
+        "created": created,
+        "model": model,
+        "choices": [{
+            "index": c.index,
+            "text": c.text,
+            "logprobs": completion_logprobs(c.logprobs) if with_logprobs else None,
+            "finish_reason": c.finish_reason,
+        } for c in choices],
+        "usage": usage_dict,
+    }
+
+
+def chat_body(response_id: str, created: int, model: str, choices: list[ChoiceState],
+              usage_dict: dict, num_logprobs: int | None) -> dict:
+    return {
+        "id": response_id,
+        "object": "chat.completion",
+        "created": created,
+        "model": model,
+        "choices": [{
+            "index": c.index,
+            "message": {"role": "assistant", "content": c.text},
+            "logprobs": chat_logprobs(c.logprobs, num_logprobs) if num_logprobs is not None else None,
+            "finish_reason": c.finish_reason,
+        } for c in choices],
+        "usage": usage_dict,
+    }
+
+
+def completion_chunk(response_id: str, created: int, model: str, index: int, delta: GenerateDelta,
+                     offset: int, with_logprobs: bool, include_usage: bool) -> dict:
+    chunk = {
+        "id": response_id,
+        "object": "text_completion",
+        "created": created,
+        "model": model,
+        "choices": [{
+            "index": index,
+            "text": delta.text,
+            "logprobs": completion_logprobs(delta.logprobs or [], offset) if with_logprobs else None,
+            "finish_reason": _finish(delta),
+        }],
+    }
+    if include_usage:
+        chunk["usage"] = None
+    return chunk
+
+
+def chat_chunk(response_id: str, created: int, model: str, index: int, delta_body: dict,
+               delta: GenerateDelta | None, num_logprobs: int | None, include_usage: bool) -> dict:
+    logprobs = None
+    if num_logprobs is not None and delta is not None and delta.logprobs:
+        logprobs = chat_logprobs(delta.logprobs, num_logprobs)
+    chunk = {
+        "id": response_id,
+        "object": "chat.completion.chunk",
+        "created": created,
+        "model": model,
+        "choices": [{
+            "index": index,
+            "delta": delta_body,
+            "logprobs": logprobs,
+            "finish_reason": _finish(delta) if delta is not None else None,
+        }],
+    }
+    if include_usage:
+        chunk["usage"] = None
+    return chunk
+
+
+def usage_chunk(response_id: str, created: int, model: str, obj: str, usage_dict: dict) -> dict:
+    return {"id": response_id, "object": obj, "created": created, "model": model, "choices": [],
+            "usage": usage_dict}
+
+
+def _finish(delta: GenerateDelta) -> str | None:
+    if delta.finish_reason is None:
+        return None
+    return "length" if delta.finish_reason == "length" else "stop"

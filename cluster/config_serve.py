@@ -1,0 +1,81 @@
+"""Settings of the serving cluster: the HTTP front, the router, and replica groups.
+
+A *replica group* is a set of identical replicas on one kind of device (one Ray Serve
+deployment each): its resources, autoscaling, speculation profile and engine overrides.
+A cluster on mixed GPUs has one group per GPU kind.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class AutoscalingConfig(_Strict):
+    """Ray Serve's autoscaling_config for one group."""
+
+    min_replicas: int = Field(1, ge=0)
+    max_replicas: int = Field(1, ge=1)
+    initial_replicas: int | None = Field(None, ge=0)
+    target_ongoing_requests: float = Field(8.0, gt=0, description="per replica")
+    upscale_delay_s: float = Field(10.0, ge=0)
+    downscale_delay_s: float = Field(60.0, ge=0)
+
+    @model_validator(mode="after")
+    def _check(self) -> "AutoscalingConfig":
+        if self.min_replicas > self.max_replicas:
+            raise ValueError("autoscaling.min_replicas must be <= autoscaling.max_replicas")
+        if self.initial_replicas is not None and not self.min_replicas <= self.initial_replicas <= self.max_replicas:
+            raise ValueError("autoscaling.initial_replicas must lie in [min_replicas, max_replicas]")
+        return self
+
+
+class ReplicaGroupConfig(_Strict):
+    name: str = Field("default", pattern=r"^[a-z0-9][a-z0-9-]{0,40}$")
+    device_kind: str = Field("cpu", description="label published for routing and metrics, e.g. H100")
+    accelerator_type: str | None = Field(None, description="Ray's accelerator_type, e.g. H100 or A10G")
+    num_replicas: int = Field(1, ge=1, description="fixed size when autoscaling is unset")
+    autoscaling: AutoscalingConfig | None = None
+    num_cpus: float = Field(1.0, ge=0, description="per replica (per rank with tensor parallelism)")
+    num_gpus: float = Field(0.0, ge=0, description="per rank")
+    tensor_parallel_size: int = Field(1, ge=1)
+    placement_strategy: Literal["STRICT_PACK", "PACK", "SPREAD", "STRICT_SPREAD"] = "STRICT_PACK"
+    profile: str | None = Field(None, description="this device's `tandem profile` JSON (overrides speculative.profile)")
+    engine: dict[str, Any] = Field(
+        default_factory=dict, description="engine settings for this group, flat: {max_num_seqs: 32, dtype: float16}"
+    )
+    step_time_scale: float = Field(
+        1.0, ge=1.0, description="emulate a slower device by stretching every engine step; tests and demos only"
+    )
+    max_ongoing_requests: int = Field(256, ge=1, description="Ray Serve's cap of requests in one replica")
+
+
+class ServeConfig(_Strict):
+    host: str = "127.0.0.1"
+    port: int = Field(8000, ge=0, le=65535)
+    served_model_name: str | None = Field(None, description="the id in /v1/models; defaults to model.model")
+    api_key: str | None = Field(None, description="when set, requests need 'Authorization: Bearer <key>'")
+    api_key_env: str | None = Field(None, description="name of an environment variable holding the API key")
+    router: Literal["tandem", "pow2"] = Field(
+        "tandem", description="tandem: predicted completion time; pow2: Ray Serve's power of two choices"
+    )
+    routing_stats_period_s: float = Field(0.5, gt=0)
+    routing_staleness_s: float = Field(5.0, gt=0, description="older replica stats make the router fall back")
+    prefix_affinity_blocks: int = Field(8, ge=0, description="leading blocks of a prompt used for cache affinity")
+    max_queued_requests: int = Field(
+        -1, ge=-1, description="Ray Serve's per-caller queue cap before 503 (-1: unlimited)"
+    )
+    ingress_num_cpus: float = Field(0.5, ge=0)
+    groups: list[ReplicaGroupConfig] = Field(default_factory=lambda: [ReplicaGroupConfig()], min_length=1)
+
+    @model_validator(mode="after")
+    def _check(self) -> "ServeConfig":
+        names = [g.name for g in self.groups]
+        if len(set(names)) != len(names):
+            raise ValueError(f"serve.groups names must be unique, got {names}")
+        return self

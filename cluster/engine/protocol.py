@@ -1,0 +1,62 @@
+"""The engine face a replica talks to: one generate request in, a stream of deltas out.
+
+These types cross process boundaries (Ray pickles them), so they are plain
+dataclasses of plain values. The ingress validates and tokenizes; the replica hands
+the request to its engine and streams ``GenerateDelta``s back. The first delta of
+every stream is an *acknowledgement* (``accepted`` set, no tokens): it arrives once the
+engine has validated and queued the request, so the caller can still answer with a
+clean HTTP error when it is ``error`` instead.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from cluster.engine.outputs import TokenLogprobs
+from cluster.engine.sampling_params import SamplingParams
+
+
+class QueueFullError(RuntimeError):
+    """The engine's waiting queue is at ``max_queued_requests``; retry later."""
+
+
+@dataclass(frozen=True)
+class GenerateRequest:
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    cache_salt: str | None = None
+    # Engine block hashes of the prompt's leading full blocks (for prefix-affinity routing).
+    prefix_hashes: tuple[int, ...] = ()
+    # The caller gave no max_tokens: generate up to the model's context length.
+    max_tokens_is_default: bool = False
+
+
+@dataclass(frozen=True)
+class ErrorInfo:
+    """An OpenAI-style error: HTTP status, message, type and the offending parameter."""
+
+    status: int
+    message: str
+    type: str = "invalid_request_error"
+    param: str | None = None
+    code: str | None = None
+
+
+@dataclass
+class GenerateDelta:
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprobs] | None = None
+    finish_reason: str | None = None  # "stop", "length" or "abort" on the last delta
+    stop_reason: int | str | None = None
+    num_prompt_tokens: int = 0
+    num_output_tokens: int = 0  # so far
+    num_cached_tokens: int = 0
+    accepted: bool = False  # the acknowledgement that starts every stream
+    error: ErrorInfo | None = None
+    replica_stats: dict | None = None  # ReplicaStats.to_dict() of the serving replica, on the acknowledgement
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None or self.error is not None

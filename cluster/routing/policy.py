@@ -1,0 +1,238 @@
+"""The routing policy: predict each replica's completion time for a request, rank by it.
+
+Pure functions of the replica stats, the router's own in-flight counts, the request, a
+clock reading ``now`` and a ``random.Random``: the same inputs and the same rng state
+give the same ranking. Nothing here reads the clock or imports ray.
+
+When every candidate has fresh, usable stats, replicas are ranked by the predicted
+completion time of :func:`predict_completion_seconds` (lowest first; equal predictions
+are ordered at random so equal replicas share the load). When any candidate cannot be
+predicted (no stats yet, stats older than ``staleness_seconds``, or no step-time curve),
+costs are not comparable across the candidates and the router falls back to
+:func:`power_of_two_choices` over all of them.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from bisect import bisect_left
+from dataclasses import dataclass
+from types import MappingProxyType
+from typing import Mapping, Sequence
+
+from cluster.routing.stats import Candidate, ReplicaStats, RoutingRequest
+
+TIE_REL_TOL = 1e-9  # predictions this close (relatively) count as equal
+
+
+@dataclass(frozen=True)
+class PredictedCost:
+    """The predicted seconds until a request finishes on one replica, by part."""
+
+    batch_size: int  # the batch the request would join (capped at max_num_seqs)
+    step_seconds: float  # decoding step time at that batch size
+    tokens_per_step: float  # expected tokens gained per request per step (E)
+    matched_tokens: int  # prompt tokens found in the replica's prefix cache
+    queue_seconds: float
+    prefill_seconds: float
+    decode_seconds: float
+    affinity_seconds_saved: float  # prefill avoided thanks to the matched prefix
+    total_seconds: float  # queue + prefill + decode
+
+
+@dataclass(frozen=True)
+class RankResult:
+    """Replica ids best first. ``predicted_seconds`` / ``costs`` hold the predictions for
+    the candidates whose stats were usable (all of them unless ``used_fallback``)."""
+
+    replica_ids: tuple[str, ...]
+    used_fallback: bool
+    predicted_seconds: Mapping[str, float]
+    costs: Mapping[str, PredictedCost]
+
+
+# ---- the pieces of the cost model ---------------------------------------------------
+def interpolate_step_time(curve: Sequence[tuple[int, float]], batch_size: float) -> float:
+    """Seconds per step at ``batch_size`` from ``(batch size, seconds)`` points sorted by
+    batch size: linear between points, the first point's time below the first point,
+    and beyond the last point the line through the last two. That line's slope is taken
+    as at least 0: a bigger batch is never predicted faster than the largest profiled one
+    (a noisy profile must not extrapolate to negative times). Raises ValueError on an
+    empty curve: the cost is then unknown."""
+    if not curve:
+        raise ValueError("the step-time curve is empty; the cost cannot be predicted")
+    first_size, first_time = curve[0]
+    if batch_size <= first_size:
+        return first_time
+    last_size, last_time = curve[-1]
+    if batch_size >= last_size:
+        if len(curve) == 1:
+            return last_time
+        prev_size, prev_time = curve[-2]
+        slope = (last_time - prev_time) / (last_size - prev_size) if last_size > prev_size else 0.0
+        return last_time + max(slope, 0.0) * (batch_size - last_size)
+    i = bisect_left([size for size, _ in curve], batch_size)
+    hi_size, hi_time = curve[i]
+    if hi_size == batch_size:
+        return hi_time
+    lo_size, lo_time = curve[i - 1]
+    return lo_time + (hi_time - lo_time) * (batch_size - lo_size) / (hi_size - lo_size)
+
+
+def expected_tokens_per_step(acceptance: float, k: int) -> float:
+    """E = (1 - a^(k+1)) / (1 - a): the expected tokens a request gains per speculative
+    step with ``k`` draft tokens, each accepted with probability ``a`` independently
+    (arXiv 2211.17192). E = k + 1 when a = 1 and E = 1 when k = 0; ``a`` is clipped
+    to [0, 1]."""
+    if k <= 0:
+        return 1.0
+    a = min(max(acceptance, 0.0), 1.0)
+    if a == 1.0:
+        return float(k + 1)
+    return (1.0 - a ** (k + 1)) / (1.0 - a)
+
+
+def replica_load(stats: ReplicaStats | None, num_inflight: int) -> int:
+    """Requests at the replica: what it reported (running + waiting), or what this router
+    has sent there and not seen finish, whichever is larger (the in-flight count covers
+    requests sent after the stats were measured)."""
+    if stats is None:
+        return num_inflight
+    return max(stats.num_running + stats.num_waiting, num_inflight)
+
+
+def matched_prefix_tokens(request: RoutingRequest, stats: ReplicaStats) -> int:
+    """Prompt tokens the replica would find in its prefix cache: (i + 1) * block_size for
+    the deepest i with ``request.prefix_hashes[i]`` among the published hashes (names
+    are chained, so a hit at i implies blocks 0..i are cached). Like the engine's lookup,
+    it never covers the prompt's last token: at most (num_prompt_tokens - 1) //
+    block_size blocks count."""
+    cached = stats.cached_prefix_hashes
+    if not cached or stats.block_size < 1:
+        return 0
+    max_blocks = max(0, (request.num_prompt_tokens - 1) // stats.block_size)
+    hashes = request.prefix_hashes[:max_blocks]
+    for i in range(len(hashes) - 1, -1, -1):
+        if hashes[i] in cached:
+            return (i + 1) * stats.block_size
+    return 0
+
+
+# ---- the cost model -----------------------------------------------------------------
+def predict_completion_seconds(request: RoutingRequest, stats: ReplicaStats, num_inflight: int) -> PredictedCost:
+    """Predicted seconds from routing ``request`` to ``stats``' replica until it finishes.
+
+    * load L = max(num_running + num_waiting, num_inflight) (:func:`replica_load`); the
+      request joins a batch of b = min(L + 1, max_num_seqs).
+    * step time s(b) from ``step_time_curve`` (:func:`interpolate_step_time`), which is
+      the replica's profile at its current k, already scaled by its speed factor.
+    * E = (1 - a^(k+1)) / (1 - a) tokens per step for acceptance a and k = current_k
+      (:func:`expected_tokens_per_step`); decode = max_tokens / E * s(b).
+    * prefill = (num_prompt_tokens - matched) * prefill_seconds_per_token, where
+      matched is the cached prefix (:func:`matched_prefix_tokens`);
+      affinity_seconds_saved = matched * prefill_seconds_per_token.
+    * queue: when L + 1 > max_num_seqs the request waits for excess = L + 1 - max_num_seqs
+      slots to free up. Assuming the requests ahead are like this one, a slot frees every
+      T / max_num_seqs seconds with T = max_tokens / E * s(max_num_seqs), so
+      queue = excess / max_num_seqs * T.
+    * total = queue + prefill + decode.
+
+    Raises ValueError when the curve is empty or max_num_seqs < 1 (the cost is unknown;
+    :func:`rank_replicas` falls back before calling this).
+    """
+    if stats.max_num_seqs < 1:
+        raise ValueError(f"max_num_seqs must be at least 1, got {stats.max_num_seqs}")
+    load = replica_load(stats, num_inflight)
+    batch_size = min(load + 1, stats.max_num_seqs)
+    step_seconds = interpolate_step_time(stats.step_time_curve, batch_size)
+    tokens_per_step = expected_tokens_per_step(stats.acceptance, stats.current_k)
+    decode_seconds = request.max_tokens / tokens_per_step * step_seconds
+
+    matched = matched_prefix_tokens(request, stats)
+    prefill_seconds = (request.num_prompt_tokens - matched) * stats.prefill_seconds_per_token
+    saved = matched * stats.prefill_seconds_per_token
+
+    excess = load + 1 - stats.max_num_seqs
+    queue_seconds = 0.0
+    if excess > 0:
+        full_step = interpolate_step_time(stats.step_time_curve, stats.max_num_seqs)
+        typical_request_seconds = request.max_tokens / tokens_per_step * full_step
+        queue_seconds = excess / stats.max_num_seqs * typical_request_seconds
+
+    return PredictedCost(
+        batch_size=batch_size,
+        step_seconds=step_seconds,
+        tokens_per_step=tokens_per_step,
+        matched_tokens=matched,
+        queue_seconds=queue_seconds,
+        prefill_seconds=prefill_seconds,
+        decode_seconds=decode_seconds,
+        affinity_seconds_saved=saved,
+        total_seconds=queue_seconds + prefill_seconds + decode_seconds,
+    )
+
+
+# ---- ranking ------------------------------------------------------------------------
+def stats_are_usable(stats: ReplicaStats | None, now: float, staleness_seconds: float) -> bool:
+    """Stats a prediction can be made from: present, measured at most
+    ``staleness_seconds`` before ``now``, with a step-time curve and max_num_seqs >= 1."""
+    return (
+        stats is not None
+        and now - stats.timestamp <= staleness_seconds
+        and bool(stats.step_time_curve)
+        and stats.max_num_seqs >= 1
+    )
+
+
+def rank_replicas(
+    request: RoutingRequest,
+    candidates: list[Candidate],
+    now: float,
+    rng: random.Random,
+    staleness_seconds: float = 5.0,
+) -> RankResult:
+    """Candidates best first by predicted completion time, or by power of two choices
+    (``used_fallback``) when any candidate's stats are unusable (:func:`stats_are_usable`)
+    or give a non-finite prediction. Predictions within ``TIE_REL_TOL`` of each other are
+    ordered at random with ``rng``. An empty candidate list gives an empty ranking."""
+    predicted = [
+        (c, predict_completion_seconds(request, c.stats, c.num_inflight))
+        for c in candidates
+        if stats_are_usable(c.stats, now, staleness_seconds)
+    ]
+    costs = MappingProxyType({c.replica_id: cost for c, cost in predicted})
+    totals = MappingProxyType({c.replica_id: cost.total_seconds for c, cost in predicted})
+    if len(predicted) < len(candidates) or not all(math.isfinite(t) for t in totals.values()):
+        return RankResult(tuple(power_of_two_choices(candidates, rng)), True, totals, costs)
+    ranked = sorted(((c.replica_id, cost.total_seconds) for c, cost in predicted), key=lambda p: p[1])
+    return RankResult(tuple(_shuffle_ties(ranked, rng)), False, totals, costs)
+
+
+def _shuffle_ties(ranked: list[tuple[str, float]], rng: random.Random) -> list[str]:
+    """Ids of ``ranked`` (sorted by seconds) with each run of equal seconds shuffled."""
+    order: list[str] = []
+    start = 0
+    while start < len(ranked):
+        end = start + 1
+        while end < len(ranked) and math.isclose(ranked[end][1], ranked[start][1], rel_tol=TIE_REL_TOL):
+            end += 1
+        group = [replica_id for replica_id, _ in ranked[start:end]]
+        if len(group) > 1:
+            rng.shuffle(group)
+        order.extend(group)
+        start = end
+    return order
+
+
+def power_of_two_choices(candidates: list[Candidate], rng: random.Random) -> list[str]:
+    """Two distinct candidates drawn at random, the less loaded first
+    (:func:`replica_load`; the draw order breaks a tie), then all the others in random
+    order so a caller can fall through. One candidate gives just it; none, nothing."""
+    if len(candidates) <= 1:
+        return [c.replica_id for c in candidates]
+    i, j = rng.sample(range(len(candidates)), 2)
+    pair = sorted((candidates[i], candidates[j]), key=lambda c: replica_load(c.stats, c.num_inflight))
+    rest = [c.replica_id for n, c in enumerate(candidates) if n not in (i, j)]
+    rng.shuffle(rest)
+    return [pair[0].replica_id, pair[1].replica_id] + rest

@@ -1,0 +1,66 @@
+"""What a replica tells the router about itself, and what the router knows of a request.
+
+A replica publishes a ``ReplicaStats`` every routing-stats period (Ray Serve's
+``record_routing_stats`` carries it as a plain dict: ``to_dict`` / ``from_dict``). The
+router combines it with the requests it has itself sent to the replica since
+(``Candidate.num_inflight``) and a ``RoutingRequest`` describing the new request.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field, fields
+
+
+@dataclass(frozen=True)
+class ReplicaStats:
+    replica_id: str
+    group: str  # the replica group (one Serve deployment per group)
+    device_kind: str  # e.g. "cpu", "H100", "A10G"
+    timestamp: float  # time.time() when measured, seconds
+    num_running: int
+    num_waiting: int
+    max_num_seqs: int
+    kv_cache_usage: float  # fraction of KV blocks held by requests, [0, 1]
+    current_k: int  # speculation length chosen at the latest step (0: plain decoding)
+    acceptance: float  # mean per-position acceptance of draft tokens so far, [0, 1]
+    # Seconds per decoding step at batch size b with the current k, from the replica's
+    # device profile (already corrected by speed_factor); sorted by batch size.
+    step_time_curve: tuple[tuple[int, float], ...] = ()
+    # Seconds of prefill per prompt token not found in the prefix cache.
+    prefill_seconds_per_token: float = 0.0
+    # Measured step time / profiled step time on recent steps (1.0: as profiled). Already
+    # folded into step_time_curve; published for dashboards.
+    speed_factor: float = 1.0
+    # Names (engine block hashes) of cached blocks within the first ``max_depth`` blocks
+    # of some prompt; the router matches a request's leading block hashes against them.
+    cached_prefix_hashes: frozenset[int] = field(default_factory=frozenset)
+    block_size: int = 16
+
+    def to_dict(self) -> dict:
+        data = asdict(self)
+        data["step_time_curve"] = [list(p) for p in self.step_time_curve]
+        data["cached_prefix_hashes"] = sorted(self.cached_prefix_hashes)
+        return data
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "ReplicaStats":
+        known = {f.name for f in fields(cls)}
+        values = {k: v for k, v in data.items() if k in known}
+        values["step_time_curve"] = tuple((int(b), float(t)) for b, t in values.get("step_time_curve", ()))
+        values["cached_prefix_hashes"] = frozenset(int(h) for h in values.get("cached_prefix_hashes", ()))
+        return cls(**values)
+
+
+@dataclass(frozen=True)
+class RoutingRequest:
+    num_prompt_tokens: int
+    max_tokens: int
+    # Engine block hashes of the prompt's leading full blocks, in order (block 0 first).
+    prefix_hashes: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True)
+class Candidate:
+    replica_id: str
+    stats: ReplicaStats | None  # None: the replica has not published yet
+    num_inflight: int = 0  # requests this router sent there that have not finished

@@ -1,0 +1,84 @@
+"""Build the Serve application from a validated config.
+
+One deployment per replica group (``replica-<group>``, with the group's resources,
+autoscaling and router) behind one ``ingress`` deployment. Works with
+``tandem serve CONFIG``, and with ``serve run deployments.app:app_builder
+config=configs/local.yaml`` / ``serve deploy`` (import path plus args).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from ray import serve
+from ray.serve import Application
+from ray.serve.config import AutoscalingConfig as RayAutoscalingConfig
+from ray.serve.config import RequestRouterConfig
+
+from cluster.config import ConfigError, TandemConfig, load_config
+from cluster.config_serve import ReplicaGroupConfig
+from deployments.ingress import OpenAIIngress
+from deployments.replica import TandemReplica
+from deployments.router import TandemRequestRouter
+
+
+def build_app(config: TandemConfig | str | Path) -> Application:
+    if not isinstance(config, TandemConfig):
+        config = load_config(config)
+    data = config.model_dump()
+    replicas = {}
+    for group in config.serve.groups:
+        if group.tensor_parallel_size > 1:
+            raise ConfigError(
+                f"serve.groups[{group.name}].tensor_parallel_size is {group.tensor_parallel_size}: "
+                "tensor parallelism is not implemented yet; use 1"
+            )
+        deployment = serve.deployment(TandemReplica).options(
+            name=f"replica-{group.name}", **replica_options(config, group)
+        )
+        replicas[group.name] = deployment.bind(data, group.name)
+    ingress = OpenAIIngress.options(
+        name="ingress", ray_actor_options={"num_cpus": config.serve.ingress_num_cpus}
+    )
+    return ingress.bind(data, replicas)
+
+
+def replica_options(config: TandemConfig, group: ReplicaGroupConfig) -> dict:
+    """Serve deployment options of one group (resources, scaling, router)."""
+    actor = {"num_cpus": group.num_cpus, "num_gpus": group.num_gpus}
+    if group.accelerator_type:
+        actor["accelerator_type"] = group.accelerator_type
+    options: dict = {
+        "ray_actor_options": actor,
+        "max_ongoing_requests": group.max_ongoing_requests,
+        "max_queued_requests": config.serve.max_queued_requests,
+        "graceful_shutdown_timeout_s": 30,
+        "health_check_period_s": 5,
+    }
+    if group.tensor_parallel_size > 1:
+        bundle = {"CPU": group.num_cpus, "GPU": group.num_gpus}
+        options["placement_group_bundles"] = [bundle] * group.tensor_parallel_size
+        options["placement_group_strategy"] = group.placement_strategy
+    if group.autoscaling is not None:
+        a = group.autoscaling
+        options["autoscaling_config"] = RayAutoscalingConfig(
+            min_replicas=a.min_replicas, max_replicas=a.max_replicas,
+            initial_replicas=a.initial_replicas, target_ongoing_requests=a.target_ongoing_requests,
+            upscale_delay_s=a.upscale_delay_s, downscale_delay_s=a.downscale_delay_s,
+        )
+    else:
+        options["num_replicas"] = group.num_replicas
+    if config.serve.router == "tandem":
+        options["request_router_config"] = RequestRouterConfig(
+            request_router_class=TandemRequestRouter,
+            request_router_kwargs={"staleness_seconds": config.serve.routing_staleness_s},
+            request_routing_stats_period_s=config.serve.routing_stats_period_s,
+        )
+    return options
+
+
+def app_builder(args: dict) -> Application:
+    """For ``serve run deployments.app:app_builder config=PATH``."""
+    if "config" not in args:
+        raise ConfigError("pass the config file: serve run deployments.app:app_builder config=configs/local.yaml")
+    return build_app(args["config"])

@@ -1,0 +1,189 @@
+"""The OpenAI-compatible HTTP front (FastAPI through ``serve.ingress``).
+
+Parses and validates each request (bad input is a 400 in OpenAI's error shape before
+anything is queued), tokenizes it (chat template from the model), picks a replica
+group (:class:`GroupRouter`), and streams the replica's deltas back as one JSON body
+or as server-sent events. Errors: 400 bad input, 401 wrong or missing API key, 404
+unknown model, 429 a replica's queue is full, 503 Serve's queue is full.
+"""
+
+
+import logging
+import os
+import time
+import uuid
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, StreamingResponse
+from ray import serve
+from ray.serve.exceptions import BackPressureError
+from ray.serve.handle import DeploymentHandle
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from cluster.api.openai_protocol import ChatCompletionRequest, CompletionRequest, UnsupportedFieldError
+from cluster.api.openai_responses import error_body
+from cluster.config import config_from_dict, group_engine_config
+from cluster.engine.llm import apply_chat_template
+from cluster.engine.protocol import GenerateRequest
+from cluster.kv.prefix_cache import engine_hash_seed
+from cluster.models.loader import load_tokenizer_if_present, resolve_model
+from cluster.routing.group_router import GroupRouter
+from cluster.routing.prefix_hashes import leading_block_hashes
+from cluster.routing.stats import RoutingRequest
+from deployments.streams import ApiError, ChoiceStream, respond
+
+logger = logging.getLogger(__name__)
+
+app = FastAPI(title="Tandem", description="OpenAI-compatible API of a Tandem cluster")
+
+
+def _error(status: int, message: str, type_: str = "invalid_request_error", param: str | None = None,
+           code: str | None = None) -> JSONResponse:
+    return JSONResponse(error_body(message, type_, param, code), status_code=status)
+
+
+@app.exception_handler(RequestValidationError)
+async def _validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
+    first = exc.errors()[0] if exc.errors() else {}
+    loc = [str(p) for p in first.get("loc", ()) if p != "body"]
+    if first.get("type") == "json_invalid":
+        return _error(400, "the request body is not valid JSON", code="invalid_json")
+    param = ".".join(loc) or None
+    return _error(400, f"{param or 'body'}: {first.get('msg', 'invalid value')}", param=param)
+
+
+@app.exception_handler(StarletteHTTPException)
+async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+    type_ = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
+    return _error(exc.status_code, str(exc.detail), type_)
+
+
+@serve.deployment
+@serve.ingress(app)
+class OpenAIIngress:
+    def __init__(self, config: dict, groups: dict[str, DeploymentHandle]) -> None:
+        self.config = config_from_dict(config, "ingress config")
+        serve_config = self.config.serve
+        self.groups = groups
+        self.model_name = serve_config.served_model_name or self.config.model.model
+        self.api_key = serve_config.api_key or (os.environ.get(serve_config.api_key_env)
+                                                if serve_config.api_key_env else None)
+        source = resolve_model(self.config.model.model, self.config.model.cache_dir)
+        self.tokenizer = load_tokenizer_if_present(source)
+        self.hashing: dict[str, tuple[int, int]] = {}  # group -> (block size, hash seed)
+        sizes = {}
+        for group in serve_config.groups:
+            engine_config = group_engine_config(self.config, group.name)
+            seed = engine_hash_seed(engine_config.model.model, engine_config.model.dtype, engine_config.model.seed)
+            self.hashing[group.name] = (engine_config.cache.block_size, seed)
+            sizes[group.name] = group.autoscaling.min_replicas if group.autoscaling else group.num_replicas
+        self.router = GroupRouter(sizes, serve_config.router, staleness_seconds=60.0)
+        self.prefix_blocks = serve_config.prefix_affinity_blocks
+        self.created = int(time.time())
+
+    # ---- routes -------------------------------------------------------------------
+    @app.get("/health")
+    async def health(self) -> dict:
+        return {"status": "ok"}
+
+    @app.get("/v1/models")
+    async def models(self, request: Request):
+        if (denied := self._check_key(request)) is not None:
+            return denied
+        return {"object": "list", "data": [
+            {"id": self.model_name, "object": "model", "created": self.created, "owned_by": "tandem"}]}
+
+    @app.post("/v1/completions")
+    async def completions(self, body: CompletionRequest, request: Request):
+        return await self._serve(body, request, chat=False)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(self, body: ChatCompletionRequest, request: Request):
+        return await self._serve(body, request, chat=True)
+
+    @app.get("/debug/router")
+    async def debug_router(self) -> dict:
+        return self.router.snapshot()
+
+    @app.get("/debug/engines")
+    async def debug_engines(self) -> dict:
+        """Engine counters of one replica per group (all of them when each group has one)."""
+        results = {}
+        for name, handle in self.groups.items():
+            results[name] = await handle.engine_stats.remote()
+        return results
+
+    # ---- the work -----------------------------------------------------------------
+    async def _serve(self, body, request: Request, chat: bool):
+        if (denied := self._check_key(request)) is not None:
+            return denied
+        if body.model != self.model_name:
+            return _error(404, f"the model {body.model!r} does not exist; this server serves {self.model_name!r}",
+                          "not_found_error", "model", "model_not_found")
+        try:
+            body.check_supported()
+            prompts = self._prompt_token_ids(body, chat)
+            streams = self._make_requests(body, prompts, chat)
+        except UnsupportedFieldError as err:
+            return _error(400, str(err), param=err.param)
+        except ValueError as err:
+            return _error(400, str(err), param=_param_of(str(err)))
+        try:
+            return await respond(streams, body, chat, self.model_name, self.router)
+        except ApiError as err:
+            return _error(err.status, err.message, err.type, err.param)
+        except BackPressureError as err:
+            return _error(503, f"the server is overloaded, retry later ({err})", "server_error")
+
+    def _check_key(self, request: Request) -> JSONResponse | None:
+        if self.api_key is None:
+            return None
+        header = request.headers.get("authorization", "")
+        if header != f"Bearer {self.api_key}":
+            reason = "missing" if not header else "incorrect"
+            return _error(401, f"API key {reason}: send 'Authorization: Bearer <key>'", code="invalid_api_key")
+        return None
+
+    def _prompt_token_ids(self, body, chat: bool) -> list[list[int]]:
+        if chat:
+            messages = [m.as_template_message() for m in body.messages]
+            text = apply_chat_template(self.tokenizer, messages)
+            return [self._encode(text, add_special_tokens=False)]
+        result = []
+        for prompt in body.prompts():
+            result.append(self._encode(prompt) if isinstance(prompt, str) else list(prompt))
+        return result
+
+    def _encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        if self.tokenizer is None:
+            raise UnsupportedFieldError("prompt", "this model has no tokenizer; send prompt token ids")
+        if not text:
+            raise UnsupportedFieldError("prompt", "the prompt is empty; send at least one token")
+        return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
+
+    def _make_requests(self, body, prompts: list[list[int]], chat: bool) -> list[ChoiceStream]:
+        num_logprobs = body.num_logprobs if chat else body.logprobs
+        default = body.requested_max_tokens() is None and chat
+        base_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+        streams = []
+        for p_index, token_ids in enumerate(prompts):
+            routing = {}
+            for group, (block_size, seed) in self.hashing.items():
+                hashes = leading_block_hashes(token_ids, block_size, seed, self.prefix_blocks, body.cache_salt)
+                routing[group] = RoutingRequest(len(token_ids), body.requested_max_tokens() or 256, hashes)
+            for j in range(body.n):
+                index = p_index * body.n + j
+                params = body.sampling_params(_UNBOUNDED if default else 16, num_logprobs, j)
+                request = GenerateRequest(f"{base_id}-{index}", token_ids, params, body.cache_salt,
+                                          max_tokens_is_default=default)
+                streams.append(ChoiceStream(index, p_index, request, routing, self.groups))
+        return streams
+
+
+_UNBOUNDED = 1 << 30  # placeholder max_tokens; the replica fills in the room left in the context
+
+
+def _param_of(message: str) -> str | None:
+    head = message.split(" ", 1)[0]
+    return head if head.isidentifier() else None

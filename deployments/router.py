@@ -1,0 +1,66 @@
+"""Ray Serve's binding of Tandem's routing policy inside one replica group.
+
+``TandemRequestRouter`` ranks the replicas of a deployment with
+:func:`cluster.routing.policy.rank_replicas` from the ``ReplicaStats`` each replica
+publishes (``record_routing_stats``), the requests this router has sent to each
+(Serve's queue-length cache) and the request's leading block hashes (prefix-cache
+affinity). Serve tries the ranks in order, so a replica at its
+``max_ongoing_requests`` falls through to the next best.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from typing import List, Optional
+
+from ray.serve.request_router import FIFOMixin, PendingRequest, RequestRouter, RunningReplica
+
+from cluster.engine.protocol import GenerateRequest
+from cluster.routing.policy import power_of_two_choices, rank_replicas
+from cluster.routing.stats import Candidate, ReplicaStats, RoutingRequest
+
+
+class TandemRequestRouter(FIFOMixin, RequestRouter):
+    def initialize_state(self, staleness_seconds: float = 5.0, seed: int | None = None) -> None:
+        self.staleness_seconds = staleness_seconds
+        self.rng = random.Random(seed)
+
+    async def choose_replicas(
+        self,
+        candidate_replicas: List[RunningReplica],
+        pending_request: Optional[PendingRequest] = None,
+    ) -> List[List[RunningReplica]]:
+        if not candidate_replicas:
+            return []
+        by_id = {r.replica_id.unique_id: r for r in candidate_replicas}
+        candidates = [self._candidate(r) for r in candidate_replicas]
+        request = _routing_request(pending_request)
+        if request is None:  # not a generate call (debug and health routes)
+            order = power_of_two_choices(candidates, self.rng)
+        else:
+            order = rank_replicas(request, candidates, time.time(), self.rng, self.staleness_seconds).replica_ids
+        return [[by_id[replica_id]] for replica_id in order]
+
+    def _candidate(self, replica: RunningReplica) -> Candidate:
+        stats = None
+        if replica.routing_stats:
+            try:
+                stats = ReplicaStats.from_dict(replica.routing_stats)
+            except (TypeError, ValueError):
+                stats = None
+        inflight = self.replica_queue_len_cache.get(replica.replica_id) or 0
+        return Candidate(replica.replica_id.unique_id, stats, inflight)
+
+
+def _routing_request(pending_request: Optional[PendingRequest]) -> RoutingRequest | None:
+    if pending_request is None or not pending_request.args:
+        return None
+    request = pending_request.args[0]
+    if not isinstance(request, GenerateRequest):
+        return None
+    max_tokens = _NOMINAL_MAX_TOKENS if request.max_tokens_is_default else request.sampling_params.max_tokens
+    return RoutingRequest(len(request.prompt_token_ids), max_tokens, request.prefix_hashes)
+
+
+_NOMINAL_MAX_TOKENS = 256  # what an unbounded request is assumed to generate, for ranking

@@ -1,0 +1,174 @@
+"""The ingress side of generation: one ``ChoiceStream`` per choice (prompt x n), each a
+streaming call to a replica of the group the router chose, merged into one OpenAI
+response or one server-sent-event stream.
+
+Every stream is closed exactly once (``ChoiceStream.close``): that cancels the replica
+call if it is still running (which aborts the request in the engine and frees its
+blocks) and tells the router the request left the group. A client that disconnects
+mid-stream cancels the response generator, whose ``finally`` closes the streams.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import time
+from typing import AsyncIterator
+
+from fastapi.responses import JSONResponse, StreamingResponse
+from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
+
+from cluster.api import openai_responses as responses
+from cluster.engine.protocol import GenerateDelta, GenerateRequest
+from cluster.routing.group_router import GroupRouter
+from cluster.routing.stats import ReplicaStats, RoutingRequest
+
+
+class ApiError(Exception):
+    def __init__(self, status: int, message: str, type_: str = "invalid_request_error", param: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.type, self.param = status, message, type_, param
+
+
+class ChoiceStream:
+    def __init__(self, index: int, prompt_index: int, request: GenerateRequest,
+                 routing: dict[str, RoutingRequest], groups: dict[str, DeploymentHandle]) -> None:
+        self.index = index
+        self.prompt_index = prompt_index
+        self.request = request
+        self.routing = routing
+        self.groups = groups
+        self.group: str | None = None
+        self._call: DeploymentResponseGenerator | None = None
+        self._router: GroupRouter | None = None
+        self._done = False
+
+    async def start(self, router: GroupRouter) -> None:
+        """Route, call the replica and wait for its acknowledgement (raises ApiError)."""
+        self._router = router
+        self.group = router.choose(self.routing, time.time())
+        # The deployment's own router matches these against its replicas' caches.
+        self.request = dataclasses.replace(self.request, prefix_hashes=self.routing[self.group].prefix_hashes)
+        self._call = self.groups[self.group].options(stream=True).generate.remote(self.request)
+        ack: GenerateDelta = await self._call.__anext__()
+        if ack.error is not None:
+            self._done = True
+            raise ApiError(ack.error.status, ack.error.message, ack.error.type, ack.error.param)
+        if ack.replica_stats:
+            router.observe(ReplicaStats.from_dict(ack.replica_stats))
+
+    async def deltas(self) -> AsyncIterator[GenerateDelta]:
+        async for delta in self._call:
+            if delta.error is not None:
+                self._done = True
+                raise ApiError(delta.error.status, delta.error.message, delta.error.type, delta.error.param)
+            yield delta
+            if delta.finished:
+                self._done = True
+                return
+
+    def close(self) -> None:
+        if self._call is not None and not self._done:
+            self._call.cancel()
+        self._done = True
+        if self._router is not None and self.group is not None:
+            self._router.on_finish(self.group)
+            self._router = None
+
+
+async def respond(streams: list[ChoiceStream], body, chat: bool, model: str, router: GroupRouter):
+    try:
+        results = await asyncio.gather(*(s.start(router) for s in streams), return_exceptions=True)
+        for result in results:
+            if isinstance(result, BaseException):
+                raise result
+    except BaseException:
+        _close_all(streams)
+        raise
+    if body.stream:
+        return StreamingResponse(_sse(streams, body, chat, model), media_type="text/event-stream")
+    try:
+        states = await asyncio.gather(*(_collect(s) for s in streams))
+    finally:
+        _close_all(streams)
+    created = int(time.time())
+    usage = responses.usage(states, {s.prompt_index: st.num_prompt_tokens for s, st in zip(streams, states)})
+    rid = streams[0].request.request_id.rsplit("-", 1)[0]
+    if chat:
+        return JSONResponse(responses.chat_body(rid, created, model, states, usage, body.num_logprobs))
+    return JSONResponse(responses.completion_body(rid, created, model, states, usage, body.logprobs is not None))
+
+
+async def _collect(stream: ChoiceStream) -> responses.ChoiceState:
+    state = responses.ChoiceState(stream.index)
+    async for delta in stream.deltas():
+        state.add(delta)
+    return state
+
+
+async def _sse(streams: list[ChoiceStream], body, chat: bool, model: str) -> AsyncIterator[str]:
+    created = int(time.time())
+    rid = streams[0].request.request_id.rsplit("-", 1)[0]
+    include_usage = bool(body.stream_options and body.stream_options.include_usage)
+    num_logprobs = body.num_logprobs if chat else None
+    states = [responses.ChoiceState(s.index) for s in streams]
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(position: int) -> None:
+        try:
+            async for delta in streams[position].deltas():
+                await queue.put((position, delta))
+        except Exception as err:  # an engine failure mid-stream: report it in the stream
+            await queue.put((position, err))
+        finally:
+            await queue.put((position, None))
+
+    tasks = [asyncio.create_task(pump(i)) for i in range(len(streams))]
+    try:
+        if chat:
+            for s in streams:
+                yield _event(responses.chat_chunk(rid, created, model, s.index, {"role": "assistant", "content": ""},
+                                                  None, None, include_usage))
+        remaining = len(streams)
+        while remaining:
+            position, item = await queue.get()
+            if item is None:
+                remaining -= 1
+                continue
+            if isinstance(item, Exception):
+                status = getattr(item, "status", 500)
+                message = getattr(item, "message", str(item))
+                yield _event(responses.error_body(message, "server_error" if status >= 500 else
+                                                  "invalid_request_error"))
+                continue
+            state, index = states[position], streams[position].index
+            offset = len(state.text)
+            state.add(item)
+            if not item.text and item.finish_reason is None and not item.logprobs:
+                continue
+            if chat:
+                delta_body = {"content": item.text} if item.text else {}
+                yield _event(responses.chat_chunk(rid, created, model, index, delta_body, item, num_logprobs,
+                                                  include_usage))
+            else:
+                yield _event(responses.completion_chunk(rid, created, model, index, item, offset,
+                                                        body.logprobs is not None, include_usage))
+        if include_usage:
+            usage = responses.usage(states, {s.prompt_index: st.num_prompt_tokens for s, st in zip(streams, states)})
+            obj = "chat.completion.chunk" if chat else "text_completion"
+            yield _event(responses.usage_chunk(rid, created, model, obj, usage))
+        yield "data: [DONE]\n\n"
+    finally:
+        for task in tasks:
+            task.cancel()
+        _close_all(streams)
+
+
+def _event(data: dict) -> str:
+    return f"data: {json.dumps(data)}\n\n"
+
+
+def _close_all(streams: list[ChoiceStream]) -> None:
+    for stream in streams:
+        stream.close()
