@@ -23,7 +23,7 @@ test-fast: $(STAMP)
 	$(BIN)/python -m pytest -q -m "not slow" tests
 
 serve: $(STAMP)
-	$(BIN)/tandem generate --config configs/local.yaml --chat "Tell me about speculative decoding in two sentences."
+	$(BIN)/tandem serve configs/local.yaml
 
 bench: $(STAMP)
 	$(BIN)/tandem bench offline --json bench-offline.json

@@ -1,0 +1,72 @@
+"""A real Ray Serve cluster on loopback, serving a tiny random-weight model in two
+replica groups: ``fast`` and ``slow`` (the same CPU, with every engine step stretched
+3x to emulate a slower device)."""
+
+from __future__ import annotations
+
+import socket
+
+import pytest
+
+from cluster.config import config_from_dict
+from cluster.models.tiny import TINY_CHAT_TEMPLATE, save_tiny_model, save_tiny_tokenizer, tiny_llama_config
+
+API_KEY = "test-key"
+MODEL = "tiny-llama"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="session")
+def tiny_chat_model(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tiny_chat_llama")
+    save_tiny_model(tiny_llama_config(), path, seed=0)
+    save_tiny_tokenizer(path, chat_template=TINY_CHAT_TEMPLATE)
+    return path
+
+
+@pytest.fixture(scope="session")
+def serve_config(tiny_chat_model):
+    return config_from_dict({
+        "model": {"model": str(tiny_chat_model), "max_model_len": 256},
+        "cache": {"num_blocks": 96, "block_size": 16},
+        "device": {"device": "cpu", "num_threads": 1},
+        "serve": {
+            "port": _free_port(), "served_model_name": MODEL, "api_key": API_KEY,
+            "groups": [
+                {"name": "fast", "num_cpus": 0.5},
+                {"name": "slow", "num_cpus": 0.5, "step_time_scale": 3.0},
+            ],
+        },
+    })
+
+
+@pytest.fixture(scope="session")
+def server_url(serve_config):
+    import ray
+    from ray import serve
+
+    from deployments.local import start_local
+
+    url = start_local(serve_config, app_name="tandem-test", blocking=False)
+    yield url
+    serve.shutdown()
+    ray.shutdown()
+
+
+@pytest.fixture()
+def client(server_url):
+    import openai
+
+    return openai.OpenAI(base_url=f"{server_url}/v1", api_key=API_KEY, max_retries=0, timeout=120)
+
+
+@pytest.fixture()
+def async_client(server_url):
+    import openai
+
+    return openai.AsyncOpenAI(base_url=f"{server_url}/v1", api_key=API_KEY, max_retries=0, timeout=120)

@@ -1,0 +1,79 @@
+"""Bad requests get OpenAI-shaped errors with the right status, and the server keeps serving."""
+
+from __future__ import annotations
+
+import httpx
+import openai
+import pytest
+
+from tests.serve.conftest import API_KEY, MODEL
+
+AUTH = {"Authorization": f"Bearer {API_KEY}"}
+
+
+def _post(url: str, path: str, body, headers=AUTH) -> httpx.Response:
+    kwargs = {"content": body} if isinstance(body, str) else {"json": body}
+    return httpx.post(f"{url}{path}", headers={**headers, "Content-Type": "application/json"}, timeout=60,
+                      **kwargs)
+
+
+def _assert_error(response: httpx.Response, status: int, param: str | None = None) -> dict:
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert error["message"]
+    if param is not None:
+        assert error["param"] == param
+    return error
+
+
+@pytest.mark.parametrize("body, param", [
+    ({"model": MODEL, "prompt": "hi", "max_tokens": "5"}, "max_tokens"),
+    ({"model": MODEL, "prompt": "hi", "max_tokens": 0}, "max_tokens"),
+    ({"model": MODEL, "prompt": "hi", "temperature": 3}, "temperature"),
+    ({"model": MODEL, "prompt": "hi", "top_p": 0}, "top_p"),
+    ({"model": MODEL, "prompt": "hi", "n": 100}, "n"),
+    ({"model": MODEL, "prompt": "hi", "logit_bias": {"5": 1.0}}, "logit_bias"),
+    ({"model": MODEL, "prompt": 42}, "prompt"),
+    ({"model": MODEL, "prompt": ""}, "prompt"),
+    ({"model": MODEL, "prompt": [1, 2, 100000]}, "prompt"),
+    ({"model": MODEL, "prompt": "x" * 400}, "prompt"),  # longer than max_model_len 256
+    ({"model": MODEL}, "prompt"),
+])
+def test_invalid_completion_requests_are_400(server_url, body, param):
+    _assert_error(_post(server_url, "/v1/completions", body), 400, param)
+
+
+def test_invalid_chat_requests_are_400(server_url):
+    _assert_error(_post(server_url, "/v1/chat/completions", {"model": MODEL, "messages": []}), 400, "messages")
+    bad_role = {"model": MODEL, "messages": [{"role": "wizard", "content": "hi"}]}
+    _assert_error(_post(server_url, "/v1/chat/completions", bad_role), 400)
+    tools = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function"}]}
+    _assert_error(_post(server_url, "/v1/chat/completions", tools), 400, "tools")
+
+
+def test_bad_json_is_400(server_url):
+    error = _assert_error(_post(server_url, "/v1/completions", '{"model": "tiny", "prompt": '), 400)
+    assert "JSON" in error["message"]
+
+
+def test_unknown_model_is_404(server_url):
+    error = _assert_error(_post(server_url, "/v1/completions", {"model": "gpt-9", "prompt": "hi"}), 404, "model")
+    assert error["code"] == "model_not_found"
+
+
+def test_api_key_is_required(server_url):
+    body = {"model": MODEL, "prompt": "hi", "max_tokens": 2}
+    _assert_error(_post(server_url, "/v1/completions", body, headers={}), 401)
+    _assert_error(_post(server_url, "/v1/completions", body, headers={"Authorization": "Bearer wrong"}), 401)
+    assert httpx.get(f"{server_url}/v1/models", timeout=30).status_code == 401
+    assert httpx.get(f"{server_url}/health", timeout=30).status_code == 200
+
+
+def test_openai_client_raises_typed_errors_and_server_keeps_serving(client):
+    with pytest.raises(openai.BadRequestError):
+        client.completions.create(model=MODEL, prompt="hi", max_tokens=4, temperature=-1)
+    with pytest.raises(openai.NotFoundError):
+        client.completions.create(model="nope", prompt="hi", max_tokens=4)
+    response = client.completions.create(model=MODEL, prompt="still here", max_tokens=4, temperature=0)
+    assert response.usage.completion_tokens == 4

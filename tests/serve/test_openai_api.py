@@ -1,0 +1,113 @@
+"""The OpenAI API of a running cluster, through the real ``openai`` client."""
+
+from __future__ import annotations
+
+import pytest
+
+from cluster.engine.llm import LLM, apply_chat_template
+from cluster.engine.sampling_params import SamplingParams
+
+from tests.serve.conftest import MODEL
+
+PROMPT = "The quick brown fox"
+
+
+@pytest.fixture(scope="module")
+def reference(serve_config):
+    """The engine alone, offline: what the cluster must reproduce under greedy decoding."""
+    return LLM(config=serve_config)
+
+
+def _greedy(reference, prompt: str, max_tokens: int, **kwargs) -> str:
+    out = reference.generate([prompt], SamplingParams(max_tokens=max_tokens, temperature=0, **kwargs))
+    return out[0].outputs[0].text
+
+
+def test_models_list(client):
+    models = client.models.list()
+    assert [m.id for m in models.data] == [MODEL]
+    assert models.data[0].object == "model"
+
+
+def test_completion_matches_the_engine_and_counts_usage(client, reference):
+    response = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=12, temperature=0)
+    choice = response.choices[0]
+    assert choice.text == _greedy(reference, PROMPT, 12)
+    assert choice.finish_reason == "length"
+    assert response.usage.prompt_tokens == len(reference.tokenizer.encode(PROMPT))
+    assert response.usage.completion_tokens == 12
+    assert response.usage.total_tokens == response.usage.prompt_tokens + 12
+
+
+def test_streamed_deltas_concatenate_to_the_whole_text(client):
+    whole = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=16, temperature=0)
+    stream = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=16, temperature=0, stream=True,
+                                       stream_options={"include_usage": True})
+    chunks = list(stream)
+    text = "".join(c.choices[0].text for c in chunks if c.choices)
+    assert text == whole.choices[0].text
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 16
+    assert all(c.usage is None for c in chunks[:-1])
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+
+
+def test_chat_completion_uses_the_models_template(client, reference):
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi there"}]
+    response = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=10, temperature=0)
+    prompt = apply_chat_template(reference.tokenizer, messages)
+    assert response.choices[0].message.role == "assistant"
+    assert response.choices[0].message.content == _greedy(reference, prompt, 10)
+    assert response.usage.prompt_tokens == len(reference.tokenizer.encode(prompt, add_special_tokens=False))
+
+    stream = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=10, temperature=0,
+                                            stream=True)
+    chunks = list(stream)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == response.choices[0].message.content
+
+
+def test_stop_string_ends_the_output_before_it(client, reference):
+    full = _greedy(reference, PROMPT, 24)
+    stop = full[6:8]
+    assert stop and stop in full
+    expected = full[: full.index(stop)]
+    response = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=24, temperature=0, stop=[stop])
+    assert response.choices[0].text == expected
+    assert response.choices[0].finish_reason == "stop"
+    streamed = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=24, temperature=0, stop=stop,
+                                         stream=True)
+    assert "".join(c.choices[0].text for c in streamed) == expected
+
+
+def test_seeded_sampling_repeats_and_n_choices_differ(client):
+    def sample(seed):
+        return client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=16, temperature=1.0, seed=seed,
+                                         n=2)
+
+    first, again, other = sample(7), sample(7), sample(8)
+    assert [c.text for c in first.choices] == [c.text for c in again.choices]
+    assert [c.index for c in first.choices] == [0, 1]
+    assert first.choices[0].text != first.choices[1].text  # choice j samples with seed + j
+    assert [c.text for c in first.choices] != [c.text for c in other.choices]
+    assert first.usage.completion_tokens == 32
+
+
+def test_logprobs_in_both_layouts(client):
+    response = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=5, temperature=0, logprobs=3)
+    lp = response.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 5
+    assert all(len(top) >= 3 for top in lp.top_logprobs)
+    # Greedy: the sampled token is the most likely one.
+    assert all(abs(max(top.values()) - value) < 1e-5 for top, value in zip(lp.top_logprobs, lp.token_logprobs))
+
+    chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hey"}], max_tokens=4,
+                                          temperature=0, logprobs=True, top_logprobs=2)
+    content = chat.choices[0].logprobs.content
+    assert len(content) == 4 and all(len(entry.top_logprobs) == 2 for entry in content)
+    assert "".join(entry.token for entry in content) == chat.choices[0].message.content
+
+
+def test_token_id_prompts_and_batched_prompts(client):
+    response = client.completions.create(model=MODEL, prompt=[[5, 6, 7, 8], [9, 10]], max_tokens=3, temperature=0)
+    assert [c.index for c in response.choices] == [0, 1]
+    assert response.usage.prompt_tokens == 6
