@@ -49,8 +49,9 @@ async def _validation_error(request: Request, exc: RequestValidationError) -> JS
     loc = [str(p) for p in first.get("loc", ()) if p != "body"]
     if first.get("type") == "json_invalid":
         return _error(400, "the request body is not valid JSON", code="invalid_json")
-    param = ".".join(loc) or None
-    return _error(400, f"{param or 'body'}: {first.get('msg', 'invalid value')}", param=param)
+    where = ".".join(loc) or "body"
+    return _error(400, f"{where}: {first.get('msg', 'invalid value')} (got {first.get('input')!r:.80})",
+                  param=loc[0] if loc else None)
 
 
 @app.exception_handler(StarletteHTTPException)
