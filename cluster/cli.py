@@ -5,9 +5,10 @@
     tandem bench prefix [--json PATH] ...
     tandem bench spec [--vllm] [--json PATH] ...
     tandem bench paper [--json PATH] [--plots DIR] ...
-    tandem bench serve --url URL ...
-    tandem serve CONFIG [--host H] [--port P] [--router tandem|pow2]
     tandem bench serve [--url URL] [--endpoint completions|chat] [--dataset NAME] [--json PATH] ...
+    tandem bench router [CONFIG] [--slow-factor F] [--request-rate R] ...
+    tandem profile [CONFIG] [--group NAME] [--out PATH] ...
+    tandem serve CONFIG [--host H] [--port P] [--router tandem|pow2]
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import argparse
 import logging
 import sys
 
-from cluster.config import ConfigError, TandemConfig, load_config, with_overrides
+from cluster.config import ConfigError, TandemConfig, group_engine_config, load_config, with_overrides
 
 
 def _engine_config(args: argparse.Namespace) -> TandemConfig:
@@ -61,6 +62,9 @@ def cmd_profile(args: argparse.Namespace) -> int:
     from cluster.spec.profiler import power_of_two_sizes, run_profile
 
     config = _engine_config(args)
+    if args.group:
+        # A group's profile is measured on its own device with its engine settings.
+        config = group_engine_config(config, args.group)
     if config.speculative.method == "none":
         config = with_overrides(config, method="ngram")
     # The profile is what the controllers will read: make one with the fixed policy.
@@ -127,6 +131,13 @@ def cmd_bench_serve(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_bench_router(args: argparse.Namespace) -> int:
+    from deployments.bench_router import run_router_bench  # needs ray
+
+    run_router_bench(args)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="tandem", description="Tandem: speculative decoding LLM serving")
     parser.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
@@ -149,6 +160,7 @@ def build_parser() -> argparse.ArgumentParser:
     prof.add_argument("--max-batch", type=int, help="largest batch size (default: scheduler.max_num_seqs)")
     prof.add_argument("--context-len", type=int, default=128, help="context tokens per sequence while timing")
     prof.add_argument("--repeats", type=int, default=3, help="timed passes per cell (median is kept)")
+    prof.add_argument("--group", help="profile this serve.groups entry (its engine settings), on its device kind")
     prof.add_argument("--vllm-schedule", action="store_true",
                       help="also print the table as vLLM's num_speculative_tokens_per_batch_size")
     prof.add_argument("--model", help="short name, Hugging Face folder or .gguf file")
@@ -190,6 +202,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_serve_args(serve_bench)
     serve_bench.set_defaults(func=cmd_bench_serve)
+    router_bench = bench.add_parser("router", help="Tandem's router vs power-of-two choices on a fast+slow cluster")
+    from deployments.bench_router import add_router_args
+
+    add_router_args(router_bench)
+    router_bench.set_defaults(func=cmd_bench_router)
     return parser
 
 

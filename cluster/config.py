@@ -82,8 +82,6 @@ class SpeculativeConfig(_Strict):
     def _check(self) -> "SpeculativeConfig":
         if self.method == "draft" and not self.draft_model:
             raise ValueError("speculative.draft_model is required when speculative.method is 'draft'")
-        if self.controller != "fixed" and self.method != "none" and not self.profile:
-            raise ValueError(f"speculative.profile is required by the {self.controller!r} controller")
         if self.ngram_min > self.ngram_max:
             raise ValueError("speculative.ngram_min must be <= speculative.ngram_max")
         return self
@@ -111,6 +109,13 @@ class TandemConfig(_Strict):
                     "scheduler.max_num_batched_tokens must be >= model.max_model_len "
                     "when chunked prefill is off"
                 )
+        spec = self.speculative
+        if spec.controller != "fixed" and spec.method != "none" and not spec.profile:
+            # Each replica group may bring the profile measured on its own device.
+            missing = [g.name for g in self.serve.groups if not g.profile]
+            if missing:
+                raise ValueError(f"speculative.profile is required by the {spec.controller!r} controller "
+                                 f"(or a profile in every serve group; missing in: {', '.join(missing)})")
         for group in self.serve.groups:
             if group.engine:
                 try:

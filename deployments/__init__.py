@@ -1,5 +1,7 @@
 """Ray Serve deployments (the only package that imports ray).
 
-Empty until the Ray Serve cluster lands (issue 6): app.py, ingress.py, replica.py,
-router.py and autoscaling.py will build on ``cluster.engine.async_engine.AsyncEngine``.
+``app.build_app`` makes one ``replica.TandemReplica`` deployment per replica group
+(each with ``router.TandemRequestRouter``) behind the OpenAI ``ingress.OpenAIIngress``;
+``streams`` turns replica deltas into OpenAI responses; ``local.start_local`` is
+``tandem serve``; ``bench_router`` compares routing policies on a local cluster.
 """

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from cluster.config import TandemConfig, with_overrides
+from cluster.config import ConfigError, TandemConfig, with_overrides
 from cluster.spec.controller import AdaptiveController, FixedController, SpeculationController, TableController
 from cluster.spec.proposer import NgramStepProposer, Proposer
 
@@ -38,6 +38,9 @@ def build_controller(config: TandemConfig) -> SpeculationController:
         return FixedController(spec.num_speculative_tokens)
     from cluster.spec.profile_data import SpeculationProfile
 
+    if not spec.profile:
+        raise ConfigError(f"the {spec.controller!r} controller needs speculative.profile "
+                          "(or run a replica group that has its own profile)")
     profile = SpeculationProfile.load(spec.profile)
     max_k = min(spec.num_speculative_tokens, profile.max_k)
     if spec.controller == "table":
