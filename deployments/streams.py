@@ -93,7 +93,7 @@ async def respond(streams: list[ChoiceStream], body, chat: bool, model: str, rou
     finally:
         _close_all(streams)
     created = int(time.time())
-    usage = responses.usage(states, {s.prompt_index: st.num_prompt_tokens for s, st in zip(streams, states)})
+    usage = responses.usage(states, [s.prompt_index for s in streams])
     rid = streams[0].request.request_id.rsplit("-", 1)[0]
     if chat:
         return JSONResponse(responses.chat_body(rid, created, model, states, usage, body.num_logprobs))
@@ -155,7 +155,7 @@ async def _sse(streams: list[ChoiceStream], body, chat: bool, model: str) -> Asy
                 yield _event(responses.completion_chunk(rid, created, model, index, item, offset,
                                                         body.logprobs is not None, include_usage))
         if include_usage:
-            usage = responses.usage(states, {s.prompt_index: st.num_prompt_tokens for s, st in zip(streams, states)})
+            usage = responses.usage(states, [s.prompt_index for s in streams])
             obj = "chat.completion.chunk" if chat else "text_completion"
             yield _event(responses.usage_chunk(rid, created, model, obj, usage))
         yield "data: [DONE]\n\n"

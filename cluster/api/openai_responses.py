@@ -44,12 +44,17 @@ class ChoiceState:
         self.num_cached_tokens = max(self.num_cached_tokens, delta.num_cached_tokens)
 
 
-def usage(choices: list[ChoiceState], prompts_counted: dict[int, int]) -> dict:
-    """Usage over all choices; ``prompts_counted`` maps prompt index -> its token count
-    (each prompt counts once even when n > 1)."""
-    prompt_tokens = sum(prompts_counted.values())
+def usage(choices: list[ChoiceState], prompt_indices: list[int]) -> dict:
+    """Usage over all choices; ``prompt_indices[i]`` is the prompt that ``choices[i]``
+    continues. Each prompt and its cache hits count once, even when n > 1."""
+    prompts: dict[int, int] = {}
+    cached_per_prompt: dict[int, int] = {}
+    for choice, prompt in zip(choices, prompt_indices, strict=True):
+        prompts[prompt] = max(prompts.get(prompt, 0), choice.num_prompt_tokens)
+        cached_per_prompt[prompt] = max(cached_per_prompt.get(prompt, 0), choice.num_cached_tokens)
+    prompt_tokens = sum(prompts.values())
     completion_tokens = sum(c.num_output_tokens for c in choices)
-    cached = max((c.num_cached_tokens for c in choices), default=0)
+    cached = sum(cached_per_prompt.values())
     return {
         "prompt_tokens": prompt_tokens,
         "completion_tokens": completion_tokens,

@@ -52,6 +52,8 @@ class GroupRouter:
         """The group for a request; ``requests`` holds its description per group (the
         prefix hashes differ between groups whose engines hash with different seeds)."""
         groups = [g for g in self.group_sizes if g in requests]
+        if not groups:
+            raise ValueError(f"no known replica group among {sorted(requests)}; groups: {sorted(self.group_sizes)}")
         if len(groups) == 1:
             return self._decide(groups[0])
         candidates: dict[str, list[Candidate]] = {}
@@ -102,7 +104,8 @@ class GroupRouter:
             size = max(1, self.group_sizes[group])
             share = math.ceil(self.inflight[group] / size)
             return [Candidate(f"{group}#{i}", None, share) for i in range(size)]
-        share = math.ceil(self.inflight[group] / len(fresh))
+        # Replicas that have not reported yet still take their part of the load.
+        share = math.ceil(self.inflight[group] / max(len(fresh), self.group_sizes[group]))
         # Load is our own count; the snapshot's queue may be older than our sends.
         return [Candidate(s.replica_id, dataclasses.replace(s, num_running=0, num_waiting=0), share)
                 for s in fresh]

@@ -9,6 +9,7 @@ import pytest
 from cluster.config import TandemConfig, with_overrides
 from cluster.engine.async_engine import AsyncEngine
 from cluster.engine.llm import LLM
+from cluster.engine.protocol import QueueFullError
 from cluster.engine.sampling_params import SamplingParams
 
 GREEDY = dict(temperature=0, ignore_eos=True)
@@ -103,3 +104,46 @@ def test_bad_input_raises_before_streaming(engine):
         return ok
 
     assert asyncio.run(run())[-1].finished
+
+
+def test_full_queue_rejects_then_frees_blocks_and_accepts_again(tiny_llama_dir):
+    # One sequence runs at a time, so every other request waits; two may wait.
+    engine = AsyncEngine.from_config(with_overrides(
+        TandemConfig(), model=str(tiny_llama_dir), device="cpu", num_blocks=64, max_num_seqs=1,
+        max_queued_requests=2))
+    pool = engine.engine.block_manager.pool
+    long = SamplingParams(max_tokens=100, **GREEDY)
+
+    async def consume(stream):
+        return [out async for out in stream]
+
+    async def run():
+        running = engine.generate("runs first", long, request_id="a")
+        first = await running.__anext__()  # "a" holds the only running slot
+        rest = asyncio.create_task(consume(running))
+        waiting = {rid: asyncio.create_task(consume(engine.generate(f"waits {rid}", long, request_id=rid)))
+                   for rid in ("b", "c")}
+        await asyncio.sleep(0)  # both are queued (pending or waiting in the scheduler)
+        assert engine.num_waiting == 2
+        with pytest.raises(QueueFullError, match="max_queued_requests=2"):
+            await engine.generate("one too many", long, request_id="d").__anext__()
+        assert "d" not in engine.engine.scheduler.requests
+        waiting["b"].cancel()  # aborts "b"
+        with pytest.raises(asyncio.CancelledError):
+            await waiting["b"]
+        outputs = [[first] + await rest, await waiting["c"]]
+        assert not engine.engine.has_unfinished()
+        free_after_queue = pool.num_free_blocks
+        # The rejected id was never taken, and the queue has room again.
+        again = [o async for o in engine.generate("accepted", SamplingParams(max_tokens=3, **GREEDY),
+                                                  request_id="d")]
+        await engine.shutdown()
+        return outputs, free_after_queue, again
+
+    (a, c), free_after_queue, again = asyncio.run(run())
+    assert len(a[-1].outputs[0].token_ids) == 100 and a[-1].finished
+    assert len(c[-1].outputs[0].token_ids) == 100 and c[-1].finished
+    assert free_after_queue == pool.num_blocks
+    assert again[-1].finished and len(again[-1].outputs[0].token_ids) == 3
+    assert pool.num_free_blocks == pool.num_blocks
+    engine.engine.check_invariants()
