@@ -38,7 +38,8 @@ def build_app(config: TandemConfig | str | Path) -> Application:
         )
         replicas[group.name] = deployment.bind(data, group.name)
     ingress = OpenAIIngress.options(
-        name="ingress", ray_actor_options={"num_cpus": config.serve.ingress_num_cpus}
+        name="ingress", ray_actor_options={"num_cpus": config.serve.ingress_num_cpus},
+        max_ongoing_requests=config.serve.ingress_max_ongoing_requests,
     )
     return ingress.bind(data, replicas)
 

@@ -13,9 +13,10 @@ import logging
 import time
 from typing import AsyncIterator
 
+import torch
 from ray import serve
 
-from cluster.config import TandemConfig, config_from_dict, group_engine_config
+from cluster.config import TandemConfig, config_from_dict, group_engine_config, with_overrides
 from cluster.engine.async_engine import AsyncEngine, EngineDeadError
 from cluster.engine.outputs import RequestOutput
 from cluster.engine.protocol import ErrorInfo, GenerateDelta, GenerateRequest, QueueFullError
@@ -29,6 +30,9 @@ class TandemReplica:
         full = config_from_dict(config, "replica config")
         self.config: TandemConfig = group_engine_config(full, group_name)
         self.group = self.config.serve.groups[0]
+        if self.config.device.num_threads is None and self.group.num_gpus == 0:
+            # A CPU replica computes with as many threads as Ray reserved CPUs for it.
+            self.config = with_overrides(self.config, num_threads=max(1, int(self.group.num_cpus)))
         self.prefix_depth = full.serve.prefix_affinity_blocks
         self.engine = AsyncEngine.from_config(self.config, step_time_scale=self.group.step_time_scale)
         try:
@@ -36,7 +40,8 @@ class TandemReplica:
         except Exception:  # constructed outside Serve (unit tests)
             self.replica_id = f"{group_name}-local"
         self._failed: str | None = None
-        logger.info("replica %s of group %s ready (%s)", self.replica_id, group_name, self.config.model.model)
+        logger.info("replica %s of group %s ready (%s, %d torch threads)", self.replica_id, group_name,
+                    self.config.model.model, torch.get_num_threads())
 
     async def generate(self, request: GenerateRequest) -> AsyncIterator[GenerateDelta]:
         params = request.sampling_params

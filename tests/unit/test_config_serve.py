@@ -12,8 +12,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import subprocess
+import sys
+
 import pytest
-import ray
 
 from cluster.config import ConfigError, config_from_dict, group_engine_config, load_config
 from deployments.app import build_app, replica_options
@@ -188,7 +190,19 @@ def test_build_app_binds_one_replica_deployment_per_group_without_ray():
     replicas = ingress.init_args[1]
     assert {group: (app._bound_deployment.name, app._bound_deployment.init_args[1])
             for group, app in replicas.items()} == {"a": ("replica-a", "a"), "b": ("replica-b", "b")}
-    assert not ray.is_initialized()
+
+
+def test_build_app_does_not_start_ray():
+    # In a fresh interpreter: other tests in this session may have started Ray themselves.
+    script = (
+        "import ray\n"
+        "from deployments.app import build_app\n"
+        f"build_app({str(LOCAL)!r})\n"
+        "print(ray.is_initialized())\n"
+    )
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip().splitlines()[-1] == "False"
 
 
 def test_logical_cpus_count_max_replicas_of_autoscaling_groups():
