@@ -71,6 +71,11 @@ class ServeConfig(_Strict):
         -1, ge=-1, description="Ray Serve's per-caller queue cap before 503 (-1: unlimited)"
     )
     ingress_num_cpus: float = Field(0.5, ge=0)
+    metrics_export_port: int = Field(
+        8080, ge=1, le=65535,
+        description="Ray's Prometheus endpoint (/metrics) on the node `tandem serve` starts; a cluster sets it with "
+        "`ray start --metrics-export-port`",
+    )
     ingress_max_ongoing_requests: int = Field(
         4096, ge=1, description="requests one ingress replica handles at once (Ray Serve's default of 5 "
         "would queue the rest in the proxy, in front of the engines' batching)"

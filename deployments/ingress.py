@@ -31,6 +31,7 @@ from cluster.models.loader import load_tokenizer_if_present, resolve_model
 from cluster.routing.group_router import GroupRouter
 from cluster.routing.prefix_hashes import leading_block_hashes
 from cluster.routing.stats import RoutingRequest
+from deployments.metrics import RaySink
 from deployments.streams import ApiError, ChoiceStream, respond
 
 logger = logging.getLogger(__name__)
@@ -79,7 +80,10 @@ class OpenAIIngress:
             seed = engine_hash_seed(engine_config.model.model, engine_config.model.dtype, engine_config.model.seed)
             self.hashing[group.name] = (engine_config.cache.block_size, seed)
             sizes[group.name] = group.autoscaling.min_replicas if group.autoscaling else group.num_replicas
-        self.router = GroupRouter(sizes, serve_config.router, staleness_seconds=60.0)
+        decisions = RaySink("ingress")
+        self.router = GroupRouter(sizes, serve_config.router, staleness_seconds=60.0,
+                                  on_decision=lambda group: decisions.inc("tandem_router_decisions", 1,
+                                                                          (("group", group),)))
         self.prefix_blocks = serve_config.prefix_affinity_blocks
         self.created = int(time.time())
 

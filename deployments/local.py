@@ -29,14 +29,16 @@ def start_local(config: TandemConfig, app_name: str = "tandem", blocking: bool =
     if not ray.is_initialized():
         # Logical CPUs: replicas of a CPU demo may share physical cores.
         num_cpus = max(os.cpu_count() or 1, int(logical_cpus_needed(config) + 0.999))
-        ray.init(num_cpus=num_cpus, include_dashboard=False, logging_level=logging.WARNING)
+        ray.init(num_cpus=num_cpus, include_dashboard=False, logging_level=logging.WARNING,
+                 _metrics_export_port=config.serve.metrics_export_port)
     host, port = config.serve.host, config.serve.port
     serve.start(http_options={"host": host, "port": port})
     serve.run(app, name=app_name, route_prefix="/", blocking=False)
     url = f"http://{host}:{port}"
     if blocking:
         print(f"Tandem serves {config.serve.served_model_name or config.model.model} at {url}/v1 "
-              f"(OpenAI API); Ctrl-C stops it", flush=True)
+              f"(OpenAI API), Prometheus metrics at http://{host}:{config.serve.metrics_export_port}/metrics; "
+              "Ctrl-C stops it", flush=True)
         stop = threading.Event()
         signal.signal(signal.SIGTERM, lambda *_: stop.set())
         try:

@@ -20,7 +20,9 @@ from cluster.config import TandemConfig, config_from_dict, group_engine_config, 
 from cluster.engine.async_engine import AsyncEngine, EngineDeadError
 from cluster.engine.outputs import RequestOutput
 from cluster.engine.protocol import ErrorInfo, GenerateDelta, GenerateRequest, QueueFullError
+from cluster.metrics.collector import EngineMetricsCollector
 from cluster.routing.stats import ReplicaStats
+from deployments.metrics import RaySink
 
 logger = logging.getLogger(__name__)
 
@@ -35,6 +37,8 @@ class TandemReplica:
             self.config = with_overrides(self.config, num_threads=max(1, int(self.group.num_cpus)))
         self.prefix_depth = full.serve.prefix_affinity_blocks
         self.engine = AsyncEngine.from_config(self.config, step_time_scale=self.group.step_time_scale)
+        tags = {"group": self.group.name, "device_kind": self.group.device_kind}
+        self.engine.metrics = EngineMetricsCollector(self.engine.engine, RaySink("replica", tags))
         try:
             self.replica_id = serve.get_replica_context().replica_id.unique_id
         except Exception:  # constructed outside Serve (unit tests)

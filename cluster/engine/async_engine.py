@@ -24,6 +24,7 @@ from cluster.engine.outputs import RequestOutput
 from cluster.engine.protocol import QueueFullError
 from cluster.engine.request import Request
 from cluster.engine.sampling_params import SamplingParams
+from cluster.metrics.collector import EngineMetricsCollector
 from cluster.routing.step_times import StepTimeTracker
 
 logger = logging.getLogger(__name__)
@@ -47,6 +48,7 @@ class AsyncEngine:
         self._wakeup: asyncio.Event | None = None
         self._loop_task: asyncio.Task | None = None
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tandem-engine")
+        self.metrics: EngineMetricsCollector | None = None  # set by a server that exports metrics
 
     @classmethod
     def from_config(cls, config: TandemConfig, step_time_scale: float = 1.0) -> "AsyncEngine":
@@ -116,7 +118,15 @@ class AsyncEngine:
             self._apply_pending()
             if not self.engine.has_unfinished():
                 self._wakeup.clear()
-                await self._wakeup.wait()
+                if self.metrics is None:
+                    await self._wakeup.wait()
+                    continue
+                # Gauges show the idle engine; Ray drops a gauge that is not set again for a while.
+                self.metrics.poll()
+                try:
+                    await asyncio.wait_for(self._wakeup.wait(), timeout=self.metrics.poll_interval_s)
+                except asyncio.TimeoutError:
+                    pass
                 continue
             try:
                 outputs = await loop.run_in_executor(self._executor, self._timed_step)
@@ -124,6 +134,8 @@ class AsyncEngine:
                 logger.exception("engine step failed")
                 self._fail_all(EngineDeadError(f"engine step failed: {err}"))
                 continue
+            if self.metrics is not None:
+                self.metrics.on_step(outputs)
             for out in outputs:
                 queue = self._queues.get(out.request_id)
                 if queue is not None:
@@ -154,11 +166,16 @@ class AsyncEngine:
                     queue.put_nowait(err)
         aborts, self._pending_aborts = self._pending_aborts, []
         for rid in aborts:
-            self.engine.abort(rid)
+            self._abort_now(rid)
+
+    def _abort_now(self, request_id: str) -> None:
+        if self.metrics is not None and request_id in self.engine.scheduler.requests:
+            self.metrics.on_abort(request_id)
+        self.engine.abort(request_id)
 
     def _fail_all(self, error: BaseException) -> None:
         for rid in list(self.engine.scheduler.requests):
-            self.engine.abort(rid)
+            self._abort_now(rid)
             queue = self._queues.get(rid)
             if queue is not None:
                 queue.put_nowait(error)

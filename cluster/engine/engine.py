@@ -16,7 +16,7 @@ import torch
 
 from cluster.config import TandemConfig
 from cluster.engine.detokenizer import IncrementalDetokenizer
-from cluster.engine.outputs import CompletionOutput, Logprob, RequestOutput, TokenLogprobs, Usage
+from cluster.engine.outputs import CompletionOutput, Logprob, RequestOutput, RequestTimes, TokenLogprobs, Usage
 from cluster.engine.request import Request, RequestStatus
 from cluster.engine.sampling_params import SamplingParams
 from cluster.engine.stats import EngineStats
@@ -223,8 +223,9 @@ class Engine:
             delta_logprobs=delta_logprobs,
         )
         usage = Usage(request.num_prompt_tokens, request.num_output_tokens, request.num_cached_tokens)
+        times = RequestTimes(request.arrival_time, request.scheduled_time, request.first_token_time)
         return RequestOutput(request.request_id, request.prompt, request.prompt_token_ids, [completion],
-                             finished, usage)
+                             finished, usage, times)
 
     def _logprobs(self, entry: tuple[list[int], list[float], int]) -> TokenLogprobs:
         ids, values, rank = entry

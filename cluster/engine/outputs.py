@@ -50,6 +50,15 @@ class CompletionOutput:
         return self.finish_reason is not None
 
 
+@dataclass(frozen=True)
+class RequestTimes:
+    """When a request arrived, was first scheduled and got its first token (``time.monotonic()``)."""
+
+    arrival_time: float
+    scheduled_time: float | None = None
+    first_token_time: float | None = None
+
+
 @dataclass
 class RequestOutput:
     request_id: str
@@ -58,3 +67,4 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     usage: Usage
+    times: RequestTimes | None = None

@@ -22,6 +22,7 @@ import dataclasses
 import math
 import random
 from collections import Counter
+from typing import Callable
 
 from cluster.routing.policy import power_of_two_choices, rank_replicas
 from cluster.routing.stats import Candidate, ReplicaStats, RoutingRequest
@@ -29,7 +30,7 @@ from cluster.routing.stats import Candidate, ReplicaStats, RoutingRequest
 
 class GroupRouter:
     def __init__(self, group_sizes: dict[str, int], policy: str = "tandem", staleness_seconds: float = 5.0,
-                 seed: int | None = None) -> None:
+                 seed: int | None = None, on_decision: Callable[[str], None] | None = None) -> None:
         if policy not in ("tandem", "pow2"):
             raise ValueError(f"router policy must be 'tandem' or 'pow2', got {policy!r}")
         if not group_sizes:
@@ -41,6 +42,7 @@ class GroupRouter:
         self.inflight: Counter[str] = Counter()
         self.decisions: Counter[str] = Counter()
         self.fallbacks = 0
+        self.on_decision = on_decision  # told the group of every decision (metrics)
         self._stats: dict[str, ReplicaStats] = {}  # replica id -> latest stats
 
     def observe(self, stats: ReplicaStats) -> None:
@@ -94,6 +96,8 @@ class GroupRouter:
     def _decide(self, group: str) -> str:
         self.decisions[group] += 1
         self.inflight[group] += 1
+        if self.on_decision is not None:
+            self.on_decision(group)
         return group
 
     def _candidates(self, group: str, now: float) -> list[Candidate]:

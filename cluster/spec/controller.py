@@ -41,6 +41,10 @@ class StepObservation:
 class SpeculationController(Protocol):
     def choose_k(self, state: BatchState) -> int: ...
 
+    def k_table(self, batch_sizes: list[int]) -> dict[int, int]:
+        """The k in force per batch size, without changing the controller's state."""
+        ...
+
 
 @dataclass
 class FixedController:
@@ -48,6 +52,9 @@ class FixedController:
 
     def choose_k(self, state: BatchState) -> int:
         return self.k
+
+    def k_table(self, batch_sizes: list[int]) -> dict[int, int]:
+        return {b: self.k for b in batch_sizes}
 
 
 class TableController:
@@ -63,6 +70,9 @@ class TableController:
     def choose_k(self, state: BatchState) -> int:
         i = bisect.bisect_right(self.sizes, max(1, state.num_running)) - 1
         return self.table[self.sizes[max(i, 0)]]
+
+    def k_table(self, batch_sizes: list[int]) -> dict[int, int]:
+        return {b: self.choose_k(BatchState(b, 0)) for b in batch_sizes}
 
 
 class AdaptiveController:
@@ -118,8 +128,8 @@ class AdaptiveController:
             return 1
         return self.k
 
-    def table(self, batch_sizes: list[int]) -> dict[int, int]:
-        """The best k per batch size under the current estimates."""
+    def k_table(self, batch_sizes: list[int]) -> dict[int, int]:
+        """The best k per batch size under the current estimates (before hysteresis)."""
         return {b: self.model.best_k(b, self.acceptance, self.max_k) for b in batch_sizes}
 
     # ---- learning ---------------------------------------------------------------------

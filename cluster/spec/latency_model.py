@@ -87,3 +87,12 @@ class LatencyModel:
         draft = fit_linear([draft_features(b) for b, _ in draft_samples], [t for _, t in draft_samples]) \
             if draft_samples else [0.0, 0.0]
         return cls(target, draft)
+
+
+def power_of_two_sizes(max_batch: int) -> list[int]:
+    """1, 2, 4, ... below ``max_batch``, then ``max_batch``: the batch sizes a profile covers."""
+    sizes, b = [], 1
+    while b < max_batch:
+        sizes.append(b)
+        b *= 2
+    return sizes + [max_batch]

@@ -24,7 +24,7 @@ from cluster.runner.input_batch import SeqChunk
 from cluster.spec.calibration import CALIBRATION_PROMPTS
 from cluster.spec.controller import FixedController
 from cluster.spec.draft_proposer import DraftModelProposer
-from cluster.spec.latency_model import LatencyModel
+from cluster.spec.latency_model import LatencyModel, power_of_two_sizes  # noqa: F401 (re-exported)
 from cluster.spec.profile_data import SpeculationProfile
 
 _PROFILE_PREFIX = "__profile-"
@@ -34,14 +34,6 @@ def device_name(device: torch.device) -> str:
     if device.type == "cuda":
         return torch.cuda.get_device_name(device)
     return f"cpu: {platform.processor() or platform.machine()} ({torch.get_num_threads()} threads)"
-
-
-def power_of_two_sizes(max_batch: int) -> list[int]:
-    sizes, b = [], 1
-    while b < max_batch:
-        sizes.append(b)
-        b *= 2
-    return sizes + [max_batch]
 
 
 class _SyntheticBatch:

@@ -1,6 +1,6 @@
-"""A real Ray Serve cluster on loopback, serving a tiny random-weight model in two
-replica groups: ``fast`` and ``slow`` (the same CPU, with every engine step stretched
-3x to emulate a slower device)."""
+"""A real Ray Serve cluster on loopback, serving a tiny random-weight model (drafting
+for itself) in two replica groups: ``fast`` and ``slow`` (the same CPU, with every
+engine step stretched 3x to emulate a slower device)."""
 
 from __future__ import annotations
 
@@ -35,8 +35,11 @@ def serve_config(tiny_chat_model):
         "model": {"model": str(tiny_chat_model), "max_model_len": 256},
         "cache": {"num_blocks": 96, "block_size": 16},
         "device": {"device": "cpu", "num_threads": 1},
+        # Self-speculation: every draft is accepted, so the speculation metrics have values.
+        "speculative": {"method": "draft", "draft_model": str(tiny_chat_model), "num_speculative_tokens": 2},
         "serve": {
-            "port": _free_port(), "served_model_name": MODEL, "api_key": API_KEY,
+            "port": _free_port(), "metrics_export_port": _free_port(),
+            "served_model_name": MODEL, "api_key": API_KEY,
             "groups": [
                 {"name": "fast", "num_cpus": 0.5},
                 {"name": "slow", "num_cpus": 0.5, "step_time_scale": 3.0},

@@ -121,7 +121,7 @@ def test_adaptive_relearns_step_times_online():
         b, k = rng.choice([1, 2, 4, 8]), rng.randint(0, 8)
         adaptive.observe(StepObservation(b, k, slow_draft.step_time(b, k)))
     assert adaptive.model.draft_coef[0] == pytest.approx(0.03, rel=0.2)
-    assert adaptive.table([1, 8]) == {b: slow_draft.best_k(b, adaptive.acceptance, 8) for b in (1, 8)}
+    assert adaptive.k_table([1, 8]) == {b: slow_draft.best_k(b, adaptive.acceptance, 8) for b in (1, 8)}
 
 
 class RecordingController:
