@@ -21,6 +21,7 @@ from cluster.engine.async_engine import AsyncEngine, EngineDeadError
 from cluster.engine.outputs import RequestOutput
 from cluster.engine.protocol import ErrorInfo, GenerateDelta, GenerateRequest, QueueFullError
 from cluster.metrics.collector import EngineMetricsCollector
+from cluster.routing.policy import peak_tokens_per_second
 from cluster.routing.stats import ReplicaStats
 from deployments.metrics import RaySink
 
@@ -38,7 +39,8 @@ class TandemReplica:
         self.prefix_depth = full.serve.prefix_affinity_blocks
         self.engine = AsyncEngine.from_config(self.config, step_time_scale=self.group.step_time_scale)
         tags = {"group": self.group.name, "device_kind": self.group.device_kind}
-        self.engine.metrics = EngineMetricsCollector(self.engine.engine, RaySink("replica", tags))
+        self.engine.metrics = EngineMetricsCollector(self.engine.engine, RaySink("replica", tags),
+                                                     capacity=self.capacity_tokens_per_second)
         try:
             self.replica_id = serve.get_replica_context().replica_id.unique_id
         except Exception:  # constructed outside Serve (unit tests)
@@ -99,6 +101,14 @@ class TandemReplica:
             block_size=engine.block_manager.block_size,
         )
         return stats.to_dict()
+
+    def capacity_tokens_per_second(self) -> float:
+        """Predicted peak output tokens/s at the current k and acceptance (0 before any
+        profile or measured step)."""
+        spec = self.engine.engine.spec_stats
+        k = spec.recent_k[-1] if spec.recent_k else 0
+        curve = self.engine.step_times.curve(k, self.config.scheduler.max_num_seqs)
+        return peak_tokens_per_second(curve, spec.acceptance_rate, k)
 
     def engine_stats(self) -> dict:
         """Debug view: the engine's counters and free blocks, after checking its invariants."""

@@ -100,6 +100,9 @@ METRICS: tuple[MetricSpec, ...] = (
        "the controller's estimate of P(draft at position accepted | earlier ones accepted)",
        labels=("position",)),
     _c("tandem_spec_steps", "steps", "engine steps by the k they ran with", labels=("k",)),
+    _g("tandem_capacity_tokens_per_second", "tokens/s",
+       "predicted peak output-token throughput: max over batch sizes of b * E(k) / step time, from the "
+       "replica's step-time curve (profile corrected by live timings), current k and acceptance"),
     _c("tandem_router_decisions", "requests", "requests the ingress sent to each replica group",
        labels=("group",), source="ingress"),
 )

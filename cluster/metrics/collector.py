@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import time
 from collections import defaultdict
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Callable, Protocol
 
 from cluster.metrics.catalog import METRICS_BY_NAME
 from cluster.spec.latency_model import power_of_two_sizes
@@ -77,9 +77,11 @@ def _labels(**values: object) -> Labels:
 
 
 class EngineMetricsCollector:
-    def __init__(self, engine: Engine, sink: MetricsSink, poll_interval_s: float = 1.0) -> None:
+    def __init__(self, engine: Engine, sink: MetricsSink, poll_interval_s: float = 1.0,
+                 capacity: Callable[[], float] | None = None) -> None:
         self.engine = engine
         self.sink = sink
+        self.capacity = capacity  # the replica's predicted peak tokens/s, when it knows one
         self.poll_interval_s = poll_interval_s
         self._last_output_time: dict[str, float] = {}  # request id -> time of its latest tokens
         self._arrival: dict[str, float] = {}
@@ -142,6 +144,8 @@ class EngineMetricsCollector:
         self.sink.set("num_requests_running", stats.num_running)
         self.sink.set("num_requests_waiting", stats.num_waiting)
         self.sink.set("kv_cache_usage_perc", stats.kv_cache_usage)
+        if self.capacity is not None:
+            self.sink.set("tandem_capacity_tokens_per_second", self.capacity())
         self._advance("prefix_cache_queries", stats.prefix_cache_queries)
         self._advance("prefix_cache_hits", stats.prefix_cache_hits)
         self._advance("num_preemptions", stats.num_preemptions)

@@ -93,6 +93,14 @@ def expected_tokens_per_step(acceptance: float, k: int) -> float:
     return (1.0 - a ** (k + 1)) / (1.0 - a)
 
 
+def peak_tokens_per_second(curve: Sequence[tuple[int, float]], acceptance: float, k: int) -> float:
+    """The most output tokens per second a replica can give over the batch sizes of its
+    step-time ``curve``: max over b of b * E(a, k) / s(b). 0.0 when the curve is empty
+    (nothing measured or profiled yet)."""
+    tokens_per_step = expected_tokens_per_step(acceptance, k)
+    return max((size * tokens_per_step / seconds for size, seconds in curve if seconds > 0), default=0.0)
+
+
 def replica_load(stats: ReplicaStats | None, num_inflight: int) -> int:
     """Requests at the replica: what it reported (running + waiting), or what this router
     has sent there and not seen finish, whichever is larger (the in-flight count covers

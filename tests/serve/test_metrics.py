@@ -65,6 +65,10 @@ def test_every_catalog_metric_is_exported_with_its_labels(server_url, serve_conf
                 assert sample.labels["deployment"] == f"replica-{sample.labels['group']}"
     assert {s.labels["group"] for s in series["ray_tandem_router_decisions_total"]} <= groups
     assert set(COMMON_LABELS) == {"group", "device_kind"}
+    # A group that has run steps has measured step times, so it predicts a capacity.
+    capacity = {s.labels["group"]: s.value for s in series["ray_tandem_capacity_tokens_per_second"]}
+    served = {g for g in groups if _total(series["ray_generation_tokens_total"], group=g) > 0}
+    assert set(capacity) == groups and served and all(capacity[g] > 0 for g in served), capacity
     # Self-speculation accepts every draft token.
     drafted = _total(series["ray_spec_decode_num_draft_tokens_total"])
     assert drafted > 0 and _total(series["ray_spec_decode_num_accepted_tokens_total"]) == drafted

@@ -64,7 +64,8 @@ async def _consume(engine: AsyncEngine, prompt: str, params: SamplingParams, sto
 def _run(tiny_llama_dir, prompts, params, stop_after=None, **overrides):
     engine = AsyncEngine(make_engine(tiny_llama_dir, **overrides))
     sink = MemorySink()
-    collector = EngineMetricsCollector(engine.engine, sink, poll_interval_s=0.0)
+    collector = EngineMetricsCollector(engine.engine, sink, poll_interval_s=0.0,
+                                       capacity=lambda: float(engine.engine.scheduler.num_running))
     engine.metrics = collector
 
     async def main():
@@ -121,6 +122,7 @@ def test_counters_and_histograms_add_up_to_what_the_engine_did(tiny_llama_dir):
     assert {dict(labels)["batch_size"] for name, labels in sink.gauges if name == "tandem_spec_k_table"} \
         == {"1", "2", "4", "8", "16", "32", "64"}  # up to max_num_seqs
     assert sink.gauges[("tandem_spec_acceptance_estimate", (("position", "0"),))] == 1.0
+    assert sink.gauges[("tandem_capacity_tokens_per_second", ())] == 0.0  # the last poll's value, idle
 
 
 def test_aborted_requests_are_counted_as_abort(tiny_llama_dir):

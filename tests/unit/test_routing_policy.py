@@ -8,6 +8,7 @@ import random
 import pytest
 
 from cluster.routing.policy import (
+    peak_tokens_per_second,
     expected_tokens_per_step,
     interpolate_step_time,
     power_of_two_choices,
@@ -228,3 +229,11 @@ def test_same_rng_state_gives_the_same_rankings():
     first = rankings(5)
     assert first == rankings(5)
     assert len(set(first)) > 1
+
+
+def test_peak_tokens_per_second_is_the_best_batch_size_by_hand():
+    curve = [(1, 0.02), (8, 0.04), (32, 0.16)]  # 50, 200 and 200 requests-steps/s
+    assert peak_tokens_per_second(curve, acceptance=0.0, k=0) == pytest.approx(200.0)
+    # k = 2 at acceptance 0.5: E = 1 + 0.5 + 0.25 = 1.75 tokens per request-step.
+    assert peak_tokens_per_second(curve, acceptance=0.5, k=2) == pytest.approx(350.0)
+    assert peak_tokens_per_second([], acceptance=0.5, k=2) == 0.0
