@@ -137,3 +137,10 @@ def test_aborted_requests_are_counted_as_abort(tiny_llama_dir):
     assert engine.block_manager.num_free_blocks == engine.block_manager.pool.num_blocks
     # No speculation configured: no speculation series at all.
     assert not [name for name, _ in sink.counters if name.startswith(("spec_decode", "tandem_spec"))]
+
+
+def test_readme_lists_every_metric_as_the_catalog_does():
+    from pathlib import Path
+
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    assert markdown_table() in readme, "README's metric table is out of date: paste markdown_table() into it"
