@@ -9,6 +9,8 @@
     tandem bench router [CONFIG] [--slow-factor F] [--request-rate R] ...
     tandem profile [CONFIG] [--group NAME] [--out PATH] ...
     tandem serve CONFIG [--host H] [--port P] [--router tandem|pow2]
+    tandem dashboards render [--out DIR] [--configmap PATH]
+    tandem dashboards push --url URL --token TOKEN [--folder NAME]
 """
 
 from __future__ import annotations
@@ -96,6 +98,36 @@ def cmd_serve(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_dashboards_render(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from cluster.metrics.dashboards import render
+
+    for path in render(Path(args.out), Path(args.configmap) if args.configmap else None):
+        print(f"wrote {path}")
+    return 0
+
+
+def cmd_dashboards_push(args: argparse.Namespace) -> int:
+    import os
+
+    from cluster.metrics.dashboards import dashboards
+    from cluster.metrics.grafana_push import GrafanaPushError, push_dashboards
+
+    url = args.url or os.environ.get("GRAFANA_URL")
+    if not url:
+        raise ValueError("--url (or GRAFANA_URL) is needed: Grafana's base URL, e.g. http://localhost:3000")
+    token = args.token or os.environ.get("GRAFANA_TOKEN", "")
+    try:
+        pushed = push_dashboards(url, token, list(dashboards().values()), folder=args.folder)
+    except GrafanaPushError as err:
+        print(f"tandem: error: {err}", file=sys.stderr)
+        return 1
+    for dashboard in pushed:
+        print(f"pushed {dashboard.title!r} (uid {dashboard.uid}, version {dashboard.version}): {dashboard.url}")
+    return 0
+
+
 def cmd_bench_offline(args: argparse.Namespace) -> int:
     from cluster.bench.offline import run_offline_bench
 
@@ -175,6 +207,20 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--router", choices=["tandem", "pow2"], help="default: serve.router")
     srv.add_argument("--api-key", help="require 'Authorization: Bearer KEY'")
     srv.set_defaults(func=cmd_serve)
+
+    dash = sub.add_parser("dashboards", help="Tandem's Grafana dashboards").add_subparsers(dest="dashboards",
+                                                                                           required=True)
+    render = dash.add_parser("render", help="write the dashboards' JSON (and the sidecar ConfigMap)")
+    render.add_argument("--out", default="k8s/grafana", help="directory for the JSON files")
+    render.add_argument("--configmap", help="also write the Grafana sidecar ConfigMap here "
+                        "(k8s/monitoring/grafana-dashboards-configmap.yaml)")
+    render.set_defaults(func=cmd_dashboards_render)
+    push = dash.add_parser("push", help="create or update the dashboards in a Grafana through its HTTP API")
+    push.add_argument("--url", help="Grafana's base URL (default: $GRAFANA_URL)")
+    push.add_argument("--token", help="service account token or API key, Editor role (default: $GRAFANA_TOKEN)")
+    push.add_argument("--folder", default="Tandem", help="folder to put them in, created if missing "
+                      "(\"\" = General)")
+    push.set_defaults(func=cmd_dashboards_push)
 
     bench = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="bench", required=True)
     offline = bench.add_parser("offline", help="output tok/s at several batch sizes, Tandem vs transformers")
