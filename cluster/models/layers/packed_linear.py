@@ -17,6 +17,7 @@ model untouched, so the model code is the same everywhere.
 
 from __future__ import annotations
 
+import functools
 import logging
 
 import torch
@@ -54,7 +55,23 @@ def can_pack(device: torch.device, dtype: torch.dtype) -> bool:
         and dtype in _PACKED_DTYPES
         and torch.backends.mkldnn.is_available()
         and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+        and onednn_packs(dtype)
     )
+
+
+@functools.lru_cache(maxsize=None)
+def onednn_packs(dtype: torch.dtype) -> bool:
+    """Whether this CPU's oneDNN packs and runs ``dtype`` weights: its bfloat16 path
+    needs AVX-512 (BW/VL/DQ) or AVX-NE-CONVERT and raises on a plain AVX2 CPU, where
+    the model then keeps ``F.linear``. Probed once per dtype on a tiny layer."""
+    try:
+        weight = torch.ones(8, 8, dtype=dtype)
+        packed = torch.ops.mkldnn._reorder_linear_weight(weight, _PACK_ROWS_HINT)
+        torch.ops.mkldnn._linear_pointwise(torch.ones(2, 8, dtype=dtype), packed, None, "none", [], "")
+    except RuntimeError as err:
+        logger.info("oneDNN cannot pack %s linear weights on this CPU (%s); using F.linear", dtype, err)
+        return False
+    return True
 
 
 def pack_linears(model: nn.Module, device: torch.device, dtype: torch.dtype) -> int:
