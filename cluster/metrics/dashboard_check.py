@@ -72,7 +72,8 @@ def check_query(expr: str, legend: str = "", known: Mapping[str, frozenset[str]]
         return [f"{expr!r} does not parse: {err}"]
     result = _labels(tree, known, problems)
     unknown = [p for p in problems if p.endswith(_UNKNOWN)]
-    problems = unknown or problems  # labels of an unknown series say nothing more
+    if unknown:  # the labels of an unknown series say nothing more
+        return [f"{expr!r}: {p}" for p in unknown]
     shown = {match["label"]} if match else set(_LEGEND_LABEL.findall(legend))
     missing = shown - (result or frozenset())
     if missing:
@@ -163,4 +164,5 @@ def _binary_labels(node, known: Mapping[str, frozenset[str]], problems: list[str
 def _require(wanted: Iterable[str], present: frozenset[str], where: str, problems: list[str]) -> None:
     missing = sorted(set(wanted) - present)
     if missing:
-        problems.append(f"{where} uses label(s) {missing} that the series do not carry (they have {sorted(present)})")
+        problems.append(f"{where} uses label(s) {missing} that the series do not carry "
+                        f"(they have {sorted(present)})")

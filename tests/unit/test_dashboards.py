@@ -58,7 +58,8 @@ def test_the_dashboards_query_what_the_issue_asks_for():
             "ray_tandem_spec_k_table", "ray_tandem_spec_acceptance_estimate", "ray_num_preemptions_total",
             "ray_spec_decode_num_accepted_tokens_total", "ray_spec_decode_num_draft_tokens_total",
             "ray_prefix_cache_hits_total", "ray_prefix_cache_queries_total"} <= series["tandem-replicas"]
-    assert {"ray_tandem_router_decisions_total", "ray_tandem_capacity_tokens_per_second"} <= series["tandem-router"]
+    router = {"ray_tandem_router_decisions_total", "ray_tandem_capacity_tokens_per_second"}
+    assert router <= series["tandem-router"]
 
 
 @pytest.mark.parametrize("spec", DASHBOARDS, ids=lambda s: s.uid)
@@ -75,7 +76,8 @@ def test_dashboard_structure(spec):
     for panel in panels:
         grid = panel["gridPos"]
         assert 0 <= grid["x"] and grid["x"] + grid["w"] <= GRID_WIDTH
-        area = {(x, y) for x in range(grid["x"], grid["x"] + grid["w"]) for y in range(grid["y"], grid["y"] + grid["h"])}
+        area = {(x, y) for x in range(grid["x"], grid["x"] + grid["w"])
+                for y in range(grid["y"], grid["y"] + grid["h"])}
         assert not area & cells, f"{panel['title']} overlaps another panel"
         cells |= area
         if panel["type"] != "row":
@@ -102,16 +104,18 @@ def _with_query(spec, expr, legend=""):
 
 
 def test_checker_catches_a_misspelled_metric_in_a_dashboard():
-    dashboard = _with_query(OVERVIEW, 'sum by (group) (rate(ray_generation_token_total{group=~"$group"}[$__rate_interval]))',
-                            "{{group}}")
+    misspelled = 'sum by (group) (rate(ray_generation_token_total{group=~"$group"}[$__rate_interval]))'
+    dashboard = _with_query(OVERVIEW, misspelled, "{{group}}")
     problems = check_dashboard(dashboard)
     assert len(problems) == 1 and "ray_generation_token_total is not a series" in problems[0]
     assert check_dashboard(_with_query(OVERVIEW, "ray_num_requests_running_total")) != []  # a gauge has no _total
-    assert check_dashboard(_with_query(OVERVIEW, "rate(ray_time_to_first_token_seconds[5m])")) != []  # histogram base
+    histogram_base = "rate(ray_time_to_first_token_seconds[5m])"  # a histogram is only _bucket/_sum/_count
+    assert check_dashboard(_with_query(OVERVIEW, histogram_base)) != []
 
 
 def test_checker_catches_a_misspelled_variable_query():
-    bad = dataclasses.replace(ROUTER, variables=(Variable("group", "Group", "label_values(ray_num_request_running, group)"),))
+    variable = Variable("group", "Group", "label_values(ray_num_request_running, group)")
+    bad = dataclasses.replace(ROUTER, variables=(variable,))
     assert any("ray_num_request_running is not a series" in p for p in check_dashboard(build_dashboard(bad)))
     assert check_query("label_values(ray_num_requests_running, gpu)") != []
 
@@ -137,7 +141,8 @@ def test_checker_catches_labels_the_series_do_not_carry(expr, legend, says):
 @pytest.mark.parametrize("expr, legend", [
     ('sum by (group) (rate(ray_tandem_router_decisions_total[$__rate_interval])) / ignoring (group) group_left '
      'sum(rate(ray_tandem_router_decisions_total[$__rate_interval]))', "{{group}}"),
-    ('histogram_quantile(0.5, sum by (le, group) (rate(ray_time_to_first_token_seconds_bucket[5m])))', "{{group}}"),
+    ('histogram_quantile(0.5, sum by (le, group) (rate(ray_time_to_first_token_seconds_bucket[5m])))',
+     "{{group}}"),
     ('sum without (replica) (ray_num_requests_running{device_kind=~"${device_kind}"})', "{{deployment}}"),
     ('ray_kv_cache_usage_perc > 0.9', "{{replica}}"),
 ])
