@@ -9,6 +9,8 @@
     tandem bench router [CONFIG] [--slow-factor F] [--request-rate R] ...
     tandem profile [CONFIG] [--group NAME] [--out PATH] ...
     tandem serve CONFIG [--host H] [--port P] [--router tandem|pow2]
+    tandem k8s render CONFIG --out DIR
+    tandem k8s validate [PATH ...]
     tandem dashboards render [--out DIR] [--configmap PATH]
     tandem dashboards push --url URL --token TOKEN [--folder NAME]
 """
@@ -128,6 +130,25 @@ def cmd_dashboards_push(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_k8s_render(args: argparse.Namespace) -> int:
+    from cluster.k8s.render import render_to
+
+    stale = render_to(args.config, args.out)
+    print(f"rendered {args.config} into {args.out}/ (kubectl apply -f {args.out}/)")
+    for path in stale:
+        print(f"note: {path} was not rendered from this config; delete it if it is stale")
+    return 0
+
+
+def cmd_k8s_validate(args: argparse.Namespace) -> int:
+    from cluster.k8s.validate import ManifestValidator
+
+    validator = ManifestValidator.from_repo()
+    num_documents = validator.validate_paths(args.paths)
+    print(f"{num_documents} manifests valid (Kubernetes {validator.kubernetes_version}, KubeRay CRDs)")
+    return 0
+
+
 def cmd_bench_offline(args: argparse.Namespace) -> int:
     from cluster.bench.offline import run_offline_bench
 
@@ -221,6 +242,15 @@ def build_parser() -> argparse.ArgumentParser:
     push.add_argument("--folder", default="Tandem", help="folder to put them in, created if missing "
                       "(\"\" = General)")
     push.set_defaults(func=cmd_dashboards_push)
+
+    k8s = sub.add_parser("k8s", help="KubeRay manifests").add_subparsers(dest="k8s", required=True)
+    k8s_render = k8s.add_parser("render", help="write the RayService, monitoring and profiling Jobs of a config")
+    k8s_render.add_argument("config", help="YAML settings file, e.g. configs/gpu-single.yaml")
+    k8s_render.add_argument("--out", required=True, help="directory for the manifests, e.g. k8s/single-gpu")
+    k8s_render.set_defaults(func=cmd_k8s_render)
+    k8s_validate = k8s.add_parser("validate", help="check manifests offline against Kubernetes' and KubeRay's schemas")
+    k8s_validate.add_argument("paths", nargs="*", default=["k8s"], help="YAML files or directories (default: k8s)")
+    k8s_validate.set_defaults(func=cmd_k8s_validate)
 
     bench = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="bench", required=True)
     offline = bench.add_parser("offline", help="output tok/s at several batch sizes, Tandem vs transformers")

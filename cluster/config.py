@@ -13,6 +13,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from cluster.config_serve import ServeConfig
+from cluster.k8s.config import KubernetesConfig
 
 
 class ConfigError(ValueError):
@@ -99,6 +100,7 @@ class TandemConfig(_Strict):
     speculative: SpeculativeConfig = SpeculativeConfig()
     device: DeviceConfig = DeviceConfig()
     serve: ServeConfig = ServeConfig()
+    kubernetes: KubernetesConfig = KubernetesConfig()  # read only by `tandem k8s render`
 
     @model_validator(mode="after")
     def _check(self) -> "TandemConfig":
@@ -196,7 +198,8 @@ def with_overrides(config: TandemConfig, **overrides) -> TandemConfig:
     ``scheduler.max_num_seqs``. Unknown keys raise ConfigError naming them.
     """
     data = config.model_dump()
-    sections = {name: type(getattr(config, name)) for name in TandemConfig.model_fields if name != "serve"}
+    sections = {name: type(getattr(config, name)) for name in TandemConfig.model_fields
+                if name not in ("serve", "kubernetes")}
     for key, value in overrides.items():
         owners = [s for s, cls in sections.items() if key in cls.model_fields]
         if not owners:

@@ -3,7 +3,8 @@
 One deployment per replica group (``replica-<group>``, with the group's resources,
 autoscaling and router) behind one ``ingress`` deployment. Works with
 ``tandem serve CONFIG``, and with ``serve run deployments.app:app_builder
-config=configs/local.yaml`` / ``serve deploy`` (import path plus args).
+config=configs/local.yaml`` / ``serve deploy`` (import path plus args). A KubeRay
+RayService passes the config inline: ``args: {config: {model: ..., serve: ...}}``.
 """
 
 from __future__ import annotations
@@ -15,16 +16,22 @@ from ray.serve import Application
 from ray.serve.config import AutoscalingConfig as RayAutoscalingConfig
 from ray.serve.config import RequestRouterConfig
 
-from cluster.config import ConfigError, TandemConfig, load_config
+from cluster.config import ConfigError, TandemConfig, config_from_dict, load_config
 from cluster.config_serve import ReplicaGroupConfig
 from deployments.ingress import OpenAIIngress
 from deployments.replica import TandemReplica
 from deployments.router import TandemRequestRouter
 
 
-def build_app(config: TandemConfig | str | Path) -> Application:
-    if not isinstance(config, TandemConfig):
+def build_app(config: TandemConfig | dict | str | Path) -> Application:
+    """The application of ``config``: a TandemConfig, a config mapping, or a YAML file's path."""
+    if isinstance(config, dict):
+        config = config_from_dict(config, "args.config")
+    elif isinstance(config, (str, Path)):
         config = load_config(config)
+    elif not isinstance(config, TandemConfig):
+        raise ConfigError(f"the config must be a YAML file's path or a mapping of sections, "
+                          f"got {type(config).__name__}")
     data = config.model_dump()
     replicas = {}
     for group in config.serve.groups:
@@ -79,7 +86,9 @@ def replica_options(config: TandemConfig, group: ReplicaGroupConfig) -> dict:
 
 
 def app_builder(args: dict) -> Application:
-    """For ``serve run deployments.app:app_builder config=PATH``."""
+    """For ``serve run deployments.app:app_builder config=PATH`` and Serve configs whose
+    ``args`` hold ``config``: a YAML file's path, or the config itself as a mapping."""
     if "config" not in args:
-        raise ConfigError("pass the config file: serve run deployments.app:app_builder config=configs/local.yaml")
+        raise ConfigError("pass the config: serve run deployments.app:app_builder config=configs/local.yaml, "
+                          "or args: {config: {...}} in a Serve config")
     return build_app(args["config"])

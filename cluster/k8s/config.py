@@ -1,0 +1,101 @@
+"""The ``kubernetes`` section of a Tandem config: what only a KubeRay deployment needs.
+
+The rest of the config (model, speculative, serve groups, ...) says *what* runs; this
+section says *where*: the image, the namespace, the volume holding the weights, and for
+each serve group the shape of its worker pods (GPUs per node, CPU, memory, shared
+memory, node selector, tolerations). ``tandem k8s render CONFIG`` turns both into
+manifests; the serve application never reads this section.
+
+Defaults that depend on the serve group (pod CPUs, GPU node selector, GPU toleration)
+are ``None`` here and derived in :mod:`cluster.k8s.plan`.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+# A Kubernetes resource quantity as written in manifests: "4", "500m", "16Gi".
+QUANTITY = r"^[0-9]+(\.[0-9]+)?(m|k|M|G|T|P|E|Ki|Mi|Gi|Ti|Pi|Ei)?$"
+# A DNS-1123 label, kept short enough for the names KubeRay derives from it.
+DNS_LABEL = r"^[a-z0-9]([a-z0-9-]{0,38}[a-z0-9])?$"
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class Toleration(_Strict):
+    """A pod toleration (Kubernetes' fields, snake_case)."""
+
+    key: str | None = None
+    operator: Literal["Exists", "Equal"] = "Exists"
+    value: str | None = None
+    effect: Literal["NoSchedule", "PreferNoSchedule", "NoExecute"] | None = None
+    toleration_seconds: int | None = Field(None, ge=0, description="only with effect NoExecute")
+
+
+class ModelVolume(_Strict):
+    """The volume with the weights (and the profiles); mounted read-only by the Ray pods."""
+
+    claim_name: str = Field("tandem-models", pattern=r"^[a-z0-9]([a-z0-9.-]{0,251}[a-z0-9])?$",
+                            description="an existing PersistentVolumeClaim, readable from every node")
+    mount_path: str = Field("/models", pattern=r"^/.+", description="model paths in the config must lie under it")
+    cache_subdir: str = Field(".tandem-cache", pattern=r"^[^/].*",
+                              description="TANDEM_CACHE_DIR, relative to mount_path (converted GGUF files)")
+
+
+class HeadPod(_Strict):
+    """The Ray head: GCS, dashboard, Serve controller and HTTP proxy; it runs no replica."""
+
+    cpu: str = Field("4", pattern=QUANTITY)
+    memory: str = Field("16Gi", pattern=QUANTITY)
+    shm_size: str = Field("2Gi", pattern=QUANTITY, description="/dev/shm (memory-backed) for Ray's object store")
+    node_selector: dict[str, str] = Field(default_factory=dict)
+    tolerations: list[Toleration] = Field(default_factory=list)
+
+
+class WorkerPods(_Strict):
+    """The worker pods of one serve group (one KubeRay worker group per GPU kind)."""
+
+    gpus_per_node: int | None = Field(
+        None, ge=1, description="nvidia.com/gpu of one worker pod (one pod per node); default: one replica's GPUs")
+    cpu: str | None = Field(None, pattern=QUANTITY,
+                            description="default: the CPUs of the replicas that fit in the pod, plus 2")
+    memory: str = Field("32Gi", pattern=QUANTITY, description="host memory of one worker pod")
+    shm_size: str = Field("8Gi", pattern=QUANTITY, description="/dev/shm (memory-backed) for NCCL and Ray")
+    node_selector: dict[str, str] | None = Field(
+        None, description="default for GPU groups: {nvidia.com/gpu.product: NVIDIA-<accelerator_type>}")
+    tolerations: list[Toleration] | None = Field(
+        None, description="default for GPU groups: tolerate the nvidia.com/gpu taint")
+    idle_timeout_s: int | None = Field(None, ge=0, description="autoscaler idle time before removing a pod")
+
+
+class Monitoring(_Strict):
+    """PodMonitors (prometheus-operator) that scrape Ray's metrics port on every Ray pod."""
+
+    enabled: bool = True
+    labels: dict[str, str] = Field(
+        default_factory=lambda: {"release": "prometheus"},
+        description="labels your Prometheus selects PodMonitors by (kube-prometheus-stack: its release name)")
+    interval: str = Field("15s", pattern=r"^[0-9]+(ms|s|m|h)$")
+
+
+class KubernetesConfig(_Strict):
+    name: str = Field("tandem", pattern=DNS_LABEL, description="the RayService; prefix of the other objects")
+    namespace: str = Field("tandem", pattern=DNS_LABEL)
+    image: str = Field("tandem:0.1.0", min_length=1, description="built from k8s/Dockerfile, pushed to your registry")
+    image_pull_policy: Literal["Always", "IfNotPresent", "Never"] = "IfNotPresent"
+    ray_version: str = Field("2.60.0", pattern=r"^[0-9]+\.[0-9]+\.[0-9]+$", description="must match the image")
+    service_type: Literal["ClusterIP", "NodePort", "LoadBalancer"] = Field(
+        "ClusterIP", description="the Service in front of Serve's HTTP port")
+    api_key_secret: str = Field(
+        "tandem-api-key", pattern=r"^[a-z0-9]([a-z0-9.-]{0,251}[a-z0-9])?$",
+        description="Secret whose key 'api-key' fills serve.api_key_env (only when that is set)")
+    autoscaler_idle_timeout_s: int = Field(60, ge=0, description="Ray autoscaler: idle seconds before a pod goes")
+    model_volume: ModelVolume = Field(default_factory=ModelVolume)
+    head: HeadPod = Field(default_factory=HeadPod)
+    groups: dict[str, WorkerPods] = Field(
+        default_factory=dict, description="worker pods per serve group name; a group left out gets the defaults")
+    monitoring: Monitoring = Field(default_factory=Monitoring)

@@ -1,0 +1,136 @@
+"""Pod templates of the Ray head and of one worker group, as plain dicts.
+
+Every Ray pod runs the Tandem image, mounts the weights volume read-only at
+``model_volume.mount_path`` (the ingress reads the tokenizer, replicas the weights), gets
+a memory-backed ``/dev/shm``, exposes Ray's metrics port, and is probed over HTTP:
+
+- liveness, head and workers: the raylet's health on the dashboard agent's port;
+- readiness, head: the GCS health on the dashboard's port;
+- readiness, workers: Serve's proxy ``/-/healthz``, so the serve Service only sends
+  requests to pods whose proxy is up (a pod with no replica has no proxy and stays
+  unready, which KubeRay expects).
+
+Nothing is downloaded at start: the Hugging Face libraries run offline and
+``TANDEM_CACHE_DIR`` lies on the read-only volume.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from cluster.k8s.config import KubernetesConfig
+from cluster.k8s.plan import WorkerGroupPlan, toleration_dict
+
+API_KEY_SECRET_KEY = "api-key"
+
+
+@dataclass(frozen=True)
+class RayPorts:
+    """Ports of a Ray node: Ray's defaults, plus Serve's and the metrics port from the config."""
+
+    serve: int
+    metrics: int
+    gcs: int = 6379
+    dashboard: int = 8265
+    client: int = 10001
+    dashboard_agent: int = 52365
+    autoscaler_metrics: int = 44217
+    dashboard_metrics: int = 44227
+
+
+def labels(k8s: KubernetesConfig, component: str) -> dict[str, str]:
+    """The labels every object of this deployment carries (PodMonitors select pods by them)."""
+    return {"app.kubernetes.io/name": "tandem", "app.kubernetes.io/instance": k8s.name,
+            "app.kubernetes.io/component": component}
+
+
+def environment(k8s: KubernetesConfig, api_key_env: str | None) -> list[dict]:
+    """Environment of every Tandem container: cache on the volume, no hub access, the API key."""
+    env = [
+        {"name": "TANDEM_CACHE_DIR", "value": f"{k8s.model_volume.mount_path.rstrip('/')}/"
+                                              f"{k8s.model_volume.cache_subdir}"},
+        {"name": "HF_HUB_OFFLINE", "value": "1"},
+        {"name": "TRANSFORMERS_OFFLINE", "value": "1"},
+    ]
+    if api_key_env:
+        env.append({"name": api_key_env, "valueFrom": {"secretKeyRef": {
+            "name": k8s.api_key_secret, "key": API_KEY_SECRET_KEY}}})
+    return env
+
+
+def model_volume(k8s: KubernetesConfig, read_only: bool = True) -> tuple[dict, dict]:
+    """(volume, mount) of the weights claim."""
+    volume = {"name": "models", "persistentVolumeClaim": {"claimName": k8s.model_volume.claim_name,
+                                                          "readOnly": read_only}}
+    mount = {"name": "models", "mountPath": k8s.model_volume.mount_path, "readOnly": read_only}
+    return volume, mount
+
+
+def shm_volume(size: str) -> tuple[dict, dict]:
+    """(volume, mount) of a memory-backed /dev/shm of ``size``."""
+    return ({"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": size}},
+            {"name": "dshm", "mountPath": "/dev/shm"})
+
+
+def _http_probe(port: int, path: str, failure_threshold: int) -> dict:
+    return {"httpGet": {"path": path, "port": port}, "initialDelaySeconds": 10, "periodSeconds": 5,
+            "timeoutSeconds": 2, "failureThreshold": failure_threshold}
+
+
+def _port(name: str, number: int) -> dict:
+    return {"name": name, "containerPort": number, "protocol": "TCP"}
+
+
+def head_template(k8s: KubernetesConfig, ports: RayPorts, api_key_env: str | None) -> dict:
+    """The head pod: no GPU, no replica; the Serve controller, a proxy and the dashboard."""
+    models, models_mount = model_volume(k8s)
+    shm, shm_mount = shm_volume(k8s.head.shm_size)
+    size = {"cpu": k8s.head.cpu, "memory": k8s.head.memory}
+    container = {
+        "name": "ray-head",
+        "image": k8s.image,
+        "imagePullPolicy": k8s.image_pull_policy,
+        "ports": [_port("gcs-server", ports.gcs), _port("dashboard", ports.dashboard),
+                  _port("client", ports.client), _port("serve", ports.serve), _port("metrics", ports.metrics),
+                  _port("as-metrics", ports.autoscaler_metrics), _port("dash-metrics", ports.dashboard_metrics)],
+        "env": environment(k8s, api_key_env),
+        "resources": {"requests": dict(size), "limits": dict(size)},
+        "volumeMounts": [models_mount, shm_mount],
+        "livenessProbe": _http_probe(ports.dashboard_agent, "/api/local_raylet_healthz", 40),
+        "readinessProbe": _http_probe(ports.dashboard, "/api/gcs_healthz", 20),
+    }
+    spec: dict = {"containers": [container], "volumes": [models, shm]}
+    if k8s.head.node_selector:
+        spec["nodeSelector"] = dict(k8s.head.node_selector)
+    if k8s.head.tolerations:
+        spec["tolerations"] = [toleration_dict(t) for t in k8s.head.tolerations]
+    return {"metadata": {"labels": labels(k8s, "ray-head")}, "spec": spec}
+
+
+def worker_template(k8s: KubernetesConfig, plan: WorkerGroupPlan, ports: RayPorts,
+                    api_key_env: str | None) -> dict:
+    """A worker pod of one group: the node's GPUs, its replicas, a Serve proxy."""
+    models, models_mount = model_volume(k8s)
+    shm, shm_mount = shm_volume(plan.pods.shm_size)
+    requests = {"cpu": str(plan.cpus_per_pod), "memory": plan.pods.memory}
+    limits = dict(requests)
+    if plan.gpus_per_pod:
+        limits["nvidia.com/gpu"] = str(plan.gpus_per_pod)
+    container = {
+        "name": "ray-worker",
+        "image": k8s.image,
+        "imagePullPolicy": k8s.image_pull_policy,
+        "ports": [_port("serve", ports.serve), _port("metrics", ports.metrics)],
+        "env": environment(k8s, api_key_env),
+        "resources": {"requests": requests, "limits": limits},
+        "volumeMounts": [models_mount, shm_mount],
+        "livenessProbe": _http_probe(ports.dashboard_agent, "/api/local_raylet_healthz", 40),
+        "readinessProbe": _http_probe(ports.serve, "/-/healthz", 3),
+    }
+    spec: dict = {"containers": [container], "volumes": [models, shm]}
+    if plan.node_selector:
+        spec["nodeSelector"] = dict(plan.node_selector)
+    if plan.tolerations:
+        spec["tolerations"] = [dict(t) for t in plan.tolerations]
+    template_labels = labels(k8s, "ray-worker") | {"tandem/group": plan.name}
+    return {"metadata": {"labels": template_labels}, "spec": spec}

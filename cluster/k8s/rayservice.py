@@ -1,0 +1,86 @@
+"""The RayService: a KubeRay-managed Ray cluster plus the Serve application on it.
+
+``serveConfigV2`` is Ray Serve's deploy config (the ``serve deploy`` schema) as a YAML
+string. It runs ``deployments.app:app_builder`` with the Tandem config inline
+(``args: {config: {...}}``), without the ``kubernetes`` section. The Ray cluster has a
+head group and one worker group per serve group; Ray's in-tree autoscaler adds and
+removes worker pods as Serve's replica autoscaling asks for them. Each worker group
+advertises ``accelerator_type:<kind>`` so that Serve's ``accelerator_type`` placement,
+and the autoscaler's choice of group, work before any pod of that kind exists.
+"""
+
+from __future__ import annotations
+
+import yaml
+
+from cluster.config import TandemConfig
+from cluster.k8s.pods import RayPorts, head_template, labels, worker_template
+from cluster.k8s.plan import WorkerGroupPlan
+
+APP_IMPORT_PATH = "deployments.app:app_builder"
+
+
+def serve_config(config: TandemConfig, embedded: dict) -> dict:
+    """Ray Serve's deploy config: one application, Tandem's builder, the config inline."""
+    return {
+        "proxy_location": "EveryNode",
+        "http_options": {"host": "0.0.0.0", "port": config.serve.port},
+        "applications": [{
+            "name": config.kubernetes.name,
+            "route_prefix": "/",
+            "import_path": APP_IMPORT_PATH,
+            "args": {"config": embedded},
+        }],
+    }
+
+
+def ray_service(config: TandemConfig, embedded: dict, plans: list[WorkerGroupPlan]) -> dict:
+    """The RayService object; ``embedded`` is the Tandem config the replicas get."""
+    k8s = config.kubernetes
+    ports = RayPorts(serve=config.serve.port, metrics=config.serve.metrics_export_port)
+    api_key_env = config.serve.api_key_env
+    common_params = {"metrics-export-port": str(ports.metrics),
+                     "dashboard-agent-listen-port": str(ports.dashboard_agent)}
+    head = {
+        "serviceType": "ClusterIP",
+        "rayStartParams": {"dashboard-host": "0.0.0.0", "num-cpus": "0", "num-gpus": "0", **common_params},
+        "template": head_template(k8s, ports, api_key_env),
+    }
+    workers = []
+    for plan in plans:
+        group: dict = {
+            "groupName": plan.name,
+            "replicas": plan.initial_pods,
+            "minReplicas": plan.min_pods,
+            "maxReplicas": plan.max_pods,
+        }
+        if plan.pods.idle_timeout_s is not None:
+            group["idleTimeoutSeconds"] = plan.pods.idle_timeout_s
+        if plan.accelerator_type:
+            group["resources"] = {f"accelerator_type:{plan.accelerator_type}": "1"}
+        group["rayStartParams"] = {"num-gpus": str(plan.gpus_per_pod), **common_params}
+        group["template"] = worker_template(k8s, plan, ports, api_key_env)
+        workers.append(group)
+    serve_yaml = yaml.safe_dump(serve_config(config, embedded), sort_keys=False, width=100)
+    return {
+        "apiVersion": "ray.io/v1",
+        "kind": "RayService",
+        "metadata": {"name": k8s.name, "namespace": k8s.namespace, "labels": labels(k8s, "rayservice")},
+        "spec": {
+            "serveService": {
+                "metadata": {"name": f"{k8s.name}-serve", "labels": labels(k8s, "serve")},
+                "spec": {"type": k8s.service_type,
+                         "ports": [{"name": "serve", "port": ports.serve, "targetPort": "serve",
+                                    "protocol": "TCP"}]},
+            },
+            "serveConfigV2": serve_yaml,
+            "rayClusterConfig": {
+                "rayVersion": k8s.ray_version,
+                "enableInTreeAutoscaling": True,
+                "autoscalerOptions": {"upscalingMode": "Default",
+                                      "idleTimeoutSeconds": k8s.autoscaler_idle_timeout_s},
+                "headGroupSpec": head,
+                "workerGroupSpecs": workers,
+            },
+        },
+    }

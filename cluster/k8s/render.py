@@ -1,0 +1,130 @@
+"""``tandem k8s render CONFIG --out DIR``: a Tandem config in, KubeRay manifests out.
+
+Output files, relative to DIR (apply the top level with ``kubectl apply -f DIR``):
+
+- ``namespace.yaml``: the namespace;
+- ``rayservice.yaml``: the RayService (Ray cluster, autoscaler, Serve application);
+- ``monitoring.yaml``: PodMonitors for Prometheus (unless ``kubernetes.monitoring.enabled`` is false);
+- ``profile/``: the config as a ConfigMap and one profiling Job per GPU kind (applied on purpose, once).
+
+Rendering is deterministic, so rendered files can be committed and compared. The
+inline config must not depend on files outside the cluster: every model, draft model
+and profile path must be absolute and lie under ``kubernetes.model_volume.mount_path``.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path, PurePosixPath
+
+import yaml
+
+from cluster.config import ConfigError, TandemConfig, config_from_dict
+from cluster.k8s.monitoring import pod_monitors
+from cluster.k8s.plan import plan_worker_groups
+from cluster.k8s.profile_jobs import config_map, profile_job
+from cluster.k8s.rayservice import ray_service
+
+MAX_NAME_LEN = 63
+
+
+class _Dumper(yaml.SafeDumper):
+    """Block style for multi-line strings (serveConfigV2, the ConfigMap's config)."""
+
+
+def _str(dumper: yaml.SafeDumper, value: str) -> yaml.ScalarNode:
+    style = "|" if "\n" in value else None
+    return dumper.represent_scalar("tag:yaml.org,2002:str", value, style=style)
+
+
+_Dumper.add_representer(str, _str)
+
+
+def dump_documents(documents: list[dict], header: str) -> str:
+    """``documents`` as one multi-document YAML text under a comment ``header``."""
+    comment = "".join(f"# {line}\n" if line else "#\n" for line in header.splitlines())
+    body = "---\n".join(yaml.dump(d, Dumper=_Dumper, sort_keys=False, width=100) for d in documents)
+    return comment + body
+
+
+def read_config(path: str | Path) -> tuple[TandemConfig, dict]:
+    """(the full config, the inline config for the replicas: the file without ``kubernetes``)."""
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"config file {path} does not exist")
+    try:
+        data = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as err:
+        raise ConfigError(f"{path}: not valid YAML: {err}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: the top level must be a mapping of sections")
+    config = config_from_dict(data, str(path))
+    embedded = {key: value for key, value in data.items() if key != "kubernetes"}
+    check_paths_on_volume(config_from_dict(embedded, str(path)), [config.kubernetes.model_volume.mount_path])
+    return config, embedded
+
+
+def check_paths_on_volume(config: TandemConfig, mount_paths: list[str]) -> None:
+    """ConfigError unless every model and profile path lies under one of ``mount_paths``."""
+    paths = {"model.model": config.model.model, "speculative.draft_model": config.speculative.draft_model,
+             "speculative.profile": config.speculative.profile}
+    paths.update({f"serve.groups[{g.name}].profile": g.profile for g in config.serve.groups})
+    roots = [PurePosixPath(m) for m in mount_paths]
+    for key, value in paths.items():
+        if value is None:
+            continue
+        path = PurePosixPath(value)
+        if not path.is_absolute() or not any(root in path.parents for root in roots):
+            raise ConfigError(
+                f"{key} is {value!r}: on Kubernetes every model and profile is read from the weights volume, "
+                f"so give an absolute path under {' or '.join(mount_paths) or 'a mounted volume'} "
+                "(kubernetes.model_volume.mount_path); nothing is downloaded at start")
+
+
+def render(config: TandemConfig, embedded: dict, source: str) -> dict[str, str]:
+    """File name (relative, POSIX) -> YAML text of every manifest; ``source`` names the config."""
+    k8s = config.kubernetes
+    plans = plan_worker_groups(config)
+    header = (f"Rendered by `tandem k8s render {source}`: edit that file and render again.\n"
+              "KubeRay manifests of Tandem; see k8s/README.md.")
+    namespace = {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": k8s.namespace}}
+    files = {
+        "namespace.yaml": dump_documents([namespace], header),
+        "rayservice.yaml": dump_documents([ray_service(config, embedded, plans)], header),
+    }
+    monitors = pod_monitors(k8s)
+    if monitors:
+        files["monitoring.yaml"] = dump_documents(monitors, header)
+    jobs = [job for job in (profile_job(config, plan) for plan in plans) if job is not None]
+    if jobs:
+        files["profile/configmap.yaml"] = dump_documents([config_map(config, embedded)], header)
+        for job in jobs:
+            group = job["metadata"]["labels"]["tandem/group"]
+            files[f"profile/job-{group}.yaml"] = dump_documents([job], header)
+    _check_names([yaml.safe_load_all(text) for text in files.values()])
+    return files
+
+
+def _check_names(streams) -> None:
+    for stream in streams:
+        for document in stream:
+            name = document["metadata"]["name"]
+            if len(name) > MAX_NAME_LEN:
+                raise ConfigError(f"the {document['kind']} name {name!r} is longer than {MAX_NAME_LEN} characters; "
+                                  "shorten kubernetes.name or the serve group names")
+
+
+def write(files: dict[str, str], out_dir: str | Path) -> list[Path]:
+    """Write ``files`` under ``out_dir``; returns the YAML files there that were not rendered."""
+    out_dir = Path(out_dir)
+    for name, text in files.items():
+        target = out_dir / name
+        target.parent.mkdir(parents=True, exist_ok=True)
+        target.write_text(text)
+    written = {out_dir / name for name in files}
+    return sorted(p for p in out_dir.rglob("*.yaml") if p not in written)
+
+
+def render_to(config_path: str | Path, out_dir: str | Path, source: str | None = None) -> list[Path]:
+    """Read, render and write; returns the stale YAML files left in ``out_dir``."""
+    config, embedded = read_config(config_path)
+    return write(render(config, embedded, source or str(config_path)), out_dir)

@@ -1,0 +1,153 @@
+"""``tandem k8s render``: the kubernetes section, worker group sizing, clear errors, and a
+serve config that Ray Serve's own schema and Tandem's app builder accept (no Ray started)."""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+
+import pytest
+import yaml
+
+from cluster.cli import main
+from cluster.config import ConfigError, config_from_dict, load_config, with_overrides
+from cluster.k8s.plan import plan_worker_groups
+from cluster.k8s.render import read_config, render
+
+ROOT = Path(__file__).resolve().parents[2]
+SINGLE = ROOT / "configs" / "gpu-single.yaml"
+HETERO = ROOT / "configs" / "hetero-gpu.yaml"
+
+
+def _group(name: str, **fields) -> dict:
+    base = {"name": name, "device_kind": name.upper(), "accelerator_type": name.upper(), "num_gpus": 1,
+            "num_cpus": 4, "autoscaling": {"min_replicas": 2, "max_replicas": 8}}
+    return base | fields
+
+
+def _config(groups: list[dict], kubernetes: dict | None = None):
+    data = {"model": {"model": "/models/target"}, "serve": {"groups": groups}}
+    if kubernetes is not None:
+        data["kubernetes"] = kubernetes
+    return config_from_dict(data)
+
+
+def test_a_pod_takes_a_node_and_holds_the_replicas_that_fit():
+    config = _config([_group("h100", tensor_parallel_size=2)],
+                     {"groups": {"h100": {"gpus_per_node": 8}}})
+    (plan,) = plan_worker_groups(config)
+    assert (plan.gpus_per_pod, plan.replicas_per_pod) == (8, 4)
+    assert (plan.min_pods, plan.initial_pods, plan.max_pods) == (1, 1, 2)  # 2..8 replicas, 4 per pod
+    assert plan.cpus_per_pod == 4 * 2 * 4 + 2  # replicas x TP x num_cpus, plus headroom
+    assert plan.node_selector == {"nvidia.com/gpu.product": "NVIDIA-H100"}
+    assert plan.tolerations == [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}]
+
+
+def test_by_default_a_pod_holds_one_replica_and_cpus_can_limit_it():
+    (plan,) = plan_worker_groups(_config([_group("a10g", num_replicas=3, autoscaling=None)]))
+    assert (plan.gpus_per_pod, plan.replicas_per_pod, plan.min_pods, plan.max_pods) == (1, 1, 3, 3)
+    config = _config([_group("a10g", num_gpus=0.5)], {"groups": {"a10g": {"gpus_per_node": 4, "cpu": "12"}}})
+    (plan,) = plan_worker_groups(config)
+    assert plan.replicas_per_pod == 3  # 8 fit by GPUs, 3 by CPUs
+    assert (plan.min_pods, plan.max_pods) == (1, 3)
+
+
+def test_a_cpu_group_gets_no_gpu_selector_or_toleration():
+    (plan,) = plan_worker_groups(_config([_group("cpu", num_gpus=0, accelerator_type=None)]))
+    assert (plan.gpus_per_pod, plan.node_selector, plan.tolerations) == (0, {}, [])
+
+
+@pytest.mark.parametrize("groups, kubernetes, message", [
+    ([_group("h100", tensor_parallel_size=2)], {"groups": {"h100": {"gpus_per_node": 1}}},
+     "kubernetes.groups.h100.gpus_per_node is 1 but one replica"),
+    ([_group("a10g")], {"groups": {"a100": {}}}, "kubernetes.groups has a100, which are not serve groups"),
+    ([_group("cpu", num_gpus=0)], {"groups": {"cpu": {"gpus_per_node": 2}}}, "uses no GPU"),
+    ([_group("a10g")], {"groups": {"a10g": {"cpu": "2"}}}, "needs 4 CPUs"),
+])
+def test_impossible_pod_shapes_are_clear_errors(groups, kubernetes, message):
+    with pytest.raises(ConfigError, match=message):
+        plan_worker_groups(_config(groups, kubernetes))
+
+
+def test_the_kubernetes_section_is_strict_and_names_the_key():
+    with pytest.raises(ConfigError, match="unknown key 'kubernetes.groups.l4.gpu_per_node'"):
+        _config([_group("l4")], {"groups": {"l4": {"gpu_per_node": 1}}})
+    with pytest.raises(ConfigError, match="kubernetes.head.memory"):
+        _config([_group("l4")], {"head": {"memory": "lots"}})
+    with pytest.raises(ConfigError, match="unknown setting 'image'"):
+        with_overrides(load_config(SINGLE), image="elsewhere:1")  # not a flat engine setting
+
+
+def test_models_and_profiles_must_come_from_the_volume(tmp_path):
+    data = yaml.safe_load(SINGLE.read_text())
+    for key, value, message in [
+        (("model", "model"), "smollm2-135m-instruct", "model.model is 'smollm2-135m-instruct'"),
+        (("speculative", "draft_model"), "drafts/llama-1b", "speculative.draft_model"),
+        (("model", "model"), "/models-other/llama", "under /models"),
+    ]:
+        broken = copy.deepcopy(data)
+        broken[key[0]][key[1]] = value
+        path = tmp_path / "broken.yaml"
+        path.write_text(yaml.safe_dump(broken))
+        with pytest.raises(ConfigError, match=message):
+            read_config(path)
+    broken = copy.deepcopy(data)
+    broken["serve"]["groups"][0]["profile"] = "profiles/l4.json"  # relative: beside the file on this machine only
+    path.write_text(yaml.safe_dump(broken))
+    with pytest.raises(ConfigError, match=r"serve.groups\[l4\].profile"):
+        read_config(path)
+
+
+def test_a_config_without_a_kubernetes_section_renders_with_defaults():
+    config, embedded = read_config(HETERO)
+    files = render(config, embedded, "configs/hetero-gpu.yaml")
+    service = yaml.safe_load(files["rayservice.yaml"])
+    workers = {g["groupName"]: g for g in service["spec"]["rayClusterConfig"]["workerGroupSpecs"]}
+    assert (workers["h100"]["minReplicas"], workers["h100"]["maxReplicas"]) == (2, 8)  # one TP-2 replica per pod
+    assert workers["h100"]["template"]["spec"]["containers"][0]["resources"]["limits"]["nvidia.com/gpu"] == "2"
+    assert sorted(f for f in files if f.startswith("profile/")) == [
+        "profile/configmap.yaml", "profile/job-a10g.yaml", "profile/job-h100.yaml"]
+    job = yaml.safe_load(files["profile/job-h100.yaml"])
+    command = job["spec"]["template"]["spec"]["containers"][0]["command"]
+    assert command[-4:] == ["--group", "h100", "--out", "/models/profiles/h100-tp2.json"]
+
+
+def test_the_serve_config_is_one_ray_serve_and_tandem_accept():
+    from ray.serve.schema import ServeDeploySchema  # the schema only; no Ray is started
+
+    from deployments.app import app_builder
+
+    config, embedded = read_config(SINGLE)
+    service = yaml.safe_load(render(config, embedded, "x")["rayservice.yaml"])
+    serve = ServeDeploySchema.model_validate(yaml.safe_load(service["spec"]["serveConfigV2"]))
+    (app,) = serve.applications
+    assert (app.import_path, app.route_prefix, serve.http_options.port) == ("deployments.app:app_builder", "/", 8000)
+    ingress = app_builder(app.args)._bound_deployment  # binds the deployments; Ray stays down
+    assert ingress.name == "ingress"
+    replicas = ingress.init_args[1]
+    assert list(replicas) == ["l4"]
+
+
+def test_app_builder_errors_are_clear():
+    from deployments.app import app_builder
+
+    with pytest.raises(ConfigError, match="args.config: unknown key 'modle'"):
+        app_builder({"config": {"modle": {}}})
+    with pytest.raises(ConfigError, match="a YAML file's path or a mapping of sections, got list"):
+        app_builder({"config": ["model"]})
+    with pytest.raises(ConfigError, match="tensor parallelism is not implemented yet"):
+        app_builder({"config": read_config(HETERO)[1]})
+
+
+def test_cli_renders_and_validates(tmp_path, capsys):
+    out = tmp_path / "manifests"
+    assert main(["k8s", "render", str(SINGLE), "--out", str(out)]) == 0
+    assert (out / "rayservice.yaml").is_file() and (out / "profile" / "job-l4.yaml").is_file()
+    (out / "old.yaml").write_text("{}")
+    assert main(["k8s", "render", str(SINGLE), "--out", str(out)]) == 0
+    assert "old.yaml was not rendered from this config" in capsys.readouterr().out
+    (out / "old.yaml").unlink()
+    assert main(["k8s", "validate", str(out)]) == 0
+    assert "6 manifests valid" in capsys.readouterr().out
+    assert main(["k8s", "render", str(tmp_path / "missing.yaml"), "--out", str(out)]) == 2
+    assert "does not exist" in capsys.readouterr().err
