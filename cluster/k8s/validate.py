@@ -123,10 +123,12 @@ class ManifestValidator:
 
     # ---- documents ------------------------------------------------------------------
     def validate_document(self, document: object, where: str = "manifest") -> None:
+        """ManifestError unless ``document`` is valid; ``where`` starts the message (file, document)."""
         if not isinstance(document, dict):
             raise ManifestError(f"{where}: a manifest is a mapping, got {type(document).__name__}")
         api_version, kind = document.get("apiVersion"), document.get("kind")
-        name = (document.get("metadata") or {}).get("name") if isinstance(document.get("metadata"), dict) else None
+        metadata = document.get("metadata")
+        name = metadata.get("name") if isinstance(metadata, dict) else None
         if not isinstance(api_version, str) or not isinstance(kind, str) or not isinstance(name, str):
             raise ManifestError(f"{where}: apiVersion, kind and metadata.name are required strings")
         where = f"{where}: {kind} {name}"
@@ -161,7 +163,7 @@ class ManifestValidator:
 
     def _check_ray_object(self, document: dict, where: str) -> None:
         spec = document.get("spec") or {}
-        cluster = spec.get("rayClusterConfig") or {} if document["kind"] == "RayService" else spec
+        cluster = (spec.get("rayClusterConfig") or {}) if document["kind"] == "RayService" else spec
         if "headGroupSpec" not in cluster:
             raise ManifestError(f"{where}: the Ray cluster needs a headGroupSpec")
         groups = [("headGroupSpec", cluster["headGroupSpec"])] + [
