@@ -117,7 +117,8 @@ class EngineMetricsCollector:
         if num_new:
             self.sink.inc("generation_tokens", num_new)
             last = self._last_output_time.get(rid)
-            if last is None:
+            if last is None:  # the first token: the prompt has been computed
+                self.sink.inc("prompt_tokens", len(out.prompt_token_ids))
                 if times is not None:
                     first = times.first_token_time if times.first_token_time is not None else now
                     self.sink.observe("time_to_first_token_seconds", first - times.arrival_time)
@@ -132,7 +133,6 @@ class EngineMetricsCollector:
             arrival = self._arrival.pop(rid, None)
             reason = out.outputs[0].finish_reason or "stop"
             self.sink.inc("request_success", 1, _labels(finished_reason=reason))
-            self.sink.inc("prompt_tokens", len(out.prompt_token_ids))
             if arrival is not None:
                 self.sink.observe("e2e_request_latency_seconds", now - arrival)
 

@@ -132,6 +132,8 @@ def test_aborted_requests_are_counted_as_abort(tiny_llama_dir):
     assert len(results[1]) == 40
     assert sink.counter("request_success", finished_reason="abort") == 1
     assert sink.counter("request_success", finished_reason="length") == 1
+    # Both prompts were computed (counted at their first token), the aborted one too.
+    assert sink.counter("prompt_tokens") == sum(len(engine.tokenizer(p)["input_ids"]) for p in prompts)
     assert len(sink.observations[("e2e_request_latency_seconds", ())]) == 2
     assert sink.gauges[("num_requests_running", ())] == 0
     assert engine.block_manager.num_free_blocks == engine.block_manager.pool.num_blocks
