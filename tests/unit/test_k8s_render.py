@@ -98,8 +98,12 @@ def test_models_and_profiles_must_come_from_the_volume(tmp_path):
         read_config(path)
 
 
-def test_a_config_without_a_kubernetes_section_renders_with_defaults():
-    config, embedded = read_config(HETERO)
+def test_a_config_without_a_kubernetes_section_renders_with_defaults(tmp_path):
+    data = yaml.safe_load(Path(HETERO).read_text())
+    del data["kubernetes"]
+    bare = tmp_path / "hetero-bare.yaml"
+    bare.write_text(yaml.safe_dump(data))
+    config, embedded = read_config(bare)
     files = render(config, embedded, "configs/hetero-gpu.yaml")
     service = yaml.safe_load(files["rayservice.yaml"])
     workers = {g["groupName"]: g for g in service["spec"]["rayClusterConfig"]["workerGroupSpecs"]}
