@@ -13,7 +13,6 @@ template variable (``${datasource}``), which every rendered dashboard carries fi
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal
 
 DATASOURCE = {"type": "prometheus", "uid": "${datasource}"}
 GRID_WIDTH = 24

@@ -15,6 +15,19 @@ API_KEY = "test-key"
 MODEL = "tiny-llama"
 
 
+def scrape_metrics(port: int) -> dict[str, list]:
+    """Series name -> samples, from the node's Prometheus endpoint (Ray's metrics port)."""
+    import httpx
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=30).text
+    series: dict[str, list] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            series.setdefault(sample.name, []).append(sample)
+    return series
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

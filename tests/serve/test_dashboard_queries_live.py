@@ -6,24 +6,13 @@ from __future__ import annotations
 import time
 
 import httpx
-from prometheus_client.parser import text_string_to_metric_families
 
 from cluster.metrics.dashboard_check import known_series, selected_series
 from cluster.metrics.dashboards import dashboards
 from cluster.metrics.grafana_model import dashboard_queries
-from tests.serve.conftest import API_KEY, MODEL
+from tests.serve.conftest import API_KEY, MODEL, scrape_metrics
 
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
-
-
-def _scrape(port: int) -> dict[str, list]:
-    """Series name -> samples, from the node's Prometheus endpoint."""
-    text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=30).text
-    series: dict[str, list] = {}
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            series.setdefault(sample.name, []).append(sample)
-    return series
 
 
 def test_every_dashboard_series_is_in_the_live_scrape(server_url, serve_config, client):
@@ -40,7 +29,7 @@ def test_every_dashboard_series_is_in_the_live_scrape(server_url, serve_config, 
     port = serve_config.serve.metrics_export_port
     deadline = time.time() + 120
     while True:
-        series = _scrape(port)
+        series = scrape_metrics(port)
         missing = sorted(queried - set(series))
         if not missing or time.time() > deadline:
             break

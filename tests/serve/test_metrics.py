@@ -6,23 +6,12 @@ from __future__ import annotations
 import time
 
 import httpx
-from prometheus_client.parser import text_string_to_metric_families
 
 from cluster.metrics.catalog import COMMON_LABELS, METRICS
-from tests.serve.conftest import API_KEY, MODEL
+from tests.serve.conftest import API_KEY, MODEL, scrape_metrics
 
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
 SERVE_LABELS = {"deployment", "replica", "application"}
-
-
-def _scrape(port: int) -> dict[str, list]:
-    """Series name -> samples, from the node's Prometheus endpoint."""
-    text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=30).text
-    series: dict[str, list] = {}
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            series.setdefault(sample.name, []).append(sample)
-    return series
 
 
 def _total(samples, **labels) -> float:
@@ -31,7 +20,7 @@ def _total(samples, **labels) -> float:
 
 def test_every_catalog_metric_is_exported_with_its_labels(server_url, serve_config, client):
     port = serve_config.serve.metrics_export_port
-    before = _scrape(port).get("ray_request_success_total", [])
+    before = scrape_metrics(port).get("ray_request_success_total", [])
     for i in range(4):
         client.completions.create(model=MODEL, prompt=f"metrics {i}", max_tokens=6, temperature=0,
                                   extra_body={"ignore_eos": True})
@@ -43,7 +32,7 @@ def test_every_catalog_metric_is_exported_with_its_labels(server_url, serve_conf
     wanted = {name: spec for spec in METRICS for name in spec.prometheus_names}
     deadline = time.time() + 90
     while True:
-        series = _scrape(port)
+        series = scrape_metrics(port)
         missing = sorted(set(wanted) - set(series))
         length = _total(series.get("ray_request_success_total", []), finished_reason="length")
         aborted = _total(series.get("ray_request_success_total", []), finished_reason="abort")
