@@ -1,12 +1,13 @@
-"""The routing policy: predict each replica's completion time for a request, rank by it.
+"""The routing policy: predict what a request costs on each replica, rank by it.
 
 Pure functions of the replica stats, the router's own in-flight counts, the request, a
 clock reading ``now`` and a ``random.Random``: the same inputs and the same rng state
 give the same ranking. Nothing here reads the clock or imports ray.
 
-When every candidate has fresh, usable stats, replicas are ranked by the predicted
-completion time of :func:`predict_completion_seconds` (lowest first; equal predictions
-are ordered at random so equal replicas share the load). When any candidate cannot be
+When every candidate has fresh, usable stats, replicas are ranked by the cost of
+:func:`predict_completion_seconds`: the request's predicted completion time plus the
+delay it adds to the requests already running there (lowest first; equal costs are
+ordered at random so equal replicas share the load). When any candidate cannot be
 predicted (no stats yet, stats older than ``staleness_seconds``, or no step-time curve),
 costs are not comparable across the candidates and the router falls back to
 :func:`power_of_two_choices` over all of them.
@@ -38,13 +39,16 @@ class PredictedCost:
     prefill_seconds: float
     decode_seconds: float
     affinity_seconds_saved: float  # prefill avoided thanks to the matched prefix
-    total_seconds: float  # queue + prefill + decode
+    total_seconds: float  # queue + prefill + decode: this request's own completion time
+    delay_to_others_seconds: float = 0.0  # summed slow-down of the requests already running there
+    cost_seconds: float = 0.0  # total + delay_to_others: what the ranking minimises
 
 
 @dataclass(frozen=True)
 class RankResult:
-    """Replica ids best first. ``predicted_seconds`` / ``costs`` hold the predictions for
-    the candidates whose stats were usable (all of them unless ``used_fallback``)."""
+    """Replica ids best first. ``predicted_seconds`` (each replica's ``cost_seconds``) and
+    ``costs`` hold the predictions for the candidates whose stats were usable (all of
+    them unless ``used_fallback``)."""
 
     replica_ids: tuple[str, ...]
     used_fallback: bool
@@ -145,6 +149,16 @@ def predict_completion_seconds(request: RoutingRequest, stats: ReplicaStats, num
       T / max_num_seqs seconds with T = max_tokens / E * s(max_num_seqs), so
       queue = excess / max_num_seqs * T.
     * total = queue + prefill + decode.
+    * delay to others: a request that joins the batch directly slows the L requests
+      already running there: each waits for its prefill (chunked into their steps) and
+      then takes s(b) - s(b - 1) longer per step for about half of this request's decode
+      steps (the requests ahead are assumed like this one, halfway done):
+      L * (prefill + (s(b) - s(b - 1)) * max_tokens / E / 2). A queued request delays
+      nobody ahead of it.
+    * cost = total + delay to others. Ranking by the request's own time alone piles
+      requests onto the fastest replica until its queue explodes under heavy load (each
+      choice is right for the request and wrong for the cluster); ranking by the whole
+      added latency spreads them as capacity allows.
 
     Raises ValueError when the curve is empty or max_num_seqs < 1 (the cost is unknown;
     :func:`rank_replicas` falls back before calling this).
@@ -168,6 +182,13 @@ def predict_completion_seconds(request: RoutingRequest, stats: ReplicaStats, num
         typical_request_seconds = request.max_tokens / tokens_per_step * full_step
         queue_seconds = excess / stats.max_num_seqs * typical_request_seconds
 
+    delay_to_others = 0.0
+    if excess <= 0 and load > 0:
+        slower_step = step_seconds - interpolate_step_time(stats.step_time_curve, batch_size - 1)
+        remaining_steps = request.max_tokens / tokens_per_step / 2
+        delay_to_others = load * (prefill_seconds + max(slower_step, 0.0) * remaining_steps)
+    total = queue_seconds + prefill_seconds + decode_seconds
+
     return PredictedCost(
         batch_size=batch_size,
         step_seconds=step_seconds,
@@ -177,7 +198,9 @@ def predict_completion_seconds(request: RoutingRequest, stats: ReplicaStats, num
         prefill_seconds=prefill_seconds,
         decode_seconds=decode_seconds,
         affinity_seconds_saved=saved,
-        total_seconds=queue_seconds + prefill_seconds + decode_seconds,
+        total_seconds=total,
+        delay_to_others_seconds=delay_to_others,
+        cost_seconds=total + delay_to_others,
     )
 
 
@@ -200,7 +223,7 @@ def rank_replicas(
     rng: random.Random,
     staleness_seconds: float = 5.0,
 ) -> RankResult:
-    """Candidates best first by predicted completion time, or by power of two choices
+    """Candidates best first by predicted cost (``cost_seconds``), or by power of two choices
     (``used_fallback``) when any candidate's stats are unusable (:func:`stats_are_usable`)
     or give a non-finite prediction. Predictions within ``TIE_REL_TOL`` of each other are
     ordered at random with ``rng``. An empty candidate list gives an empty ranking."""
@@ -210,10 +233,10 @@ def rank_replicas(
         if stats_are_usable(c.stats, now, staleness_seconds)
     ]
     costs = MappingProxyType({c.replica_id: cost for c, cost in predicted})
-    totals = MappingProxyType({c.replica_id: cost.total_seconds for c, cost in predicted})
+    totals = MappingProxyType({c.replica_id: cost.cost_seconds for c, cost in predicted})
     if len(predicted) < len(candidates) or not all(math.isfinite(t) for t in totals.values()):
         return RankResult(tuple(power_of_two_choices(candidates, rng)), True, totals, costs)
-    ranked = sorted(((c.replica_id, cost.total_seconds) for c, cost in predicted), key=lambda p: p[1])
+    ranked = sorted(((c.replica_id, cost.cost_seconds) for c, cost in predicted), key=lambda p: p[1])
     return RankResult(tuple(_shuffle_ties(ranked, rng)), False, totals, costs)
 
 

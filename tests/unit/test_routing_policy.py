@@ -83,29 +83,34 @@ def test_slower_replica_with_equal_load_ranks_below():
     result = rank_replicas(REQUEST, [Candidate("slow", slow), Candidate("fast", fast)], NOW, random.Random(0))
     assert result.replica_ids == ("fast", "slow")
     assert not result.used_fallback
-    assert result.predicted_seconds["fast"] == pytest.approx(1.25)
-    assert result.predicted_seconds["slow"] == pytest.approx(3.65)  # 100 * 0.036 + 0.05
+    # Own time 1.25 s; the 2 running requests wait for the 0.05 s prefill and then take
+    # 0.001 s longer for ~50 steps: 2 * (0.05 + 0.05) = 0.2 s added to them.
+    assert result.costs["fast"].total_seconds == pytest.approx(1.25)
+    assert result.costs["fast"].delay_to_others_seconds == pytest.approx(0.2)
+    assert result.predicted_seconds["fast"] == pytest.approx(1.45)
+    # Slow: 100 * 0.036 + 0.05 = 3.65 s, and 2 * (0.05 + 0.003 * 50) = 0.4 s to the others.
+    assert result.predicted_seconds["slow"] == pytest.approx(4.05)
 
 
 def test_load_on_the_fast_replica_crosses_over_where_the_formula_says():
-    # Slow, idle: 100 * 0.030 + 0.05 = 3.05 s.
-    # Fast with L requests, L <= 15: 100 * (0.010 + 0.001 L) + 0.05 <= 2.55 s (always wins).
-    # L > 15: batch capped at 16 (2.5 s decode) and it queues for L - 15 slots, each
-    # 2.5 / 16 = 0.15625 s: total 2.55 + 0.15625 (L - 15), above 3.05 once L - 15 > 3.2.
+    # Slow, idle: 100 * 0.030 + 0.05 = 3.05 s, delaying nobody.
+    # Fast with L running (L <= 15): own 100 * (0.010 + 0.001 L) + 0.05 = 1.05 + 0.1 L, and
+    # L * (0.05 + 0.001 * 50) = 0.1 L added to the others: cost 1.05 + 0.2 L, equal to the
+    # slow replica's at L = 10. Ranking by own time alone would keep choosing fast up to
+    # L = 19 (own time 2.55 s at L = 15, then queueing).
     slow = Candidate("slow", _stats("slow", SLOW_CURVE))
-    first_slow = None
-    for load in range(40):
+    winners = {}
+    for load in (8, 9, 11, 12):
         fast = Candidate("fast", _stats("fast", **_load(load)))
-        result = rank_replicas(REQUEST, [fast, slow], NOW, random.Random(load))
-        if result.replica_ids[0] == "slow":
-            first_slow = load
-            break
-    assert first_slow == 19
-    at_18 = predict_completion_seconds(REQUEST, _stats("fast", **_load(18)), 0)
+        winners[load] = rank_replicas(REQUEST, [fast, slow], NOW, random.Random(load)).replica_ids[0]
+    assert winners == {8: "fast", 9: "fast", 11: "slow", 12: "slow"}
+    at_10 = predict_completion_seconds(REQUEST, _stats("fast", **_load(10)), 0)
+    assert at_10.total_seconds == pytest.approx(2.05) and at_10.delay_to_others_seconds == pytest.approx(1.0)
+    assert at_10.cost_seconds == pytest.approx(3.05)
+    # A full batch: the request queues (L - 15 slots of 2.5 / 16 s) and slows no one ahead.
     at_19 = predict_completion_seconds(REQUEST, _stats("fast", **_load(19)), 0)
-    assert at_18.queue_seconds == pytest.approx(0.46875) and at_18.total_seconds == pytest.approx(3.01875)
     assert at_19.queue_seconds == pytest.approx(0.625) and at_19.total_seconds == pytest.approx(3.175)
-    assert at_19.batch_size == 16
+    assert at_19.batch_size == 16 and at_19.delay_to_others_seconds == 0.0
 
 
 def test_prefix_affinity_wins_and_saves_matched_prefill():
@@ -118,7 +123,8 @@ def test_prefix_affinity_wins_and_saves_matched_prefill():
     assert cost.matched_tokens == 32
     assert cost.affinity_seconds_saved == pytest.approx(0.032)  # 32 tokens * 0.001 s
     assert cost.prefill_seconds == pytest.approx(0.018)  # the other 18 tokens
-    assert result.predicted_seconds["cold"] - result.predicted_seconds["warm"] == pytest.approx(0.032)
+    # The saved prefill counts for the request and for each of the 2 requests running there.
+    assert result.predicted_seconds["cold"] - result.predicted_seconds["warm"] == pytest.approx(0.032 * 3)
 
 
 def test_prefix_match_takes_the_deepest_hash_and_leaves_the_last_token():
