@@ -93,12 +93,22 @@ class DeviceConfig(_Strict):
     num_threads: int | None = Field(None, ge=1, description="torch intra-op threads on CPU")
 
 
+class ParallelConfig(_Strict):
+    tensor_parallel_size: int = Field(
+        1, ge=1, description="ranks the target model is split over inside one engine (gloo on CPU, NCCL on CUDA)"
+    )
+    collective_timeout_s: float = Field(
+        60.0, gt=0, description="a tensor-parallel collective waiting this long fails the step instead of hanging"
+    )
+
+
 class TandemConfig(_Strict):
     model: ModelConfig = ModelConfig()
     cache: CacheConfig = CacheConfig()
     scheduler: SchedulerConfig = SchedulerConfig()
     speculative: SpeculativeConfig = SpeculativeConfig()
     device: DeviceConfig = DeviceConfig()
+    parallel: ParallelConfig = ParallelConfig()
     serve: ServeConfig = ServeConfig()
     kubernetes: KubernetesConfig = KubernetesConfig()  # read only by `tandem k8s render`
 

@@ -17,6 +17,8 @@ from torch import nn
 from cluster.models.layers.attention import AttentionMetadata, PagedAttention
 from cluster.models.layers.rotary import RotaryEmbedding, apply_rotary
 from cluster.models.layers.weights import load_named_weights
+from cluster.parallel.group import TPGroup
+from cluster.parallel.layers import column_linear, embedding, head_shard, lm_head, row_linear
 
 
 class RMSNorm(nn.Module):
@@ -31,21 +33,25 @@ class RMSNorm(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config) -> None:
+    def __init__(self, config, tp: TPGroup | None = None) -> None:
         super().__init__()
         hidden = config.hidden_size
-        self.num_heads = config.num_attention_heads
-        self.num_kv_heads = config.num_key_value_heads
-        self.head_dim = getattr(config, "head_dim", None) or hidden // self.num_heads
+        # With tensor parallelism, the counts and sizes below are this rank's.
+        heads = head_shard(config.num_attention_heads, config.num_key_value_heads,
+                           1 if tp is None else tp.world_size, 0 if tp is None else tp.rank)
+        self.num_heads = heads.num_heads
+        self.num_kv_heads = heads.num_kv_heads
+        self.head_dim = getattr(config, "head_dim", None) or hidden // config.num_attention_heads
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
+        full_q, full_kv = config.num_attention_heads * self.head_dim, config.num_key_value_heads * self.head_dim
         qkv_bias = getattr(config, "attention_bias", False) or config.model_type == "qwen2"
-        self.qkv_proj = nn.Linear(hidden, self.q_size + 2 * self.kv_size, bias=qkv_bias)
-        self.o_proj = nn.Linear(self.q_size, hidden, bias=getattr(config, "attention_bias", False))
+        self.qkv_proj = column_linear(hidden, [full_q, full_kv, full_kv], qkv_bias, tp, heads)
+        self.o_proj = row_linear(full_q, hidden, getattr(config, "attention_bias", False), tp)
         mlp_bias = getattr(config, "mlp_bias", False)
         self.intermediate_size = config.intermediate_size
-        self.gate_up_proj = nn.Linear(hidden, 2 * config.intermediate_size, bias=mlp_bias)
-        self.down_proj = nn.Linear(config.intermediate_size, hidden, bias=mlp_bias)
+        self.gate_up_proj = column_linear(hidden, [config.intermediate_size] * 2, mlp_bias, tp)
+        self.down_proj = row_linear(config.intermediate_size, hidden, mlp_bias, tp)
         self.input_layernorm = RMSNorm(hidden, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(hidden, config.rms_norm_eps)
         self.attn = PagedAttention(self.num_heads, self.num_kv_heads, self.head_dim, self.head_dim**-0.5)
@@ -74,20 +80,20 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
-    def __init__(self, config, max_position: int) -> None:
+    def __init__(self, config, max_position: int, tp: TPGroup | None = None) -> None:
+        """``tp``: this rank's tensor-parallel group; None builds the plain single-device model."""
         super().__init__()
         self.config = config
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.embed_tokens = embedding(config.vocab_size, config.hidden_size, tp)
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         self.rotary = RotaryEmbedding(config, head_dim, max_position)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(config) for _ in range(config.num_hidden_layers))
+        self.layers = nn.ModuleList(LlamaDecoderLayer(config, tp) for _ in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
-        if self.tie_word_embeddings:
-            self.lm_head.weight = self.embed_tokens.weight
+        tied = self.embed_tokens if self.tie_word_embeddings else None
+        self.lm_head = lm_head(config.vocab_size, config.hidden_size, tp, tied)
         self.num_layers = config.num_hidden_layers
-        self.num_kv_heads = config.num_key_value_heads
+        self.num_kv_heads = self.layers[0].num_kv_heads  # this rank's
         self.head_dim = head_dim
         self.vocab_size = config.vocab_size
 

@@ -170,6 +170,37 @@ def iter_weights(source: ModelSource) -> Iterator[tuple[str, torch.Tensor]]:
                 yield name, tensor
 
 
+class LazyTensor:
+    """A checkpoint tensor not read yet: ``narrow`` reads only the slice asked for (a
+    tensor-parallel rank's shard), ``full`` reads all of it."""
+
+    def __init__(self, handle, name: str, file: Path) -> None:
+        self._handle, self._slice = handle, handle.get_slice(name)
+        self.shape = tuple(self._slice.get_shape())
+        self._name, self._file = name, file
+
+    def narrow(self, dim: int, start: int, length: int) -> torch.Tensor:
+        index = [slice(None)] * dim + [slice(start, start + length)]
+        return self._read(lambda: self._slice[tuple(index)])
+
+    def full(self) -> torch.Tensor:
+        return self._read(lambda: self._handle.get_tensor(self._name))
+
+    def _read(self, read) -> torch.Tensor:
+        try:
+            return read()
+        except Exception as exc:
+            raise ModelLoadError(f"corrupt weights file {self._file} (tensor {self._name}): {exc}") from exc
+
+
+def iter_lazy_weights(source: ModelSource) -> Iterator[tuple[str, LazyTensor]]:
+    """Like :func:`iter_weights`, but each tensor is read only when (and as far as) asked."""
+    for file in _weight_files(source.path):
+        with _open_weights(file) as f:
+            for name in f.keys():
+                yield name, LazyTensor(f, name, file)
+
+
 # --- resolution helpers -------------------------------------------------------
 
 

@@ -15,23 +15,27 @@ from torch import nn
 
 from cluster.models.layers.attention import AttentionMetadata, PagedAttention
 from cluster.models.layers.weights import load_named_weights
+from cluster.parallel.group import TPGroup
+from cluster.parallel.layers import column_linear, embedding, head_shard, lm_head, row_linear
 
 _POSITION_OFFSET = 2
 
 
 class OPTDecoderLayer(nn.Module):
-    def __init__(self, config) -> None:
+    def __init__(self, config, tp: TPGroup | None = None) -> None:
         super().__init__()
         hidden = config.hidden_size
         bias = getattr(config, "enable_bias", True)
         affine = getattr(config, "layer_norm_elementwise_affine", True)
-        self.num_heads = config.num_attention_heads
-        self.head_dim = hidden // self.num_heads
-        self.qkv_proj = nn.Linear(hidden, 3 * hidden, bias=bias)
-        self.out_proj = nn.Linear(hidden, hidden, bias=bias)
+        heads = head_shard(config.num_attention_heads, config.num_attention_heads,
+                           1 if tp is None else tp.world_size, 0 if tp is None else tp.rank)
+        self.num_heads = heads.num_heads  # this rank's
+        self.head_dim = hidden // config.num_attention_heads
+        self.qkv_proj = column_linear(hidden, [hidden] * 3, bias, tp)
+        self.out_proj = row_linear(hidden, hidden, bias, tp)
         self.self_attn_layer_norm = nn.LayerNorm(hidden, elementwise_affine=affine)
-        self.fc1 = nn.Linear(hidden, config.ffn_dim, bias=bias)
-        self.fc2 = nn.Linear(config.ffn_dim, hidden, bias=bias)
+        self.fc1 = column_linear(hidden, [config.ffn_dim], bias, tp)
+        self.fc2 = row_linear(config.ffn_dim, hidden, bias, tp)
         self.final_layer_norm = nn.LayerNorm(hidden, elementwise_affine=affine)
         self.pre_norm = config.do_layer_norm_before
         self.attn = PagedAttention(self.num_heads, self.num_heads, self.head_dim, self.head_dim**-0.5)
@@ -61,22 +65,22 @@ class OPTDecoderLayer(nn.Module):
 
 
 class OPTForCausalLM(nn.Module):
-    def __init__(self, config, max_position: int) -> None:
+    def __init__(self, config, max_position: int, tp: TPGroup | None = None) -> None:
+        """``tp``: this rank's tensor-parallel group; None builds the plain single-device model."""
         super().__init__()
         self.config = config
         hidden, embed_dim = config.hidden_size, config.word_embed_proj_dim
-        self.embed_tokens = nn.Embedding(config.vocab_size, embed_dim)
+        self.embed_tokens = embedding(config.vocab_size, embed_dim, tp)
         self.embed_positions = nn.Embedding(config.max_position_embeddings + _POSITION_OFFSET, hidden)
         self.project_in = nn.Linear(embed_dim, hidden, bias=False) if embed_dim != hidden else None
         self.project_out = nn.Linear(hidden, embed_dim, bias=False) if embed_dim != hidden else None
-        self.layers = nn.ModuleList(OPTDecoderLayer(config) for _ in range(config.num_hidden_layers))
+        self.layers = nn.ModuleList(OPTDecoderLayer(config, tp) for _ in range(config.num_hidden_layers))
         has_final_norm = config.do_layer_norm_before and not getattr(config, "_remove_final_layer_norm", False)
         affine = getattr(config, "layer_norm_elementwise_affine", True)
         self.final_layer_norm = nn.LayerNorm(hidden, elementwise_affine=affine) if has_final_norm else None
-        self.lm_head = nn.Linear(embed_dim, config.vocab_size, bias=False)
-        self.lm_head.weight = self.embed_tokens.weight  # OPT always ties the head
+        self.lm_head = lm_head(config.vocab_size, embed_dim, tp, self.embed_tokens)  # OPT always ties the head
         self.num_layers = config.num_hidden_layers
-        self.num_kv_heads = config.num_attention_heads
+        self.num_kv_heads = self.layers[0].num_heads  # this rank's
         self.head_dim = hidden // config.num_attention_heads
         self.vocab_size = config.vocab_size
         if max_position > config.max_position_embeddings:

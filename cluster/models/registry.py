@@ -9,6 +9,7 @@ import torch
 from cluster.models.layers.packed_linear import onednn_packs
 from cluster.models.llama import LlamaForCausalLM
 from cluster.models.opt import OPTForCausalLM
+from cluster.parallel.group import TPGroup
 
 _ARCHITECTURES = {
     "llama": LlamaForCausalLM,
@@ -68,14 +69,19 @@ def _auto_dtype(hf_config, device: torch.device) -> torch.dtype:
     return torch.bfloat16
 
 
-def build_model(hf_config, dtype: torch.dtype, device: torch.device, max_position: int) -> torch.nn.Module:
-    """An uninitialised model on ``device`` in ``dtype``; call ``load_weights`` next."""
+def build_model(
+    hf_config, dtype: torch.dtype, device: torch.device, max_position: int, tp: TPGroup | None = None
+) -> torch.nn.Module:
+    """An uninitialised model on ``device`` in ``dtype``; call ``load_weights`` next.
+
+    With ``tp``, the model holds this rank's shard of every split layer.
+    """
     cls = model_class(hf_config)
     default = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
         with torch.device(device):
-            model = cls(hf_config, max_position)
+            model = cls(hf_config, max_position) if tp is None else cls(hf_config, max_position, tp)
     finally:
         torch.set_default_dtype(default)
     return model.eval().requires_grad_(False)

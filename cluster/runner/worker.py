@@ -4,17 +4,20 @@ from __future__ import annotations
 
 import logging
 import time
+from typing import NamedTuple
 
 import torch
 
 from cluster.config import TandemConfig
-from cluster.models.loader import iter_weights, load_hf_config, load_tokenizer_if_present, resolve_model
+from cluster.models.loader import (
+    iter_lazy_weights, iter_weights, load_hf_config, load_tokenizer_if_present, resolve_model,
+)
 from cluster.models.layers.packed_linear import pack_linears
 from cluster.models.registry import build_model, context_length, resolve_dtype
+from cluster.parallel.group import TPGroup
 from cluster.runner.model_runner import KVCacheSpec, ModelRunner, free_device_memory, num_blocks_for_budget
 
 logger = logging.getLogger(__name__)
-
 
 
 class Worker:
@@ -33,34 +36,65 @@ class Worker:
 
     @classmethod
     def from_config(cls, config: TandemConfig) -> "Worker":
+        """Load the model of ``config``; with ``parallel.tensor_parallel_size`` > 1 this starts
+        the other ranks' processes and returns the driver rank's worker."""
+        if config.parallel.tensor_parallel_size > 1:
+            from cluster.parallel.executor import start_tensor_parallel
+
+            return start_tensor_parallel(config)
         from cluster.engine.engine import default_device
 
         if config.device.num_threads:
             torch.set_num_threads(config.device.num_threads)
         device = default_device(config.device.device)
         started = time.monotonic()
-        source = resolve_model(config.model.model, config.model.cache_dir)
-        hf_config = load_hf_config(source)
-        tokenizer = load_tokenizer_if_present(source)
-        dtype = resolve_dtype(config.model.dtype, hf_config, device)
-        max_model_len = config.model.max_model_len or context_length(hf_config)
-        if max_model_len > context_length(hf_config):
-            raise ValueError(
-                f"max_model_len {max_model_len} exceeds the model's context length {context_length(hf_config)}"
-            )
-        model = build_model(hf_config, dtype, device, max_model_len)
-        model.load_weights(iter_weights(source))
-        pack_linears(model, device, dtype)
-        spec = KVCacheSpec(model.num_layers, model.num_kv_heads, model.head_dim, config.cache.block_size, dtype)
-        num_blocks = config.cache.num_blocks
-        if num_blocks is None:
-            budget = config.cache.memory_bytes()
-            if budget is None:
-                budget = int(free_device_memory(device) * config.cache.kv_cache_fraction)
-            num_blocks = num_blocks_for_budget(spec, budget)
-        runner = ModelRunner(model, num_blocks, spec, device)
+        loaded = load_model(config, device)
+        num_blocks = num_kv_blocks(config, loaded.spec, device)
+        runner = ModelRunner(loaded.model, num_blocks, loaded.spec, device)
         logger.info(
             "loaded %s (%s, %s) in %.1fs; KV cache: %d blocks of %d tokens",
-            config.model.model, dtype, device, time.monotonic() - started, num_blocks, spec.block_size,
+            config.model.model, loaded.dtype, device, time.monotonic() - started, num_blocks, loaded.spec.block_size,
         )
-        return cls(runner, tokenizer, hf_config, max_model_len)
+        return cls(runner, loaded.tokenizer, loaded.hf_config, loaded.max_model_len)
+
+    def close(self) -> None:
+        """Release what the worker holds beyond memory (other ranks' processes); idempotent."""
+
+
+class LoadedModel(NamedTuple):
+    model: torch.nn.Module
+    hf_config: object
+    tokenizer: object
+    dtype: torch.dtype
+    max_model_len: int
+    spec: KVCacheSpec  # this rank's KV heads
+
+
+def load_model(config: TandemConfig, device: torch.device, tp: TPGroup | None = None) -> LoadedModel:
+    """Build the model of ``config`` on ``device`` and load its weights (with ``tp``, only
+    this rank's shard of each split tensor is read)."""
+    source = resolve_model(config.model.model, config.model.cache_dir)
+    hf_config = load_hf_config(source)
+    tokenizer = load_tokenizer_if_present(source)
+    dtype = resolve_dtype(config.model.dtype, hf_config, device)
+    max_model_len = config.model.max_model_len or context_length(hf_config)
+    if max_model_len > context_length(hf_config):
+        raise ValueError(
+            f"max_model_len {max_model_len} exceeds the model's context length {context_length(hf_config)}"
+        )
+    model = build_model(hf_config, dtype, device, max_model_len, tp)
+    model.load_weights(iter_weights(source) if tp is None else iter_lazy_weights(source))
+    pack_linears(model, device, dtype)
+    spec = KVCacheSpec(model.num_layers, model.num_kv_heads, model.head_dim, config.cache.block_size, dtype)
+    return LoadedModel(model, hf_config, tokenizer, dtype, max_model_len, spec)
+
+
+def num_kv_blocks(config: TandemConfig, spec: KVCacheSpec, device: torch.device) -> int:
+    """The pool size: ``cache.num_blocks``, else what the memory budget of this device holds."""
+    num_blocks = config.cache.num_blocks
+    if num_blocks is None:
+        budget = config.cache.memory_bytes()
+        if budget is None:
+            budget = int(free_device_memory(device) * config.cache.kv_cache_fraction)
+        num_blocks = num_blocks_for_budget(spec, budget)
+    return num_blocks

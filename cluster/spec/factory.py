@@ -26,6 +26,7 @@ def build_speculation(config: TandemConfig, target_worker) -> tuple[Proposer | N
         dtype=spec.draft_dtype or config.model.dtype,
         max_model_len=target_worker.max_model_len,
         num_blocks=target_worker.runner.num_blocks,
+        tensor_parallel_size=1,  # the draft runs whole on the driver rank
     )
     draft = Worker.from_config(draft_config)
     check_vocab_compatible(target_worker.tokenizer, draft.tokenizer, target_worker.vocab_size, draft.vocab_size)

@@ -21,7 +21,9 @@ def load_named_weights(
     """Copy every tensor into its parameter; fused parameters take shards along dim 0.
 
     ``rename`` maps an HF name to ours (None skips the tensor). Raises ValueError on
-    an unexpected name, a wrong shape, or a parameter no tensor filled.
+    an unexpected name, a wrong shape, or a parameter no tensor filled. A tensor may be
+    lazy (``narrow`` and ``full`` read from the file); a parameter with ``tp_load``
+    (tensor-parallel layers) takes its own slice of it.
     """
     params = dict(model.named_parameters())
     expected: set[tuple[str, int | None]] = set()
@@ -41,6 +43,13 @@ def load_named_weights(
         if target not in params:
             raise ValueError(f"unexpected weight {hf_name!r} for {type(model).__name__}")
         param = params[target]
+        tp_load = getattr(param, "tp_load", None)
+        if tp_load is not None:  # a tensor-parallel parameter copies its own slice
+            tp_load(tensor, shard)
+            loaded.add((target, shard))
+            continue
+        if not isinstance(tensor, torch.Tensor):  # a lazily read checkpoint tensor: all of it
+            tensor = tensor.full()
         if shard is not None:
             sizes = shard_sizes(target)
             param = param.narrow(0, sum(sizes[:shard]), sizes[shard])

@@ -1,0 +1,225 @@
+"""Running the target model over ``tensor_parallel_size`` ranks inside one engine.
+
+The engine's process is rank 0, the *driver*: it schedules, runs the draft model,
+samples, and holds a :class:`TensorParallelRunner`, which is a ``ModelRunner`` whose
+forward pass first broadcasts the step's batch description (token ids, positions and
+block tables: a few kilobytes) to the other ranks. Ranks 1..tp-1 are processes the
+executor starts with the ``spawn`` context; each loads its shard, allocates its part of
+the KV cache (the same number of blocks on every rank), then runs the same forward on
+every batch it receives until the driver sends ``None``.
+
+Failure: before each step the driver checks that every worker process is alive and
+raises :class:`TensorParallelError` if one is gone; a rank that dies *during* a step
+makes the step's collective fail (gloo sees the closed connection) or time out after
+``parallel.collective_timeout_s``. Either way the step raises instead of hanging, and
+``AsyncEngine`` fails the in-flight requests with ``EngineDeadError``.
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing
+import time
+import weakref
+from typing import NamedTuple
+
+import torch
+
+from cluster.config import TandemConfig
+from cluster.parallel.group import StoreAddress, TPGroup, connect_store, init_group, open_store
+from cluster.runner.input_batch import SeqChunk
+from cluster.runner.model_runner import ModelRunner
+from cluster.runner.worker import Worker, load_model, num_kv_blocks
+
+logger = logging.getLogger(__name__)
+
+_POLL_S = 0.05
+
+
+class TensorParallelError(RuntimeError):
+    """A tensor-parallel rank failed or died; the engine cannot step any more."""
+
+
+class StepMessage(NamedTuple):
+    """What every rank needs to run the driver's forward pass."""
+
+    chunks: list[SeqChunk]
+    block_tables: list[list[int]]
+
+
+def rank_device(config: TandemConfig, rank: int) -> torch.device:
+    """CPU ranks share the CPU; CUDA rank ``r`` uses the ``r``-th GPU after the configured one."""
+    from cluster.engine.engine import default_device
+
+    device = default_device(config.device.device)
+    if device.type == "cuda":
+        return torch.device("cuda", (device.index or 0) + rank)
+    return device
+
+
+def check_model_splits(hf_config, tp_size: int) -> None:
+    """Raise ValueError, before any process starts, if the model does not split ``tp_size`` ways."""
+    from cluster.parallel.layers import divide, head_shard
+
+    heads = hf_config.num_attention_heads
+    head_shard(heads, getattr(hf_config, "num_key_value_heads", None) or heads, tp_size, 0)
+    ffn = getattr(hf_config, "intermediate_size", None) or getattr(hf_config, "ffn_dim", None)
+    if ffn is not None:
+        divide(ffn, tp_size, "the MLP's intermediate size")
+
+
+class TensorParallelExecutor:
+    """Owns the worker processes of one engine and the driver's end of the group."""
+
+    def __init__(self, config: TandemConfig) -> None:
+        self.tp_size = config.parallel.tensor_parallel_size
+        timeout_s = config.parallel.collective_timeout_s
+        store, address = open_store()
+        context = multiprocessing.get_context("spawn")
+        self.processes = [
+            context.Process(target=run_worker, args=(config, rank, address), daemon=True,
+                            name=f"tandem-tp-rank{rank}")
+            for rank in range(1, self.tp_size)
+        ]
+        for process in self.processes:
+            process.start()
+        self._finalizer = weakref.finalize(self, _stop_processes, list(self.processes))
+        try:
+            self.group = init_group(store, 0, self.tp_size, rank_device(config, 0), timeout_s)
+        except Exception as err:
+            self.close()
+            raise TensorParallelError(f"tensor-parallel ranks did not join within {timeout_s:g}s: {err}") from err
+
+    def wait_ready(self) -> None:
+        """Block until every worker has loaded its shard; raise the first worker's load error."""
+        store = self.group.store
+        pending = set(range(1, self.tp_size))
+        while pending:
+            for rank in sorted(pending):
+                if store.check([f"failed/{rank}"]):
+                    message = store.get(f"failed/{rank}").decode()
+                    self.close()
+                    raise TensorParallelError(f"tensor-parallel rank {rank} failed to load: {message}")
+                if store.check([f"ready/{rank}"]):
+                    pending.discard(rank)
+            if pending:
+                self.check_alive()
+                time.sleep(_POLL_S)
+
+    def check_alive(self) -> None:
+        """Raise TensorParallelError if a worker process has exited."""
+        for rank, process in enumerate(self.processes, start=1):
+            if not process.is_alive():
+                raise TensorParallelError(
+                    f"tensor-parallel rank {rank} (pid {process.pid}) exited with code {process.exitcode}; "
+                    "this engine cannot run its model any more"
+                )
+
+    def send_step(self, message: StepMessage | None) -> None:
+        self.check_alive()
+        self.group.broadcast_object(message)
+
+    def close(self, timeout_s: float = 10.0) -> None:
+        """Ask the workers to stop, then end any that do not; idempotent."""
+        if getattr(self, "group", None) is not None and all(p.is_alive() for p in self.processes):
+            try:
+                self.group.broadcast_object(None)
+            except Exception:  # a worker went away meanwhile; terminate below
+                pass
+        deadline = time.monotonic() + timeout_s
+        for process in self.processes:
+            process.join(max(0.0, deadline - time.monotonic()))
+        self._finalizer()
+
+
+def _stop_processes(processes: list) -> None:
+    for process in processes:
+        if process.is_alive():
+            process.terminate()
+            process.join(5)
+
+
+class TensorParallelRunner(ModelRunner):
+    """The driver's runner: each forward pass is announced to the other ranks first."""
+
+    def __init__(self, executor: TensorParallelExecutor, *args) -> None:
+        super().__init__(*args)
+        self.executor = executor
+        self.failed: str | None = None
+
+    def forward_logits(self, chunks: list[SeqChunk], block_tables: list[list[int]]) -> torch.Tensor:
+        """Raises TensorParallelError when a rank is gone or a collective fails; after that
+        every call raises (the ranks are out of step for good)."""
+        if self.failed is not None:
+            raise TensorParallelError(f"tensor-parallel engine failed earlier: {self.failed}")
+        try:
+            self.executor.send_step(StepMessage(chunks, block_tables))
+            return super().forward_logits(chunks, block_tables)
+        except TensorParallelError as err:
+            self.failed = str(err)
+            raise
+        except RuntimeError as err:  # gloo/NCCL: a peer closed its connection or the timeout passed
+            self.failed = f"a collective failed (did a rank die?): {err}"
+            raise TensorParallelError(self.failed) from err
+
+
+class TensorParallelWorker(Worker):
+    """The driver rank's worker; ``close`` stops the other ranks."""
+
+    def close(self) -> None:
+        self.runner.executor.close()
+
+
+def start_tensor_parallel(config: TandemConfig) -> TensorParallelWorker:
+    """Start ranks 1..tp-1, load the driver's shard, and return the driver's worker."""
+    from cluster.models.loader import load_hf_config, resolve_model
+
+    check_model_splits(load_hf_config(resolve_model(config.model.model, config.model.cache_dir)),
+                       config.parallel.tensor_parallel_size)
+    if config.device.num_threads:
+        torch.set_num_threads(config.device.num_threads)
+    started = time.monotonic()
+    executor = TensorParallelExecutor(config)
+    try:
+        device = executor.group.device
+        loaded = load_model(config, device, executor.group)
+        executor.wait_ready()
+        num_blocks = executor.group.min_int(num_kv_blocks(config, loaded.spec, device))
+        runner = TensorParallelRunner(executor, loaded.model, num_blocks, loaded.spec, device)
+    except BaseException:
+        executor.close()
+        raise
+    logger.info("loaded %s over %d ranks (%s, %s) in %.1fs; KV cache: %d blocks of %d tokens per rank",
+                config.model.model, executor.tp_size, loaded.dtype, device, time.monotonic() - started,
+                num_blocks, loaded.spec.block_size)
+    return TensorParallelWorker(runner, loaded.tokenizer, loaded.hf_config, loaded.max_model_len)
+
+
+def run_worker(config: TandemConfig, rank: int, address: StoreAddress) -> None:
+    """A worker process: join the group, load this rank's shard, then follow the driver."""
+    if config.device.num_threads:
+        torch.set_num_threads(config.device.num_threads)
+    timeout_s = config.parallel.collective_timeout_s
+    store = connect_store(address, timeout_s)
+    group = init_group(store, rank, config.parallel.tensor_parallel_size, rank_device(config, rank), timeout_s)
+    try:
+        loaded = load_model(config, group.device, group)
+    except Exception as err:
+        store.set(f"failed/{rank}", f"{type(err).__name__}: {err}")
+        raise
+    store.set(f"ready/{rank}", "1")
+    num_blocks = group.min_int(num_kv_blocks(config, loaded.spec, group.device))
+    runner = ModelRunner(loaded.model, num_blocks, loaded.spec, group.device)
+    _follow(group, runner)
+
+
+def _follow(group: TPGroup, runner: ModelRunner) -> None:
+    while True:
+        try:
+            message = group.broadcast_object()
+        except Exception as err:  # the driver is gone: nothing left to serve
+            logger.warning("tensor-parallel rank %d lost the driver: %s", group.rank, err)
+            return
+        if message is None:
+            return
+        runner.forward_logits(message.chunks, message.block_tables)
