@@ -71,6 +71,8 @@ class Cell:
     output_tokens: int
     seconds: float
     tok_per_s: float
+    num_steps: int | None = None  # engine steps of the best run (Tandem only)
+    mean_step_ms: float | None = None
 
 
 def _positive_int(text: str) -> int:
@@ -103,22 +105,40 @@ def add_offline_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--repeats", type=_positive_int, default=1, help="timed runs per cell; the best is reported")
     parser.add_argument("--threads", type=_positive_int, help="torch.set_num_threads (default: torch's choice)")
     parser.add_argument("--kv-cache-memory", default="1GiB", help="Tandem's KV cache budget")
+    parser.add_argument("--tp", type=_positive_int, default=1,
+                        help="also run Tandem with the target split over this many ranks (system tandem-tpN, "
+                             "gloo worker processes on the CPU) and compare its step latency with TP=1")
     parser.add_argument("--json", type=Path, help="write the results here")
 
 
 class _TandemRunner:
-    def __init__(self, model: str, dtype: str, max_num_seqs: int, kv_cache_memory: str) -> None:
+    def __init__(self, model: str, dtype: str, max_num_seqs: int, kv_cache_memory: str, tp: int = 1) -> None:
+        import torch
+
         from cluster.engine.llm import LLM
 
+        # Each rank of a TP engine sets its own thread count; the bench keeps the one it was given.
+        overrides = dict(tensor_parallel_size=tp, num_threads=torch.get_num_threads()) if tp > 1 else {}
         self.llm = LLM(model, dtype=dtype, device="cpu", max_num_seqs=max_num_seqs,
-                       kv_cache_memory=kv_cache_memory)
+                       kv_cache_memory=kv_cache_memory, **overrides)
+        self.num_steps = 0  # steps of the latest generate
 
     def generate(self, prompt_ids: list[list[int]], output_len: int) -> int:
         """Greedy, EOS ignored; returns the number of output tokens produced."""
         from cluster.engine.sampling_params import SamplingParams
 
+        engine = self.llm.engine
         params = SamplingParams(max_tokens=output_len, temperature=0, ignore_eos=True)
-        return sum(len(out.outputs[0].token_ids) for out in self.llm.generate(prompt_ids, params))
+        for ids in prompt_ids:
+            engine.add_request(ids, params)
+        produced, self.num_steps = 0, 0
+        while engine.has_unfinished():
+            produced += sum(len(out.outputs[0].delta_token_ids) for out in engine.step())
+            self.num_steps += 1
+        return produced
+
+    def close(self) -> None:
+        self.llm.engine.worker.close()
 
 
 class _TransformersRunner:
@@ -179,7 +199,9 @@ def _measure(runner, system: str, dtype: str, prompt_ids: list[list[int]], outpu
     output_tokens, seconds = min(runs, key=lambda run: run[1])
     if output_tokens != batch_size * output_len:
         raise RuntimeError(f"{system} produced {output_tokens} tokens, expected {batch_size} x {output_len}")
-    return Cell(system, dtype, batch_size, output_len, output_tokens, seconds, output_tokens / seconds)
+    steps = getattr(runner, "num_steps", None)  # the same for every greedy run of one batch
+    return Cell(system, dtype, batch_size, output_len, output_tokens, seconds, output_tokens / seconds,
+                steps, seconds / steps * 1e3 if steps else None)
 
 
 def run_offline_bench(args: argparse.Namespace) -> dict:
@@ -203,23 +225,29 @@ def run_offline_bench(args: argparse.Namespace) -> dict:
 
     cells: list[Cell] = []
     console = Console()
+    systems = list(args.systems) + ([f"tandem-tp{args.tp}"] if args.tp > 1 else [])
     with Progress(console=console) as progress:
-        task = progress.add_task("cells", total=len(args.dtypes) * len(args.systems) * len(args.batch_sizes))
+        task = progress.add_task("cells", total=len(args.dtypes) * len(systems) * len(args.batch_sizes))
         for dtype in args.dtypes:
-            for system in args.systems:
+            for system in systems:
                 progress.update(task, description=f"loading {system} {dtype}")
-                runner = (_TandemRunner(str(source.path), dtype, max(args.batch_sizes), args.kv_cache_memory)
-                          if system == "tandem" else _TransformersRunner(source.path, dtype, tokenizer))
+                tp = args.tp if system.startswith("tandem-tp") else 1
+                runner = (_TandemRunner(str(source.path), dtype, max(args.batch_sizes), args.kv_cache_memory, tp)
+                          if system.startswith("tandem") else _TransformersRunner(source.path, dtype, tokenizer))
                 for batch_size in args.batch_sizes:
                     progress.update(task, description=f"{system} {dtype} batch {batch_size}")
                     batch = [prompt_ids[i % len(prompt_ids)] for i in range(batch_size)]
                     cells.append(_measure(runner, system, dtype, batch, args.output_len, args.repeats))
                     progress.advance(task)
+                if hasattr(runner, "close"):
+                    runner.close()
                 del runner
                 gc.collect()
 
     result = _report(args, source, cells, bandwidth, num_params, prompt_ids)
     _print_table(console, result)
+    if args.tp > 1:
+        _print_tp_table(console, result, args.tp)
     if args.json:
         args.json.write_text(json.dumps(result, indent=2) + "\n")
     return result
@@ -251,7 +279,36 @@ def _report(args, source, cells: list[Cell], bandwidth: float, num_params: int, 
         "cells": [asdict(c) for c in cells],
         "ratios": ratios,
         "bandwidth_bound": bounds,
+        "tensor_parallel": _tp_ratios(args, cells),
     }
+
+
+def _tp_ratios(args, cells: list[Cell]) -> list[dict]:
+    """Mean step latency of TP=N over TP=1, per (dtype, batch size), from the same run."""
+    if args.tp <= 1:
+        return []
+    step = {(c.system, c.dtype, c.batch_size): c.mean_step_ms for c in cells}
+    out = []
+    for d in args.dtypes:
+        for b in args.batch_sizes:
+            single, split = step.get(("tandem", d, b)), step.get((f"tandem-tp{args.tp}", d, b))
+            if single and split:
+                out.append({"dtype": d, "batch_size": b, "tp": args.tp, "tp1_step_ms": single,
+                            "tp_step_ms": split, "tp_over_tp1_step_latency": split / single})
+    return out
+
+
+def _print_tp_table(console, result: dict, tp: int) -> None:
+    from rich import box
+    from rich.table import Table
+
+    table = Table(title=f"mean step latency, TP={tp} vs TP=1 (same run)", box=box.SIMPLE_HEAD, show_edge=False)
+    for header in ("dtype", "batch", "TP=1 ms", f"TP={tp} ms", f"TP={tp}/TP=1"):
+        table.add_column(header, justify="left" if header == "dtype" else "right")
+    for row in result["tensor_parallel"]:
+        table.add_row(row["dtype"], str(row["batch_size"]), f"{row['tp1_step_ms']:.2f}",
+                      f"{row['tp_step_ms']:.2f}", f"{row['tp_over_tp1_step_latency']:.2f}")
+    console.print(table)
 
 
 def _print_table(console, result: dict) -> None:

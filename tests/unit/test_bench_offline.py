@@ -53,3 +53,23 @@ def test_bad_lists_are_rejected(flag, value, capsys):
         main(["bench", "offline", flag, value])
     err = capsys.readouterr().err
     assert f"argument {flag}" in err and value in err
+
+
+def test_tp_compares_step_latency(tiny_folder, tmp_path):
+    import torch
+
+    out = tmp_path / "tp.json"
+    threads = torch.get_num_threads()
+    try:
+        code = main(["bench", "offline", "--model", str(tiny_folder), "--batch-sizes", "2", "--output-len", "4",
+                     "--dtypes", "float32", "--systems", "tandem", "--tp", "2", "--threads", "1",
+                     "--kv-cache-memory", "16MiB", "--json", str(out)])
+    finally:
+        torch.set_num_threads(threads)
+    assert code == 0
+    result = json.loads(out.read_text())
+    assert {c["system"] for c in result["cells"]} == {"tandem", "tandem-tp2"}
+    for cell in result["cells"]:
+        assert cell["output_tokens"] == 8 and cell["num_steps"] >= 4 and cell["mean_step_ms"] > 0
+    (row,) = result["tensor_parallel"]
+    assert row["tp"] == 2 and row["tp_over_tp1_step_latency"] > 0
