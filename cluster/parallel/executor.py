@@ -3,12 +3,13 @@
 The engine's process is rank 0, the *driver*: it schedules, runs the draft model,
 samples, and holds a :class:`TensorParallelRunner`, which is a ``ModelRunner`` whose
 forward pass first broadcasts the step's batch description (token ids, positions and
-block tables: a few kilobytes) to the other ranks. Ranks 1..tp-1 are processes the
-executor starts with the ``spawn`` context; each loads its shard, allocates its part of
-the KV cache (the same number of blocks on every rank), then runs the same forward on
-every batch it receives until the driver sends ``None``.
+block tables: a few kilobytes) to the other ranks. Ranks 1..tp-1 are started by a
+launcher (local ``spawn`` processes, or Ray actors: :mod:`cluster.parallel.launcher`);
+each loads its shard, allocates its part of the KV cache (the same number of blocks
+on every rank), then runs the same forward on every batch it receives until the
+driver sends ``None``.
 
-Failure: before each step the driver checks that every worker process is alive and
+Failure: before each step the driver checks that every worker rank is alive and
 raises :class:`TensorParallelError` if one is gone; a rank that dies *during* a step
 makes the step's collective fail (gloo sees the closed connection) or time out after
 ``parallel.collective_timeout_s``. Either way the step raises instead of hanging, and
@@ -18,7 +19,6 @@ makes the step's collective fail (gloo sees the closed connection) or time out a
 from __future__ import annotations
 
 import logging
-import multiprocessing
 import time
 import weakref
 from typing import NamedTuple
@@ -27,6 +27,7 @@ import torch
 
 from cluster.config import TandemConfig
 from cluster.parallel.group import StoreAddress, TPGroup, connect_store, init_group, open_store
+from cluster.parallel.launcher import RankLauncher, RankProcess, SpawnLauncher
 from cluster.runner.input_batch import SeqChunk
 from cluster.runner.model_runner import ModelRunner
 from cluster.runner.worker import Worker, load_model, num_kv_blocks
@@ -47,14 +48,15 @@ class StepMessage(NamedTuple):
     block_tables: list[list[int]]
 
 
-def rank_device(config: TandemConfig, rank: int) -> torch.device:
-    """CPU ranks share the CPU; CUDA rank ``r`` uses the ``r``-th GPU after the configured one."""
+def rank_device(config: TandemConfig, rank: int, isolated: bool) -> torch.device:
+    """CPU ranks share the CPU. CUDA rank ``r`` uses the ``r``-th GPU after the configured
+    one, or, when each rank sees only its own GPU (``isolated``, under Ray), cuda:0."""
     from cluster.engine.engine import default_device
 
     device = default_device(config.device.device)
-    if device.type == "cuda":
-        return torch.device("cuda", (device.index or 0) + rank)
-    return device
+    if device.type != "cuda":
+        return device
+    return torch.device("cuda", 0 if isolated else (device.index or 0) + rank)
 
 
 def check_model_splits(hf_config, tp_size: int) -> None:
@@ -69,26 +71,25 @@ def check_model_splits(hf_config, tp_size: int) -> None:
 
 
 class TensorParallelExecutor:
-    """Owns the worker processes of one engine and the driver's end of the group."""
+    """Owns the worker ranks of one engine and the driver's end of the group."""
 
-    def __init__(self, config: TandemConfig) -> None:
+    def __init__(self, config: TandemConfig, launcher: RankLauncher | None = None) -> None:
+        launcher = launcher or SpawnLauncher()
         self.tp_size = config.parallel.tensor_parallel_size
         timeout_s = config.parallel.collective_timeout_s
-        store, address = open_store()
-        context = multiprocessing.get_context("spawn")
-        self.processes = [
-            context.Process(target=run_worker, args=(config, rank, address), daemon=True,
-                            name=f"tandem-tp-rank{rank}")
-            for rank in range(1, self.tp_size)
-        ]
-        for process in self.processes:
-            process.start()
-        self._finalizer = weakref.finalize(self, _stop_processes, list(self.processes))
+        store, address = open_store(launcher.store_host)
+        self.ranks: list[RankProcess] = []
+        self._finalizer = weakref.finalize(self, _stop_ranks, self.ranks)
         try:
-            self.group = init_group(store, 0, self.tp_size, rank_device(config, 0), timeout_s)
+            for rank in range(1, self.tp_size):
+                device = str(rank_device(config, rank, launcher.isolates_devices))
+                self.ranks.append(launcher.launch(config, rank, address, device))
+            device = rank_device(config, 0, launcher.isolates_devices)
+            self.group = init_group(store, 0, self.tp_size, device, timeout_s)
         except Exception as err:
             self.close()
-            raise TensorParallelError(f"tensor-parallel ranks did not join within {timeout_s:g}s: {err}") from err
+            raise TensorParallelError(f"tensor-parallel ranks did not start and join within {timeout_s:g}s: "
+                                      f"{err}") from err
 
     def wait_ready(self) -> None:
         """Block until every worker has loaded its shard; raise the first worker's load error."""
@@ -107,11 +108,11 @@ class TensorParallelExecutor:
                 time.sleep(_POLL_S)
 
     def check_alive(self) -> None:
-        """Raise TensorParallelError if a worker process has exited."""
-        for rank, process in enumerate(self.processes, start=1):
+        """Raise TensorParallelError if a worker rank has stopped."""
+        for rank, process in enumerate(self.ranks, start=1):
             if not process.is_alive():
                 raise TensorParallelError(
-                    f"tensor-parallel rank {rank} (pid {process.pid}) exited with code {process.exitcode}; "
+                    f"tensor-parallel rank {rank} exited ({process.exit_reason()}); "
                     "this engine cannot run its model any more"
                 )
 
@@ -121,22 +122,21 @@ class TensorParallelExecutor:
 
     def close(self, timeout_s: float = 10.0) -> None:
         """Ask the workers to stop, then end any that do not; idempotent."""
-        if getattr(self, "group", None) is not None and all(p.is_alive() for p in self.processes):
+        if getattr(self, "group", None) is not None and all(r.is_alive() for r in self.ranks):
             try:
                 self.group.broadcast_object(None)
             except Exception:  # a worker went away meanwhile; terminate below
                 pass
         deadline = time.monotonic() + timeout_s
-        for process in self.processes:
+        for process in self.ranks:
             process.join(max(0.0, deadline - time.monotonic()))
         self._finalizer()
 
 
-def _stop_processes(processes: list) -> None:
-    for process in processes:
+def _stop_ranks(ranks: list[RankProcess]) -> None:
+    for process in ranks:
         if process.is_alive():
             process.terminate()
-            process.join(5)
 
 
 class TensorParallelRunner(ModelRunner):
@@ -170,8 +170,9 @@ class TensorParallelWorker(Worker):
         self.runner.executor.close()
 
 
-def start_tensor_parallel(config: TandemConfig) -> TensorParallelWorker:
-    """Start ranks 1..tp-1, load the driver's shard, and return the driver's worker."""
+def start_tensor_parallel(config: TandemConfig, launcher: RankLauncher | None = None) -> TensorParallelWorker:
+    """Start ranks 1..tp-1 (local processes unless ``launcher`` says otherwise), load the
+    driver's shard, and return the driver's worker."""
     from cluster.models.loader import load_hf_config, resolve_model
 
     check_model_splits(load_hf_config(resolve_model(config.model.model, config.model.cache_dir)),
@@ -179,7 +180,7 @@ def start_tensor_parallel(config: TandemConfig) -> TensorParallelWorker:
     if config.device.num_threads:
         torch.set_num_threads(config.device.num_threads)
     started = time.monotonic()
-    executor = TensorParallelExecutor(config)
+    executor = TensorParallelExecutor(config, launcher)
     try:
         device = executor.group.device
         loaded = load_model(config, device, executor.group)
@@ -195,13 +196,14 @@ def start_tensor_parallel(config: TandemConfig) -> TensorParallelWorker:
     return TensorParallelWorker(runner, loaded.tokenizer, loaded.hf_config, loaded.max_model_len)
 
 
-def run_worker(config: TandemConfig, rank: int, address: StoreAddress) -> None:
-    """A worker process: join the group, load this rank's shard, then follow the driver."""
+def run_worker(config: TandemConfig, rank: int, address: StoreAddress, device: str) -> None:
+    """A worker rank: join the group, load this rank's shard, then follow the driver until
+    it sends ``None`` or goes away."""
     if config.device.num_threads:
         torch.set_num_threads(config.device.num_threads)
     timeout_s = config.parallel.collective_timeout_s
     store = connect_store(address, timeout_s)
-    group = init_group(store, rank, config.parallel.tensor_parallel_size, rank_device(config, rank), timeout_s)
+    group = init_group(store, rank, config.parallel.tensor_parallel_size, torch.device(device), timeout_s)
     try:
         loaded = load_model(config, group.device, group)
     except Exception as err:
