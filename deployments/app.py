@@ -35,10 +35,12 @@ def build_app(config: TandemConfig | dict | str | Path) -> Application:
     data = config.model_dump()
     replicas = {}
     for group in config.serve.groups:
-        if group.tensor_parallel_size > 1:
+        engine_tp = config.parallel.tensor_parallel_size
+        if engine_tp > 1 and engine_tp != group.tensor_parallel_size:
             raise ConfigError(
-                f"serve.groups[{group.name}].tensor_parallel_size is {group.tensor_parallel_size}: "
-                "tensor parallelism is not implemented yet; use 1"
+                f"parallel.tensor_parallel_size is {engine_tp} but serve.groups[{group.name}].tensor_parallel_size "
+                f"is {group.tensor_parallel_size}: a served group's replicas are split as its "
+                "serve.groups[].tensor_parallel_size says (it sizes the placement group); set it there"
             )
         deployment = serve.deployment(TandemReplica).options(
             name=f"replica-{group.name}", **replica_options(config, group)

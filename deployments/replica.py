@@ -18,9 +18,11 @@ from ray import serve
 
 from cluster.config import TandemConfig, config_from_dict, group_engine_config, with_overrides
 from cluster.engine.async_engine import AsyncEngine, EngineDeadError
+from cluster.engine.engine import Engine
 from cluster.engine.outputs import RequestOutput
 from cluster.engine.protocol import ErrorInfo, GenerateDelta, GenerateRequest, QueueFullError
 from cluster.metrics.collector import EngineMetricsCollector
+from cluster.parallel.executor import TensorParallelError
 from cluster.routing.policy import peak_tokens_per_second
 from cluster.routing.stats import ReplicaStats
 from deployments.metrics import RaySink
@@ -37,7 +39,8 @@ class TandemReplica:
             # A CPU replica computes with as many threads as Ray reserved CPUs for it.
             self.config = with_overrides(self.config, num_threads=max(1, int(self.group.num_cpus)))
         self.prefix_depth = full.serve.prefix_affinity_blocks
-        self.engine = AsyncEngine.from_config(self.config, step_time_scale=self.group.step_time_scale)
+        self.engine = AsyncEngine(_build_engine(self.config, self.group),
+                                  step_time_scale=self.group.step_time_scale)
         tags = {"group": self.group.name, "device_kind": self.group.device_kind}
         self.engine.metrics = EngineMetricsCollector(self.engine.engine, RaySink("replica", tags),
                                                      capacity=self.capacity_tokens_per_second)
@@ -62,6 +65,10 @@ class TandemReplica:
             return
         except ValueError as err:
             yield GenerateDelta(error=ErrorInfo(400, str(err), param=_guess_param(str(err))))
+            return
+        except EngineDeadError as err:  # the engine failed before this request's first token
+            self._failed = str(err)
+            yield GenerateDelta(error=ErrorInfo(500, f"the engine failed: {err}", "server_error"))
             return
         yield GenerateDelta(accepted=True, num_prompt_tokens=len(request.prompt_token_ids),
                             replica_stats=self.record_routing_stats())
@@ -129,12 +136,31 @@ class TandemReplica:
         }
 
     def check_health(self) -> None:
+        executor = getattr(self.engine.engine.worker.runner, "executor", None)
+        if self._failed is None and executor is not None:
+            try:
+                executor.check_alive()  # a dead tensor-parallel rank: unhealthy before any request fails
+            except TensorParallelError as err:
+                self._failed = str(err)
         if self._failed is not None:
             raise RuntimeError(f"replica {self.replica_id} is unhealthy: {self._failed}")
 
     async def __del__(self) -> None:
         # Serve has already waited graceful_shutdown_timeout_s for in-flight requests.
         await self.engine.shutdown()
+        self.engine.engine.worker.close()
+
+
+def _build_engine(config: TandemConfig, group) -> Engine:
+    """The replica's engine; a group with ``tensor_parallel_size`` > 1 splits the target over
+    this replica (rank 0) and one Ray actor per further rank in its placement group."""
+    if group.tensor_parallel_size == 1:
+        return Engine(config)
+    from cluster.parallel.executor import start_tensor_parallel
+    from deployments.tp_ranks import RayLauncher
+
+    config = with_overrides(config, tensor_parallel_size=group.tensor_parallel_size)
+    return Engine(config, start_tensor_parallel(config, RayLauncher(group.num_cpus, group.num_gpus)))
 
 
 async def _first_or_error(stream: AsyncIterator[RequestOutput]) -> RequestOutput | None:

@@ -175,11 +175,12 @@ def test_max_queued_requests_and_ongoing_are_passed_through():
     assert options_of({"name": "a"})["max_queued_requests"] == -1
 
 
-def test_build_app_rejects_tensor_parallelism():
-    with pytest.raises(ConfigError, match=r"serve\.groups\[h100\]\.tensor_parallel_size.*tensor parallelism"):
-        build_app(load_config(HETERO))
-    config = serve_config({"name": "a"}, {"name": "b", "tensor_parallel_size": 2})
-    with pytest.raises(ConfigError, match="tensor parallelism"):
+def test_build_app_takes_tensor_parallel_groups_and_refuses_a_conflicting_engine_setting():
+    ingress = build_app(serve_config({"name": "a"}, {"name": "b", "tensor_parallel_size": 2}))._bound_deployment
+    assert set(ingress.init_args[1]) == {"a", "b"}
+    config = serve_config({"name": "a", "tensor_parallel_size": 2})
+    config.parallel.tensor_parallel_size = 4
+    with pytest.raises(ConfigError, match=r"parallel\.tensor_parallel_size is 4 but serve\.groups\[a\]"):
         build_app(config)
 
 

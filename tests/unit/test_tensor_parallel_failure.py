@@ -84,7 +84,8 @@ def test_rank_dying_inside_a_step_fails_the_collective(tiny_llama_dir):
 
 
 def test_sizes_that_do_not_split_are_refused_before_starting(tiny_llama_dir):
-    with pytest.raises(ValueError, match=r"num_attention_heads \(4\) must be divisible by tensor_parallel_size \(3\)"):
+    splits = r"num_attention_heads \(4\) must be divisible by tensor_parallel_size \(3\)"
+    with pytest.raises(ValueError, match=splits):
         make_engine(tiny_llama_dir, tensor_parallel_size=3, num_blocks=8)
     with pytest.raises(ConfigError, match="tensor_parallel_size"):
         make_engine(tiny_llama_dir, tensor_parallel_size=0, num_blocks=8)
