@@ -26,8 +26,9 @@ from cluster.config import ConfigError, TandemConfig, group_engine_config, load_
 
 def _engine_config(args: argparse.Namespace) -> TandemConfig:
     config = load_config(args.config) if args.config else TandemConfig()
-    overrides = {k: v for k, v in (("model", args.model), ("dtype", args.dtype), ("device", args.device))
-                 if v is not None}
+    pairs = (("model", args.model), ("dtype", args.dtype), ("device", args.device),
+             ("tensor_parallel_size", getattr(args, "tensor_parallel_size", None)))
+    overrides = {k: v for k, v in pairs if v is not None}
     return with_overrides(config, **overrides)
 
 
@@ -36,6 +37,8 @@ def _add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", help="short name, Hugging Face folder or .gguf file")
     parser.add_argument("--dtype", choices=["float32", "bfloat16", "float16", "auto"])
     parser.add_argument("--device", help="auto, cpu, cuda or cuda:N")
+    parser.add_argument("--tensor-parallel-size", type=int,
+                        help="split the target over this many ranks (processes; GPUs on CUDA)")
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
