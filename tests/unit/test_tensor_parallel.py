@@ -102,3 +102,56 @@ def test_tp2_logits_close_to_tp1(family, tiny_llama_dir, tiny_opt_dir):
     assert got.shape == expected.shape == (24, engine.vocab_size)
     assert got.dtype == torch.float32
     torch.testing.assert_close(got, expected, **LOGITS_TOL)
+
+
+def _fake_group(rank: int, world_size: int):
+    """A TPGroup for building and loading a shard in-process (no collective is run)."""
+    from cluster.parallel.group import TPGroup
+
+    return TPGroup(rank, world_size, torch.device("cpu"), None, None, None)
+
+
+@pytest.mark.parametrize("kv_heads", [2, 1])
+def test_rank_loads_and_reads_only_its_shard(kv_heads, tiny_llama_dir, tiny_llama_kv1_dir, monkeypatch):
+    """Rank 1 of 2 holds the second half of every split weight (with one KV head, a copy of
+    it); only the unsplit norms are read whole."""
+    from safetensors.torch import load_file
+
+    from cluster.models.loader import LazyTensor, iter_lazy_weights, load_hf_config, resolve_model
+    from cluster.models.registry import build_model
+
+    model_dir = tiny_llama_dir if kv_heads == 2 else tiny_llama_kv1_dir
+    read_whole = []
+    full = LazyTensor.full
+    monkeypatch.setattr(LazyTensor, "full", lambda self: read_whole.append(self._name) or full(self))
+    source = resolve_model(str(model_dir))
+    model = build_model(load_hf_config(source), torch.float32, torch.device("cpu"), 64, tp=_fake_group(1, 2))
+    model.load_weights(iter_lazy_weights(source))
+    assert read_whole and all(name.endswith("norm.weight") for name in read_whole)
+
+    hf = load_file(str(next(model_dir.glob("*.safetensors"))))
+    layer, prefix = model.layers[1], "model.layers.1."
+    head_dim = 16
+    kv_rows = slice(head_dim, 2 * head_dim) if kv_heads == 2 else slice(0, head_dim)
+    expected_qkv = torch.cat([hf[prefix + "self_attn.q_proj.weight"][32:64],
+                              hf[prefix + "self_attn.k_proj.weight"][kv_rows],
+                              hf[prefix + "self_attn.v_proj.weight"][kv_rows]])
+    assert torch.equal(layer.qkv_proj.weight, expected_qkv)
+    assert torch.equal(layer.o_proj.weight, hf[prefix + "self_attn.o_proj.weight"][:, 32:64])
+    assert torch.equal(layer.gate_up_proj.weight, torch.cat([hf[prefix + "mlp.gate_proj.weight"][64:128],
+                                                             hf[prefix + "mlp.up_proj.weight"][64:128]]))
+    assert torch.equal(layer.down_proj.weight, hf[prefix + "mlp.down_proj.weight"][:, 64:128])
+    assert torch.equal(model.embed_tokens.weight, hf["model.embed_tokens.weight"][128:256])
+    assert model.lm_head.weight is model.embed_tokens.weight  # tied
+    assert (layer.num_heads, layer.num_kv_heads) == (2, 1)
+
+
+def test_vocab_not_divisible_pads_the_last_shard_with_zero_rows():
+    from cluster.parallel.layers import VocabParallelEmbedding
+
+    full = torch.randn(255, 8)
+    shards = [VocabParallelEmbedding(255, 8, _fake_group(rank, 2)) for rank in range(2)]
+    for shard in shards:
+        shard.weight.tp_load(full, None)
+    assert torch.equal(torch.cat([s.weight for s in shards])[:255], full)
+    assert shards[1].num_real == 127 and not shards[1].weight[127].any()
