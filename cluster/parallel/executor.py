@@ -59,6 +59,12 @@ def rank_device(config: TandemConfig, rank: int, isolated: bool) -> torch.device
     return torch.device("cuda", 0 if isolated else (device.index or 0) + rank)
 
 
+def gloo_host(address: StoreAddress) -> str | None:
+    """Ranks that meet on loopback bind gloo there too (a container's host name may not
+    resolve to a reachable address); others let gloo resolve their own host name."""
+    return address.host if address.host.startswith("127.") or address.host == "localhost" else None
+
+
 def check_model_splits(hf_config, tp_size: int) -> None:
     """Raise ValueError, before any process starts, if the model does not split ``tp_size`` ways."""
     from cluster.parallel.layers import divide, head_shard
@@ -84,16 +90,25 @@ class TensorParallelExecutor:
             for rank in range(1, self.tp_size):
                 device = str(rank_device(config, rank, launcher.isolates_devices))
                 self.ranks.append(launcher.launch(config, rank, address, device))
+            # Starting a rank (imports, a Ray actor) may take long on a busy host; only
+            # once all are up does joining the groups run under the collective timeout.
+            self._await_ranks(store, "joined")
             device = rank_device(config, 0, launcher.isolates_devices)
-            self.group = init_group(store, 0, self.tp_size, device, timeout_s)
+            self.group = init_group(store, 0, self.tp_size, device, timeout_s, gloo_host(address))
+        except TensorParallelError:
+            self.close()
+            raise
         except Exception as err:
             self.close()
-            raise TensorParallelError(f"tensor-parallel ranks did not start and join within {timeout_s:g}s: "
-                                      f"{err}") from err
+            raise TensorParallelError(f"tensor-parallel ranks did not join within {timeout_s:g}s: {err}") from err
 
     def wait_ready(self) -> None:
         """Block until every worker has loaded its shard; raise the first worker's load error."""
-        store = self.group.store
+        self._await_ranks(self.group.store, "ready")
+
+    def _await_ranks(self, store, stage: str) -> None:
+        """Poll until every worker set ``{stage}/{rank}``; a worker's ``failed/{rank}`` or its
+        exit raises. No timeout: a rank that is alive is making progress."""
         pending = set(range(1, self.tp_size))
         while pending:
             for rank in sorted(pending):
@@ -101,7 +116,7 @@ class TensorParallelExecutor:
                     message = store.get(f"failed/{rank}").decode()
                     self.close()
                     raise TensorParallelError(f"tensor-parallel rank {rank} failed to load: {message}")
-                if store.check([f"ready/{rank}"]):
+                if store.check([f"{stage}/{rank}"]):
                     pending.discard(rank)
             if pending:
                 self.check_alive()
@@ -203,7 +218,9 @@ def run_worker(config: TandemConfig, rank: int, address: StoreAddress, device: s
         torch.set_num_threads(config.device.num_threads)
     timeout_s = config.parallel.collective_timeout_s
     store = connect_store(address, timeout_s)
-    group = init_group(store, rank, config.parallel.tensor_parallel_size, torch.device(device), timeout_s)
+    store.set(f"joined/{rank}", "1")
+    group = init_group(store, rank, config.parallel.tensor_parallel_size, torch.device(device), timeout_s,
+                       gloo_host(address))
     try:
         loaded = load_model(config, group.device, group)
     except Exception as err:

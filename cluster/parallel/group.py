@@ -109,12 +109,14 @@ def connect_store(address: StoreAddress, timeout_s: float) -> dist.TCPStore:
 
 
 def init_group(
-    store: dist.Store, rank: int, world_size: int, device: torch.device, timeout_s: float
+    store: dist.Store, rank: int, world_size: int, device: torch.device, timeout_s: float,
+    gloo_host: str | None = None,
 ) -> TPGroup:
     """Join both groups of this engine (every rank calls it with the same ``world_size``).
 
     The groups are standalone (no default group is set), so one process may drive
-    several engines.
+    several engines. ``gloo_host``: the address gloo binds to (loopback for ranks on
+    one host); None lets gloo resolve this host's name.
     """
     if device.type == "cuda":
         torch.cuda.set_device(device)
@@ -122,8 +124,14 @@ def init_group(
         opts._timeout = timedelta(seconds=timeout_s)
         device_group = dist.ProcessGroupNCCL(dist.PrefixStore(_DEVICE_PREFIX, store), rank, world_size, opts)
     else:
-        device_group = dist.ProcessGroupGloo(
-            dist.PrefixStore(_DEVICE_PREFIX, store), rank, world_size, timedelta(seconds=timeout_s)
-        )
-    control_group = dist.ProcessGroupGloo(dist.PrefixStore(_CONTROL_PREFIX, store), rank, world_size, _IDLE_TIMEOUT)
+        device_group = _gloo(dist.PrefixStore(_DEVICE_PREFIX, store), rank, world_size,
+                             timedelta(seconds=timeout_s), gloo_host)
+    control_group = _gloo(dist.PrefixStore(_CONTROL_PREFIX, store), rank, world_size, _IDLE_TIMEOUT, gloo_host)
     return TPGroup(rank, world_size, device, device_group, control_group, store)
+
+
+def _gloo(store: dist.Store, rank: int, world_size: int, timeout: timedelta, host: str | None) -> dist.ProcessGroup:
+    opts = dist.ProcessGroupGloo._Options()
+    opts._timeout = timeout
+    opts._devices = [dist.ProcessGroupGloo.create_device(hostname=host or "")]
+    return dist.ProcessGroupGloo(store, rank, world_size, opts)
