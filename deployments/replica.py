@@ -147,8 +147,10 @@ class TandemReplica:
 
     async def __del__(self) -> None:
         # Serve has already waited graceful_shutdown_timeout_s for in-flight requests.
-        await self.engine.shutdown()
-        self.engine.engine.worker.close()
+        engine = getattr(self, "engine", None)  # absent when __init__ failed
+        if engine is not None:
+            await engine.shutdown()
+            engine.engine.worker.close()
 
 
 def _build_engine(config: TandemConfig, group) -> Engine:

@@ -100,7 +100,7 @@ class TensorParallelExecutor:
             raise
         except Exception as err:
             self.close()
-            raise TensorParallelError(f"tensor-parallel ranks did not join within {timeout_s:g}s: {err}") from err
+            raise TensorParallelError(f"tensor-parallel ranks could not join one group: {err}") from err
 
     def wait_ready(self) -> None:
         """Block until every worker has loaded its shard; raise the first worker's load error."""

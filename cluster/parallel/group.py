@@ -133,5 +133,6 @@ def init_group(
 def _gloo(store: dist.Store, rank: int, world_size: int, timeout: timedelta, host: str | None) -> dist.ProcessGroup:
     opts = dist.ProcessGroupGloo._Options()
     opts._timeout = timeout
-    opts._devices = [dist.ProcessGroupGloo.create_device(hostname=host or "")]
+    gloo = dist.ProcessGroupGloo
+    opts._devices = [gloo.create_device(hostname=host) if host else gloo.create_default_device()]
     return dist.ProcessGroupGloo(store, rank, world_size, opts)

@@ -13,11 +13,13 @@ checkpoint tensor (``narrow`` reads only the slice asked for, see
 :mod:`cluster.parallel.weights`), so a rank reads only its shard.
 
 These layers subclass ``nn.Module``, not ``nn.Linear``, so ``pack_linears`` leaves them
-alone (they run ``F.linear``).
+alone; :func:`pack_parallel_linears` gives them the same oneDNN-packed matmul on the CPU
+(``F.linear`` elsewhere).
 """
 
 from __future__ import annotations
 
+from types import SimpleNamespace
 from typing import NamedTuple
 
 import torch
@@ -68,6 +70,7 @@ class ColumnParallelLinear(nn.Module):
         self.shard_ranks = shard_ranks
         self.in_features = in_features
         self.out_features = sum(self.local_sizes)
+        self.packed: nn.Module | None = None  # set by pack_parallel_linears after loading
         self.weight = nn.Parameter(torch.empty(self.out_features, in_features))
         self.weight.tp_load = self._load
         self.bias = None
@@ -83,6 +86,8 @@ class ColumnParallelLinear(nn.Module):
         _copy(dst, source, 0, self.shard_ranks[shard] * size, size)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [num_tokens, in] -> [num_tokens, out / tp]
+        if self.packed is not None:
+            return self.packed(x)
         return F.linear(x, self.weight, self.bias)
 
 
@@ -95,6 +100,7 @@ class RowParallelLinear(nn.Module):
         self.tp = tp
         self.in_local = divide(in_features, tp.world_size, "a row-parallel layer's input size")
         self.in_features, self.out_features = in_features, out_features
+        self.packed: nn.Module | None = None  # set by pack_parallel_linears after loading
         self.weight = nn.Parameter(torch.empty(out_features, self.in_local))
         self.weight.tp_load = self._load_weight
         self.bias = None
@@ -109,8 +115,28 @@ class RowParallelLinear(nn.Module):
         _copy(self.bias, source, 0, 0, self.out_features)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [num_tokens, in / tp] -> [num_tokens, out]
-        out = self.tp.all_reduce(F.linear(x, self.weight))
+        partial = self.packed(x) if self.packed is not None else F.linear(x, self.weight)
+        out = self.tp.all_reduce(partial)
         return out if self.bias is None else out + self.bias
+
+
+def pack_parallel_linears(model: nn.Module, device: torch.device, dtype: torch.dtype) -> int:
+    """Give every parallel linear layer a oneDNN-packed copy of its shard where
+    ``pack_linears`` would pack a plain layer; call after loading. A row-parallel layer's
+    bias stays outside (it is added after the all-reduce). Returns the layers packed."""
+    from cluster.models.layers.packed_linear import PackedLinear, can_pack
+
+    if not can_pack(device, dtype):
+        return 0
+    packed = 0
+    for module in model.modules():
+        if isinstance(module, (ColumnParallelLinear, RowParallelLinear)):
+            bias = module.bias if isinstance(module, ColumnParallelLinear) else None
+            shard = SimpleNamespace(in_features=module.weight.shape[1], out_features=module.weight.shape[0],
+                                    weight=module.weight, bias=bias)
+            module.packed = PackedLinear(shard)
+            packed += 1
+    return packed
 
 
 class VocabParallelEmbedding(nn.Module):

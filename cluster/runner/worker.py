@@ -15,6 +15,7 @@ from cluster.models.loader import (
 from cluster.models.layers.packed_linear import pack_linears
 from cluster.models.registry import build_model, context_length, resolve_dtype
 from cluster.parallel.group import TPGroup
+from cluster.parallel.layers import pack_parallel_linears
 from cluster.runner.model_runner import KVCacheSpec, ModelRunner, free_device_memory, num_blocks_for_budget
 
 logger = logging.getLogger(__name__)
@@ -85,6 +86,8 @@ def load_model(config: TandemConfig, device: torch.device, tp: TPGroup | None = 
     model = build_model(hf_config, dtype, device, max_model_len, tp)
     model.load_weights(iter_weights(source) if tp is None else iter_lazy_weights(source))
     pack_linears(model, device, dtype)
+    if tp is not None:
+        pack_parallel_linears(model, device, dtype)
     spec = KVCacheSpec(model.num_layers, model.num_kv_heads, model.head_dim, config.cache.block_size, dtype)
     return LoadedModel(model, hf_config, tokenizer, dtype, max_model_len, spec)
 
