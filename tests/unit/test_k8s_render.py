@@ -139,8 +139,10 @@ def test_app_builder_errors_are_clear():
         app_builder({"config": {"modle": {}}})
     with pytest.raises(ConfigError, match="a YAML file's path or a mapping of sections, got list"):
         app_builder({"config": ["model"]})
-    with pytest.raises(ConfigError, match="tensor parallelism is not implemented yet"):
-        app_builder({"config": read_config(HETERO)[1]})
+    hetero = read_config(HETERO)[1]
+    app_builder({"config": hetero})  # its h100 group is tensor-parallel
+    with pytest.raises(ConfigError, match=r"parallel\.tensor_parallel_size is 4 but serve\.groups\[h100\]"):
+        app_builder({"config": {**hetero, "parallel": {"tensor_parallel_size": 4}}})
 
 
 def test_cli_renders_and_validates(tmp_path, capsys):
