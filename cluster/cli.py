@@ -59,6 +59,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
                 sys.stdout.write(out.outputs[0].delta_text)
                 sys.stdout.flush()
     sys.stdout.write("\n")
+    llm.engine.worker.close()  # tensor-parallel ranks, if any
     return 0
 
 
@@ -70,15 +71,21 @@ def cmd_profile(args: argparse.Namespace) -> int:
 
     config = _engine_config(args)
     if args.group:
-        # A group's profile is measured on its own device with its engine settings.
+        # A group's profile is measured on its own device with its engine settings and split.
         config = group_engine_config(config, args.group)
+        group_tp = config.serve.groups[0].tensor_parallel_size
+        if group_tp > 1:
+            config = with_overrides(config, tensor_parallel_size=group_tp)
     if config.speculative.method == "none":
         config = with_overrides(config, method="ngram")
     # The profile is what the controllers will read: make one with the fixed policy.
     config = with_overrides(config, controller="fixed", num_speculative_tokens=args.max_k)
     engine = Engine(config)
     max_batch = args.max_batch or config.scheduler.max_num_seqs
-    profile = run_profile(engine, power_of_two_sizes(max_batch), args.max_k, args.context_len, args.repeats)
+    try:
+        profile = run_profile(engine, power_of_two_sizes(max_batch), args.max_k, args.context_len, args.repeats)
+    finally:
+        engine.worker.close()  # tensor-parallel ranks, if any
     profile.save(args.out)
     print(f"device {profile.device}; draft {profile.draft}; acceptance per position "
           + ", ".join(f"{a:.2f}" for a in profile.acceptance))
@@ -222,6 +229,7 @@ def build_parser() -> argparse.ArgumentParser:
     prof.add_argument("--model", help="short name, Hugging Face folder or .gguf file")
     prof.add_argument("--dtype", choices=["float32", "bfloat16", "float16", "auto"])
     prof.add_argument("--device", help="auto, cpu, cuda or cuda:N")
+    prof.add_argument("--tensor-parallel-size", type=int, help="split the target over this many ranks")
     prof.set_defaults(func=cmd_profile)
 
     srv = sub.add_parser("serve", help="serve the OpenAI API on a local Ray Serve cluster")

@@ -121,6 +121,7 @@ def run_profile(
         target_model=engine.config.model.model,
         draft=engine.config.speculative.draft_model or engine.config.speculative.method,
         dtype=engine.config.model.dtype,
+        tensor_parallel_size=engine.config.parallel.tensor_parallel_size,
         max_k=max_k,
         batch_sizes=batch_sizes,
         target_grid=target_grid,

@@ -155,3 +155,16 @@ def test_vocab_not_divisible_pads_the_last_shard_with_zero_rows():
         shard.weight.tp_load(full, None)
     assert torch.equal(torch.cat([s.weight for s in shards])[:255], full)
     assert shards[1].num_real == 127 and not shards[1].weight[127].any()
+
+
+def test_profile_cli_measures_a_tensor_parallel_engine(tiny_llama_dir, tmp_path):
+    import json
+
+    from cluster.cli import main
+
+    out = tmp_path / "profile.json"
+    assert main(["profile", "--model", str(tiny_llama_dir), "--device", "cpu", "--dtype", "float32",
+                 "--tensor-parallel-size", "2", "--max-k", "1", "--max-batch", "2", "--repeats", "1",
+                 "--context-len", "16", "--out", str(out)]) == 0
+    profile = json.loads(out.read_text())
+    assert profile["tensor_parallel_size"] == 2 and profile["batch_sizes"] == [1, 2]
