@@ -190,8 +190,13 @@ def start_tensor_parallel(config: TandemConfig, launcher: RankLauncher | None = 
     driver's shard, and return the driver's worker."""
     from cluster.models.loader import load_hf_config, resolve_model
 
-    check_model_splits(load_hf_config(resolve_model(config.model.model, config.model.cache_dir)),
-                       config.parallel.tensor_parallel_size)
+    tp_size = config.parallel.tensor_parallel_size
+    check_model_splits(load_hf_config(resolve_model(config.model.model, config.model.cache_dir)), tp_size)
+    launcher = launcher or SpawnLauncher()
+    last = rank_device(config, tp_size - 1, launcher.isolates_devices)
+    if last.type == "cuda" and last.index >= torch.cuda.device_count():
+        raise ValueError(f"tensor_parallel_size {tp_size} from {config.device.device!r} needs GPU {last.index}, "
+                         f"but this host has {torch.cuda.device_count()} GPUs")
     if config.device.num_threads:
         torch.set_num_threads(config.device.num_threads)
     started = time.monotonic()
@@ -219,9 +224,9 @@ def run_worker(config: TandemConfig, rank: int, address: StoreAddress, device: s
     timeout_s = config.parallel.collective_timeout_s
     store = connect_store(address, timeout_s)
     store.set(f"joined/{rank}", "1")
-    group = init_group(store, rank, config.parallel.tensor_parallel_size, torch.device(device), timeout_s,
-                       gloo_host(address))
     try:
+        group = init_group(store, rank, config.parallel.tensor_parallel_size, torch.device(device), timeout_s,
+                           gloo_host(address))
         loaded = load_model(config, group.device, group)
     except Exception as err:
         store.set(f"failed/{rank}", f"{type(err).__name__}: {err}")
