@@ -85,6 +85,7 @@ class TensorParallelExecutor:
         timeout_s = config.parallel.collective_timeout_s
         store, address = open_store(launcher.store_host)
         self.ranks: list[RankProcess] = []
+        self.serving = False  # every rank is in its step loop (set by start_tensor_parallel)
         self._finalizer = weakref.finalize(self, _stop_ranks, self.ranks)
         try:
             for rank in range(1, self.tp_size):
@@ -136,16 +137,17 @@ class TensorParallelExecutor:
         self.group.broadcast_object(message)
 
     def close(self, timeout_s: float = 10.0) -> None:
-        """Ask the workers to stop, then end any that do not; idempotent."""
-        if getattr(self, "group", None) is not None and all(r.is_alive() for r in self.ranks):
+        """Ask the workers to stop (once they serve steps), then end any that do not; idempotent."""
+        if self.serving and all(r.is_alive() for r in self.ranks):
+            self.serving = False
             try:
                 self.group.broadcast_object(None)
+                deadline = time.monotonic() + timeout_s
+                for process in self.ranks:
+                    process.join(max(0.0, deadline - time.monotonic()))
             except Exception:  # a worker went away meanwhile; terminate below
                 pass
-        deadline = time.monotonic() + timeout_s
-        for process in self.ranks:
-            process.join(max(0.0, deadline - time.monotonic()))
-        self._finalizer()
+        self._finalizer()  # terminates the ranks still running
 
 
 def _stop_ranks(ranks: list[RankProcess]) -> None:
@@ -171,10 +173,10 @@ class TensorParallelRunner(ModelRunner):
             self.executor.send_step(StepMessage(chunks, block_tables))
             return super().forward_logits(chunks, block_tables)
         except TensorParallelError as err:
-            self.failed = str(err)
+            self.failed, self.executor.serving = str(err), False
             raise
         except RuntimeError as err:  # gloo/NCCL: a peer closed its connection or the timeout passed
-            self.failed = f"a collective failed (did a rank die?): {err}"
+            self.failed, self.executor.serving = f"a collective failed (did a rank die?): {err}", False
             raise TensorParallelError(self.failed) from err
 
 
@@ -207,6 +209,7 @@ def start_tensor_parallel(config: TandemConfig, launcher: RankLauncher | None = 
         executor.wait_ready()
         num_blocks = executor.group.min_int(num_kv_blocks(config, loaded.spec, device))
         runner = TensorParallelRunner(executor, loaded.model, num_blocks, loaded.spec, device)
+        executor.serving = True
     except BaseException:
         executor.close()
         raise
