@@ -14,6 +14,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from cluster.engine.llm import LLM
 from cluster.engine.sampling_params import SamplingParams
 from tests.serve.tp_serve_probe import MAX_TOKENS, PROMPT
@@ -21,6 +23,7 @@ from tests.serve.tp_serve_probe import MAX_TOKENS, PROMPT
 ROOT = Path(__file__).resolve().parents[2]
 
 
+@pytest.mark.slow  # starts its own Ray: about a minute
 def test_tp2_group_serves_and_fails_fast_when_a_rank_dies(tiny_chat_model, tmp_path):
     out = tmp_path / "facts.json"
     subprocess.run([sys.executable, "-m", "tests.serve.tp_serve_probe", str(tiny_chat_model), str(out)],
