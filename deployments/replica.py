@@ -88,7 +88,7 @@ class TandemReplica:
     def record_routing_stats(self) -> dict:
         engine = self.engine.engine
         spec = engine.spec_stats
-        current_k = spec.recent_k[-1] if spec.recent_k else 0
+        current_k = spec.current_k
         max_num_seqs = self.config.scheduler.max_num_seqs
         stats = ReplicaStats(
             replica_id=self.replica_id,
@@ -113,7 +113,7 @@ class TandemReplica:
         """Predicted peak output tokens/s at the current k and acceptance (0 before any
         profile or measured step)."""
         spec = self.engine.engine.spec_stats
-        k = spec.recent_k[-1] if spec.recent_k else 0
+        k = spec.current_k
         curve = self.engine.step_times.curve(k, self.config.scheduler.max_num_seqs)
         return peak_tokens_per_second(curve, spec.acceptance_rate, k)
 

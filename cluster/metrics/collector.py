@@ -158,7 +158,7 @@ class EngineMetricsCollector:
         self._advance("spec_decode_num_accepted_tokens", spec.num_accepted_tokens)
         for position, accepted in enumerate(spec.accepted_per_position):
             self._advance("spec_decode_num_accepted_tokens_per_pos", accepted, _labels(position=position))
-        self.sink.set("tandem_spec_k", spec.recent_k[-1] if spec.recent_k else 0)
+        self.sink.set("tandem_spec_k", spec.current_k)
         for b, k in controller.k_table(self._batch_sizes).items():
             self.sink.set("tandem_spec_k_table", k, _labels(batch_size=b))
         estimate = getattr(controller, "acceptance", None) or spec.conditional_acceptance

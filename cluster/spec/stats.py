@@ -35,6 +35,11 @@ class SpecDecodeStats:
             self.reached_per_position[j] += 1
 
     @property
+    def current_k(self) -> int:
+        """The k of the latest step (0 before any step or without speculation)."""
+        return self.recent_k[-1] if self.recent_k else 0
+
+    @property
     def conditional_acceptance(self) -> list[float]:
         """Per position j: P(draft j accepted | drafts before it accepted)."""
         return [a / r if r else 0.0 for a, r in zip(self.accepted_per_position, self.reached_per_position)]
