@@ -7,6 +7,7 @@
     tandem bench paper [--json PATH] [--plots DIR] ...
     tandem bench serve [--url URL] [--endpoint completions|chat] [--dataset NAME] [--json PATH] ...
     tandem bench router [CONFIG] [--slow-factor F] [--request-rate R] ...
+    tandem sim CONFIG [--json PATH] [--plots DIR] [--num-requests N] ...
     tandem profile [CONFIG] [--group NAME] [--out PATH] ...
     tandem serve CONFIG [--host H] [--port P] [--router tandem|pow2]
     tandem k8s render CONFIG --out DIR
@@ -201,6 +202,13 @@ def cmd_bench_router(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_sim(args: argparse.Namespace) -> int:
+    from cluster.sim.cli import run_sim
+
+    run_sim(args)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="tandem", description="Tandem: speculative decoding LLM serving")
     parser.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
@@ -294,6 +302,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_router_args(router_bench)
     router_bench.set_defaults(func=cmd_bench_router)
+    sim = sub.add_parser("sim", help="simulate a large heterogeneous cluster: router and controller policies")
+    from cluster.sim.cli import add_sim_args
+
+    add_sim_args(sim)
+    sim.set_defaults(func=cmd_sim)
     return parser
 
 
