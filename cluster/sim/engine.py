@@ -68,8 +68,9 @@ class SimResult:
 
 class Simulation:
     def __init__(self, config: SimConfig, models: dict[str, StepModel], workload: Workload, router: str,
-                 controller: str, show_progress: bool = False) -> None:
+                 controller: str, show_progress: bool = False, check_invariants: bool = False) -> None:
         self.config, self.controller_name, self.router_name = config, controller, router
+        self.check_invariants = check_invariants  # tests: check every replica after each of its steps
         self.show_progress = show_progress
         self.table = RequestTable(workload)
         sched = config.scheduling
@@ -193,6 +194,8 @@ class Simulation:
                 replica = self.replicas[index]
                 if kind == _STEP:
                     finished = len(replica.finish_step(now))
+                    if self.check_invariants:
+                        replica.check_invariants()
                     if finished:
                         num_finished += finished
                         progress.update(finished)
@@ -211,7 +214,7 @@ class Simulation:
                 index_of = {id(r): j for j, r in enumerate(self.replicas)}
                 next_tick += period
         progress.close()
-        end = float(np.nanmax(self.table.finish_s)) if n else 0.0
+        end = max(float(np.nanmax(self.table.finish_s)) if n else 0.0, self._now)
         for group in self.groups:
             for life in group.lives:
                 if np.isnan(life.stopped_s):

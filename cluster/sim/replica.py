@@ -29,6 +29,7 @@ from cluster.sim.device_model import StepModel
 from cluster.sim.requests import RequestTable
 from cluster.spec.controller import BatchState, SpeculationController, StepObservation
 
+_NO_REQUESTS = np.zeros(0, dtype=np.int64)
 PREFIX_CACHE_ENTRIES = 64  # shared prefixes a replica keeps cached (least recently used go first)
 
 
@@ -71,12 +72,14 @@ class SimReplica:
         self.num_running = 0
         self.kv_used = 0
         self.num_admitted = 0
+        self.num_prefilling = 0  # running requests with prompt tokens still to compute
         self.prefix_cache: OrderedDict[int, int] = OrderedDict()  # prefix id -> cached tokens
         acceptance = list(model.acceptance) or [0.0]
         self.acceptance = np.array([acceptance[min(j, len(acceptance) - 1)] for j in range(max(model.max_k, 16) + 1)])
         self.plan: StepPlan | None = None
         self.num_drafted = self.num_accepted = self.num_steps = self.num_preemptions = 0
         self.busy_seconds = 0.0
+        self.num_output_tokens = 0  # tokens appended to outputs (preempted requests keep theirs)
         self.k_steps = np.zeros(17, dtype=np.int64)  # steps per k
         self.last_k = 0
         self._stats: ReplicaStats | None = None
@@ -101,7 +104,10 @@ class SimReplica:
             self.plan = None
             return None
         occupied = self.req >= 0
-        decode_slots = np.flatnonzero(occupied & (self.prefill_left == 0))
+        if self.num_prefilling:
+            decode_slots = np.flatnonzero(occupied & (self.prefill_left == 0))
+        else:
+            decode_slots = np.flatnonzero(occupied)
         k = self.controller.choose_k(BatchState(self.num_running, len(self.waiting)))
         num_decode = len(decode_slots)
         budget = self.settings.max_num_batched_tokens - num_decode * (1 + k)
@@ -140,22 +146,29 @@ class SimReplica:
                 self.num_drafted += num_decode * k
                 self.num_accepted += int(accepted.sum())
             np.minimum(gained, self.out_left[dec], out=gained)
+            num_gained = int(gained.sum())
+            self.num_output_tokens += num_gained
+            self.kv_used += num_gained
             self.out_left[dec] -= gained
             self.context[dec] += gained
+        done = [] if not num_decode else dec[self.out_left[dec] <= 0].tolist()
         for slot, chunk in zip(plan.prefill_slots, plan.prefill_chunks):
-            self.prefill_left[slot] -= chunk
+            left = int(self.prefill_left[slot]) - chunk
+            self.prefill_left[slot] = left
             self.context[slot] += chunk
-            if self.prefill_left[slot] == 0:  # the last chunk samples the first token
+            if left == 0:  # the last chunk samples the first token
+                self.num_prefilling -= 1
                 self.out_left[slot] -= 1
                 self.context[slot] += 1
+                self.num_output_tokens += 1
+                self.kv_used += 1
                 self.requests.first_token(int(self.req[slot]), now)
-        done_slots = np.flatnonzero((self.req >= 0) & (self.out_left <= 0))
-        finished = self.req[done_slots].copy()
-        if len(done_slots):
+                if self.out_left[slot] <= 0:
+                    done.append(slot)
+        finished = self.req[done].copy() if done else _NO_REQUESTS
+        if done:
             self.requests.finish(finished, now)
-            self._free(done_slots)
-        occupied = self.req >= 0
-        self.kv_used = int(self.context[occupied].sum() + self.prefill_left[occupied].sum())
+            self._free(np.array(done))
         self._preempt_overflow()
         self._observe(plan, accepted)
         return finished
@@ -178,6 +191,7 @@ class SimReplica:
             self.admit_seq[slot] = self.num_admitted
             self.num_admitted += 1
             self.num_running += 1
+            self.num_prefilling += 1
             self.kv_used += total
             table.admitted(request, now)
 
@@ -198,6 +212,8 @@ class SimReplica:
         return min(hit, shared)
 
     def _free(self, slots: np.ndarray) -> None:
+        self.kv_used -= int(self.context[slots].sum() + self.prefill_left[slots].sum())
+        self.num_prefilling -= int(np.count_nonzero(self.prefill_left[slots]))
         self.req[slots] = -1
         self.prefill_left[slots] = 0
         self.out_left[slots] = 0
@@ -214,7 +230,6 @@ class SimReplica:
             request = int(self.req[slot])
             generated = int(self.requests.output_len[request]) - int(self.out_left[slot])
             self.requests.generated_before_preemption(request, generated)
-            self.kv_used -= int(self.context[slot] + self.prefill_left[slot])
             self._free(np.array([slot]))
             self.waiting.appendleft(request)
             self.num_preemptions += 1
@@ -251,6 +266,7 @@ class SimReplica:
         assert int(occupied.sum()) == self.num_running <= self.settings.max_num_seqs
         assert len(self.free_slots) == self.settings.max_num_seqs - self.num_running
         assert self.kv_used == int(self.context[occupied].sum() + self.prefill_left[occupied].sum())
+        assert self.num_prefilling == int(np.count_nonzero(self.prefill_left[occupied]))
         assert self.num_running <= 1 or self.kv_used <= self.model.kv_capacity_tokens
         assert bool(np.all(self.out_left[occupied] > 0))
 
