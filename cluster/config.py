@@ -102,6 +102,18 @@ class ParallelConfig(_Strict):
     )
 
 
+class EngineConfig(_Strict):
+    """Which engine serves: Tandem's own (``native``) or vLLM's (``vllm``, the ``vllm`` extra).
+
+    The other sections configure both; vLLM reads model, cache, scheduler, speculative
+    (n-gram or draft, k, and a profile's k table as ``num_speculative_tokens_per_batch_size``)
+    and parallel, and ``vllm_args`` passes further keyword arguments to its ``AsyncEngineArgs``.
+    """
+
+    backend: Literal["native", "vllm"] = "native"
+    vllm_args: dict = Field(default_factory=dict, description="extra vLLM engine arguments, e.g. {enforce_eager: true}")
+
+
 class TandemConfig(_Strict):
     model: ModelConfig = ModelConfig()
     cache: CacheConfig = CacheConfig()
@@ -109,6 +121,7 @@ class TandemConfig(_Strict):
     speculative: SpeculativeConfig = SpeculativeConfig()
     device: DeviceConfig = DeviceConfig()
     parallel: ParallelConfig = ParallelConfig()
+    engine: EngineConfig = EngineConfig()
     serve: ServeConfig = ServeConfig()
     kubernetes: KubernetesConfig = KubernetesConfig()  # read only by `tandem k8s render`
 

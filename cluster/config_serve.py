@@ -2,14 +2,16 @@
 
 A *replica group* is a set of identical replicas on one kind of device (one Ray Serve
 deployment each): its resources, autoscaling, speculation profile and engine overrides.
-A cluster on mixed GPUs has one group per GPU kind.
+A cluster on mixed GPUs has one group per GPU kind. A group's ``engine`` overrides may
+pick the engine backend: ``engine: vllm`` (short for ``engine: {backend: vllm}``), or
+``engine: {backend: vllm, max_num_seqs: 32}`` beside other overrides.
 """
 
 from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 
 class _Strict(BaseModel):
@@ -47,12 +49,24 @@ class ReplicaGroupConfig(_Strict):
     placement_strategy: Literal["STRICT_PACK", "PACK", "SPREAD", "STRICT_SPREAD"] = "STRICT_PACK"
     profile: str | None = Field(None, description="this device's `tandem profile` JSON (overrides speculative.profile)")
     engine: dict[str, Any] = Field(
-        default_factory=dict, description="engine settings for this group, flat: {max_num_seqs: 32, dtype: float16}"
+        default_factory=dict, description="engine settings for this group, flat: {max_num_seqs: 32, dtype: float16}; "
+        "`backend: vllm` in it picks vLLM for this group, and `engine: vllm` (or native) alone is short for that"
     )
     step_time_scale: float = Field(
         1.0, ge=1.0, description="emulate a slower device by stretching every engine step; tests and demos only"
     )
     max_ongoing_requests: int = Field(256, ge=1, description="Ray Serve's cap of requests in one replica")
+
+    @field_validator("engine", mode="before")
+    @classmethod
+    def _engine_shorthand(cls, value):
+        """``engine: vllm`` is ``engine: {backend: vllm}``."""
+        if isinstance(value, str):
+            if value not in ("native", "vllm"):
+                raise ValueError(f"engine: a backend name must be native or vllm, got {value!r} "
+                                 "(or give a mapping of engine settings, e.g. {backend: vllm, max_num_seqs: 32})")
+            return {"backend": value}
+        return value
 
 
 class ServeConfig(_Strict):

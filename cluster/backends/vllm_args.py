@@ -1,0 +1,116 @@
+"""Tandem's engine settings as vLLM's ``AsyncEngineArgs`` (no vLLM import here).
+
+What maps:
+
+| Tandem | vLLM |
+|---|---|
+| ``model.model`` (short name, HF folder, ``.gguf``) | ``model``: the Hugging Face folder our loader resolves it to (a short name or a GGUF file is converted once into the loader's cache, as for the native engine) |
+| ``model.dtype``, ``max_model_len``, ``seed`` | ``dtype`` (``auto`` stays ``auto``), ``max_model_len``, ``seed`` |
+| ``cache.block_size``, ``enable_prefix_caching``, ``kv_cache_memory`` | ``block_size``, ``enable_prefix_caching``, ``kv_cache_memory_bytes`` |
+| ``scheduler.max_num_seqs``, ``max_num_batched_tokens``, ``enable_chunked_prefill`` | the same names |
+| ``speculative.method: ngram`` / ``draft`` | ``speculative_config``: ``{method: ngram, prompt_lookup_min/max}`` / ``{method: draft_model, model}`` with ``num_speculative_tokens`` |
+| ``speculative.controller: table`` / ``adaptive`` with a profile | the profile's batch-size -> k table as ``num_speculative_tokens_per_batch_size`` (inclusive ranges ``[start, end, k]``), when the installed vLLM has that option; otherwise a fixed k (see :class:`SpecPlan`) |
+| a group's ``tensor_parallel_size`` | ``tensor_parallel_size`` |
+| ``engine.vllm_args`` | passed through last (e.g. ``enforce_eager``, ``quantization``) |
+
+Quantization: vLLM's methods (``awq``, ``gptq``, ``fp8``, ...) are named in
+``engine.vllm_args.quantization``; a quantized checkpoint carries its own config.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from cluster.config import TandemConfig
+
+
+@dataclass(frozen=True)
+class SpecPlan:
+    """How speculation is set up in vLLM: ``policy`` as in ``SpecState`` and the note to log."""
+
+    method: str  # "none", "ngram" or "draft"
+    policy: str  # "none", "fixed", "batch-size-table" or "fixed-fallback"
+    num_speculative_tokens: int
+    k_table: dict[int, int] = field(default_factory=dict)  # batch size -> k (the table asked for)
+    note: str = ""
+
+
+@dataclass(frozen=True)
+class VllmSettings:
+    engine_args: dict  # keyword arguments of vllm.AsyncEngineArgs
+    spec: SpecPlan
+
+
+def batch_size_ranges(table: dict[int, int]) -> list[list[int]]:
+    """``{1: 4, 4: 3, 16: 1}`` -> ``[[1, 1, 4], [2, 4, 3], [5, 16, 1]]``: each batch size of the
+    table covers the sizes above the previous one, as vLLM's schedule wants (first range at 1;
+    vLLM carries the last k on past the end)."""
+    ranges, start = [], 1
+    for b in sorted(table):
+        if b < start:
+            continue
+        ranges.append([start, int(b), int(table[b])])
+        start = int(b) + 1
+    return ranges
+
+
+def vllm_settings(config: TandemConfig, tensor_parallel_size: int, model_path: str,
+                  draft_path: str | None, profile_table: dict[int, int] | None,
+                  has_batch_size_schedule: bool) -> VllmSettings:
+    """The engine arguments for one group. ``profile_table`` is the group's profiled
+    batch size -> k (None without a profile); ``has_batch_size_schedule`` says whether the
+    installed vLLM's SpeculativeConfig has ``num_speculative_tokens_per_batch_size``."""
+    m, c, s = config.model, config.cache, config.scheduler
+    args: dict = {
+        "model": model_path,
+        "tokenizer": model_path,
+        "dtype": m.dtype,
+        "seed": m.seed,
+        "block_size": c.block_size,
+        "enable_prefix_caching": c.enable_prefix_caching,
+        "max_num_seqs": s.max_num_seqs,
+        "max_num_batched_tokens": s.max_num_batched_tokens,
+        "enable_chunked_prefill": s.enable_chunked_prefill,
+        "tensor_parallel_size": tensor_parallel_size,
+        "disable_log_stats": False,
+    }
+    if m.max_model_len:
+        args["max_model_len"] = m.max_model_len
+    memory = c.memory_bytes()
+    if memory is not None and c.num_blocks is None:
+        args["kv_cache_memory_bytes"] = memory
+    elif c.num_blocks is not None:
+        args["num_gpu_blocks_override"] = c.num_blocks
+    spec = _spec_plan(config, profile_table, has_batch_size_schedule)
+    if spec.method != "none":
+        sc = config.speculative
+        spec_args: dict = {"num_speculative_tokens": spec.num_speculative_tokens}
+        if spec.method == "ngram":
+            spec_args.update(method="ngram", prompt_lookup_min=sc.ngram_min, prompt_lookup_max=sc.ngram_max)
+        else:
+            spec_args.update(method="draft_model", model=draft_path)
+        if spec.policy == "batch-size-table":
+            spec_args["num_speculative_tokens_per_batch_size"] = batch_size_ranges(spec.k_table)
+        args["speculative_config"] = spec_args
+    args.update(config.engine.vllm_args)
+    return VllmSettings(args, spec)
+
+
+def _spec_plan(config: TandemConfig, table: dict[int, int] | None, has_schedule: bool) -> SpecPlan:
+    sc = config.speculative
+    if sc.method == "none" or sc.num_speculative_tokens == 0:
+        return SpecPlan("none", "none", 0)
+    k = sc.num_speculative_tokens
+    if sc.controller == "fixed" or not table:
+        return SpecPlan(sc.method, "fixed", k, {})
+    table = {int(b): min(int(v), k) for b, v in table.items()}
+    if not any(table.values()):
+        return SpecPlan(sc.method, "fixed", k, table, f"the profiled table {table} never speculates; k is fixed at {k}")
+    if has_schedule:
+        note = (f"vLLM chooses k per batch size from the profiled table {table} "
+                f"(num_speculative_tokens_per_batch_size); Tandem's online re-fitting ({sc.controller}) "
+                "does not run inside vLLM")
+        return SpecPlan(sc.method, "batch-size-table", max(table.values()), table, note)
+    note = (f"the installed vLLM has no num_speculative_tokens_per_batch_size: k is fixed at {k} "
+            f"instead of the profiled table {table}")
+    return SpecPlan(sc.method, "fixed-fallback", k, table, note)

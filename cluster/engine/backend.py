@@ -1,0 +1,126 @@
+"""The one interface a replica hosts an engine through (Tandem's own, or vLLM).
+
+A replica (``deployments/replica.py``) builds its backend with :func:`build_backend`
+from the group's engine settings and then only talks to :class:`EngineBackend`:
+
+- ``generate(request)`` streams ``GenerateDelta``s: first exactly one acknowledgement
+  (``accepted`` set, no tokens) or one error delta (bad input: 400, queue full: 429,
+  engine failure: 500), then the token deltas, the last one carrying a finish reason.
+  Closing the stream before its last delta (a client that went away) aborts the
+  request in the engine and frees its KV blocks.
+- ``load()`` is what the router needs (the engine half of ``ReplicaStats``), and
+  ``spec_state()`` the speculation in force; ``engine_stats()`` is a debug view.
+- metrics go to the ``MetricsSink`` of the :class:`BackendContext` under the names of
+  ``cluster/metrics/catalog.py``, the same series from every backend.
+- ``check_health()`` raises :class:`EngineUnhealthyError` once the engine cannot serve.
+
+Which backend a group runs is ``engine.backend`` (``native`` or ``vllm``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, AsyncIterator, Callable, Protocol
+
+from cluster.engine.protocol import GenerateDelta, GenerateRequest
+
+if TYPE_CHECKING:
+    from cluster.config import TandemConfig
+    from cluster.config_serve import ReplicaGroupConfig
+    from cluster.metrics.collector import MetricsSink
+
+
+class EngineUnhealthyError(RuntimeError):
+    """The engine cannot serve any more (a failed step, a dead rank or process)."""
+
+
+@dataclass(frozen=True)
+class EngineLoad:
+    """The engine's half of ``ReplicaStats`` (the replica adds who and when)."""
+
+    num_running: int
+    num_waiting: int
+    max_num_seqs: int
+    kv_cache_usage: float  # fraction of KV blocks held by requests, [0, 1]
+    current_k: int
+    acceptance: float
+    step_time_curve: tuple[tuple[int, float], ...] = ()
+    prefill_seconds_per_token: float = 0.0
+    speed_factor: float = 1.0
+    cached_prefix_hashes: frozenset[int] = field(default_factory=frozenset)
+    block_size: int = 16
+
+
+@dataclass(frozen=True)
+class SpecState:
+    """The speculation in force.
+
+    ``policy`` names where k comes from: ``none`` (no speculation), ``fixed``,
+    ``table`` / ``adaptive`` (Tandem's controllers), ``batch-size-table`` (vLLM's
+    ``num_speculative_tokens_per_batch_size``) or ``fixed-fallback`` (the table was asked
+    for but the installed vLLM lacks it: k is fixed at ``num_speculative_tokens``).
+    """
+
+    method: str  # "none", "ngram" or "draft"
+    policy: str
+    current_k: int
+    k_table: dict[int, int]  # batch size -> k in force
+    acceptance: float  # accepted / proposed draft tokens so far
+    note: str = ""
+
+
+@dataclass(frozen=True)
+class BackendContext:
+    """What the hosting process hands a backend: where metrics go and, for a tensor-parallel
+    group served by a cluster, how to start the further ranks (``None``: local processes)."""
+
+    metrics_sink: "MetricsSink | None" = None
+    tp_launcher: Callable[[], object] | None = None
+
+
+class EngineBackend(Protocol):
+    name: str  # "native" or "vllm"
+    max_model_len: int
+
+    def generate(self, request: GenerateRequest) -> AsyncIterator[GenerateDelta]: ...
+
+    async def abort(self, request_id: str) -> None: ...
+
+    def load(self, prefix_depth: int) -> EngineLoad: ...
+
+    def capacity_tokens_per_second(self) -> float: ...
+
+    def spec_state(self) -> SpecState: ...
+
+    def engine_stats(self) -> dict: ...
+
+    def check_health(self) -> None: ...
+
+    async def shutdown(self) -> None: ...
+
+
+def build_backend(config: "TandemConfig", group: "ReplicaGroupConfig", context: BackendContext) -> EngineBackend:
+    """The backend ``config.engine.backend`` names, built from one group's engine settings
+    (``group_engine_config``); vLLM is imported only when a group asks for it."""
+    backend = config.engine.backend
+    if backend == "native":
+        from cluster.engine.native_backend import NativeBackend
+
+        return NativeBackend(config, group, context)
+    if backend == "vllm":
+        from cluster.backends.vllm import VllmBackend
+
+        return VllmBackend(config, group, context)
+    raise ValueError(f"unknown engine backend {backend!r}; choose native or vllm")
+
+
+def error_param(message: str) -> str | None:
+    """The OpenAI parameter an engine's ValueError message is about, when it names one."""
+    for name in ("max_tokens", "temperature", "top_p", "top_k", "min_p", "presence_penalty",
+                 "frequency_penalty", "repetition_penalty", "logprobs", "min_tokens", "stop_token_ids",
+                 "stop", "seed", "cache_salt"):
+        if message.startswith(name):
+            return name
+    if "prompt" in message:
+        return "prompt"
+    return None
