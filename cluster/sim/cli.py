@@ -31,8 +31,14 @@ def run_sim(args: argparse.Namespace) -> list[dict]:
     prepared = prepare(config)
     summaries = run_cells(config, prepared, show_progress=not args.disable_tqdm)
     print_report(config, prepared.models, prepared.capacity_rps, summaries)
+    comparison = None
+    if args.measured:
+        from cluster.sim.validation import compare, print_comparison
+
+        comparison = compare(args.measured, summaries)
+        print_comparison(comparison)
     json_path = args.json or Path(f"sim-{config.name}.json")
-    write_json(json_path, config, prepared.models, prepared.capacity_rps, summaries)
+    write_json(json_path, config, prepared.models, prepared.capacity_rps, summaries, comparison)
     print(f"wrote {json_path}")
     if not args.no_plots:
         for path in write_plots(summaries, args.plots, config.name):
@@ -50,4 +56,6 @@ def add_sim_args(parser: argparse.ArgumentParser) -> None:
     add("--seed", type=int, help="override seed")
     add("--routers", help="override routers, comma-separated (tandem,pow2,round-robin,prefix-affinity)")
     add("--controllers", help="override controllers, comma-separated (adaptive,table,fixed:K)")
+    add("--measured", type=Path, help="a `tandem bench router --json` file of the same cluster: print the error "
+        "of each simulated percentile against it")
     add("--disable-tqdm", action="store_true")

@@ -49,6 +49,8 @@ class GroupConfig(_Strict):
     kv_capacity_tokens: int | None = Field(None, ge=1, description="default: derived from device memory")
     step_time_scale: float = Field(1.0, ge=1.0, description="stretch every step (bench router's slow group)")
     step_noise: float = Field(0.0, ge=0, lt=1, description="relative std of a lognormal factor on each step")
+    acceptance: list[float] | None = Field(
+        None, description="true per-position acceptance on this workload (default: the profile's, or the top level)")
     price_per_hour: float | None = Field(None, ge=0, description="$ per replica-hour; default: the device table")
 
 

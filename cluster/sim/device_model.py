@@ -139,14 +139,16 @@ def group_step_model(config: SimConfig, group: GroupConfig, table: DeviceTable) 
     if group.profile is not None:
         profile = SpeculationProfile.load(group.profile)
         capacity = group.kv_capacity_tokens or group.max_num_seqs * 4096
-        return StepModel(profile.latency_model, tuple(profile.acceptance), capacity,
+        acceptance = group.acceptance if group.acceptance is not None else profile.acceptance
+        return StepModel(profile.latency_model, tuple(acceptance), capacity,
                          f"measured: {Path(group.profile).name}", price, max_k)
     if figures is None:
         raise ConfigError(f"groups[{group.name}].device: {group.device!r} is not in the device table "
                           f"({', '.join(table.devices)}) and the group has no profile")
     model = derive_latency_model(figures, table.efficiency, config.target, config.draft, config.mean_context_len)
     capacity = group.kv_capacity_tokens or derived_kv_capacity(figures, table.efficiency, config.target, config.draft)
-    return StepModel(model, tuple(config.acceptance), capacity, f"derived: {figures.source}", price, max_k)
+    acceptance = group.acceptance if group.acceptance is not None else config.acceptance
+    return StepModel(model, tuple(acceptance), capacity, f"derived: {figures.source}", price, max_k)
 
 
 def controller_prior(group: GroupConfig, truth: StepModel) -> tuple[LatencyModel, list[float]]:

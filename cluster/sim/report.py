@@ -94,7 +94,7 @@ def write_plots(summaries: list[dict], directory: Path, name: str) -> list[Path]
 
 
 def write_json(path: Path, config: SimConfig, models: dict[str, StepModel], capacity_rps: float,
-               summaries: list[dict]) -> None:
+               summaries: list[dict], comparison: dict | None = None) -> None:
     data = {
         "config": config.model_dump(),
         "capacity_rps": capacity_rps,
@@ -104,5 +104,7 @@ def write_json(path: Path, config: SimConfig, models: dict[str, StepModel], capa
                                "price_per_hour_assumed": m.price_per_hour} for name, m in models.items()},
         "cells": summaries,
     }
+    if comparison is not None:
+        data["validation"] = comparison
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(data, indent=1) + "\n")
