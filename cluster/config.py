@@ -25,6 +25,7 @@ class _Strict(BaseModel):
 
 
 DType = Literal["float32", "bfloat16", "float16", "auto"]
+Quantization = Literal["none", "int8", "int8-dynamic"]
 
 
 class ModelConfig(_Strict):
@@ -32,6 +33,9 @@ class ModelConfig(_Strict):
     dtype: DType = "float32"
     max_model_len: int | None = Field(None, ge=1, description="defaults to the model's context length")
     cache_dir: str | None = Field(None, description="where fetched and converted weights live")
+    quantization: Quantization = Field(
+        "none", description="int8: int8 weights, per-output-channel scales (linear layers and LM head); "
+        "int8-dynamic: also int8 activations per step (fbgemm, CPU)")
     seed: int = 0
 
 
@@ -45,6 +49,8 @@ class CacheConfig(_Strict):
     )
     num_blocks: int | None = Field(None, ge=1, description="exact pool size; overrides both")
     enable_prefix_caching: bool = True
+    kv_cache_dtype: Literal["auto", "int8"] = Field(
+        "auto", description="auto: the model's dtype; int8: int8 K/V with a scale per token and head (~2x the tokens of bfloat16)")
 
     @field_validator("kv_cache_memory")
     @classmethod
@@ -72,6 +78,9 @@ class SpeculativeConfig(_Strict):
     method: Literal["none", "draft", "ngram"] = "none"
     draft_model: str | None = Field(None, description="short name, HF folder or .gguf file (method: draft)")
     draft_dtype: DType | None = Field(None, description="defaults to the target's dtype")
+    draft_quantization: Quantization | None = Field(
+        None, description="the draft's model.quantization (defaults to the target's); int8 with the target "
+        "itself as draft_model is self-speculation")
     num_speculative_tokens: int = Field(4, ge=0, le=16, description="k (fixed), or the largest k (table, adaptive)")
     controller: Literal["fixed", "table", "adaptive"] = "fixed"
     profile: str | None = Field(None, description="`tandem profile` JSON, needed by table and adaptive")

@@ -130,7 +130,7 @@ def pack_parallel_linears(model: nn.Module, device: torch.device, dtype: torch.d
         return 0
     packed = 0
     for module in model.modules():
-        if isinstance(module, (ColumnParallelLinear, RowParallelLinear)):
+        if isinstance(module, (ColumnParallelLinear, RowParallelLinear)) and module.packed is None:
             bias = module.bias if isinstance(module, ColumnParallelLinear) else None
             shard = SimpleNamespace(in_features=module.weight.shape[1], out_features=module.weight.shape[0],
                                     weight=module.weight, bias=bias)

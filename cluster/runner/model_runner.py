@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, NamedTuple
 import torch
 
 from cluster.engine.scheduler import ScheduledRequest
+from cluster.quant.kv_int8 import Int8KVCache, bytes_per_vector
 from cluster.runner.input_batch import SeqChunk, prepare_inputs
 from cluster.runner.sampler import Sampler, SamplingMetadata, compute_probs
 from cluster.spec.rejection import rejection_sample
@@ -36,12 +37,16 @@ class KVCacheSpec:
     num_kv_heads: int
     head_dim: int
     block_size: int
-    dtype: torch.dtype
+    dtype: torch.dtype  # the compute dtype
+    cache_dtype: torch.dtype | None = None  # torch.int8: quantized K/V (cluster.quant.kv_int8); None: dtype
 
     @property
     def bytes_per_block(self) -> int:
-        element = torch.empty((), dtype=self.dtype).element_size()
-        return 2 * self.num_layers * self.block_size * self.num_kv_heads * self.head_dim * element
+        if self.cache_dtype == torch.int8:
+            vector = bytes_per_vector(self.head_dim)
+        else:
+            vector = self.head_dim * torch.empty((), dtype=self.dtype).element_size()
+        return 2 * self.num_layers * self.block_size * self.num_kv_heads * vector
 
 
 def free_device_memory(device: torch.device) -> int:
@@ -67,11 +72,14 @@ class ModelRunner:
         self.spec = spec
         self.device = device
         self.num_blocks = num_blocks
-        # [num_layers, 2 (K, V), num_slots, num_kv_heads, head_dim]
-        self.kv_caches = torch.zeros(
-            spec.num_layers, 2, num_blocks * spec.block_size, spec.num_kv_heads, spec.head_dim,
-            dtype=spec.dtype, device=device,
-        )
+        num_slots = num_blocks * spec.block_size
+        if spec.cache_dtype == torch.int8:
+            self.kv_caches = Int8KVCache(spec.num_layers, num_slots, spec.num_kv_heads, spec.head_dim,
+                                         spec.dtype, device)
+        else:  # [num_layers, 2 (K, V), num_slots, num_kv_heads, head_dim]
+            self.kv_caches = torch.zeros(
+                spec.num_layers, 2, num_slots, spec.num_kv_heads, spec.head_dim, dtype=spec.dtype, device=device
+            )
         self.sampler = Sampler()
         self.generators: dict[str, torch.Generator] = {}
 

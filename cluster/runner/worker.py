@@ -16,6 +16,8 @@ from cluster.models.layers.packed_linear import pack_linears
 from cluster.models.registry import build_model, context_length, resolve_dtype
 from cluster.parallel.group import TPGroup
 from cluster.parallel.layers import pack_parallel_linears
+from cluster.quant.apply import quantize_linears
+from cluster.quant.checkpoint import dequantized, folder_scheme
 from cluster.runner.model_runner import KVCacheSpec, ModelRunner, free_device_memory, num_blocks_for_budget
 
 logger = logging.getLogger(__name__)
@@ -84,11 +86,24 @@ def load_model(config: TandemConfig, device: torch.device, tp: TPGroup | None = 
             f"max_model_len {max_model_len} exceeds the model's context length {context_length(hf_config)}"
         )
     model = build_model(hf_config, dtype, device, max_model_len, tp)
-    model.load_weights(iter_weights(source) if tp is None else iter_lazy_weights(source))
+    stored_scheme = folder_scheme(hf_config)
+    if stored_scheme is not None and tp is not None:
+        raise ValueError(f"{source.path} holds int8 weights; tensor parallelism needs the full-precision model "
+                         "(set model.quantization: int8 on it instead)")
+    if tp is not None:
+        model.load_weights(iter_lazy_weights(source))
+    else:
+        weights = iter_weights(source)
+        model.load_weights(dequantized(weights) if stored_scheme else weights)
+    scheme = config.model.quantization if config.model.quantization != "none" else (stored_scheme or "none")
+    if scheme != "none":
+        quantize_linears(model, scheme)
     pack_linears(model, device, dtype)
     if tp is not None:
         pack_parallel_linears(model, device, dtype)
-    spec = KVCacheSpec(model.num_layers, model.num_kv_heads, model.head_dim, config.cache.block_size, dtype)
+    cache_dtype = torch.int8 if config.cache.kv_cache_dtype == "int8" else None
+    spec = KVCacheSpec(model.num_layers, model.num_kv_heads, model.head_dim, config.cache.block_size, dtype,
+                       cache_dtype)
     return LoadedModel(model, hf_config, tokenizer, dtype, max_model_len, spec)
 
 

@@ -24,6 +24,7 @@ def build_speculation(config: TandemConfig, target_worker) -> tuple[Proposer | N
         config,
         model=spec.draft_model,
         dtype=spec.draft_dtype or config.model.dtype,
+        quantization=spec.draft_quantization or config.model.quantization,
         max_model_len=target_worker.max_model_len,
         num_blocks=target_worker.runner.num_blocks,
         tensor_parallel_size=1,  # the draft runs whole on the driver rank

@@ -41,18 +41,23 @@ class PagedAttention(torch.nn.Module):
         q: torch.Tensor,  # [num_tokens, num_heads * head_dim]
         k: torch.Tensor,  # [num_tokens, num_kv_heads * head_dim]
         v: torch.Tensor,  # [num_tokens, num_kv_heads * head_dim]
-        kv_cache: torch.Tensor,  # [2, num_slots, num_kv_heads, head_dim]
+        kv_cache,  # [2, num_slots, num_kv_heads, head_dim] tensor, or an Int8LayerCache
         meta: AttentionMetadata,
     ) -> torch.Tensor:  # [num_tokens, num_heads * head_dim]
         num_tokens = q.shape[0]
-        k_cache, v_cache = kv_cache[0], kv_cache[1]
-        k_cache.index_copy_(0, meta.slot_mapping, k.view(num_tokens, self.num_kv_heads, self.head_dim))
-        v_cache.index_copy_(0, meta.slot_mapping, v.view(num_tokens, self.num_kv_heads, self.head_dim))
-
-        gather_shape = (meta.num_seqs, -1, self.num_kv_heads, self.head_dim)
+        new_k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
+        new_v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
         flat_slots = meta.context_slots.view(-1)
-        keys = k_cache.index_select(0, flat_slots).view(gather_shape)  # [num_seqs, ctx, num_kv_heads, head_dim]
-        values = v_cache.index_select(0, flat_slots).view(gather_shape)
+        if isinstance(kv_cache, torch.Tensor):
+            kv_cache[0].index_copy_(0, meta.slot_mapping, new_k)
+            kv_cache[1].index_copy_(0, meta.slot_mapping, new_v)
+            keys, values = kv_cache[0].index_select(0, flat_slots), kv_cache[1].index_select(0, flat_slots)
+        else:  # a quantized layer cache (cluster.quant.kv_int8.Int8LayerCache)
+            kv_cache.write(meta.slot_mapping, new_k, new_v)
+            keys, values = kv_cache.gather(flat_slots)
+        gather_shape = (meta.num_seqs, -1, self.num_kv_heads, self.head_dim)
+        keys = keys.view(gather_shape)  # [num_seqs, ctx, num_kv_heads, head_dim]
+        values = values.view(gather_shape)
         if meta.query_pad_index is None:
             return self._decode(q, keys, values, meta)
 
