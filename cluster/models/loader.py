@@ -104,6 +104,10 @@ def resolve_model(name_or_path: str, cache_dir: Path | None = None) -> ModelSour
     if name_or_path in EMBEDDED_MODELS:
         gguf_path = _fetch_embedded(EMBEDDED_MODELS[name_or_path], cache_dir)
         return ModelSource(name=name_or_path, path=_convert(gguf_path, cache_dir))
+    from cluster.drafts.shipped import SHIPPED_DRAFTS, materialize_draft  # a draft shipped as its own tensors
+
+    if name_or_path in SHIPPED_DRAFTS:  # built once from the shipped tensors + its target's embedding
+        return ModelSource(name=name_or_path, path=materialize_draft(name_or_path, cache_dir))
     looks_like_path = os.sep in name_or_path or name_or_path.startswith((".", "~"))
     looks_like_path = looks_like_path or name_or_path.endswith(".gguf")
     what = (
