@@ -238,8 +238,14 @@ class SimReplica:
         num_prefill_tokens = sum(plan.prefill_chunks)
         num_seqs = len(plan.decode_slots) + len(plan.prefill_slots)
         self.tracker.observe(num_seqs, plan.k, num_prefill_tokens, plan.seconds)
+        if plan.prefill_slots or not len(plan.decode_slots):
+            return  # steps with prefill chunks are not what the latency model describes
+        fast = getattr(self.controller, "observe_arrays", None)
+        if fast is not None:
+            fast(len(plan.decode_slots), plan.k, plan.seconds, accepted)
+            return
         observe = getattr(self.controller, "observe", None)
-        if observe is not None and not plan.prefill_slots and len(plan.decode_slots):
+        if observe is not None:
             drafts = [(plan.k, a) for a in accepted.tolist()] if accepted is not None else []
             observe(StepObservation(len(plan.decode_slots), plan.k, plan.seconds, drafts))
 

@@ -1,0 +1,46 @@
+"""The simulator's adaptive controller decides and learns exactly as the engine's does."""
+
+import numpy as np
+import pytest
+
+from cluster.sim.controllers import SimAdaptiveController, VectorLatencyModel, build_controller
+from cluster.spec.controller import AdaptiveController, BatchState, FixedController, StepObservation, TableController
+from cluster.spec.latency_model import LatencyModel
+
+PRIOR = LatencyModel([0.02, 0.0004, 0.0002], [0.003, 0.00005])
+
+
+def test_vector_best_k_equals_the_latency_models():
+    rng = np.random.default_rng(0)
+    for _ in range(200):
+        model = LatencyModel(list(rng.uniform(0, 0.01, 3)), list(rng.uniform(0, 0.003, 2)))
+        fast = VectorLatencyModel(model.target_coef, model.draft_coef)
+        acceptance = list(rng.uniform(0, 1, rng.integers(1, 7)))
+        for b in (1, 3, 16, 64, 200):
+            assert fast.best_k(b, acceptance, 6) == model.best_k(b, acceptance, 6)
+
+
+def test_same_observations_same_acceptance_model_and_choices():
+    real = AdaptiveController(PRIOR, [0.7, 0.6, 0.5], max_k=6)
+    sim = SimAdaptiveController(PRIOR, [0.7, 0.6, 0.5], max_k=6)
+    rng = np.random.default_rng(1)
+    for step in range(300):
+        b = int(rng.integers(1, 64))
+        state = BatchState(b, int(rng.integers(0, 5)))
+        k = real.choose_k(state)
+        assert sim.choose_k(state) == k, f"step {step}"
+        seconds = PRIOR.step_time(b, k) * rng.uniform(0.8, 1.6)
+        accepted = (np.cumprod(rng.random((b, k)) < 0.8, axis=1).sum(axis=1) if k else np.zeros(b, dtype=int))
+        real.observe(StepObservation(b, k, seconds, [(k, int(a)) for a in accepted] if k else []))
+        sim.observe_arrays(b, k, seconds, accepted if k else None)
+        np.testing.assert_allclose(sim.acceptance, real.acceptance, rtol=1e-9, atol=1e-12)
+        np.testing.assert_allclose(sim.model.target_coef, real.model.target_coef, rtol=1e-9)
+    assert real.num_switches == sim.num_switches > 0
+
+
+@pytest.mark.parametrize("name, kind", [("fixed:2", FixedController), ("table", TableController),
+                                        ("adaptive", SimAdaptiveController)])
+def test_build_controller(name, kind):
+    controller = build_controller(name, PRIOR, [0.8], max_k=4, max_num_seqs=32)
+    assert isinstance(controller, kind)
+    assert 0 <= controller.choose_k(BatchState(8, 0)) <= 4
