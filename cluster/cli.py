@@ -6,6 +6,7 @@
     tandem bench spec [--vllm] [--json PATH] ...
     tandem bench paper [--json PATH] [--plots DIR] ...
     tandem bench serve [--url URL] [--endpoint completions|chat] [--dataset NAME] [--json PATH] ...
+    tandem bench compare [CONFIG] [--form peers|groups|both] [--json PATH] ...
     tandem bench router [CONFIG] [--slow-factor F] [--request-rate R] ...
     tandem sim CONFIG [--json PATH] [--plots DIR] [--num-requests N] ...
     tandem profile [CONFIG] [--group NAME] [--out PATH] ...
@@ -189,6 +190,20 @@ def cmd_bench_paper(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_bench_quant(args: argparse.Namespace) -> int:
+    from cluster.bench.quant import run_quant_bench
+
+    run_quant_bench(args)
+    return 0
+
+
+def cmd_bench_compare(args: argparse.Namespace) -> int:
+    from cluster.bench.compare import run_compare
+
+    run_compare(args)
+    return 0
+
+
 def cmd_bench_serve(args: argparse.Namespace) -> int:
     from cluster.bench.serve import run_serve_bench
 
@@ -341,6 +356,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_serve_args(serve_bench)
     serve_bench.set_defaults(func=cmd_bench_serve)
+    compare_bench = bench.add_parser("compare", help="one workload against Tandem and vLLM (servers, or the "
+                                     "native and vLLM groups of one cluster): ratios")
+    from cluster.bench.compare import add_compare_args
+
+    add_compare_args(compare_bench)
+    compare_bench.set_defaults(func=cmd_bench_compare)
     router_bench = bench.add_parser("router", help="Tandem's router vs power-of-two choices on a fast+slow cluster")
     from deployments.bench_router import add_router_args
 

@@ -5,6 +5,10 @@ anything is queued), tokenizes it (chat template from the model), picks a replic
 group (:class:`GroupRouter`), and streams the replica's deltas back as one JSON body
 or as server-sent events. Errors: 400 bad input, 401 wrong or missing API key, 404
 unknown model, 429 a replica's queue is full, 503 Serve's queue is full.
+
+A request may pin its replica group with the header ``X-Tandem-Group: NAME`` (benchmarks
+and tests send the same workload to each group, e.g. a native and a vLLM one); the
+router then ranks only that group's replicas.
 """
 
 
@@ -126,10 +130,13 @@ class OpenAIIngress:
         if body.model != self.model_name:
             return _error(404, f"the model {body.model!r} does not exist; this server serves {self.model_name!r}",
                           "not_found_error", "model", "model_not_found")
+        pinned = request.headers.get("x-tandem-group")
+        if pinned is not None and pinned not in self.hashing:
+            return _error(400, f"X-Tandem-Group names no replica group: {pinned!r}; groups: {', '.join(self.hashing)}")
         try:
             body.check_supported()
             prompts = self._prompt_token_ids(body, chat)
-            streams = self._make_requests(body, prompts, chat)
+            streams = self._make_requests(body, prompts, chat, pinned)
         except UnsupportedFieldError as err:
             return _error(400, str(err), param=err.param)
         except ValueError as err:
@@ -167,7 +174,8 @@ class OpenAIIngress:
             raise UnsupportedFieldError("prompt", "the prompt is empty; send at least one token")
         return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
 
-    def _make_requests(self, body, prompts: list[list[int]], chat: bool) -> list[ChoiceStream]:
+    def _make_requests(self, body, prompts: list[list[int]], chat: bool,
+                       pinned: str | None = None) -> list[ChoiceStream]:
         num_logprobs = body.num_logprobs if chat else body.logprobs
         default = body.requested_max_tokens() is None and chat
         base_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
@@ -175,6 +183,8 @@ class OpenAIIngress:
         for p_index, token_ids in enumerate(prompts):
             routing = {}
             for group, (block_size, seed) in self.hashing.items():
+                if pinned is not None and group != pinned:
+                    continue
                 hashes = leading_block_hashes(token_ids, block_size, seed, self.prefix_blocks, body.cache_salt)
                 routing[group] = RoutingRequest(len(token_ids), body.requested_max_tokens() or 256, hashes)
             for j in range(body.n):

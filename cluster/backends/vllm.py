@@ -106,6 +106,7 @@ class VllmBackend:
         self.max_model_len = int(self.engine.model_config.max_model_len)
         self.block_size = int(self.engine.vllm_config.cache_config.block_size or config.cache.block_size)
         self._num_pending = 0  # requests handed to vLLM that no step has reported yet
+        self._num_inflight = 0  # requests between acknowledgement and last delta (or abort)
         self._failed: str | None = None
 
     # ---- requests ---------------------------------------------------------------------------
@@ -126,6 +127,7 @@ class VllmBackend:
         if request.cache_salt is not None:
             prompt["cache_salt"] = request.cache_salt
         stream = self.engine.generate(prompt, params, request.request_id)
+        self.recorder.submitted()
         self._num_pending += 1
         try:
             first = await stream.__anext__()
@@ -146,6 +148,7 @@ class VllmBackend:
             self._num_pending -= 1
         yield GenerateDelta(accepted=True, num_prompt_tokens=len(request.prompt_token_ids))
         num_output = 0
+        self._num_inflight += 1
         try:
             out = first
             while out is not None:
@@ -162,6 +165,10 @@ class VllmBackend:
             yield GenerateDelta(error=ErrorInfo(500, f"the engine failed: {err}", "server_error"))
         finally:
             await stream.aclose()
+            self._num_inflight -= 1
+            if self._num_inflight == 0 and self._num_pending == 0:
+                # vLLM reports no step after the last request leaves (finished or aborted).
+                self.recorder.idle()
 
     def _check(self, request: GenerateRequest) -> ErrorInfo | None:
         """The native engine's checks and messages, before vLLM sees the request."""

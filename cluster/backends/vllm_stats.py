@@ -149,6 +149,18 @@ class VllmStatsRecorder:
             self.sink.observe("e2e_request_latency_seconds", done.e2e_latency)
             self.sink.observe("request_queue_time_seconds", done.queued_time)
 
+    def submitted(self, now: float | None = None) -> None:
+        """A request was handed to vLLM: an idle engine's next step starts now."""
+        if self._last_step is None:
+            self._last_step = time.monotonic() if now is None else now
+
+    def idle(self) -> None:
+        """No request is left in the engine: vLLM sends no further step to say so."""
+        self.num_running = self.num_waiting = 0
+        self.kv_cache_usage = 0.0
+        self._last_step = None
+        self.poll()
+
     # ---- gauges ----------------------------------------------------------------------------
     def poll(self) -> None:
         if self.sink is None:

@@ -66,6 +66,7 @@ class ServeBenchOptions:
     timeout_s: float = 6 * 3600.0
     show_progress: bool = True
     requests: tuple[BenchRequest, ...] | None = None
+    headers: tuple[tuple[str, str], ...] = ()  # sent with every request, e.g. (("X-Tandem-Group", "vllm"),)
 
     def validate(self) -> None:
         if self.endpoint not in ENDPOINTS:
@@ -148,6 +149,7 @@ async def run_serve_benchmark(options: ServeBenchOptions) -> ServeBenchResult:
     base = options.url.rstrip("/").removesuffix("/v1")
     url = base + ENDPOINTS[options.endpoint]
     headers = {"Authorization": f"Bearer {options.api_key}"} if options.api_key else {}
+    headers.update(dict(options.headers))
     connector = aiohttp.TCPConnector(limit=options.max_concurrency or 0)
     timeout = aiohttp.ClientTimeout(total=options.timeout_s)
     async with aiohttp.ClientSession(connector=connector, timeout=timeout, headers=headers) as session:

@@ -1,0 +1,140 @@
+"""The servers ``tandem bench compare`` starts and stops: Tandem (``tandem serve`` on a
+config derived from the one given) and vLLM's CPU server (the ``vllm_cpu.sh`` anchor).
+
+Each server runs in its own process group on a free loopback port and is stopped (and
+waited for) before the next one starts, so two systems never share the cores.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+
+import yaml
+
+from cluster.bench.spec_vllm import free_port
+
+START_TIMEOUT_S = 1800  # a first start may convert the model or install vLLM
+
+
+@dataclass
+class RunningServer:
+    name: str
+    url: str
+    stop: callable
+    log: Path
+
+
+def _wait_ready(url: str, process: subprocess.Popen | None, log: Path, timeout_s: float = START_TIMEOUT_S) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            with urllib.request.urlopen(f"{url}/v1/models", timeout=10) as response:
+                if response.status == 200:
+                    return
+        except OSError:
+            pass
+        if process is not None and process.poll() is not None:
+            tail = "\n".join(log.read_text(errors="replace").splitlines()[-20:])
+            raise RuntimeError(f"the server exited with {process.returncode} before answering:\n{tail}")
+        time.sleep(2)
+    raise RuntimeError(f"no answer from {url} within {timeout_s:.0f} s; see {log}")
+
+
+def _stop_group(process: subprocess.Popen) -> None:
+    if process.poll() is None:
+        os.killpg(process.pid, signal.SIGTERM)  # tandem serve shuts Serve down on SIGTERM
+        try:
+            process.wait(timeout=90)
+        except subprocess.TimeoutExpired:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait(timeout=30)
+
+
+def tandem_config_yaml(config_path: str | Path, speculation: bool, groups: list[dict] | None,
+                       out_dir: Path) -> tuple[Path, int]:
+    """A copy of ``config_path`` on a free port (and metrics port), optionally without
+    speculation or with other replica groups; profiles stay found beside the original."""
+    config_path = Path(config_path).resolve()
+    data = yaml.safe_load(config_path.read_text()) or {}
+    spec = data.setdefault("speculative", {})
+    if spec.get("profile") and not Path(spec["profile"]).is_absolute():
+        spec["profile"] = str((config_path.parent / spec["profile"]).resolve())
+    if not speculation:
+        data["speculative"] = {"method": "none"}
+    port = free_port()
+    serve = data.setdefault("serve", {})
+    serve.update(port=port, metrics_export_port=free_port(), host="127.0.0.1")
+    if groups is not None:
+        serve["groups"] = groups
+    for group in serve.get("groups", []):
+        if group.get("profile") and not Path(group["profile"]).is_absolute():
+            group["profile"] = str((config_path.parent / group["profile"]).resolve())
+    path = out_dir / f"tandem-{port}.yaml"
+    path.write_text(yaml.safe_dump(data, sort_keys=False))
+    return path, port
+
+
+def start_tandem(name: str, config_path: str | Path, speculation: bool, python: str,
+                 groups: list[dict] | None = None) -> RunningServer:
+    out_dir = Path(tempfile.mkdtemp(prefix="tandem-compare-"))
+    path, port = tandem_config_yaml(config_path, speculation, groups, out_dir)
+    log = out_dir / "serve.log"
+    with open(log, "wb") as sink:
+        process = subprocess.Popen([python, "-m", "cluster.cli", "serve", str(path)], stdout=sink,
+                                   stderr=subprocess.STDOUT, start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        _wait_ready(url, process, log)
+    except BaseException:
+        _stop_group(process)
+        raise
+    return RunningServer(name, url, lambda: _stop_group(process), log)
+
+
+def start_vllm_anchor(name: str, script: str | Path, speculation_config: dict | None,
+                      extra_args: list[str]) -> RunningServer:
+    port = free_port()
+    cmd = [str(script), "serve", str(port), *extra_args]
+    if speculation_config:
+        cmd += ["--speculative-config", json.dumps(speculation_config)]
+    started = subprocess.run(cmd, capture_output=True, text=True, timeout=START_TIMEOUT_S)
+    lines = started.stdout.strip().splitlines()
+    if started.returncode != 0 or not lines or not lines[-1].isdigit():
+        tail = "\n".join((started.stderr or started.stdout).strip().splitlines()[-15:])
+        raise RuntimeError(f"{script} serve exited with {started.returncode}:\n{tail}")
+    pid = int(lines[-1])
+    root = Path(os.environ.get("TANDEM_ANCHORS", Path.home() / ".cache" / "tandem-anchors"))
+
+    def stop() -> None:
+        subprocess.run([str(script), "stop", str(pid)], capture_output=True, timeout=60)
+        deadline = time.monotonic() + 90
+        while time.monotonic() < deadline:
+            try:
+                os.kill(pid, 0)
+            except ProcessLookupError:
+                return
+            time.sleep(0.5)
+
+    return RunningServer(name, f"http://127.0.0.1:{port}", stop, root / f"vllm-serve-{port}.log")
+
+
+def python_with_vllm() -> str | None:
+    """An interpreter that has both Tandem and vLLM: this one, or the vLLM tier's environment."""
+    try:
+        import vllm  # noqa: F401
+
+        return sys.executable
+    except ImportError:
+        pass
+    venv = Path(os.environ.get("TANDEM_VLLM_VENV", Path.home() / ".cache" / "tandem" / "venv-vllm"))
+    python = venv / "bin" / "python"
+    return str(python) if python.exists() else None
