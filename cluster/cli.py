@@ -246,6 +246,17 @@ def cmd_draft_distill(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_draft_quantize(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from cluster.drafts.quantize import quantize_draft
+
+    summary = quantize_draft(args.target, Path(args.out), args.scheme)
+    print(f"wrote {summary['out']}: {summary['num_quantized']} matrices in {summary['scheme']}, weights "
+          f"{summary['bytes_before'] / 1e6:.1f} MB -> {summary['bytes_after'] / 1e6:.1f} MB")
+    return 0
+
+
 def add_draft_parser(sub) -> None:
     """``tandem draft <command>``: each command is one ``add_parser`` + ``set_defaults``."""
     draft = sub.add_parser("draft", help="make a draft model from a target").add_subparsers(dest="draft",
@@ -257,15 +268,21 @@ def add_draft_parser(sub) -> None:
     dist.add_argument("--layers", type=int, required=True, help="decoder layers the draft keeps")
     dist.add_argument("--layer-choice", default="auto", choices=["auto", "first", "even", "first-last"],
                       help="which layers: auto measures each choice's KL to the target before training")
-    dist.add_argument("--steps", type=int, default=200, help="optimizer steps")
-    dist.add_argument("--batch-size", type=int, default=4, help="rows (samples) per step")
-    dist.add_argument("--seq-len", type=int, default=256, help="tokens per row (prompt + answer)")
+    dist.add_argument("--steps", type=int, default=120, help="optimizer steps")
+    dist.add_argument("--batch-size", type=int, default=8, help="rows (samples) per step")
+    dist.add_argument("--seq-len", type=int, default=192, help="tokens per row (prompt + answer)")
     dist.add_argument("--lr", type=float, default=3e-4, help="peak learning rate (AdamW, cosine decay)")
     dist.add_argument("--seed", type=int, default=0, help="seeds the samples and the row order")
-    dist.add_argument("--num-samples", type=int, default=336, help="answers the target writes to train on")
-    dist.add_argument("--max-new-tokens", type=int, default=224, help="longest answer sampled")
+    dist.add_argument("--num-samples", type=int, default=192, help="answers the target writes to train on")
+    dist.add_argument("--max-new-tokens", type=int, default=128, help="longest answer sampled")
     dist.add_argument("--checkpoint-every", type=int, default=25, help="steps between checkpoints")
     dist.set_defaults(func=cmd_draft_distill)
+    quant = draft.add_parser("quantize", help="write an int8 copy of the target to use as its own draft")
+    quant.add_argument("target", help="short name, Hugging Face folder or .gguf file")
+    quant.add_argument("out", help="output folder (new or empty): a Hugging Face folder with int8 weights")
+    quant.add_argument("--scheme", default="int8", choices=["int8", "int8-dynamic"],
+                       help="int8: weight-only; int8-dynamic: int8 activations too (fbgemm, CPU)")
+    quant.set_defaults(func=cmd_draft_quantize)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -351,6 +368,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_paper_args(paper)
     paper.set_defaults(func=cmd_bench_paper)
+    quant_bench = bench.add_parser("quant", help="int8 kernels, quality and tok/s against float32")
+    from cluster.bench.quant import add_quant_args
+
+    add_quant_args(quant_bench)
+    quant_bench.set_defaults(func=cmd_bench_quant)
     serve_bench = bench.add_parser("serve", help="load-test an OpenAI-compatible server (vllm bench serve metrics)")
     from cluster.bench.serve import add_serve_args
 

@@ -31,7 +31,8 @@ import torch
 
 from cluster.drafts.checkpoint import load_state, save_state
 from cluster.drafts.distill_data import Rows, SampleSettings, load_instruction_prompts, load_or_generate, split_rows
-from cluster.drafts.prune import LAYER_CHOICES, heldout_kl, kl_to_target, load_target, prune, select_layers
+from cluster.drafts.prune import (LAYER_CHOICES, heldout_kl, kl_from_target_hidden, load_target, prune, select_layers,
+                                  target_hidden_states)
 from cluster.models.loader import resolve_model
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
@@ -44,14 +45,14 @@ class DistillSettings:
     """Everything that determines the result (``checkpoint_every`` aside)."""
 
     layers: int
-    steps: int = 200
-    batch_size: int = 4
-    seq_len: int = 256
+    steps: int = 120
+    batch_size: int = 8
+    seq_len: int = 192
     lr: float = 3e-4
     warmup_steps: int = 10
     seed: int = 0
-    num_samples: int = 336
-    max_new_tokens: int = 224
+    num_samples: int = 192
+    max_new_tokens: int = 128
     temperature: float = 0.8
     top_p: float = 0.95
     layer_choice: str = "auto"  # "auto" measures every choice in LAYER_CHOICES
@@ -98,6 +99,7 @@ def distill(target: str, out: Path, settings: DistillSettings, prompts: list[str
     ckpt_dir = out / "checkpoint"
     source = resolve_model(target)
     engine_overrides.setdefault("dtype", "float32")
+    engine_overrides.setdefault("max_num_seqs", 96)  # the samples are one continuous batch
     samples = load_or_generate(ckpt_dir / "samples.json", target, prompts or load_instruction_prompts(),
                                settings.samples, **engine_overrides)
     teacher = load_target(source)
@@ -129,11 +131,15 @@ def distill(target: str, out: Path, settings: DistillSettings, prompts: list[str
     end = settings.steps if stop_after is None else min(settings.steps, step + stop_after)
     bar = _progress(progress, settings.steps, step)
     student.train()
+    if step < end:
+        hidden = _cached_hidden(ckpt_dir / "target_hidden.pt", teacher, train_rows, settings.batch_size)
     while step < end:
-        batch = train_rows.batch(batch_rows(step, settings.batch_size, len(train_rows), settings.seed))
+        index = batch_rows(step, settings.batch_size, len(train_rows), settings.seed)
+        batch = train_rows.batch(index)
         for group in optimizer.param_groups:
             group["lr"] = settings.lr_at(step)
-        loss = kl_to_target(teacher, student, batch.token_ids, batch.loss_mask)
+        loss = kl_from_target_hidden(teacher, hidden[index][batch.loss_mask], student, batch.token_ids,
+                                     batch.loss_mask)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, 1.0)
@@ -166,6 +172,16 @@ def batch_rows(step: int, batch_size: int, num_rows: int, seed: int) -> list[int
         generator = torch.Generator().manual_seed(seed * 1_000_003 + epoch)
         rows.append(int(torch.randperm(num_rows, generator=generator)[index]))
     return rows
+
+
+def _cached_hidden(path: Path, teacher, rows: Rows, batch_size: int) -> torch.Tensor:
+    """The target's final hidden states of the training rows, computed once per run."""
+    saved = load_state(path)
+    if saved is not None:
+        return saved["hidden"]
+    hidden = target_hidden_states(teacher, rows, batch_size)
+    save_state(path, hidden=hidden)
+    return hidden
 
 
 def _choose_layers(teacher, settings: DistillSettings, probe: Rows) -> tuple[list[int], dict]:

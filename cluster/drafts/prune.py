@@ -110,11 +110,31 @@ def kl_to_target(target: LlamaForCausalLM, student: LlamaForCausalLM, token_ids:
     ``token_ids``/``loss_mask``: [batch, seq_len]. Differentiable in the student.
     """
     with torch.no_grad():
-        target_logprobs = torch.log_softmax(_masked_logits(target, token_ids, loss_mask), dim=-1)
+        target_hidden = target.model(input_ids=token_ids).last_hidden_state[loss_mask]
+    return kl_from_target_hidden(target, target_hidden, student, token_ids, loss_mask)
+
+
+def kl_from_target_hidden(target: LlamaForCausalLM, target_hidden: torch.Tensor, student: LlamaForCausalLM,
+                          token_ids: torch.Tensor, loss_mask: torch.Tensor) -> torch.Tensor:
+    """:func:`kl_to_target` given the target's final (normed) hidden states at the masked
+    positions, ``target_hidden`` [num_tokens, hidden_size]: only the target's head runs."""
+    with torch.no_grad():
+        target_logprobs = torch.log_softmax(target.lm_head(target_hidden), dim=-1)  # [num_tokens, vocab_size]
     student_logprobs = torch.log_softmax(_masked_logits(student, token_ids, loss_mask), dim=-1)
-    target_probs = target_logprobs.exp()  # [num_tokens, vocab_size]
+    target_probs = target_logprobs.exp()
     per_token = (target_probs * (target_logprobs - student_logprobs)).sum(-1)  # [num_tokens]
     return per_token.mean()
+
+
+@torch.no_grad()
+def target_hidden_states(target: LlamaForCausalLM, rows: Rows, batch_size: int) -> torch.Tensor:
+    """The target's final hidden states of every row, [num_rows, seq_len, hidden_size].
+
+    The target is frozen, so these are computed once (in fixed batches: the result does
+    not depend on the training order) and the training steps run only its head."""
+    out = [target.model(input_ids=rows.token_ids[i : i + batch_size]).last_hidden_state
+           for i in range(0, len(rows), batch_size)]
+    return torch.cat(out) if out else torch.empty(0, rows.token_ids.shape[1], target.config.hidden_size)
 
 
 @torch.no_grad()
