@@ -1,0 +1,51 @@
+"""The OpenAI conformance tests of ``tests/serve/test_openai_api.py``, run against each
+replica group of one cluster: ``native`` and ``vllm`` (the ``client`` fixture pins the
+group). Greedy texts are compared with Tandem's engine run offline, so the vLLM group
+passing them also shows its greedy output equals ours on these prompts."""
+
+from __future__ import annotations
+
+import httpx
+import openai
+import pytest
+
+from tests.serve.conftest import API_KEY, MODEL
+from tests.serve.test_openai_api import (  # noqa: F401  (collected here with this tier's fixtures)
+    reference,
+    test_chat_completion_uses_the_models_template,
+    test_completion_matches_the_engine_and_counts_usage,
+    test_logprobs_in_both_layouts,
+    test_models_list,
+    test_seeded_sampling_repeats_and_n_choices_differ,
+    test_stop_string_ends_the_output_before_it,
+    test_streamed_deltas_concatenate_to_the_whole_text,
+    test_token_id_prompts_and_batched_prompts,
+)
+
+
+@pytest.mark.parametrize("body, param", [
+    ({"model": MODEL, "prompt": [1, 2, 100000]}, "prompt"),  # outside the vocabulary
+    ({"model": MODEL, "prompt": "x " * 300}, "prompt"),  # longer than max_model_len 256
+    ({"model": MODEL, "prompt": "hi", "max_tokens": 0}, "max_tokens"),
+    ({"model": MODEL, "prompt": "hi", "temperature": 3}, "temperature"),
+])
+def test_bad_input_is_the_same_400_from_both_engines(server_url, group, body, param):
+    headers = {"Authorization": f"Bearer {API_KEY}", "X-Tandem-Group": group}
+    response = httpx.post(f"{server_url}/v1/completions", json=body, headers=headers, timeout=60)
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["param"] == param and error["type"] == "invalid_request_error" and error["message"]
+
+
+def test_unknown_group_is_400(server_url):
+    headers = {"Authorization": f"Bearer {API_KEY}", "X-Tandem-Group": "nope"}
+    response = httpx.post(f"{server_url}/v1/completions", json={"model": MODEL, "prompt": "hi"}, headers=headers,
+                          timeout=60)
+    assert response.status_code == 400 and "native, vllm" in response.json()["error"]["message"]
+
+
+def test_the_openai_client_sees_typed_errors_from_both(client):
+    with pytest.raises(openai.BadRequestError):
+        client.completions.create(model=MODEL, prompt=[1, 2, 100000], max_tokens=4)
+    assert client.completions.create(model=MODEL, prompt="still here", max_tokens=4,
+                                     temperature=0).usage.completion_tokens == 4
