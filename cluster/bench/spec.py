@@ -21,6 +21,7 @@ output tokens per target step (steps without a draft count too). Speedup is tok/
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import gc
 import json
 import os
@@ -90,6 +91,7 @@ class SpecCell:
     acceptance_rate: float | None = None
     mean_acceptance_length: float | None = None
     accepted_per_position: list[int] = field(default_factory=list)
+    greedy_identical_to_k0: int | None = None  # requests whose tokens equal k = 0's at this batch size
 
 
 def make_cell(system: str, method: str, batch_size: int, k: int, output_len: int,
@@ -133,17 +135,23 @@ def add_spec_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--ks", type=_k_list, default=list(range(9)), help="speculation lengths (default 0..8)")
     parser.add_argument("--output-len", type=_positive_int, default=128, help="output tokens per request (EOS ignored)")
     parser.add_argument("--num-prompts", type=_positive_int, default=16, help="requests per cell (default 16)")
+    parser.add_argument("--quantization", choices=("none", "int8", "int8-dynamic"), default="none",
+                        help="the target's weights")
+    parser.add_argument("--draft-quantization", choices=("none", "int8", "int8-dynamic"),
+                        help="the draft's weights (default: the target's); int8 + --draft-model TARGET = self-draft")
     parser.add_argument("--threads", type=_positive_int, help="torch.set_num_threads (default: torch's choice)")
     parser.add_argument("--kv-cache-memory", default="1GiB", help="Tandem's KV cache budget")
+    parser.add_argument("--kv-cache-dtype", choices=("auto", "int8"), default="auto")
     parser.add_argument("--vllm", action="store_true", help="also measure vLLM's CPU server (n-gram) as a peer")
     parser.add_argument("--vllm-ks", type=_k_list, default=[0, 2, 4], help="vLLM's speculation lengths")
     parser.add_argument("--vllm-script", type=Path, default=DEFAULT_VLLM_SCRIPT, help="the vllm_cpu.sh anchor")
     parser.add_argument("--json", type=Path, help="write the results here")
 
 
-def run_closed_loop(engine, prompt_ids: list[list[int]], output_len: int,
-                    concurrency: int) -> tuple[list[RequestTiming], float]:
-    """Serve every prompt with at most ``concurrency`` in flight; returns timings and wall seconds."""
+def run_closed_loop(engine, prompt_ids: list[list[int]], output_len: int, concurrency: int,
+                    token_ids_out: dict[int, list[int]] | None = None) -> tuple[list[RequestTiming], float]:
+    """Serve every prompt with at most ``concurrency`` in flight; returns timings and wall seconds.
+    With ``token_ids_out``, fills it with each prompt's (by index) output token ids."""
     from cluster.engine.sampling_params import SamplingParams
 
     if engine.has_unfinished():
@@ -153,11 +161,13 @@ def run_closed_loop(engine, prompt_ids: list[list[int]], output_len: int,
     first: dict[str, float] = {}
     steps: dict[str, int] = {}
     timings: list[RequestTiming] = []
+    index: dict[str, int] = {}
     next_prompt = in_flight = 0
     start = time.perf_counter()
     while next_prompt < len(prompt_ids) or in_flight:
         while next_prompt < len(prompt_ids) and in_flight < concurrency:
-            added[engine.add_request(prompt_ids[next_prompt], params)] = time.perf_counter()
+            rid = engine.add_request(prompt_ids[next_prompt], params)
+            added[rid], index[rid] = time.perf_counter(), next_prompt
             next_prompt += 1
             in_flight += 1
         outputs = engine.step()
@@ -173,6 +183,8 @@ def run_closed_loop(engine, prompt_ids: list[list[int]], output_len: int,
                 in_flight -= 1
                 timings.append(RequestTiming(first[rid] - added[rid], now - first[rid],
                                              len(out.outputs[0].token_ids), steps[rid]))
+                if token_ids_out is not None:
+                    token_ids_out[index[rid]] = list(out.outputs[0].token_ids)
     return timings, time.perf_counter() - start
 
 
@@ -183,20 +195,31 @@ def _measure_tandem(args, source, prompt_ids, progress, task) -> list[SpecCell]:
     if args.method == "draft" and not args.draft_model:
         raise ValueError("--method draft needs --draft-model (a model sharing the target's tokenizer)")
     progress.update(task, description=f"loading {Path(args.model).name} {args.dtype}, {args.method} drafts")
+    quant = dict(quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype)
+    if args.draft_quantization:
+        quant["draft_quantization"] = args.draft_quantization
     llm = LLM(str(source.path), dtype=args.dtype, device="cpu", method=args.method, draft_model=args.draft_model,
               num_speculative_tokens=max(args.ks), enable_prefix_caching=False,
-              max_num_seqs=max(args.batch_sizes), kv_cache_memory=args.kv_cache_memory)
+              max_num_seqs=max(args.batch_sizes), kv_cache_memory=args.kv_cache_memory, **quant)
     engine = llm.engine
     cells = []
     for batch_size in args.batch_sizes:
-        for k in args.ks:
+        plain: dict[int, list[int]] | None = None  # k = 0's outputs at this batch size
+        for k in sorted(args.ks):
             progress.update(task, description=f"Tandem batch {batch_size}, k={k}")
             engine.controller = FixedController(k)
             run_closed_loop(engine, prompt_ids[:batch_size], min(WARMUP_LEN, args.output_len), batch_size)
             before = SpecCounts.of(engine.stats().spec)
-            timings, seconds = run_closed_loop(engine, prompt_ids, args.output_len, batch_size)
+            outputs: dict[int, list[int]] = {}
+            timings, seconds = run_closed_loop(engine, prompt_ids, args.output_len, batch_size, outputs)
             counts = SpecCounts.of(engine.stats().spec).minus(before)
-            cells.append(make_cell("tandem", args.method, batch_size, k, args.output_len, timings, seconds, counts))
+            cell = make_cell("tandem", args.method, batch_size, k, args.output_len, timings, seconds, counts)
+            if k == 0:
+                plain = outputs
+            if plain is not None:
+                same = sum(outputs[i] == plain[i] for i in plain)
+                cell = dataclasses.replace(cell, greedy_identical_to_k0=same)
+            cells.append(cell)
             progress.advance(task)
     del llm, engine
     gc.collect()
@@ -265,7 +288,9 @@ def _report(args, source, load_average, prompt_ids, prompt_format, cells, vllm) 
                      "prompt_format": prompt_format, "prompt_lens": [len(p) for p in prompt_ids],
                      "workload": WORKLOAD, "warmup_len": WARMUP_LEN, "prefix_caching": False,
                      "sampling": "greedy, ignore_eos", "concurrency": "closed loop, = batch size",
-                     "tpot": "per request (last token time - first token time) / (output tokens - 1), mean"},
+                     "tpot": "per request (last token time - first token time) / (output tokens - 1), mean",
+                     "quantization": args.quantization, "draft_quantization": args.draft_quantization,
+                     "kv_cache_dtype": args.kv_cache_dtype},
         "tandem": {"mode": "offline, in-process engine", "cells": _with_speedups(cells)},
         "vllm": vllm.to_json() | {"cells": _with_speedups(vllm.cells)},
         "tandem_vs_vllm": comparison,
@@ -300,6 +325,8 @@ def _print_tables(console, result: dict) -> None:
                       box=box.SIMPLE_HEAD, show_edge=False)
         headers = ["batch", "k", "tok/s", "TPOT ms", "TTFT ms", "accept", "acc. len",
                    "tok/step" if system == "tandem" else "T/vLLM", "speedup"]
+        if system == "tandem":
+            headers.append("= k0")  # requests whose greedy tokens equal plain decoding's
         for header in headers:
             table.add_column(header, justify="right")
         last_batch = None
@@ -312,7 +339,11 @@ def _print_tables(console, result: dict) -> None:
             else:
                 t = ours.get((c["batch_size"], c["k"]))
                 extra = fmt(t["tok_per_s"] / c["tok_per_s"] if t else None, ".2f")
-            table.add_row(str(c["batch_size"]), str(c["k"]), f"{c['tok_per_s']:.1f}", fmt(c["tpot_ms"], ".1f"),
-                          f"{c['ttft_ms']:.0f}", fmt(c["acceptance_rate"], ".0%"),
-                          fmt(c["mean_acceptance_length"], ".2f"), extra, fmt(c["speedup_vs_k0"], ".2f"))
+            row = [str(c["batch_size"]), str(c["k"]), f"{c['tok_per_s']:.1f}", fmt(c["tpot_ms"], ".1f"),
+                   f"{c['ttft_ms']:.0f}", fmt(c["acceptance_rate"], ".0%"),
+                   fmt(c["mean_acceptance_length"], ".2f"), extra, fmt(c["speedup_vs_k0"], ".2f")]
+            if system == "tandem":
+                same = c.get("greedy_identical_to_k0")
+                row.append("-" if same is None else f"{same}/{c['num_requests']}")
+            table.add_row(*row)
         console.print(table)

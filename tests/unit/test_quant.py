@@ -14,7 +14,7 @@ from cluster.engine.sampling_params import SamplingParams
 from cluster.quant.checkpoint import write_int8_folder
 from cluster.quant.int8_linear import Int8Linear, dequantize_weight, fbgemm_available, quantize_weight
 from cluster.quant.kv_int8 import quantize_vectors
-from cluster.quant.quality import compare, sequence_logits
+from cluster.quant.quality import compare, reference_of, sequence_logits
 from cluster.runner.worker import Worker
 from cluster.models.loader import iter_weights, resolve_model
 from tests.engine_helpers import make_engine, run_to_completion
@@ -102,10 +102,13 @@ QUALITY_CASES = {
 @pytest.mark.parametrize("case", QUALITY_CASES)
 def test_quantized_tiny_model_agrees_with_full_precision(tiny_llama_dir, case):
     overrides, min_agreement, max_ppl_change = QUALITY_CASES[case]
-    reference, candidate = _worker(tiny_llama_dir), _worker(tiny_llama_dir, **overrides)
     prompts = _prompts()
+    continuations = run_to_completion(make_engine(tiny_llama_dir, num_blocks=128), prompts,
+                                      SamplingParams(max_tokens=16, temperature=0, ignore_eos=True))
+    sequences = [p + c for p, c in zip(prompts, continuations)]
     text = _prompts(seed=7, lengths=(200,))[0]
-    report = compare(reference, candidate, prompts, continuation_len=16, text_ids=text, window=64)
+    reference = reference_of(_worker(tiny_llama_dir), sequences, [len(p) for p in prompts], text, window=64)
+    report = compare(reference, _worker(tiny_llama_dir, **overrides))
     assert report.num_agreement_tokens == 16 * len(prompts)
     assert report.top1_agreement >= min_agreement, report
     assert abs(report.perplexity_change) <= max_ppl_change, report
@@ -152,3 +155,15 @@ def test_int8_folder_loads_to_the_same_int8_layers(tiny_llama_dir, tmp_path):
     for name, layer in layers[0].items():
         assert torch.equal(layer.weight_int8, layers[1][name].weight_int8), name
         assert torch.allclose(layer.weight_scale, layers[1][name].weight_scale, rtol=1e-6), name
+
+
+def test_reference_argmax_is_the_engines_greedy_continuation(tiny_llama_dir):
+    """The teacher-forced positions line up: the full-precision model's own argmax at each
+    continuation position is the token the engine generated greedily there."""
+    prompts = _prompts()
+    continuations = run_to_completion(make_engine(tiny_llama_dir, num_blocks=128), prompts,
+                                      SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))
+    sequences = [p + c for p, c in zip(prompts, continuations)]
+    reference = reference_of(_worker(tiny_llama_dir), sequences, [len(p) for p in prompts], sequences[0], window=32)
+    assert [t.tolist() for t in reference.top1] == continuations
+    assert compare(reference, _worker(tiny_llama_dir)).top1_agreement == 1.0
