@@ -14,7 +14,10 @@ What maps:
 | ``engine.vllm_args`` | passed through last (e.g. ``enforce_eager``, ``quantization``) |
 
 Quantization: vLLM's methods (``awq``, ``gptq``, ``fp8``, ...) are named in
-``engine.vllm_args.quantization``; a quantized checkpoint carries its own config.
+``engine.vllm_args.quantization`` (and its KV cache type in ``vllm_args.kv_cache_dtype``);
+a quantized checkpoint carries its own config. Tandem's own int8 schemes
+(``model.quantization``, ``cache.kv_cache_dtype: int8``, ``speculative.draft_quantization``)
+have no vLLM counterpart and are refused with a ValueError naming the key.
 """
 
 from __future__ import annotations
@@ -61,6 +64,7 @@ def vllm_settings(config: TandemConfig, tensor_parallel_size: int, model_path: s
     batch size -> k (None without a profile); ``has_batch_size_schedule`` says whether the
     installed vLLM's SpeculativeConfig has ``num_speculative_tokens_per_batch_size``."""
     m, c, s = config.model, config.cache, config.scheduler
+    _refuse_native_quantization(config)
     args: dict = {
         "model": model_path,
         "tokenizer": model_path,
@@ -114,3 +118,14 @@ def _spec_plan(config: TandemConfig, table: dict[int, int] | None, has_schedule:
     note = (f"the installed vLLM has no num_speculative_tokens_per_batch_size: k is fixed at {k} "
             f"instead of the profiled table {table}")
     return SpecPlan(sc.method, "fixed-fallback", k, table, note)
+
+
+def _refuse_native_quantization(config: TandemConfig) -> None:
+    own = {"model.quantization": (getattr(config.model, "quantization", "none"), "none"),
+           "cache.kv_cache_dtype": (getattr(config.cache, "kv_cache_dtype", "auto"), "auto"),
+           "speculative.draft_quantization": (getattr(config.speculative, "draft_quantization", None), None)}
+    for key, (value, off) in own.items():
+        if value not in (off, "none"):
+            raise ValueError(f"{key}={value!r} is Tandem's own int8 scheme, which vLLM does not run; for a vLLM "
+                             "group leave it unset and name vLLM's method in engine.vllm_args (quantization: fp8, "
+                             "awq, gptq, ... or kv_cache_dtype: fp8)")

@@ -110,3 +110,14 @@ def test_vllm_step_stats_feed_the_router_and_the_catalog_series():
     assert sink.observations[("time_to_first_token_seconds", ())] == [0.1, 0.2]
     assert sink.gauges[("tandem_spec_k_table", (("batch_size", "4"),))] == 1
     assert sink.gauges[("num_requests_running", ())] == 0
+
+
+def test_tandems_own_int8_schemes_are_refused_for_vllm():
+    config = config_from_dict({"model": {"quantization": "int8"}})
+    with pytest.raises(ValueError, match="model.quantization='int8'.*engine.vllm_args"):
+        vllm_settings(config, 1, "/m", None, None, True)
+    config = config_from_dict({"cache": {"kv_cache_dtype": "int8"}})
+    with pytest.raises(ValueError, match="cache.kv_cache_dtype"):
+        vllm_settings(config, 1, "/m", None, None, True)
+    passed = config_from_dict({"engine": {"vllm_args": {"quantization": "fp8"}}})
+    assert vllm_settings(passed, 1, "/m", None, None, True).engine_args["quantization"] == "fp8"
