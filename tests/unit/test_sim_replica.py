@@ -35,14 +35,14 @@ def test_md1_mean_wait_matches_closed_form():
     rng = np.random.default_rng(7)
     service = 4 * 0.05
     rate = 0.5 / service
-    arrivals = np.concatenate([[0.0], np.cumsum(rng.exponential(1 / rate, 20000 - 1))])
+    arrivals = np.concatenate([[0.0], np.cumsum(rng.exponential(1 / rate, 8000 - 1))])
     config = one_replica()
-    result = run(config, {"a": constant_model(0.05)}, workload(arrivals, 10, 4))
+    result = run(config, {"a": constant_model(0.05)}, workload(arrivals, 10, 4), router="round-robin")
     wait = result.requests.admitted_s - result.requests.arrival_s
     # An idle replica starts a step at once, a busy one admits at the end of the request
     # it serves: exactly first-come first-served with one server.
     expected = 0.5 * service / (2 * 0.5)
-    assert wait.mean() == pytest.approx(expected, rel=0.1)
+    assert wait.mean() == pytest.approx(expected, rel=0.15)
 
 
 @pytest.mark.parametrize("acceptance, expected_steps", [((1.0,), 1 + 3), ((0.0,), 1 + 12)])
