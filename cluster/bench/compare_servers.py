@@ -130,9 +130,10 @@ def start_vllm_anchor(name: str, script: str | Path, speculation_config: dict | 
 def python_with_vllm() -> str | None:
     """An interpreter that has both Tandem and vLLM: this one, or the vLLM tier's environment."""
     try:
-        import vllm  # noqa: F401
+        import vllm
 
-        return sys.executable
+        if getattr(vllm, "__file__", None):  # not a namespace package of the same name (tests/vllm)
+            return sys.executable
     except ImportError:
         pass
     venv = Path(os.environ.get("TANDEM_VLLM_VENV", Path.home() / ".cache" / "tandem" / "venv-vllm"))

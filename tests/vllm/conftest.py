@@ -23,9 +23,13 @@ def _vllm_missing() -> str | None:
     if reason:
         return reason
     try:
-        import vllm  # noqa: F401
+        import vllm
     except ImportError as err:
-        return f"vLLM is not importable in this interpreter ({err}); `make test-vllm` builds its environment"
+        vllm, missing = None, str(err)
+    else:  # pytest puts tests/ on sys.path, where this folder is a namespace package named vllm
+        missing = None if getattr(vllm, "__file__", None) else "only tests/vllm itself is found"
+    if missing:
+        return f"vLLM is not importable in this interpreter ({missing}); `make test-vllm` builds its environment"
     return None
 
 
