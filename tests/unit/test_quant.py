@@ -167,3 +167,27 @@ def test_reference_argmax_is_the_engines_greedy_continuation(tiny_llama_dir):
     reference = reference_of(_worker(tiny_llama_dir), sequences, [len(p) for p in prompts], sequences[0], window=32)
     assert [t.tolist() for t in reference.top1] == continuations
     assert compare(reference, _worker(tiny_llama_dir)).top1_agreement == 1.0
+
+
+def test_tensor_parallel_int8_layers_stay_close_to_full_precision(tiny_llama_dir):
+    """With tensor parallelism each rank quantizes its own shard (a row-parallel shard's
+    scales cover only its columns); the split model's logits stay as close to float32 as
+    the whole int8 model's."""
+    from cluster.runner.input_batch import SeqChunk
+
+    def logits(**overrides):
+        engine = make_engine(tiny_llama_dir, num_blocks=96, block_size=8, num_threads=1, **overrides)
+        try:
+            ids = _prompts(seed=5, lengths=(21,))[0]
+            is_int8 = any(isinstance(m, Int8Linear) for m in engine.worker.runner.model.modules())
+            return engine.worker.runner.forward_logits([SeqChunk(ids, 0, 21)], [[0, 1, 2]]), is_int8
+        finally:
+            engine.worker.close()
+
+    exact, _ = logits()
+    whole, whole_int8 = logits(quantization="int8", kv_cache_dtype="int8")
+    split, split_int8 = logits(quantization="int8", kv_cache_dtype="int8", tensor_parallel_size=2)
+    assert whole_int8 and split_int8
+    whole_error, split_error = (whole - exact).abs().mean(), (split - exact).abs().mean()
+    assert 0 < split_error < 0.06 * exact.std()
+    assert split_error < 2 * whole_error
