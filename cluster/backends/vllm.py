@@ -146,10 +146,10 @@ class VllmBackend:
             return
         finally:
             self._num_pending -= 1
-        yield GenerateDelta(accepted=True, num_prompt_tokens=len(request.prompt_token_ids))
         num_output = 0
         self._num_inflight += 1
         try:
+            yield GenerateDelta(accepted=True, num_prompt_tokens=len(request.prompt_token_ids))
             out = first
             while out is not None:
                 delta = _delta(out, num_output)
