@@ -45,13 +45,13 @@ def print_report(config: SimConfig, models: dict[str, StepModel], capacity_rps: 
         table.add_row(cell_name(s), *lat, _fmt(s["request_throughput"]), _fmt(s["output_throughput"]),
                       _fmt(s["goodput"]), _fmt(s["cost_per_million_output_tokens"]))
     console.print(table)
-    shares = Table(box=box.SIMPLE_HEAD, show_edge=False, title="per group: share of requests, mean k, acceptance")
+    shares = Table(box=box.SIMPLE_HEAD, show_edge=False, title="per group: share of requests, mean k, acceptance, most replicas alive at once")
     shares.add_column("router / controller")
     for group in config.groups:
         shares.add_column(group.name, justify="right")
     for s in summaries:
-        shares.add_row(cell_name(s), *(f"{g['share_of_requests']:.0%} k={g['mean_k']:.2f} a={g['acceptance']:.2f}"
-                                       for g in s["groups"].values()))
+        shares.add_row(cell_name(s), *(f"{g['share_of_requests']:.0%} k={g['mean_k']:.2f} a={g['acceptance']:.2f} "
+                                       f"x{g['max_replicas_live']}" for g in s["groups"].values()))
     console.print(shares)
     console.print(f"SLOs for goodput: TTFT <= {config.slo.ttft_s:g} s, TPOT <= {config.slo.tpot_s:g} s")
 

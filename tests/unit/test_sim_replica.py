@@ -2,7 +2,6 @@
 
 import numpy as np
 import pytest
-
 from test_sim_helpers import constant_model, run, sim_config, workload
 
 

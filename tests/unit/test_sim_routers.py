@@ -1,6 +1,5 @@
 """Each simulated router policy on a crafted pair of replicas: a fast one and a slow one."""
 
-import random
 
 import numpy as np
 from test_sim_helpers import constant_model, workload
