@@ -35,7 +35,7 @@ class ModelConfig(_Strict):
     cache_dir: str | None = Field(None, description="where fetched and converted weights live")
     quantization: Quantization = Field(
         "none", description="int8: int8 weights, per-output-channel scales (linear layers and LM head); "
-        "int8-dynamic: also int8 activations per step (fbgemm, CPU)")
+        "int8-dynamic: also int8 activations per tensor (fbgemm, CPU; fast but measured far less accurate)")
     seed: int = 0
 
 
