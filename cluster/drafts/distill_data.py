@@ -116,6 +116,7 @@ def split_rows(samples: list[Sample], seq_len: int, pad_id: int) -> tuple[Rows, 
 
 
 def _rows(samples: list[Sample], seq_len: int, pad_id: int) -> Rows:
+    seq_len = min(seq_len, max((len(s.token_ids) for s in samples), default=1))  # no all-padding columns
     token_ids = torch.full((len(samples), seq_len), pad_id, dtype=torch.int64)
     loss_mask = torch.zeros((len(samples), seq_len), dtype=torch.bool)
     for r, s in enumerate(samples):
