@@ -25,6 +25,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from cluster.config import TandemConfig
+from cluster.spec.profile_data import batch_size_ranges
 
 
 @dataclass(frozen=True)
@@ -42,19 +43,6 @@ class SpecPlan:
 class VllmSettings:
     engine_args: dict  # keyword arguments of vllm.AsyncEngineArgs
     spec: SpecPlan
-
-
-def batch_size_ranges(table: dict[int, int]) -> list[list[int]]:
-    """``{1: 4, 4: 3, 16: 1}`` -> ``[[1, 1, 4], [2, 4, 3], [5, 16, 1]]``: each batch size of the
-    table covers the sizes above the previous one, as vLLM's schedule wants (first range at 1;
-    vLLM carries the last k on past the end)."""
-    ranges, start = [], 1
-    for b in sorted(table):
-        if b < start:
-            continue
-        ranges.append([start, int(b), int(table[b])])
-        start = int(b) + 1
-    return ranges
 
 
 def vllm_settings(config: TandemConfig, tensor_parallel_size: int, model_path: str,

@@ -32,9 +32,8 @@ class SpeculationProfile(BaseModel):
         return LatencyModel(list(self.target_coef), list(self.draft_coef))
 
     def vllm_schedule(self) -> list[list[int]]:
-        """The table as vLLM's ``num_speculative_tokens_per_batch_size``: [[max batch, k], ...]."""
-        sizes = sorted(self.table)
-        return [[b, self.table[b]] for b in sizes]
+        """The table as vLLM's ``num_speculative_tokens_per_batch_size``: [[start, end, k], ...]."""
+        return batch_size_ranges(self.table)
 
     def save(self, path: str | Path) -> None:
         Path(path).write_text(self.model_dump_json(indent=1))
@@ -48,3 +47,16 @@ class SpeculationProfile(BaseModel):
             return cls.model_validate_json(path.read_text())
         except ValidationError as err:
             raise ValueError(f"{path} is not a speculation profile: {err}") from None
+
+
+def batch_size_ranges(table: dict[int, int]) -> list[list[int]]:
+    """``{1: 4, 4: 3, 16: 1}`` -> ``[[1, 1, 4], [2, 4, 3], [5, 16, 1]]``: each batch size of the
+    table covers the sizes above the previous one, as vLLM's inclusive ranges (first range at 1;
+    vLLM carries the last k on past the end)."""
+    ranges, start = [], 1
+    for b in sorted(table):
+        if b < start:
+            continue
+        ranges.append([start, int(b), int(table[b])])
+        start = int(b) + 1
+    return ranges

@@ -149,7 +149,8 @@ def test_profile_command_writes_a_profile_the_controllers_load(tiny_llama_dir, t
     assert profile.batch_sizes == [1, 2, 4] and len(profile.target_grid) == 3 * 4
     assert set(profile.table) == {1, 2, 4} and all(0 <= k <= 3 for k in profile.table.values())
     assert len(profile.acceptance) == 3
-    assert profile.vllm_schedule() == [[b, profile.table[b]] for b in (1, 2, 4)]
+    table = profile.table  # vLLM's inclusive [start, end, k] ranges
+    assert profile.vllm_schedule() == [[1, 1, table[1]], [2, 2, table[2]], [3, 4, table[4]]]
     assert json.loads(out.read_text())["draft"] == "ngram"
     for policy in ("table", "adaptive"):
         engine = make_engine(tiny_llama_dir, num_blocks=64, method="ngram", controller=policy,
