@@ -39,10 +39,11 @@ def test_quantize_weight_error_is_at_most_half_a_step_per_element():
     assert int(q.weight_int8.abs().max()) == 127  # every non-zero row uses the full range
 
 
-@pytest.mark.parametrize("rows", [1, 5, 8, 9, 40])  # both kernels of the weight-only scheme
-def test_int8_linear_weight_only_within_its_bound(rows):
+@pytest.mark.parametrize("rows", [1, 5, 16, 17, 40])  # both kernels of the weight-only scheme
+@pytest.mark.parametrize("out_features", [96, 2500])  # 2500: widened 1024 output rows at a time
+def test_int8_linear_weight_only_within_its_bound(rows, out_features):
     torch.manual_seed(rows)
-    w, b, x = torch.randn(96, 64), torch.randn(96), torch.randn(rows, 64)
+    w, b, x = torch.randn(out_features, 64), torch.randn(out_features), torch.randn(rows, 64)
     layer = Int8Linear(w, b, "int8")
     exact = F.linear(x, w, b)
     # |x| @ (weight rounding + bfloat16 rounding of x times |W|): a worst-case bound per output.
