@@ -7,9 +7,13 @@ linear layers of a decode step took 32-43 ms for 1-32 rows instead of 40-46 ms, 
 whole-engine decoding ran 10-18% faster at batch 1, 8 and 32 (2-core CPU, A/B in one
 process). bfloat16 results are bit-identical to ``F.linear``.
 
-float32 gains only from 8 rows on (A/B: +35% at 8, +25% at 32, -15% at 1), so float32
-layers keep the plain weight too and take it below ``_FLOAT32_MIN_PACKED_ROWS`` rows;
-that doubles their weight memory, acceptable for the small float32 models CPUs serve.
+float32 loses at 1 row and gains from 2 rows on: on an AVX-512/AMX CPU +35% at 8 rows,
++25% at 32, -15% at 1; on a 2-core AVX2 CPU, SmolLM2's four layer shapes together took
+437 / 425 / 470 us packed against 768 / 1074 / 990 us with ``F.linear`` at 2 / 3 / 4 rows
+(``F.linear`` is slow at 2-4 rows there, exactly the rows that verify 1-3 draft tokens) and
+476 against 430 us at 1 row. So float32 layers keep the plain weight too and take it below
+``_FLOAT32_MIN_PACKED_ROWS`` rows; that doubles their weight memory, acceptable for the
+small float32 models CPUs serve.
 
 On other devices, other dtypes, or a torch without oneDNN, ``pack_linears`` leaves the
 model untouched, so the model code is the same everywhere.
@@ -29,7 +33,7 @@ logger = logging.getLogger(__name__)
 # oneDNN picks its blocked layout for this many rows; packed weights serve any row count.
 _PACK_ROWS_HINT = 32
 _PACKED_DTYPES = (torch.bfloat16, torch.float32)
-_FLOAT32_MIN_PACKED_ROWS = 4
+_FLOAT32_MIN_PACKED_ROWS = 2
 
 
 class PackedLinear(nn.Module):
