@@ -199,17 +199,22 @@ def config_from_dict(data: dict, source: str = "config") -> TandemConfig:
         raise ConfigError(_format_errors(err, source)) from None
 
 
-def load_config(path: str | Path) -> TandemConfig:
-    path = Path(path)
+def read_yaml_mapping(path: Path, what: str = "config file") -> dict | None:
+    """The YAML mapping at ``path`` (None for an empty file); ConfigError names the file otherwise."""
     if not path.is_file():
-        raise ConfigError(f"config file {path} does not exist")
+        raise ConfigError(f"{what} {path} does not exist")
     try:
         data = yaml.safe_load(path.read_text())
     except yaml.YAMLError as err:
         raise ConfigError(f"{path}: not valid YAML: {err}") from None
     if data is not None and not isinstance(data, dict):
         raise ConfigError(f"{path}: the top level must be a mapping of sections")
-    config = config_from_dict(data, str(path))
+    return data
+
+
+def load_config(path: str | Path) -> TandemConfig:
+    path = Path(path)
+    config = config_from_dict(read_yaml_mapping(path), str(path))
     # A profile named in a YAML file is found next to that file.
     config.speculative.profile = _beside(path, config.speculative.profile)
     for group in config.serve.groups:

@@ -116,8 +116,12 @@ def _is_good(record: RequestRecord, slos: dict[str, float]) -> bool:
 
 def max_concurrency_seen(records: list[RequestRecord]) -> int:
     """The most successful requests in flight at once (send to end of stream)."""
-    events = sorted([(r.start_s, 1) for r in records] + [(r.start_s + r.e2e_s, -1) for r in records],
-                    key=lambda e: (e[0], e[1]))
+    return peak_overlap([(r.start_s, r.start_s + r.e2e_s) for r in records])
+
+
+def peak_overlap(intervals: list[tuple[float, float]]) -> int:
+    """The most ``[start, end)`` intervals open at one time (an end before a start at the same instant)."""
+    events = sorted([(start, 1) for start, _ in intervals] + [(end, -1) for _, end in intervals])
     best = now = 0
     for _, step in events:
         now += step

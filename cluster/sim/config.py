@@ -14,10 +14,9 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Literal
 
-import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from cluster.config import ConfigError, _format_errors
+from cluster.config import ConfigError, _format_errors, read_yaml_mapping
 from cluster.config_serve import AutoscalingConfig
 
 ROUTERS = ("tandem", "pow2", "round-robin", "prefix-affinity")
@@ -172,14 +171,7 @@ def sim_config_from_dict(data: dict, source: str = "sim config") -> SimConfig:
 def load_sim_config(path: str | Path) -> SimConfig:
     """The config at ``path`` with its relative paths resolved beside it."""
     path = Path(path)
-    if not path.is_file():
-        raise ConfigError(f"sim config {path} does not exist")
-    try:
-        data = yaml.safe_load(path.read_text())
-    except yaml.YAMLError as err:
-        raise ConfigError(f"{path}: not valid YAML: {err}") from None
-    if not isinstance(data, dict):
-        raise ConfigError(f"{path}: the top level must be a mapping")
+    data = read_yaml_mapping(path, "sim config")
     config = sim_config_from_dict(data, str(path))
     config.devices = _beside(path, config.devices)
     for group in config.groups:

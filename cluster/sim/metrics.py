@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from cluster.bench.serve_metrics import peak_overlap
 from cluster.sim.config import SloConfig
 from cluster.sim.engine import SimResult
 
@@ -92,10 +93,4 @@ def replica_index(replica_id: str) -> int:
 
 def max_live(group) -> int:
     """The most replicas of ``group`` alive (created, not stopped) at once."""
-    events = sorted([(life.created_s, 1) for life in group.lives] + [(life.stopped_s, -1) for life in group.lives],
-                    key=lambda e: (e[0], e[1]))
-    live = best = 0
-    for _, delta in events:
-        live += delta
-        best = max(best, live)
-    return best
+    return peak_overlap([(life.created_s, life.stopped_s) for life in group.lives])
