@@ -225,66 +225,6 @@ def cmd_sim(args: argparse.Namespace) -> int:
     return 0
 
 
-# --- tandem draft ...: make a draft model from a target ------------------------------
-
-
-def cmd_draft_distill(args: argparse.Namespace) -> int:
-    import json
-    from pathlib import Path
-
-    from cluster.drafts.distill import DistillSettings, distill
-
-    settings = DistillSettings(
-        layers=args.layers, steps=args.steps, batch_size=args.batch_size, seq_len=args.seq_len, lr=args.lr,
-        seed=args.seed, num_samples=args.num_samples, max_new_tokens=args.max_new_tokens,
-        layer_choice=args.layer_choice, checkpoint_every=args.checkpoint_every,
-    )
-    result = distill(args.target, Path(args.out), settings)
-    report = json.loads((result.out / "distill_report.json").read_text())
-    print(f"layers {result.layers} (choice {report['layer_choice']}); held-out KL "
-          f"{report['heldout_kl_start']:.3f} -> {report['heldout_kl_end']:.3f}; wrote {result.out}")
-    return 0
-
-
-def cmd_draft_quantize(args: argparse.Namespace) -> int:
-    from pathlib import Path
-
-    from cluster.drafts.quantize import quantize_draft
-
-    summary = quantize_draft(args.target, Path(args.out), args.scheme)
-    print(f"wrote {summary['out']}: {summary['num_quantized']} matrices in {summary['scheme']}, weights "
-          f"{summary['bytes_before'] / 1e6:.1f} MB -> {summary['bytes_after'] / 1e6:.1f} MB")
-    return 0
-
-
-def add_draft_parser(sub) -> None:
-    """``tandem draft <command>``: each command is one ``add_parser`` + ``set_defaults``."""
-    draft = sub.add_parser("draft", help="make a draft model from a target").add_subparsers(dest="draft",
-                                                                                            required=True)
-    dist = draft.add_parser("distill", help="prune the target to N layers and distill it on its own text "
-                            "(resumable: run the same command again)")
-    dist.add_argument("target", help="short name, Hugging Face folder or .gguf file (a Llama-family model)")
-    dist.add_argument("out", help="output folder: a Hugging Face model folder; OUT/checkpoint holds the run")
-    dist.add_argument("--layers", type=int, required=True, help="decoder layers the draft keeps")
-    dist.add_argument("--layer-choice", default="auto", choices=["auto", "first", "even", "first-last"],
-                      help="which layers: auto measures each choice's KL to the target before training")
-    dist.add_argument("--steps", type=int, default=120, help="optimizer steps")
-    dist.add_argument("--batch-size", type=int, default=8, help="rows (samples) per step")
-    dist.add_argument("--seq-len", type=int, default=192, help="tokens per row (prompt + answer)")
-    dist.add_argument("--lr", type=float, default=3e-4, help="peak learning rate (AdamW, cosine decay)")
-    dist.add_argument("--seed", type=int, default=0, help="seeds the samples and the row order")
-    dist.add_argument("--num-samples", type=int, default=192, help="answers the target writes to train on")
-    dist.add_argument("--max-new-tokens", type=int, default=128, help="longest answer sampled")
-    dist.add_argument("--checkpoint-every", type=int, default=25, help="steps between checkpoints")
-    dist.set_defaults(func=cmd_draft_distill)
-    quant = draft.add_parser("quantize", help="write an int8 copy of the target to use as its own draft")
-    quant.add_argument("target", help="short name, Hugging Face folder or .gguf file")
-    quant.add_argument("out", help="output folder (new or empty): a Hugging Face folder with int8 weights")
-    quant.add_argument("--scheme", default="int8", choices=["int8", "int8-dynamic"],
-                       help="int8: weight-only; int8-dynamic: int8 activations too (fbgemm, CPU)")
-    quant.set_defaults(func=cmd_draft_quantize)
-
-
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="tandem", description="Tandem: speculative decoding LLM serving")
     parser.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
@@ -394,6 +334,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_sim_args(sim)
     sim.set_defaults(func=cmd_sim)
+    from cluster.drafts.cli import add_draft_parser
+
     add_draft_parser(sub)
     return parser
 

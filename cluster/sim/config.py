@@ -16,7 +16,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from cluster.config import ConfigError, _format_errors, read_yaml_mapping
+from cluster.config import ConfigError, _beside, _format_errors, read_yaml_mapping
 from cluster.config_serve import AutoscalingConfig
 
 ROUTERS = ("tandem", "pow2", "round-robin", "prefix-affinity")
@@ -178,9 +178,3 @@ def load_sim_config(path: str | Path) -> SimConfig:
         group.profile = _beside(path, group.profile)
         group.controller_profile = _beside(path, group.controller_profile)
     return config
-
-
-def _beside(config_path: Path, relative: str | None) -> str | None:
-    if relative and not Path(relative).is_absolute():
-        return str((config_path.parent / relative).resolve())
-    return relative
