@@ -9,7 +9,7 @@
     tandem bench compare [CONFIG] [--form peers|groups|both] [--json PATH] ...
     tandem bench router [CONFIG] [--slow-factor F] [--request-rate R] ...
     tandem sim CONFIG [--json PATH] [--plots DIR] [--num-requests N] ...
-    tandem profile [CONFIG] [--group NAME] [--out PATH] ...
+    tandem profile [CONFIG] [--group NAME] [--out PATH] ...   (a group with engine: vllm is profiled on vLLM)
     tandem serve CONFIG [--host H] [--port P] [--router tandem|pow2]
     tandem k8s render CONFIG --out DIR
     tandem k8s validate [PATH ...]
@@ -81,14 +81,21 @@ def cmd_profile(args: argparse.Namespace) -> int:
             config = with_overrides(config, tensor_parallel_size=group_tp)
     if config.speculative.method == "none":
         config = with_overrides(config, method="ngram")
-    # The profile is what the controllers will read: make one with the fixed policy.
-    config = with_overrides(config, controller="fixed", num_speculative_tokens=args.max_k)
-    engine = Engine(config)
     max_batch = args.max_batch or config.scheduler.max_num_seqs
-    try:
-        profile = run_profile(engine, power_of_two_sizes(max_batch), args.max_k, args.context_len, args.repeats)
-    finally:
-        engine.worker.close()  # tensor-parallel ranks, if any
+    if config.engine.backend == "vllm":
+        from cluster.backends.vllm_profile import print_grid, run_vllm_profile
+
+        profile, grid = run_vllm_profile(config, power_of_two_sizes(max_batch), args.max_k, args.output_len,
+                                         args.repeats or 1)
+        print_grid(profile, grid)
+    else:
+        # The profile is what the controllers will read: make one with the fixed policy.
+        engine = Engine(with_overrides(config, controller="fixed", num_speculative_tokens=args.max_k))
+        try:
+            profile = run_profile(engine, power_of_two_sizes(max_batch), args.max_k, args.context_len,
+                                  args.repeats or 3)
+        finally:
+            engine.worker.close()  # tensor-parallel ranks, if any
     profile.save(args.out)
     print(f"device {profile.device}; draft {profile.draft}; acceptance per position "
           + ", ".join(f"{a:.2f}" for a in profile.acceptance))
@@ -246,7 +253,9 @@ def build_parser() -> argparse.ArgumentParser:
     prof.add_argument("--max-k", type=int, default=8, help="largest speculation length to measure")
     prof.add_argument("--max-batch", type=int, help="largest batch size (default: scheduler.max_num_seqs)")
     prof.add_argument("--context-len", type=int, default=128, help="context tokens per sequence while timing")
-    prof.add_argument("--repeats", type=int, default=3, help="timed passes per cell (median is kept)")
+    prof.add_argument("--repeats", type=int, help="timed passes per cell (median is kept; default 3, vLLM 1)")
+    prof.add_argument("--output-len", type=int, default=48,
+                      help="engine: vllm only: tokens each request generates while its steps are timed")
     prof.add_argument("--group", help="profile this serve.groups entry (its engine settings), on its device kind")
     prof.add_argument("--vllm-schedule", action="store_true",
                       help="also print the table as vLLM's num_speculative_tokens_per_batch_size")

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 from typing import AsyncIterator
 
 from cluster.backends.vllm_args import SpecPlan, VllmSettings, vllm_settings
@@ -62,24 +63,16 @@ class VllmBackend:
     name = "vllm"
 
     def __init__(self, config: TandemConfig, group: ReplicaGroupConfig, context: BackendContext) -> None:
-        vllm, self._SamplingParams, SpeculativeConfig, AsyncEngineArgs, self._TokensPrompt, AsyncLLM = import_vllm()
-        from cluster.models.loader import load_hf_config, resolve_model
-
+        vllm, self._SamplingParams, _, AsyncEngineArgs, self._TokensPrompt, AsyncLLM = import_vllm()
         self.config = config
-        source = resolve_model(config.model.model, config.model.cache_dir)
-        self.vocab_size = int(load_hf_config(source).vocab_size)
-        draft = None
-        if config.speculative.method == "draft":
-            draft = str(resolve_model(config.speculative.draft_model, config.model.cache_dir).path)
+        use_device_threads(config)
         profile = _profile(config)
-        has_schedule = "num_speculative_tokens_per_batch_size" in getattr(SpeculativeConfig, "__dataclass_fields__", {})
-        self.settings: VllmSettings = vllm_settings(config, group.tensor_parallel_size, str(source.path), draft,
-                                                    profile.table if profile else None, has_schedule)
-        from vllm.platforms import current_platform
-
-        if current_platform.is_cpu() and "block_size" not in config.engine.vllm_args:
-            # vLLM's CPU attention takes its own block size (a multiple of 32); ours is for GPUs.
-            self.settings.engine_args.pop("block_size", None)
+        self.settings, self.vocab_size = group_settings(config, group.tensor_parallel_size,
+                                                        profile.table if profile else None)
+        if profile is not None and profile.engine != "vllm":
+            logger.warning("group %s: the speculation profile %s was measured on Tandem's %s engine, not vLLM; "
+                           "measure one with `tandem profile CONFIG --group %s`", group.name,
+                           config.speculative.profile, profile.engine, group.name)
         plan = self.settings.spec
         if plan.note:
             (logger.warning if plan.policy == "fixed-fallback" else logger.info)("group %s: %s", group.name, plan.note)
@@ -88,21 +81,9 @@ class VllmBackend:
         self.recorder = VllmStatsRecorder(context.metrics_sink, self._k_for_batch, self._k_table(plan),
                                           self.step_times, plan.method != "none")
         self.recorder.capacity = self.capacity_tokens_per_second
-        recorder = self.recorder
-        from vllm.v1.metrics.loggers import StatLoggerBase
-
-        class _Hook(StatLoggerBase):
-            def __init__(self, vllm_config, engine_index: int = 0) -> None:
-                pass
-
-            def record(self, scheduler_stats, iteration_stats, mm_cache_stats=None, engine_idx: int = 0) -> None:
-                recorder.record(scheduler_stats, iteration_stats)
-
-            def log_engine_initialized(self) -> None:
-                pass
-
         logger.info("group %s: starting vLLM %s with %s", group.name, vllm.__version__, self.settings.engine_args)
-        self.engine = AsyncLLM.from_engine_args(AsyncEngineArgs(**self.settings.engine_args), stat_loggers=[_Hook])
+        self.engine = AsyncLLM.from_engine_args(AsyncEngineArgs(**self.settings.engine_args),
+                                                stat_loggers=[stat_logger(self.recorder.record)])
         self.max_model_len = int(self.engine.model_config.max_model_len)
         self.block_size = int(self.engine.vllm_config.cache_config.block_size or config.cache.block_size)
         self._num_pending = 0  # requests handed to vLLM that no step has reported yet
@@ -268,6 +249,56 @@ class VllmBackend:
 
     async def shutdown(self) -> None:
         self.engine.shutdown()
+
+
+def stat_logger(record) -> type:
+    """A vLLM stat-logger class that hands each step's ``(scheduler_stats, iteration_stats)``
+    to ``record``."""
+    from vllm.v1.metrics.loggers import StatLoggerBase
+
+    class _Hook(StatLoggerBase):
+        def __init__(self, vllm_config, engine_index: int = 0) -> None:
+            pass
+
+        def record(self, scheduler_stats, iteration_stats, mm_cache_stats=None, engine_idx: int = 0) -> None:
+            record(scheduler_stats, iteration_stats)
+
+        def log_engine_initialized(self) -> None:
+            pass
+
+    return _Hook
+
+
+def use_device_threads(config: TandemConfig) -> None:
+    """vLLM's CPU workers take their thread count from OMP_NUM_THREADS (else vLLM picks one):
+    ``device.num_threads``, when set, is passed on, so a replica runs vLLM with the threads
+    its profile was measured with."""
+    if config.device.num_threads:
+        import torch
+
+        os.environ["OMP_NUM_THREADS"] = str(config.device.num_threads)
+        torch.set_num_threads(config.device.num_threads)  # an in-process vLLM core keeps torch's count
+
+
+def group_settings(config: TandemConfig, tensor_parallel_size: int,
+                   profile_table: dict[int, int] | None) -> tuple[VllmSettings, int]:
+    """vLLM's engine arguments for a group (model paths resolved, vLLM's CPU block size
+    kept on a CPU) and the target's vocabulary size. Imports vLLM."""
+    _, _, SpeculativeConfig, *_ = import_vllm()
+    from vllm.platforms import current_platform
+
+    from cluster.models.loader import load_hf_config, resolve_model
+
+    source = resolve_model(config.model.model, config.model.cache_dir)
+    draft = None
+    if config.speculative.method == "draft":
+        draft = str(resolve_model(config.speculative.draft_model, config.model.cache_dir).path)
+    has_schedule = "num_speculative_tokens_per_batch_size" in getattr(SpeculativeConfig, "__dataclass_fields__", {})
+    settings = vllm_settings(config, tensor_parallel_size, str(source.path), draft, profile_table, has_schedule)
+    if current_platform.is_cpu() and "block_size" not in config.engine.vllm_args:
+        # vLLM's CPU attention takes its own block size (a multiple of 32); ours is for GPUs.
+        settings.engine_args.pop("block_size", None)
+    return settings, int(load_hf_config(source).vocab_size)
 
 
 def _profile(config: TandemConfig):

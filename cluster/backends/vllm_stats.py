@@ -39,6 +39,17 @@ class SpecCounters:
     accepted_per_position: list[int] = field(default_factory=list)
     drafted_per_position: list[int] = field(default_factory=list)
 
+    def add_step(self, spec) -> None:
+        """Adds one step's ``SpecDecodingStats`` (vLLM's, read by field name)."""
+        self.num_drafts += spec.num_drafts
+        self.num_draft_tokens += spec.num_draft_tokens
+        self.num_accepted_tokens += spec.num_accepted_tokens
+        for counts, step in ((self.accepted_per_position, spec.num_accepted_tokens_per_pos),
+                             (self.drafted_per_position, spec.num_draft_tokens_per_pos)):
+            counts.extend([0] * (len(step) - len(counts)))
+            for j, n in enumerate(step):
+                counts[j] += n
+
     @property
     def acceptance_rate(self) -> float:
         return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
@@ -116,16 +127,7 @@ class VllmStatsRecorder:
             self._inc("tandem_spec_steps", 1, _labels(k=self.current_k))
 
     def _spec_step(self, spec) -> None:
-        c = self.spec
-        c.num_drafts += spec.num_drafts
-        c.num_draft_tokens += spec.num_draft_tokens
-        c.num_accepted_tokens += spec.num_accepted_tokens
-        for counts, step in ((c.accepted_per_position, spec.num_accepted_tokens_per_pos),
-                             (c.drafted_per_position, spec.num_draft_tokens_per_pos)):
-            if len(counts) < len(step):
-                counts.extend([0] * (len(step) - len(counts)))
-            for j, n in enumerate(step):
-                counts[j] += n
+        self.spec.add_step(spec)
         self._inc("spec_decode_num_drafts", spec.num_drafts)
         self._inc("spec_decode_num_draft_tokens", spec.num_draft_tokens)
         self._inc("spec_decode_num_accepted_tokens", spec.num_accepted_tokens)

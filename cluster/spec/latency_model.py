@@ -89,6 +89,18 @@ class LatencyModel:
         return cls(target, draft)
 
 
+def fit_steps(samples: list[tuple[int, int, float]]) -> LatencyModel:
+    """A model fitted to whole speculative steps ``(b, k, seconds)`` (drafting + verifying,
+    as vLLM times them). ``step(b, k) = c0 + c1 b + c2 b (k + 1) + k (d0 + d1 b)``: since
+    ``b (k + 1) = b + b k``, whole steps cannot tell ``c2`` from ``c1`` and ``d1``, so the fit
+    sets ``c2 = 0`` and puts every cost that grows with k in ``d0, d1``. Step times, TPOT and
+    the best k are the same for every split; only ``target_time`` and ``draft_time`` taken
+    apart lose their meaning."""
+    features = [[1.0, b, k, k * b] for b, k, _ in samples]
+    c0, c1, d0, d1 = fit_linear(features, [t for *_, t in samples])
+    return LatencyModel([c0, c1, 0.0], [d0, d1])
+
+
 def power_of_two_sizes(max_batch: int) -> list[int]:
     """1, 2, 4, ... below ``max_batch``, then ``max_batch``: the batch sizes a profile covers."""
     sizes, b = [], 1

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
@@ -12,6 +13,11 @@ from cluster.spec.latency_model import LatencyModel
 class SpeculationProfile(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
+    # "native": target_grid times the target's verifying pass alone and draft_grid the draft's
+    # pass. "vllm" (cluster/backends/vllm_profile.py): vLLM runs drafting inside its step, so
+    # target_grid holds whole steps (b, k + 1, seconds of drafting + verifying) and
+    # draft_grid is empty; the coefficients are fitted with LatencyModel.fit_steps.
+    engine: Literal["native", "vllm"] = "native"
     device: str  # e.g. "cpu: Intel(R) Xeon(R) Processor (2 threads)" or a CUDA device name
     target_model: str
     draft: str  # "ngram" or the draft model
@@ -26,6 +32,7 @@ class SpeculationProfile(BaseModel):
     draft_coef: list[float]
     table: dict[int, int]  # batch size -> best k
     fit_error: float  # mean relative error of the fitted step times on the grid
+    measured_tpot: list[tuple[int, int, float]] = []  # (b, k, seconds per output token), measured (vllm)
 
     @property
     def latency_model(self) -> LatencyModel:
