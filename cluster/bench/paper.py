@@ -33,7 +33,7 @@ import time
 from dataclasses import asdict
 from pathlib import Path
 
-from cluster.bench.offline import DTYPES, _int_list, _positive_int
+from cluster.bench.offline import DTYPES, concrete_dtype, _int_list, _positive_int
 from cluster.bench.paper_traffic import RunResult, Workload, phased_workload, run_open_loop, uniform_workload
 from cluster.bench.spec import WORKLOAD, SpecCounts, _k_list, make_cell, run_closed_loop
 from cluster.bench.spec_workload import build_prompt_ids
@@ -59,7 +59,8 @@ def _rate_list(text: str) -> list[float]:
 
 def add_paper_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default="smollm2-135m-instruct", help="short name, HF folder or .gguf file")
-    parser.add_argument("--dtype", choices=DTYPES, default="bfloat16")
+    parser.add_argument("--dtype", choices=(*DTYPES, "auto"), default="auto",
+                        help="auto: bfloat16 where the device computes it natively, else float32")
     parser.add_argument("--batch-sizes", type=_int_list, default=[1, 2, 4, 8, 16],
                         help="batch sizes of the TPOT-vs-k sweep and the profile (default 1,2,4,8,16)")
     parser.add_argument("--ks", type=_k_list, default=list(range(7)),
@@ -94,6 +95,7 @@ def run_paper_bench(args: argparse.Namespace) -> dict:
         torch.set_num_threads(args.threads)
     started, load_average = time.perf_counter(), os.getloadavg()
     source = resolve_model(args.model)
+    args.dtype = concrete_dtype(args.dtype, source)
     tokenizer = load_tokenizer(source)
     if tokenizer is None:
         raise ValueError(f"{args.model} has no tokenizer; this benchmark builds text prompts")

@@ -34,7 +34,7 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from cluster.bench.offline import DTYPES, PROMPTS, _positive_int, _timed
+from cluster.bench.offline import DTYPES, concrete_dtype, PROMPTS, _positive_int, _timed
 
 TTFT_SEED, CHAT_SEED, WARMUP_SEED = 0, 1, 2
 GOAL_COLD_OVER_WARM = 5.0
@@ -77,7 +77,8 @@ class ChatRun:
 
 def add_prefix_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default="smollm2-135m-instruct", help="short name, HF folder or .gguf file")
-    parser.add_argument("--dtype", choices=DTYPES, default="bfloat16")
+    parser.add_argument("--dtype", choices=(*DTYPES, "auto"), default="auto",
+                        help="auto: bfloat16 where the device computes it natively, else float32")
     parser.add_argument("--system-tokens", type=_positive_int, default=1024, help="shared system prompt (TTFT)")
     parser.add_argument("--warm-requests", type=_positive_int, default=5, help="timed cold and warm requests each")
     parser.add_argument("--conversations", type=_positive_int, default=8)
@@ -186,6 +187,7 @@ def run_prefix_bench(args: argparse.Namespace) -> dict:
         torch.set_num_threads(args.threads)
     load_average = os.getloadavg()
     source = resolve_model(args.model)
+    args.dtype = concrete_dtype(args.dtype, source)
     console = Console()
     n = args.warm_requests
     with Progress(console=console) as progress:

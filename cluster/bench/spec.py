@@ -30,7 +30,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from cluster.bench.offline import DTYPES, _int_list, _positive_int
+from cluster.bench.offline import DTYPES, concrete_dtype, _int_list, _positive_int
 from cluster.bench.spec_workload import build_prompt_ids
 
 WARMUP_LEN = 8
@@ -130,7 +130,8 @@ def add_spec_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default="smollm2-135m-instruct", help="short name, HF folder or .gguf file")
     parser.add_argument("--method", choices=("ngram", "draft"), default="ngram", help="how drafts are proposed")
     parser.add_argument("--draft-model", help="draft model for --method draft (the target itself = self-draft)")
-    parser.add_argument("--dtype", choices=DTYPES, default="bfloat16")
+    parser.add_argument("--dtype", choices=(*DTYPES, "auto"), default="auto",
+                        help="auto: bfloat16 where the device computes it natively, else float32")
     parser.add_argument("--batch-sizes", type=_int_list, default=[1, 4, 16], help="concurrency (default 1,4,16)")
     parser.add_argument("--ks", type=_k_list, default=list(range(9)), help="speculation lengths (default 0..8)")
     parser.add_argument("--output-len", type=_positive_int, default=128, help="output tokens per request (EOS ignored)")
@@ -239,6 +240,7 @@ def run_spec_bench(args: argparse.Namespace) -> dict:
         torch.set_num_threads(args.threads)
     load_average = os.getloadavg()
     source = resolve_model(args.model)
+    args.dtype = concrete_dtype(args.dtype, source)
     tokenizer = load_tokenizer(source)
     if tokenizer is None:
         raise ValueError(f"{args.model} has no tokenizer; this benchmark builds text prompts")
