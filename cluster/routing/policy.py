@@ -18,18 +18,19 @@ from __future__ import annotations
 import math
 import random
 from bisect import bisect_left
-from dataclasses import dataclass
+from operator import itemgetter
 from types import MappingProxyType
-from typing import Mapping, Sequence
+from typing import Mapping, NamedTuple, Sequence
 
 from cluster.routing.stats import Candidate, ReplicaStats, RoutingRequest
 
 TIE_REL_TOL = 1e-9  # predictions this close (relatively) count as equal
+_SIZE, _SECONDS = itemgetter(0), itemgetter(1)
 
 
-@dataclass(frozen=True)
-class PredictedCost:
-    """The predicted seconds until a request finishes on one replica, by part."""
+class PredictedCost(NamedTuple):
+    """The predicted seconds until a request finishes on one replica, by part (a
+    NamedTuple: the router builds one per candidate per request)."""
 
     batch_size: int  # the batch the request would join (capped at max_num_seqs)
     step_seconds: float  # decoding step time at that batch size
@@ -44,8 +45,7 @@ class PredictedCost:
     cost_seconds: float = 0.0  # total + delay_to_others: what the ranking minimises
 
 
-@dataclass(frozen=True)
-class RankResult:
+class RankResult(NamedTuple):
     """Replica ids best first. ``predicted_seconds`` (each replica's ``cost_seconds``) and
     ``costs`` hold the predictions for the candidates whose stats were usable (all of
     them unless ``used_fallback``)."""
@@ -76,7 +76,7 @@ def interpolate_step_time(curve: Sequence[tuple[int, float]], batch_size: float)
         prev_size, prev_time = curve[-2]
         slope = (last_time - prev_time) / (last_size - prev_size) if last_size > prev_size else 0.0
         return last_time + max(slope, 0.0) * (batch_size - last_size)
-    i = bisect_left([size for size, _ in curve], batch_size)
+    i = bisect_left(curve, batch_size, key=_SIZE)
     hi_size, hi_time = curve[i]
     if hi_size == batch_size:
         return hi_time
@@ -85,16 +85,14 @@ def interpolate_step_time(curve: Sequence[tuple[int, float]], batch_size: float)
 
 
 def expected_tokens_per_step(acceptance: float, k: int) -> float:
-    """E = (1 - a^(k+1)) / (1 - a): the expected tokens a request gains per speculative
-    step with ``k`` draft tokens, each accepted with probability ``a`` independently
-    (arXiv 2211.17192). E = k + 1 when a = 1 and E = 1 when k = 0; ``a`` is clipped
-    to [0, 1]."""
+    """E = 1 + k * a: the expected tokens a request gains per speculative step with ``k``
+    draft tokens when a fraction ``a`` of drafted tokens is accepted (what replicas report:
+    accepted / drafted). Exact for that definition of ``a``, whatever the per-position
+    rates are: a step gains its accepted drafts plus the target's own token. E = 1 when
+    k = 0; ``a`` is clipped to [0, 1]."""
     if k <= 0:
         return 1.0
-    a = min(max(acceptance, 0.0), 1.0)
-    if a == 1.0:
-        return float(k + 1)
-    return (1.0 - a ** (k + 1)) / (1.0 - a)
+    return 1.0 + k * min(max(acceptance, 0.0), 1.0)
 
 
 def peak_tokens_per_second(curve: Sequence[tuple[int, float]], acceptance: float, k: int) -> float:
@@ -139,22 +137,27 @@ def predict_completion_seconds(request: RoutingRequest, stats: ReplicaStats, num
       request joins a batch of b = min(L + 1, max_num_seqs).
     * step time s(b) from ``step_time_curve`` (:func:`interpolate_step_time`), which is
       the replica's profile at its current k, already scaled by its speed factor.
-    * E = (1 - a^(k+1)) / (1 - a) tokens per step for acceptance a and k = current_k
-      (:func:`expected_tokens_per_step`); decode = max_tokens / E * s(b).
+    * E = 1 + k * a tokens per step for the accepted fraction a of drafted tokens and
+      k = current_k (:func:`expected_tokens_per_step`); decode = max_tokens / E * s(b).
     * prefill = (num_prompt_tokens - matched) * prefill_seconds_per_token, where
       matched is the cached prefix (:func:`matched_prefix_tokens`);
       affinity_seconds_saved = matched * prefill_seconds_per_token.
     * queue: when L + 1 > max_num_seqs the request waits for excess = L + 1 - max_num_seqs
-      slots to free up. Assuming the requests ahead are like this one, a slot frees every
-      T / max_num_seqs seconds with T = max_tokens / E * s(max_num_seqs), so
-      queue = excess / max_num_seqs * T.
+      slots to free up. Assuming the requests ahead are like this one (its prompt, its
+      prefix hit, its max_tokens), a full replica spends on each of them its prefill
+      (which runs serially, chunked into the steps) plus its share of the decoding steps,
+      T / max_num_seqs with T = max_tokens / E * s(max_num_seqs); a slot frees every
+      prefill + T / max_num_seqs seconds, so
+      queue = excess * (prefill + T / max_num_seqs).
     * total = queue + prefill + decode.
-    * delay to others: a request that joins the batch directly slows the L requests
-      already running there: each waits for its prefill (chunked into their steps) and
-      then takes s(b) - s(b - 1) longer per step for about half of this request's decode
-      steps (the requests ahead are assumed like this one, halfway done):
-      L * (prefill + (s(b) - s(b - 1)) * max_tokens / E / 2). A queued request delays
-      nobody ahead of it.
+    * delay to others: this request's prefill, chunked into the steps of the requests
+      running when it starts, delays each of them by prefill: the L running now when it
+      joins the batch directly, the max_num_seqs - 1 running then when it queues. Joining
+      directly also makes each of the L take s(b) - s(b - 1) longer per step for about
+      half of this request's decode steps (the requests ahead are assumed like this one,
+      halfway done); a queued request keeps the batch at max_num_seqs. So
+      delay = L * (prefill + (s(b) - s(b - 1)) * max_tokens / E / 2) when it joins, and
+      (max_num_seqs - 1) * prefill when it queues.
     * cost = total + delay to others. Ranking by the request's own time alone piles
       requests onto the fastest replica until its queue explodes under heavy load (each
       choice is right for the request and wrong for the cluster); ranking by the whole
@@ -163,45 +166,32 @@ def predict_completion_seconds(request: RoutingRequest, stats: ReplicaStats, num
     Raises ValueError when the curve is empty or max_num_seqs < 1 (the cost is unknown;
     :func:`rank_replicas` falls back before calling this).
     """
-    if stats.max_num_seqs < 1:
-        raise ValueError(f"max_num_seqs must be at least 1, got {stats.max_num_seqs}")
+    max_num_seqs, curve = stats.max_num_seqs, stats.step_time_curve
+    if max_num_seqs < 1:
+        raise ValueError(f"max_num_seqs must be at least 1, got {max_num_seqs}")
     load = replica_load(stats, num_inflight)
-    batch_size = min(load + 1, stats.max_num_seqs)
-    step_seconds = interpolate_step_time(stats.step_time_curve, batch_size)
+    batch_size = min(load + 1, max_num_seqs)
+    step_seconds = interpolate_step_time(curve, batch_size)
     tokens_per_step = expected_tokens_per_step(stats.acceptance, stats.current_k)
-    decode_seconds = request.max_tokens / tokens_per_step * step_seconds
+    decode_steps = request.max_tokens / tokens_per_step
+    decode_seconds = decode_steps * step_seconds
 
-    matched = matched_prefix_tokens(request, stats)
+    matched = matched_prefix_tokens(request, stats) if stats.cached_prefix_hashes else 0
     prefill_seconds = (request.num_prompt_tokens - matched) * stats.prefill_seconds_per_token
     saved = matched * stats.prefill_seconds_per_token
 
-    excess = load + 1 - stats.max_num_seqs
-    queue_seconds = 0.0
+    excess = load + 1 - max_num_seqs
+    queue_seconds = delay_to_others = 0.0
     if excess > 0:
-        full_step = interpolate_step_time(stats.step_time_curve, stats.max_num_seqs)
-        typical_request_seconds = request.max_tokens / tokens_per_step * full_step
-        queue_seconds = excess / stats.max_num_seqs * typical_request_seconds
-
-    delay_to_others = 0.0
-    if excess <= 0 and load > 0:
-        slower_step = step_seconds - interpolate_step_time(stats.step_time_curve, batch_size - 1)
-        remaining_steps = request.max_tokens / tokens_per_step / 2
-        delay_to_others = load * (prefill_seconds + max(slower_step, 0.0) * remaining_steps)
+        decode_share = decode_steps * interpolate_step_time(curve, max_num_seqs) / max_num_seqs
+        queue_seconds = excess * (prefill_seconds + decode_share)
+        delay_to_others = (max_num_seqs - 1) * prefill_seconds
+    elif load > 0:
+        slower_step = step_seconds - interpolate_step_time(curve, batch_size - 1)
+        delay_to_others = load * (prefill_seconds + max(slower_step, 0.0) * (decode_steps / 2))
     total = queue_seconds + prefill_seconds + decode_seconds
-
-    return PredictedCost(
-        batch_size=batch_size,
-        step_seconds=step_seconds,
-        tokens_per_step=tokens_per_step,
-        matched_tokens=matched,
-        queue_seconds=queue_seconds,
-        prefill_seconds=prefill_seconds,
-        decode_seconds=decode_seconds,
-        affinity_seconds_saved=saved,
-        total_seconds=total,
-        delay_to_others_seconds=delay_to_others,
-        cost_seconds=total + delay_to_others,
-    )
+    return PredictedCost(batch_size, step_seconds, tokens_per_step, matched, queue_seconds, prefill_seconds,
+                         decode_seconds, saved, total, delay_to_others, total + delay_to_others)
 
 
 # ---- ranking ------------------------------------------------------------------------
@@ -228,30 +218,30 @@ def rank_replicas(
     or give a non-finite prediction. Predictions within ``TIE_REL_TOL`` of each other are
     ordered at random with ``rng``. An empty candidate list gives an empty ranking."""
     predicted = [
-        (c, predict_completion_seconds(request, c.stats, c.num_inflight))
+        (c.replica_id, predict_completion_seconds(request, c.stats, c.num_inflight))
         for c in candidates
         if stats_are_usable(c.stats, now, staleness_seconds)
     ]
-    costs = MappingProxyType({c.replica_id: cost for c, cost in predicted})
-    totals = MappingProxyType({c.replica_id: cost.cost_seconds for c, cost in predicted})
-    if len(predicted) < len(candidates) or not all(math.isfinite(t) for t in totals.values()):
+    costs = MappingProxyType(dict(predicted))
+    totals = MappingProxyType({replica_id: cost.cost_seconds for replica_id, cost in predicted})
+    if len(predicted) < len(candidates) or not all(map(math.isfinite, totals.values())):
         return RankResult(tuple(power_of_two_choices(candidates, rng)), True, totals, costs)
-    ranked = sorted(((c.replica_id, cost.cost_seconds) for c, cost in predicted), key=lambda p: p[1])
+    ranked = sorted([(replica_id, cost.cost_seconds) for replica_id, cost in predicted], key=_SECONDS)
     return RankResult(tuple(_shuffle_ties(ranked, rng)), False, totals, costs)
 
 
 def _shuffle_ties(ranked: list[tuple[str, float]], rng: random.Random) -> list[str]:
     """Ids of ``ranked`` (sorted by seconds) with each run of equal seconds shuffled."""
-    order: list[str] = []
-    start = 0
-    while start < len(ranked):
-        end = start + 1
-        while end < len(ranked) and math.isclose(ranked[end][1], ranked[start][1], rel_tol=TIE_REL_TOL):
+    order = [replica_id for replica_id, _ in ranked]
+    start, size = 0, len(ranked)
+    while start < size - 1:
+        seconds, end = ranked[start][1], start + 1
+        while end < size and math.isclose(ranked[end][1], seconds, rel_tol=TIE_REL_TOL):
             end += 1
-        group = [replica_id for replica_id, _ in ranked[start:end]]
-        if len(group) > 1:
+        if end - start > 1:
+            group = order[start:end]
             rng.shuffle(group)
-        order.extend(group)
+            order[start:end] = group
         start = end
     return order
 

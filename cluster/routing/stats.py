@@ -9,6 +9,7 @@ router combines it with the requests it has itself sent to the replica since
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field, fields
+from typing import NamedTuple
 
 
 @dataclass(frozen=True)
@@ -22,7 +23,7 @@ class ReplicaStats:
     max_num_seqs: int
     kv_cache_usage: float  # fraction of KV blocks held by requests, [0, 1]
     current_k: int  # speculation length chosen at the latest step (0: plain decoding)
-    acceptance: float  # mean per-position acceptance of draft tokens so far, [0, 1]
+    acceptance: float  # accepted / drafted tokens so far, [0, 1]
     # Seconds per decoding step at batch size b with the current k, from the replica's
     # device profile (already corrected by speed_factor); sorted by batch size.
     step_time_curve: tuple[tuple[int, float], ...] = ()
@@ -59,8 +60,7 @@ class RoutingRequest:
     prefix_hashes: tuple[int, ...] = ()
 
 
-@dataclass(frozen=True)
-class Candidate:
+class Candidate(NamedTuple):  # a NamedTuple: one per replica per request
     replica_id: str
     stats: ReplicaStats | None  # None: the replica has not published yet
     num_inflight: int = 0  # requests this router sent there that have not finished

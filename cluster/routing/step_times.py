@@ -8,6 +8,14 @@ or the ``step_time_scale`` emulation) shows up within a few steps. Without a pro
 the curve is a least-squares line ``seconds = a + c * batch_size`` through recent
 decode steps (a flat line while only one batch size has been seen). Before any
 decode step has been seen the curve is empty and the router falls back.
+
+Seconds per prefill token are *marginal*: a step that computes prompt tokens (most
+steps of a busy replica mix prefill chunks into the decoding batch) counts only the
+time beyond what the curve predicts for decoding its ``num_seqs`` sequences, divided by
+its prompt tokens; before any curve exists, the whole step. So the figure is the time
+prefill adds to the replica's steps, which is what the requests queued and running
+there wait for (the whole mixed step over its prompt tokens would count the decoding
+of the whole batch as prefill, several times too much on a big batch).
 """
 
 from __future__ import annotations
@@ -29,16 +37,21 @@ class StepTimeTracker:
         self.speed_factor = 1.0
         self.prefill_seconds_per_token = 0.0
         self._seen_speed = False
+        self._seen_prefill = False
+        self._line: tuple[float, float, float] | None = None  # (intercept, slope, floor) of the fit
 
     def observe(self, num_seqs: int, k: int, num_prefill_tokens: int, seconds: float) -> None:
         if num_seqs <= 0 or seconds <= 0:
             return
         if num_prefill_tokens > 0:
-            per_token = seconds / num_prefill_tokens
-            self.prefill_seconds_per_token = self._smooth(self.prefill_seconds_per_token, per_token,
-                                                          first=self.prefill_seconds_per_token == 0.0)
+            decoding = self._decode_seconds(num_seqs, k)
+            spent = seconds if decoding is None else max(seconds - decoding, 0.0)
+            self.prefill_seconds_per_token = self._smooth(self.prefill_seconds_per_token, spent / num_prefill_tokens,
+                                                          first=not self._seen_prefill)
+            self._seen_prefill = True
             return
         self._decode_steps.append((num_seqs, seconds))
+        self._line = None
         if self.model is not None:
             predicted = self.model.step_time(num_seqs, k)
             if predicted > 0:
@@ -48,10 +61,23 @@ class StepTimeTracker:
     def curve(self, k: int, max_batch_size: int) -> tuple[tuple[int, float], ...]:
         """(batch size, seconds per decoding step) for batch sizes up to ``max_batch_size``."""
         sizes = [b for b in _CURVE_BATCH_SIZES if b < max_batch_size] + [max_batch_size]
-        if self.model is not None:
-            return tuple((b, self.model.step_time(b, k) * self.speed_factor) for b in sizes)
-        if not self._decode_steps:
+        if self.model is None and not self._decode_steps:
             return ()
+        return tuple((b, self._decode_seconds(b, k)) for b in sizes)
+
+    def _decode_seconds(self, batch_size: int, k: int) -> float | None:
+        """Predicted seconds of a decoding step of ``batch_size`` at ``k``; None before
+        there is a profile or a decode step to predict from."""
+        if self.model is not None:
+            return self.model.step_time(batch_size, k) * self.speed_factor
+        if not self._decode_steps:
+            return None
+        if self._line is None:
+            self._line = self._fit_line()
+        intercept, slope, floor = self._line
+        return max(intercept + slope * batch_size, floor)
+
+    def _fit_line(self) -> tuple[float, float, float]:
         batch = np.array([b for b, _ in self._decode_steps], dtype=np.float64)
         seconds = np.array([t for _, t in self._decode_steps], dtype=np.float64)
         if np.ptp(batch) == 0:
@@ -59,8 +85,7 @@ class StepTimeTracker:
         else:
             slope, intercept = (float(c) for c in np.polyfit(batch, seconds, 1))
             slope = max(slope, 0.0)
-        floor = float(seconds.min())
-        return tuple((b, max(intercept + slope * b, floor)) for b in sizes)
+        return intercept, slope, float(seconds.min())
 
     def _smooth(self, current: float, sample: float, first: bool) -> float:
         return sample if first else (1 - self.smoothing) * current + self.smoothing * sample

@@ -56,12 +56,12 @@ class TandemRouter(_Sampling):
 
     def choose(self, replicas: list[SimReplica], request: int, now: float) -> SimReplica:
         pool = self.candidates(replicas)
-        by_id = {r.replica_id: r for r in pool}
-        candidates = [Candidate(r.replica_id, r.stats(now), r.load) for r in pool]
+        candidates = [Candidate(r.replica_id, r.stats(now), r.num_running + len(r.waiting)) for r in pool]  # r.load
         result = rank_replicas(routing_request(self.table, request, self.settings), candidates, now, self.rng,
                                self.staleness_s)
         self.num_fallbacks += result.used_fallback
-        return by_id[result.replica_ids[0]]
+        best = result.replica_ids[0]
+        return next(r for r in pool if r.replica_id == best)
 
 
 class Pow2Router:

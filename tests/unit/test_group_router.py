@@ -186,17 +186,38 @@ def test_speed_factor_starts_at_the_first_ratio_and_then_smooths():
     assert tracker.speed_factor == pytest.approx(0.9 * 3.0 + 0.1 * 1.0)
 
 
-def test_prefill_steps_set_seconds_per_token_not_the_speed():
+def test_prefill_steps_set_marginal_seconds_per_token_not_the_speed():
     tracker = StepTimeTracker(PROFILE, smoothing=0.5)
-    tracker.observe(2, 0, 100, 0.5)
+    # A step of 2 sequences with 100 prompt tokens: the profile gives 0.014 s to decoding
+    # 2 sequences, so prefill took the rest.
+    tracker.observe(2, 0, 100, 0.514)
     assert tracker.prefill_seconds_per_token == pytest.approx(0.005)
-    tracker.observe(2, 0, 100, 1.5)
+    tracker.observe(2, 0, 100, 1.514)
     assert tracker.prefill_seconds_per_token == pytest.approx(0.5 * 0.005 + 0.5 * 0.015)
     assert tracker.speed_factor == 1.0
     # Empty or zero-time steps are ignored.
     tracker.observe(0, 0, 0, 1.0)
     tracker.observe(3, 0, 0, 0.0)
     assert tracker.speed_factor == 1.0
+
+
+def test_prefill_seconds_per_token_leave_out_decoding_at_the_measured_speed():
+    # Decoding runs 2x the profile; a mixed step of 64 sequences (0.14 s of which is
+    # decoding at that speed) and 512 prompt tokens that took 0.652 s: 1 ms per token.
+    # The whole step over its prompt tokens would say 1.27 ms.
+    tracker = tracker_at_speed(2.0)
+    tracker.observe(64, 0, 512, 2 * PROFILE.step_time(64, 0) + 0.512)
+    assert tracker.prefill_seconds_per_token == pytest.approx(0.001)
+
+
+def test_without_a_profile_prefill_is_the_whole_step_until_a_line_is_fitted():
+    tracker = StepTimeTracker(None, smoothing=1.0)
+    tracker.observe(4, 0, 100, 0.5)
+    assert tracker.prefill_seconds_per_token == pytest.approx(0.005)
+    for batch in (1, 8):
+        tracker.observe(batch, 0, 0, 0.020 + 0.003 * batch)
+    tracker.observe(4, 0, 100, 0.5)  # the line gives 0.032 s to decoding 4 sequences
+    assert tracker.prefill_seconds_per_token == pytest.approx(0.468 / 100)
 
 
 def test_without_a_profile_the_curve_is_a_line_through_recent_steps():

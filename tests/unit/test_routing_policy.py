@@ -107,10 +107,29 @@ def test_load_on_the_fast_replica_crosses_over_where_the_formula_says():
     at_10 = predict_completion_seconds(REQUEST, _stats("fast", **_load(10)), 0)
     assert at_10.total_seconds == pytest.approx(2.05) and at_10.delay_to_others_seconds == pytest.approx(1.0)
     assert at_10.cost_seconds == pytest.approx(3.05)
-    # A full batch: the request queues (L - 15 slots of 2.5 / 16 s) and slows no one ahead.
+    # A full batch: the request queues for L - 15 = 4 slots, each freed after a request's
+    # 0.05 s prefill and its 2.5 / 16 s share of the decoding steps; when admitted, its
+    # prefill delays the 15 requests then running (the batch stays at 16).
     at_19 = predict_completion_seconds(REQUEST, _stats("fast", **_load(19)), 0)
-    assert at_19.queue_seconds == pytest.approx(0.625) and at_19.total_seconds == pytest.approx(3.175)
-    assert at_19.batch_size == 16 and at_19.delay_to_others_seconds == 0.0
+    assert at_19.queue_seconds == pytest.approx(4 * (0.05 + 2.5 / 16))
+    assert at_19.total_seconds == pytest.approx(0.825 + 0.05 + 2.5)
+    assert at_19.batch_size == 16 and at_19.delay_to_others_seconds == pytest.approx(15 * 0.05)
+
+
+def test_queue_counts_the_prefill_of_the_requests_ahead():
+    # A fast decoder with a full batch, 4 requests queued and slow prefill (0.5 s per
+    # 50-token prompt), against an idle replica that decodes 4x slower: 100 * 0.040 +
+    # 0.05 = 4.05 s. Counting only the decode share of the requests ahead, the queue
+    # would be 4 * 2.5 / 16 = 0.625 s and the busy replica would look cheaper (3.625 s).
+    busy = _stats("busy", prefill_seconds_per_token=0.01, **_load(19))
+    idle = _stats("idle", tuple((b, 4 * t) for b, t in FAST_CURVE))
+    cost = predict_completion_seconds(REQUEST, busy, 0)
+    assert cost.queue_seconds == pytest.approx(4 * (0.5 + 2.5 / 16))
+    assert cost.total_seconds == pytest.approx(2.625 + 0.5 + 2.5)
+    assert cost.delay_to_others_seconds == pytest.approx(15 * 0.5)
+    result = rank_replicas(REQUEST, [Candidate("busy", busy), Candidate("idle", idle)], NOW, random.Random(0))
+    assert result.replica_ids == ("idle", "busy")
+    assert result.predicted_seconds["idle"] == pytest.approx(4.05)
 
 
 def test_prefix_affinity_wins_and_saves_matched_prefill():
@@ -144,17 +163,17 @@ def test_prefix_match_takes_the_deepest_hash_and_leaves_the_last_token():
 
 
 def test_acceptance_lowers_decode_time_by_the_expected_tokens_per_step():
-    # k = 3: E(0.5) = (1 - 0.5^4) / 0.5 = 1.875; E(0.8) = (1 - 0.8^4) / 0.2 = 2.952.
-    assert expected_tokens_per_step(0.5, 3) == pytest.approx(1.875)
-    assert expected_tokens_per_step(0.8, 3) == pytest.approx(2.952)
+    # k = 3: half of the drafts accepted -> 1 + 1.5 tokens a step; 80% -> 1 + 2.4.
+    assert expected_tokens_per_step(0.5, 3) == pytest.approx(2.5)
+    assert expected_tokens_per_step(0.8, 3) == pytest.approx(3.4)
     assert expected_tokens_per_step(1.0, 3) == 4.0
     assert expected_tokens_per_step(0.0, 3) == 1.0
     assert expected_tokens_per_step(0.9, 0) == 1.0
     low = _stats("low", num_running=2, current_k=3, acceptance=0.5)
     high = _stats("high", num_running=2, current_k=3, acceptance=0.8)
     plain = _stats("plain", num_running=2, current_k=0, acceptance=0.8)
-    assert predict_completion_seconds(REQUEST, low, 0).decode_seconds == pytest.approx(0.64)  # 1.2 / 1.875
-    assert predict_completion_seconds(REQUEST, high, 0).decode_seconds == pytest.approx(1.2 / 2.952)
+    assert predict_completion_seconds(REQUEST, low, 0).decode_seconds == pytest.approx(1.2 / 2.5)
+    assert predict_completion_seconds(REQUEST, high, 0).decode_seconds == pytest.approx(1.2 / 3.4)
     assert predict_completion_seconds(REQUEST, plain, 0).decode_seconds == pytest.approx(1.2)
     result = rank_replicas(REQUEST, [Candidate(s.replica_id, s) for s in (plain, low, high)], NOW, random.Random(0))
     assert result.replica_ids == ("high", "low", "plain")
@@ -240,6 +259,6 @@ def test_same_rng_state_gives_the_same_rankings():
 def test_peak_tokens_per_second_is_the_best_batch_size_by_hand():
     curve = [(1, 0.02), (8, 0.04), (32, 0.16)]  # 50, 200 and 200 requests-steps/s
     assert peak_tokens_per_second(curve, acceptance=0.0, k=0) == pytest.approx(200.0)
-    # k = 2 at acceptance 0.5: E = 1 + 0.5 + 0.25 = 1.75 tokens per request-step.
-    assert peak_tokens_per_second(curve, acceptance=0.5, k=2) == pytest.approx(350.0)
+    # k = 2 with half the drafts accepted: E = 1 + 2 * 0.5 = 2 tokens per request-step.
+    assert peak_tokens_per_second(curve, acceptance=0.5, k=2) == pytest.approx(400.0)
     assert peak_tokens_per_second([], acceptance=0.5, k=2) == 0.0

@@ -4,6 +4,8 @@ import numpy as np
 import pytest
 from test_sim_helpers import constant_model, run, sim_config, workload
 
+from cluster.routing.policy import expected_tokens_per_step
+
 
 def one_replica(max_num_seqs=1, **group):
     return sim_config([{"name": "a", "device": "H100", "num_replicas": 1, "max_num_seqs": max_num_seqs, **group}])
@@ -82,3 +84,18 @@ def test_same_seed_same_run_other_seed_other_run():
                 controller="fixed:3")
     np.testing.assert_array_equal(first.requests.finish_s, again.requests.finish_s)
     assert not np.array_equal(first.requests.finish_s, other.requests.finish_s)
+
+
+def test_the_routers_tokens_per_step_match_what_the_replica_decodes():
+    # Falling per-position acceptance (0.9, 0.6, 0.3) at k = 3: the router's E from the
+    # replica's reported accepted/drafted fraction must equal the tokens a decode step gained.
+    # (The geometric formula fed that fraction, used before, says 1.97 where steps gain 2.60.)
+    config = one_replica()
+    result = run(config, {"a": constant_model(0.01, acceptance=(0.9, 0.6, 0.3))}, workload([0.0], 10, 4000),
+                 controller="fixed:3")
+    replica = result.groups[0].lives[0].replica
+    stats = replica.stats(1e9)  # refreshed after the run
+    decode_steps = replica.num_steps - 1
+    measured = (replica.num_output_tokens - 1) / decode_steps
+    assert expected_tokens_per_step(stats.acceptance, 3) == pytest.approx(measured, rel=0.01)
+    assert measured == pytest.approx(1 + 0.9 + 0.9 * 0.6 + 0.9 * 0.6 * 0.3, rel=0.05)
