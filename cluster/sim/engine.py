@@ -168,7 +168,7 @@ class Simulation:
                 self._new_replica(group, 0.0, 0.0)
         self._refresh_active()
         index_of = {id(r): i for i, r in enumerate(self.replicas)}
-        arrivals = self.table.arrival_s
+        arrivals = self.table.arrival_s.tolist()  # Python floats: every time derived from them stays one
         n = len(arrivals)
         horizon = self._horizon()
         period = self.config.scheduling.autoscale_period_s

@@ -13,7 +13,9 @@ would).
 Invariants (:meth:`check_invariants`): occupied slots == ``num_running`` <= max_num_seqs;
 ``kv_used`` == the occupied slots' context plus prompt tokens still to prefill (a prompt's
 blocks are reserved when it is admitted) <= KV capacity after preemption; every
-running request has tokens left to produce.
+running request has tokens left to produce; ``decoding`` marks exactly the occupied
+slots whose prompt is computed, and ``prefilling`` lists the others in admission order
+(kept as the step changes them, so planning a step needs no search over the slots).
 """
 
 from __future__ import annotations
@@ -72,7 +74,8 @@ class SimReplica:
         self.num_running = 0
         self.kv_used = 0
         self.num_admitted = 0
-        self.num_prefilling = 0  # running requests with prompt tokens still to compute
+        self.decoding = np.zeros(size, dtype=bool)  # occupied and the prompt computed
+        self.prefilling: list[int] = []  # occupied slots with prompt tokens to compute, admission order
         self.prefix_cache: OrderedDict[int, int] = OrderedDict()  # prefix id -> cached tokens
         acceptance = list(model.acceptance) or [0.0]
         self.acceptance = np.array([acceptance[min(j, len(acceptance) - 1)] for j in range(max(model.max_k, 16) + 1)])
@@ -90,6 +93,11 @@ class SimReplica:
         return self.num_running + len(self.waiting)
 
     @property
+    def num_prefilling(self) -> int:
+        """Running requests with prompt tokens still to compute."""
+        return len(self.prefilling)
+
+    @property
     def busy(self) -> bool:
         return self.plan is not None
 
@@ -103,18 +111,13 @@ class SimReplica:
         if self.num_running == 0:
             self.plan = None
             return None
-        occupied = self.req >= 0
-        if self.num_prefilling:
-            decode_slots = np.flatnonzero(occupied & (self.prefill_left == 0))
-        else:
-            decode_slots = np.flatnonzero(occupied)
-        k = self.controller.choose_k(BatchState(self.num_running, len(self.waiting)))
+        decode_slots = self.decoding.nonzero()[0]
         num_decode = len(decode_slots)
+        k = self.controller.choose_k(BatchState(self.num_running, len(self.waiting)))
         budget = self.settings.max_num_batched_tokens - num_decode * (1 + k)
         prefill_slots, chunks = [], []
-        if budget > 0 and num_decode < self.num_running:
-            pending = np.flatnonzero(occupied & (self.prefill_left > 0))
-            for slot in pending[np.argsort(self.admit_seq[pending], kind="stable")].tolist():
+        if budget > 0 and self.prefilling:
+            for slot in self.prefilling:
                 chunk = min(int(self.prefill_left[slot]), budget)
                 prefill_slots.append(slot)
                 chunks.append(chunk)
@@ -136,28 +139,34 @@ class SimReplica:
         self.k_steps[k] += 1
         self.last_k = k
         num_decode = len(dec)
-        accepted = None
+        accepted = None  # [num_decode, k]: 1 on each request's accepted prefix of drafts
+        done = []
         if num_decode:
-            gained = np.ones(num_decode, dtype=np.int64)
+            out_left = self.out_left[dec]
             if k:
                 hits = self.rng.random((num_decode, k)) < self.acceptance[:k]
-                accepted = np.cumprod(hits, axis=1).sum(axis=1)
-                gained += accepted
+                accepted = np.logical_and.accumulate(hits, axis=1)
+                gained = np.add.reduce(accepted, axis=1)
                 self.num_drafted += num_decode * k
-                self.num_accepted += int(accepted.sum())
-            np.minimum(gained, self.out_left[dec], out=gained)
-            num_gained = int(gained.sum())
+                self.num_accepted += int(np.add.reduce(gained))
+                gained += 1
+            else:
+                gained = np.ones(num_decode, dtype=np.int64)
+            np.minimum(gained, out_left, out=gained)
+            num_gained = int(np.add.reduce(gained))
             self.num_output_tokens += num_gained
             self.kv_used += num_gained
-            self.out_left[dec] -= gained
+            out_left -= gained
+            self.out_left[dec] = out_left
             self.context[dec] += gained
-        done = [] if not num_decode else dec[self.out_left[dec] <= 0].tolist()
+            done = dec[out_left <= 0].tolist()
         for slot, chunk in zip(plan.prefill_slots, plan.prefill_chunks):
             left = int(self.prefill_left[slot]) - chunk
             self.prefill_left[slot] = left
             self.context[slot] += chunk
             if left == 0:  # the last chunk samples the first token
-                self.num_prefilling -= 1
+                self.prefilling.remove(slot)
+                self.decoding[slot] = True
                 self.out_left[slot] -= 1
                 self.context[slot] += 1
                 self.num_output_tokens += 1
@@ -191,7 +200,7 @@ class SimReplica:
             self.admit_seq[slot] = self.num_admitted
             self.num_admitted += 1
             self.num_running += 1
-            self.num_prefilling += 1
+            self.prefilling.append(slot)
             self.kv_used += total
             table.admitted(request, now)
 
@@ -212,8 +221,12 @@ class SimReplica:
         return min(hit, shared)
 
     def _free(self, slots: np.ndarray) -> None:
-        self.kv_used -= int(self.context[slots].sum() + self.prefill_left[slots].sum())
-        self.num_prefilling -= int(np.count_nonzero(self.prefill_left[slots]))
+        prefill_left = self.prefill_left[slots]
+        self.kv_used -= int(np.add.reduce(self.context[slots]) + np.add.reduce(prefill_left))
+        if prefill_left.any():
+            for slot in slots[prefill_left > 0].tolist():
+                self.prefilling.remove(slot)
+        self.decoding[slots] = False
         self.req[slots] = -1
         self.prefill_left[slots] = 0
         self.out_left[slots] = 0
@@ -246,7 +259,7 @@ class SimReplica:
             return
         observe = getattr(self.controller, "observe", None)
         if observe is not None:
-            drafts = [(plan.k, a) for a in accepted.tolist()] if accepted is not None else []
+            drafts = [(plan.k, a) for a in accepted.sum(axis=1).tolist()] if accepted is not None else []
             observe(StepObservation(len(plan.decode_slots), plan.k, plan.seconds, drafts))
 
     # ---- what the router sees -------------------------------------------------------
@@ -272,7 +285,9 @@ class SimReplica:
         assert int(occupied.sum()) == self.num_running <= self.settings.max_num_seqs
         assert len(self.free_slots) == self.settings.max_num_seqs - self.num_running
         assert self.kv_used == int(self.context[occupied].sum() + self.prefill_left[occupied].sum())
-        assert self.num_prefilling == int(np.count_nonzero(self.prefill_left[occupied]))
+        assert np.array_equal(self.decoding, occupied & (self.prefill_left == 0))
+        pending = np.flatnonzero(occupied & (self.prefill_left > 0))
+        assert self.prefilling == pending[np.argsort(self.admit_seq[pending], kind="stable")].tolist()
         assert self.num_running <= 1 or self.kv_used <= self.model.kv_capacity_tokens
         assert bool(np.all(self.out_left[occupied] > 0))
 

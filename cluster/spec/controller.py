@@ -86,6 +86,7 @@ class AdaptiveController:
         acceptance_ema: float = 0.02,
         forgetting: float = 0.995,
         prior_weight: float = 50.0,
+        prior_floor: float = 1e-3,
         explore_every: int = 64,
     ) -> None:
         self.max_k = max_k
@@ -100,14 +101,22 @@ class AdaptiveController:
         # Least squares over whole-step times, forgetting old steps. A step costs
         # c0 + (c1 + c2) b + d0 k + (d1 + c2) k b: only those four sums can be learnt
         # from whole steps, so those are the unknowns; c2 keeps its profiled value.
-        # The profile enters as ``prior_weight`` pseudo-steps over a grid of (b, k).
+        # The profile enters as ``prior_weight`` pseudo-steps over a grid of (b, k), forgotten
+        # like observed steps but never below ``prior_floor`` of their weight: steps held at
+        # one k (or one batch size) leave some of the four sums unidentified, and a prior
+        # decaying to nothing turned the system singular (after ~6,000 such steps); at the
+        # floor those sums keep the profile's values and the observed ones hardly move.
         self._c2 = self.model.target_coef[2]
         c0, c1, c2 = self.model.target_coef
         d0, d1 = self.model.draft_coef
         theta = np.array([c0, c1 + c2, d0, d1 + c2], dtype=np.float64)
         grid = np.array([_step_features(b, k) for b in (1, 2, 4, 8, 16, 32, 64) for k in range(max_k + 1)])
-        self._xtx = prior_weight / len(grid) * grid.T @ grid + 1e-9 * np.eye(4)
-        self._xty = self._xtx @ theta
+        self._prior_xtx = prior_weight / len(grid) * grid.T @ grid + 1e-9 * np.eye(4)
+        self._prior_xty = self._prior_xtx @ theta
+        self._prior_scale = 1.0
+        self._prior_floor = prior_floor
+        self._xtx = np.zeros((4, 4))  # the observed steps' sums, forgotten at rate ``forgetting``
+        self._xty = np.zeros(4)
         self.k: int | None = None
         self._steps_at_k = 0
         self.num_switches = 0
@@ -143,7 +152,10 @@ class AdaptiveController:
         x = _step_features(obs.batch_size, obs.k)
         self._xtx = self.forgetting * self._xtx + np.outer(x, x)
         self._xty = self.forgetting * self._xty + x * obs.seconds
-        c0, per_request, d0, per_draft_request = np.clip(np.linalg.solve(self._xtx, self._xty), 0.0, None)
+        self._prior_scale = max(self.forgetting * self._prior_scale, self._prior_floor)
+        theta = np.linalg.solve(self._prior_scale * self._prior_xtx + self._xtx,
+                                self._prior_scale * self._prior_xty + self._xty)
+        c0, per_request, d0, per_draft_request = np.clip(theta, 0.0, None)
         c2 = min(self._c2, per_request, per_draft_request)
         self.model = LatencyModel([c0, per_request - c2, c2], [d0, per_draft_request - c2])
 

@@ -124,6 +124,21 @@ def test_adaptive_relearns_step_times_online():
     assert adaptive.k_table([1, 8]) == {b: slow_draft.best_k(b, adaptive.acceptance, 8) for b in (1, 8)}
 
 
+@pytest.mark.parametrize("vary_batch", [False, True])
+def test_adaptive_keeps_learning_through_long_runs_at_one_k(vary_batch):
+    """Hours of steps held at one k leave some step-time sums unidentified; the refit must
+    neither fail (it raised a singular-matrix error after ~6,000 such steps) nor forget the
+    profile's values for them."""
+    adaptive = AdaptiveController(TRUE, [0.8] * 4, max_k=4)
+    rng = random.Random(2)
+    for _ in range(20_000):
+        b = rng.choice([1, 2, 4, 8]) if vary_batch else 8
+        adaptive.observe(StepObservation(b, 2, 1.2 * TRUE.step_time(b, 2)))
+    for b in ([1, 2, 4, 8] if vary_batch else [8]):
+        assert adaptive.model.step_time(b, 2) == pytest.approx(1.2 * TRUE.step_time(b, 2), rel=0.02)
+    assert 0 <= adaptive.choose_k(_state(8)) <= 4
+
+
 class RecordingController:
     def __init__(self):
         self.returned = []
