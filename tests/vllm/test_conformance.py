@@ -53,20 +53,27 @@ def test_the_openai_client_sees_typed_errors_from_both(client):
 
 
 def test_seeded_sampling_repeats_and_n_choices_differ(client, group):
-    """The native engine's test as it is. vLLM repeats a seeded sample only for the same batch
-    layout (its own reproducibility caveat): the two choices of ``n=2`` share batches whose
-    shapes vary with speculation, and float32 GEMMs of other shapes can flip a near-tie at
-    temperature 1. So for vLLM: a seed repeats for one request alone, and n=2 gives two
-    different choices with seeds seed and seed + 1."""
+    """The native engine's test as it is. For vLLM, what a seed fixes is narrower: vLLM
+    promises no bit-exact repeats, and on this tier three seeded 16-token samples agreed for
+    11 tokens and then parted (a near-tie at temperature 1 flipped in a speculative step), so
+    its check is the first token: every seed's first token repeats, sampled from one prefill
+    of one shape (vLLM's prefix cache is warmed first: a request that misses it prefills in
+    other shapes, vLLM issue #40896). At temperature 1 the first token after PROMPT has
+    sum p^2 = 0.24 (measured with transformers), so six seeds would all repeat by chance
+    with p ~ 2e-4 if the seed were dropped. Different seeds and the n=2 choices (seeds seed
+    and seed + 1) must still differ over 16 tokens."""
     if group == "native":
         _seeded_native(client)
         return
 
-    def sample(seed, n):
-        return client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=16, temperature=1.0, seed=seed, n=n)
+    def sample(seed, n=1, max_tokens=16):
+        return client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=max_tokens, temperature=1.0,
+                                         seed=seed, n=n)
 
-    assert sample(7, 1).choices[0].text == sample(7, 1).choices[0].text
-    assert sample(7, 1).choices[0].text != sample(8, 1).choices[0].text
-    both = sample(7, 2)
+    sample(7, max_tokens=1)
+    firsts = {seed: [sample(seed, max_tokens=1).choices[0].text for _ in range(2)] for seed in range(1, 7)}
+    assert all(a == b for a, b in firsts.values()), firsts
+    assert sample(7).choices[0].text != sample(8).choices[0].text
+    both = sample(7, n=2)
     assert [c.index for c in both.choices] == [0, 1] and both.choices[0].text != both.choices[1].text
     assert both.usage.completion_tokens == 32
