@@ -22,16 +22,6 @@ from pathlib import Path
 SYSTEMS = ("tandem", "transformers")
 DTYPES = ("float32", "bfloat16", "float16")
 
-
-def concrete_dtype(name: str, source) -> str:
-    """``name`` with 'auto' made concrete for the CPU these benchmarks run on, so results
-    name the dtype they measured."""
-    import torch
-
-    from cluster.models.loader import load_hf_config
-    from cluster.models.registry import resolve_dtype
-
-    return str(resolve_dtype(name, load_hf_config(source), torch.device("cpu"))).removeprefix("torch.")
 WARMUP_LEN = 8
 BANDWIDTH_BYTES = 512 << 20
 
@@ -84,6 +74,17 @@ class Cell:
     tok_per_s: float
     num_steps: int | None = None  # engine steps of the best run (Tandem only)
     mean_step_ms: float | None = None
+
+
+def concrete_dtype(name: str, source) -> str:
+    """``name`` with 'auto' made concrete for the CPU these benchmarks run on, so results
+    name the dtype they measured."""
+    import torch
+
+    from cluster.models.loader import load_hf_config
+    from cluster.models.registry import resolve_dtype
+
+    return str(resolve_dtype(name, load_hf_config(source), torch.device("cpu"))).removeprefix("torch.")
 
 
 def _positive_int(text: str) -> int:
