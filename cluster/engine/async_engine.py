@@ -26,6 +26,7 @@ from cluster.engine.request import Request
 from cluster.engine.sampling_params import SamplingParams
 from cluster.metrics.collector import EngineMetricsCollector
 from cluster.routing.step_times import StepTimeTracker
+from cluster.spec.factory import profile_step_model
 
 logger = logging.getLogger(__name__)
 
@@ -40,8 +41,7 @@ class AsyncEngine:
             raise ValueError(f"step_time_scale must be >= 1, got {step_time_scale}")
         self.engine = engine
         self.step_time_scale = step_time_scale
-        controller_model = getattr(engine.controller, "model", None)
-        self.step_times = StepTimeTracker(controller_model)
+        self.step_times = StepTimeTracker(profile_step_model(engine.config))
         self._queues: dict[str, asyncio.Queue] = {}
         self._pending_adds: list[Request] = []
         self._pending_aborts: list[str] = []

@@ -104,7 +104,7 @@ class Simulation:
         prior, acceptance, table = self._priors[group.config.name]
         controller = build_controller(self.controller_name, prior, acceptance, self.config.scheduling.max_k,
                                       group.config.max_num_seqs, table)
-        tracker = StepTimeTracker(getattr(controller, "model", None))  # as AsyncEngine builds it
+        tracker = StepTimeTracker(prior)  # the group's profile whatever the controller, as AsyncEngine builds it
         index = len(self.replicas)
         replica = SimReplica(f"{group.config.name}-{index}", group.config.name, group.config.device, group.model,
                              controller, tracker, group.settings, self.table, self.rng)

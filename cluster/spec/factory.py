@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from cluster.config import ConfigError, TandemConfig, with_overrides
 from cluster.spec.controller import AdaptiveController, FixedController, SpeculationController, TableController
+from cluster.spec.latency_model import LatencyModel
 from cluster.spec.proposer import NgramStepProposer, Proposer
 
 
@@ -32,6 +33,17 @@ def build_speculation(config: TandemConfig, target_worker) -> tuple[Proposer | N
     draft = Worker.from_config(draft_config)
     check_vocab_compatible(target_worker.tokenizer, draft.tokenizer, target_worker.vocab_size, draft.vocab_size)
     return DraftModelProposer(draft.runner, target_worker.runner), controller
+
+
+def profile_step_model(config: TandemConfig) -> LatencyModel | None:
+    """The speculation profile's step-time model, whatever the controller (None without
+    speculation or without a profile): what shapes the step-time curve a replica publishes
+    for the router, so replicas that differ only in controller are routed alike."""
+    if config.speculative.method == "none" or not config.speculative.profile:
+        return None
+    from cluster.spec.profile_data import SpeculationProfile
+
+    return SpeculationProfile.load(config.speculative.profile).latency_model
 
 
 def build_controller(config: TandemConfig) -> SpeculationController:

@@ -8,6 +8,7 @@ import random
 import pytest
 
 from cluster.cli import main
+from cluster.engine.async_engine import AsyncEngine
 from cluster.engine.sampling_params import SamplingParams
 from cluster.spec.controller import (
     AdaptiveController,
@@ -167,10 +168,14 @@ def test_profile_command_writes_a_profile_the_controllers_load(tiny_llama_dir, t
     table = profile.table  # vLLM's inclusive [start, end, k] ranges
     assert profile.vllm_schedule() == [[1, 1, table[1]], [2, 2, table[2]], [3, 4, table[4]]]
     assert json.loads(out.read_text())["draft"] == "ngram"
-    for policy in ("table", "adaptive"):
+    for policy in ("table", "adaptive", "fixed"):
         engine = make_engine(tiny_llama_dir, num_blocks=64, method="ngram", controller=policy,
                              profile=str(out), num_speculative_tokens=3)
-        assert not isinstance(engine.controller, FixedController)
+        assert isinstance(engine.controller, FixedController) == (policy == "fixed")
+        # Whatever the controller, the curve the replica publishes for the router is the
+        # profile's (times a speed factor of 1 before any decoding step is timed).
+        curve = AsyncEngine(engine).step_times.curve(2, 4)
+        assert curve == tuple((b, profile.latency_model.step_time(b, 2)) for b in (1, 2, 4))
         run_to_completion(engine, [[5, 6, 7, 5, 6, 7, 5, 6]], SamplingParams(max_tokens=8, temperature=0))
 
 
