@@ -68,6 +68,8 @@ def add_paper_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-k", type=_positive_int, default=6, help="largest k of table and adaptive")
     parser.add_argument("--output-len", type=_positive_int, default=48, help="output tokens per request (EOS ignored)")
     parser.add_argument("--requests", type=_positive_int, default=32, help="requests per traffic run (default 32)")
+    parser.add_argument("--repeats", type=_positive_int, default=1,
+                        help="traffic runs per policy and workload, in rotated order; the median run is reported")
     parser.add_argument("--rates", type=_rate_list,
                         help="uniform arrival rates in requests/s (default: fractions of a measured capacity)")
     parser.add_argument("--max-num-seqs", type=_positive_int,
@@ -115,7 +117,7 @@ def run_paper_bench(args: argparse.Namespace) -> dict:
     num_workloads = (len(args.rates) if args.rates else len(RATE_FRACTIONS)) + 1
     with Progress(console=console) as progress:
         task = progress.add_task("TPOT vs k", total=len(args.batch_sizes) * len(args.ks)
-                                 + num_workloads * len(policies))
+                                 + num_workloads * len(policies) * args.repeats)
         cells = _sweep(engine, args, prompt_ids, profile, progress, task)
         capacity = _capacity(cells, args)
         rates = args.rates or [float(f"{f * capacity['requests_per_s']:.3g}") for f in RATE_FRACTIONS]
@@ -130,7 +132,8 @@ def run_paper_bench(args: argparse.Namespace) -> dict:
         "settings": {"model": args.model, "model_path": str(source.path), "method": "ngram", "dtype": args.dtype,
                      "batch_sizes": args.batch_sizes, "ks": args.ks, "max_k": args.max_k,
                      "max_num_seqs": engine.config.scheduler.max_num_seqs,
-                     "output_len": args.output_len, "requests": args.requests, "seed": args.seed,
+                     "output_len": args.output_len, "requests": args.requests, "repeats": args.repeats,
+                     "seed": args.seed,
                      "prompt_format": prompt_format, "prompt_lens": [len(p) for p in prompt_ids],
                      "workload": WORKLOAD, "prefix_caching": False, "sampling": "greedy, ignore_eos",
                      "min_requests_per_cell": MIN_REQUESTS_PER_CELL, "rate_fractions": list(RATE_FRACTIONS),
@@ -252,12 +255,19 @@ def _controller(policy: str, profile, max_k: int):
 
 
 def _serve(engine, workload: Workload, policies, profile, prompt_ids, args, progress, task) -> dict:
-    runs: list[RunResult] = []
-    for policy in policies:
-        progress.update(task, description=f"traffic {workload.name}: {policy}")
-        engine.controller = _controller(policy, profile, args.max_k)
-        runs.append(run_open_loop(engine, workload, prompt_ids, args.output_len, policy))
-        progress.advance(task)
+    """Every policy serves ``workload`` ``args.repeats`` times. Each round starts at another
+    policy (rounds spread evenly over the list), so on a machine whose speed drifts no
+    policy always runs first or last; a policy's entry is its median run by mean TPOT (the
+    lower median for an even count), with every run's mean TPOT beside it."""
+    by_policy: dict[str, list[RunResult]] = {policy: [] for policy in policies}
+    for round_ in range(args.repeats):
+        shift = round_ * len(policies) // args.repeats
+        for policy in policies[shift:] + policies[:shift]:
+            progress.update(task, description=f"traffic {workload.name}: {policy} (round {round_ + 1})")
+            engine.controller = _controller(policy, profile, args.max_k)
+            by_policy[policy].append(run_open_loop(engine, workload, prompt_ids, args.output_len, policy))
+            progress.advance(task)
+    runs = [_median_run(by_policy[policy]) for policy in policies]
     fixed = [r for r in runs if r.policy.startswith("k=")]
     best = min(fixed, key=lambda r: r.mean_tpot_ms)
     gaps = {r.policy: r.mean_tpot_ms / best.mean_tpot_ms - 1 for r in runs if r.policy in ("table", "adaptive")}
@@ -267,9 +277,14 @@ def _serve(engine, workload: Workload, policies, profile, prompt_ids, args, prog
         if r.policy.startswith("k="):
             entry["steps"] = []  # only the controllers' choices are worth the space
         entry["gap_vs_best_fixed"] = r.mean_tpot_ms / best.mean_tpot_ms - 1
+        entry["repeat_mean_tpot_ms"] = [run.mean_tpot_ms for run in by_policy[r.policy]]
         entries.append(entry)
     return workload.to_json() | {"runs": entries, "gaps": gaps,
                                  "best_fixed": {"policy": best.policy, "mean_tpot_ms": best.mean_tpot_ms}}
+
+
+def _median_run(runs: list[RunResult]) -> RunResult:
+    return sorted(runs, key=lambda r: r.mean_tpot_ms)[(len(runs) - 1) // 2]
 
 
 def _goals(traffic: list[dict]) -> list[dict]:

@@ -79,12 +79,13 @@ def _print_traffic(console, result: dict) -> None:
     table = Table(
         title=f"Open-loop Poisson traffic, {settings['requests']} requests per run, {settings['output_len']} tokens "
               "each, same arrival trace for every policy",
-        caption=f"{cap}; vs best: mean TPOT over the best fixed k's (- is faster); latency and TTFT from the "
+        caption=f"{cap}; each policy's median of {settings.get('repeats', 1)} runs (each run: its mean TPOT, in "
+                "order); vs best: mean TPOT over the best fixed k's (- is faster); latency and TTFT from the "
                 "scheduled arrival; batch and k: means over steps",
         box=box.SIMPLE_HEAD, show_edge=False,
     )
-    for header in ("workload", "policy", "TPOT ms", "vs best", "latency s", "TTFT s", "tok/s", "batch", "k",
-                   "accept"):
+    for header in ("workload", "policy", "TPOT ms", "vs best", "each run", "latency s", "TTFT s", "tok/s", "batch",
+                   "k", "accept"):
         table.add_column(header, justify="left" if header in ("workload", "policy") else "right")
     for i, w in enumerate(result["traffic"]["workloads"]):
         if i:
@@ -95,7 +96,8 @@ def _print_traffic(console, result: dict) -> None:
             if policy == w["best_fixed"]["policy"]:
                 policy = f"[bold]{policy}[/] (best fixed)"
             table.add_row(w["name"] if j == 0 else (rates if j == 1 else ""), policy, f"{r['mean_tpot_ms']:.1f}",
-                          _pct(r["gap_vs_best_fixed"]), f"{r['mean_latency_s']:.2f}", f"{r['mean_ttft_s']:.2f}",
+                          _pct(r["gap_vs_best_fixed"]), " ".join(f"{t:.1f}" for t in r.get("repeat_mean_tpot_ms", [])),
+                          f"{r['mean_latency_s']:.2f}", f"{r['mean_ttft_s']:.2f}",
                           f"{r['throughput_tok_s']:.1f}", f"{r['mean_batch_size']:.1f}", f"{r['mean_k']:.2f}",
                           _fmt(r["acceptance_rate"], ".0%"))
     console.print(table)
