@@ -12,8 +12,9 @@ whole steps of vLLM's own engine, on the device at hand and with the group's set
   batches of b greedy requests with the same output length (``ignore_eos``), so that every
   batch size sees the same prompts; one short warm-up batch first;
 - a step counts when all b requests are decoding and none has finished (in it or before,
-  so the batch is b throughout): its wall time and the tokens it gave. ``step(b, k)`` is the median of those steps, ``tokens_per_step``
-  their mean per request, and ``step / tokens_per_step`` the measured time per output token;
+  so the batch is b throughout): its wall time and the tokens it gave. ``step(b, k)`` is
+  the median of those steps, ``tokens_per_step`` their mean per request, and
+  ``step / tokens_per_step`` the measured time per output token;
 - acceptance per position comes from vLLM's speculation counters in the k = K engine's
   counted steps, as effective rates: a request-step with no proposal (n-gram found no
   match) counts as a rejection at position 1, since it yields one token like one.
