@@ -74,6 +74,10 @@ def add_paper_args(parser: argparse.ArgumentParser) -> None:
                         help="uniform arrival rates in requests/s (default: fractions of a measured capacity)")
     parser.add_argument("--max-num-seqs", type=_positive_int,
                         help="the engine's batch limit (default: the largest of --batch-sizes)")
+    parser.add_argument("--profile-acceptance", choices=("calibration", "workload"), default="calibration",
+                        help="acceptance the table and adaptive policies start from: the profiler's calibration "
+                             "prompts, or the sweep's measurement on this benchmark's prompts (the paper profiled "
+                             "per dataset)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the arrival traces")
     parser.add_argument("--threads", type=_positive_int, help="torch.set_num_threads (default: torch's choice)")
     parser.add_argument("--kv-cache-memory", default="1GiB", help="Tandem's KV cache budget")
@@ -119,6 +123,9 @@ def run_paper_bench(args: argparse.Namespace) -> dict:
         task = progress.add_task("TPOT vs k", total=len(args.batch_sizes) * len(args.ks)
                                  + num_workloads * len(policies) * args.repeats)
         cells = _sweep(engine, args, prompt_ids, profile, progress, task)
+        calibration_acceptance = profile.acceptance
+        if args.profile_acceptance == "workload":
+            profile = _with_workload_acceptance(profile, cells)
         capacity = _capacity(cells, args)
         rates = args.rates or [float(f"{f * capacity['requests_per_s']:.3g}") for f in RATE_FRACTIONS]
         workloads = [uniform_workload(r, args.requests, args.seed) for r in rates]
@@ -138,6 +145,7 @@ def run_paper_bench(args: argparse.Namespace) -> dict:
                      "workload": WORKLOAD, "prefix_caching": False, "sampling": "greedy, ignore_eos",
                      "min_requests_per_cell": MIN_REQUESTS_PER_CELL, "rate_fractions": list(RATE_FRACTIONS),
                      "profile_context_len": context_len, "adaptive_hysteresis": HYSTERESIS,
+                     "profile_acceptance": args.profile_acceptance, "calibration_acceptance": calibration_acceptance,
                      "tpot": "per request (finish - first token) / (output tokens - 1), mean over requests"},
         "profile": profile.model_dump(),
         "tpot_vs_k": _sweep_summary(cells, args),
@@ -194,6 +202,21 @@ def _sweep(engine, args, prompt_ids, profile, progress, task) -> list[dict]:
             cells.append(cell)
             progress.advance(task)
     return cells
+
+
+def _with_workload_acceptance(profile, cells: list[dict]):
+    """``profile`` with the acceptance the sweep measured on this benchmark's prompts: per
+    position, the mean over batch sizes of the cells at the sweep's largest k (extended to
+    the profile's max_k with its last value), and the table re-solved with it."""
+    top = max(c["k"] for c in cells)
+    rows = [c["conditional_acceptance"] for c in cells if c["k"] == top and c["conditional_acceptance"]]
+    if not rows:
+        return profile
+    measured = [sum(r[j] for r in rows) / len(rows) for j in range(min(map(len, rows)))]
+    acceptance = (measured + [measured[-1]] * profile.max_k)[:profile.max_k]
+    model = profile.latency_model
+    table = {b: model.best_k(b, acceptance, profile.max_k) for b in profile.batch_sizes}
+    return profile.model_copy(update={"acceptance": acceptance, "table": table})
 
 
 def _argmin(cells: list[dict], key: str) -> dict | None:

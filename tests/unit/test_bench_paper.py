@@ -114,3 +114,23 @@ def test_bad_arguments_are_rejected(flag, value, capsys):
         main(["bench", "paper", flag, value])
     err = capsys.readouterr().err
     assert f"argument {flag}" in err and value in err
+
+
+def test_workload_acceptance_replaces_the_calibration_one_and_resolves_the_table():
+    from cluster.bench.paper import _with_workload_acceptance
+    from cluster.spec.latency_model import LatencyModel
+    from cluster.spec.profile_data import SpeculationProfile
+
+    model = LatencyModel([0.01, 0.001, 0.0005], [0.0002, 0.0001])
+    calibration = [0.3, 0.3, 0.3, 0.3]
+    profile = SpeculationProfile(device="cpu", target_model="t", draft="ngram", dtype="float32",
+                                 tensor_parallel_size=1, max_k=4, batch_sizes=[1, 8], target_grid=[], draft_grid=[],
+                                 acceptance=calibration, target_coef=model.target_coef, draft_coef=model.draft_coef,
+                                 table={b: model.best_k(b, calibration, 4) for b in (1, 8)}, fit_error=0.0)
+    cells = [{"k": 3, "conditional_acceptance": [0.8, 0.9, 0.7]},  # the sweep's largest k, two batch sizes
+             {"k": 3, "conditional_acceptance": [0.6, 0.7, 0.9]},
+             {"k": 1, "conditional_acceptance": [0.1]}]  # a smaller k: not used
+    updated = _with_workload_acceptance(profile, cells)
+    assert updated.acceptance == pytest.approx([0.7, 0.8, 0.8, 0.8])  # position 4 repeats position 3
+    assert updated.table == {b: model.best_k(b, updated.acceptance, 4) for b in (1, 8)}
+    assert updated.table != profile.table and profile.acceptance == calibration
