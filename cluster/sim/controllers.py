@@ -34,7 +34,6 @@ from cluster.spec.controller import (
     AdaptiveController,
     FixedController,
     SpeculationController,
-    StepObservation,
     TableController,
 )
 from cluster.spec.latency_model import LatencyModel, power_of_two_sizes
