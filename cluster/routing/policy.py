@@ -176,7 +176,7 @@ def predict_completion_seconds(request: RoutingRequest, stats: ReplicaStats, num
     decode_steps = request.max_tokens / tokens_per_step
     decode_seconds = decode_steps * step_seconds
 
-    matched = matched_prefix_tokens(request, stats) if stats.cached_prefix_hashes else 0
+    matched = matched_prefix_tokens(request, stats)
     prefill_seconds = (request.num_prompt_tokens - matched) * stats.prefill_seconds_per_token
     saved = matched * stats.prefill_seconds_per_token
 
