@@ -121,12 +121,12 @@ class RowParallelLinear(nn.Module):
 
 
 def pack_parallel_linears(model: nn.Module, device: torch.device, dtype: torch.dtype) -> int:
-    """Give every parallel linear layer a oneDNN-packed copy of its shard where
+    """Give every parallel linear layer a CPU-packed copy of its shard where
     ``pack_linears`` would pack a plain layer; call after loading. A row-parallel layer's
     bias stays outside (it is added after the all-reduce). Returns the layers packed."""
-    from cluster.models.layers.packed_linear import PackedLinear, can_pack
+    from cluster.models.layers.packed_linear import PackedLinear, fast_cpu_linear
 
-    if not can_pack(device, dtype):
+    if not fast_cpu_linear(device, dtype):
         return 0
     packed = 0
     for module in model.modules():

@@ -1,0 +1,83 @@
+"""Build the CPU kernels of this package once per machine and load them.
+
+The C++ sources are compiled for the host CPU (``-march=native``) with torch's extension
+builder (gcc and ninja) the first time a process asks for them, into
+``<cache dir>/kernels/<key>``; the key hashes the source, the torch version and the
+CPU's flags, so a cache shared by different machines never hands one a build for
+another. Later processes load the built library in well under a second.
+
+Where the build cannot happen (no compiler, a CPU without AVX2/FMA, a build error),
+:func:`small_gemm` returns None once with a logged reason and callers keep torch's own
+kernels. ``TANDEM_CPU_KERNELS=0`` turns the kernels off (for A/B runs and as an escape
+hatch).
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import logging
+import os
+from pathlib import Path
+from types import ModuleType
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+_SOURCE_DIR = Path(__file__).resolve().parent
+_DISABLE_ENV = "TANDEM_CPU_KERNELS"
+
+
+def _cpu_flags() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return ""
+
+
+def kernels_enabled() -> bool:
+    return os.environ.get(_DISABLE_ENV, "1") not in ("0", "false", "off")
+
+
+def _build_dir(name: str, source: Path) -> tuple[str, Path]:
+    from cluster.models.loader import default_cache_dir
+
+    digest = hashlib.sha256()
+    for part in (source.read_bytes(), torch.__version__.encode(), _cpu_flags().encode()):
+        digest.update(part)
+    key = digest.hexdigest()[:16]
+    folder = default_cache_dir() / "kernels" / f"{name}-{key}"
+    folder.mkdir(parents=True, exist_ok=True)
+    return f"tandem_{name}_{key}", folder
+
+
+@functools.lru_cache(maxsize=None)
+def small_gemm() -> ModuleType | None:
+    """The compiled few-row GEMM (``small_gemm.cpp``), or None where it cannot run."""
+    if not kernels_enabled():
+        logger.info("CPU kernels turned off by %s", _DISABLE_ENV)
+        return None
+    flags = set(_cpu_flags().split())
+    if not ({"avx2", "fma"} <= flags or "avx512f" in flags):
+        logger.info("no AVX2/FMA on this CPU: torch's own linear kernels are used")
+        return None
+    source = _SOURCE_DIR / "small_gemm.cpp"
+    try:
+        from torch.utils import cpp_extension
+
+        module_name, folder = _build_dir("small_gemm", source)
+        return cpp_extension.load(
+            name=module_name,
+            sources=[str(source)],
+            build_directory=str(folder),
+            extra_cflags=["-O3", "-march=native", "-fopenmp"],
+            extra_ldflags=["-fopenmp"],
+            verbose=False,
+        )
+    except Exception as err:  # a missing compiler, ninja or header: fall back, never fail the model
+        logger.warning("could not build the CPU small-GEMM kernel (%s); using torch's own kernels", err)
+        return None

@@ -1,0 +1,101 @@
+"""The few-row CPU GEMM (cluster/kernels/small_gemm.cpp) against float64 matmuls."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from cluster.kernels import build
+from cluster.models.layers.packed_linear import SMALL_GEMM_MAX_ROWS, PackedLinear
+
+
+def _cpu_has_vectors() -> bool:
+    flags = set(build._cpu_flags().split())
+    return {"avx2", "fma"} <= flags or "avx512f" in flags
+
+
+@pytest.fixture(scope="module")
+def kernel():
+    module = build.small_gemm()
+    if module is None:
+        # Where the CPU has the vectors the kernel needs, failing to build it is a bug, not a skip.
+        assert not _cpu_has_vectors() or not build.kernels_enabled(), "small_gemm did not build on this CPU"
+        pytest.skip("small_gemm is not available on this CPU")
+    return module
+
+
+def _bound(x: torch.Tensor, weight: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+    """Per-output error allowed: float32 summation error over K terms, plus half a unit
+    in the last place of the output dtype."""
+    magnitude = x.double().abs() @ weight.double().abs().T  # [rows, N]
+    eps_out = torch.finfo(out_dtype).eps
+    return magnitude * (x.shape[1] * torch.finfo(torch.float32).eps) + magnitude * eps_out
+
+
+@pytest.mark.parametrize("weight_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("x_dtype", [torch.float32, torch.bfloat16])
+def test_every_row_count_and_a_partial_tile_match_float64(kernel, weight_dtype, x_dtype):
+    gen = torch.Generator().manual_seed(0)
+    for rows in (1, 2, 3, 4, 5, 7, 8, 9, 16, 64):
+        for out_features, in_features in ((64, 96), (37, 64), (130, 576)):
+            weight = torch.randn(out_features, in_features, generator=gen).to(weight_dtype)
+            x = torch.randn(rows, in_features, generator=gen).to(x_dtype)
+            bias = torch.randn(out_features, generator=gen)
+            y = kernel.linear(x, kernel.pack(weight), out_features, bias)
+            assert y.shape == (rows, out_features) and y.dtype == x_dtype
+            expected = x.double() @ weight.double().T + bias.double()
+            error = (y.double() - expected).abs()
+            assert (error <= _bound(x, weight, x_dtype) + 1e-6).all(), (rows, out_features, error.max())
+
+
+def test_no_bias_and_the_pack_pads_rows_with_zeros(kernel):
+    weight = torch.randn(6, 32)
+    packed = kernel.pack(weight)
+    assert packed.shape == (2, 2, 4, 16)  # 2 tiles of 4 rows, 2 cache lines of 16 floats
+    assert packed[1, :, 2:].abs().sum() == 0  # rows 6 and 7 do not exist
+    x = torch.randn(3, 32)
+    torch.testing.assert_close(kernel.linear(x, packed, 6, None), x @ weight.T, rtol=1e-5, atol=1e-5)
+
+
+def test_bad_input_is_refused_with_a_reason(kernel):
+    packed = kernel.pack(torch.randn(8, 64))
+    with pytest.raises(RuntimeError, match="rows"):
+        kernel.linear(torch.randn(kernel.max_rows + 1, 64), packed, 8, None)
+    with pytest.raises(RuntimeError, match="features"):
+        kernel.linear(torch.randn(2, 32), packed, 8, None)
+    with pytest.raises(RuntimeError, match="out_features"):
+        kernel.linear(torch.randn(2, 64), packed, 12, None)
+    with pytest.raises(RuntimeError, match="float32 or bfloat16"):
+        kernel.linear(torch.randn(2, 64).double(), packed, 8, None)
+    with pytest.raises(RuntimeError, match="multiple of"):
+        kernel.pack(torch.randn(8, 40))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_packed_linear_takes_the_kernel_for_few_rows_and_matches_f_linear_at_every_size(kernel, dtype):
+    torch.manual_seed(0)
+    linear = torch.nn.Linear(192, 200).to(dtype)
+    packed = PackedLinear(linear)
+    assert packed.small_max_rows == SMALL_GEMM_MAX_ROWS[dtype]
+    calls = []
+    real = packed._kernel
+
+    class Spy:  # counts the kernel's calls, computes with the real one
+        def linear(self, *args):
+            calls.append(args[0].shape[0])
+            return real.linear(*args)
+
+    packed._kernel = Spy()
+    for rows in (1, 3, SMALL_GEMM_MAX_ROWS[dtype], SMALL_GEMM_MAX_ROWS[dtype] + 1, 33):
+        x = torch.randn(rows, 192).to(dtype)
+        tol = 1e-5 if dtype == torch.float32 else 2e-2
+        torch.testing.assert_close(packed(x), F.linear(x, linear.weight, linear.bias), rtol=tol, atol=tol)
+    assert calls == [1, 3, SMALL_GEMM_MAX_ROWS[dtype]]
+
+
+def test_turned_off_by_the_environment(monkeypatch):
+    monkeypatch.setenv("TANDEM_CPU_KERNELS", "0")
+    assert not build.kernels_enabled()
+    monkeypatch.setenv("TANDEM_CPU_KERNELS", "1")
+    assert build.kernels_enabled()
