@@ -1,6 +1,7 @@
-"""``tandem bench offline``: output tok/s of offline batch generation, Tandem next to transformers.
+"""``tandem bench offline``: output tok/s of offline batch generation, Tandem next to its peers.
 
-Both systems get the same prompt token ids (the model's tokenizer applied once to
+The peers are Hugging Face ``transformers.generate`` and vLLM's ``LLM.generate`` (in its own
+environment, see :mod:`cluster.bench.offline_vllm`). All systems get the same prompt token ids (the model's tokenizer applied once to
 :data:`PROMPTS`), generate exactly ``output_len`` greedy tokens per request (EOS
 ignored), and run on the same weights in the same process, one model at a time.
 Every (system, dtype, batch size) cell has one short untimed warm-up, then the best
@@ -19,7 +20,7 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-SYSTEMS = ("tandem", "transformers")
+SYSTEMS = ("tandem", "transformers", "vllm")
 DTYPES = ("float32", "bfloat16", "float16")
 
 WARMUP_LEN = 8
@@ -113,7 +114,14 @@ def add_offline_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--batch-sizes", type=_int_list, default=[1, 8, 32], help="comma list (default 1,8,32)")
     parser.add_argument("--output-len", type=_positive_int, default=128, help="output tokens per request (EOS ignored)")
     parser.add_argument("--dtypes", type=_name_list(DTYPES), default=["float32", "bfloat16"])
-    parser.add_argument("--systems", type=_name_list(SYSTEMS), default=list(SYSTEMS))
+    parser.add_argument("--systems", type=_name_list(SYSTEMS), default=["tandem", "transformers"],
+                        help="comma list of tandem, transformers, vllm (default: tandem,transformers; vllm "
+                             "needs its own environment, see --vllm-python)")
+    parser.add_argument("--vllm-python", type=Path, default=None,
+                        help="python of an environment with vLLM's CPU build (default: the vLLM test tier's, "
+                             "built by tests/vllm/make_env.sh)")
+    parser.add_argument("--vllm-eager", action="store_true",
+                        help="run vLLM with enforce_eager (starts faster; its default compiles the model)")
     parser.add_argument("--repeats", type=_positive_int, default=1, help="timed runs per cell; the best is reported")
     parser.add_argument("--threads", type=_positive_int, help="torch.set_num_threads (default: torch's choice)")
     parser.add_argument("--kv-cache-memory", default="1GiB", help="Tandem's KV cache budget")
@@ -198,6 +206,19 @@ def params_read_per_token(source) -> int:
     return num_params
 
 
+def _runner(args, system: str, source, dtype: str, tp: int, tokenizer):
+    import torch
+
+    if system.startswith("tandem"):
+        return _TandemRunner(str(source.path), dtype, max(args.batch_sizes), args.kv_cache_memory, tp)
+    if system == "vllm":
+        from cluster.bench.offline_vllm import DEFAULT_VLLM_PYTHON, VllmRunner
+
+        return VllmRunner(args.vllm_python or DEFAULT_VLLM_PYTHON, source.path, dtype, max(args.batch_sizes),
+                          torch.get_num_threads(), eager=args.vllm_eager)
+    return _TransformersRunner(source.path, dtype, tokenizer)
+
+
 def _timed(fn, *args):
     start = time.perf_counter()
     result = fn(*args)
@@ -244,8 +265,7 @@ def run_offline_bench(args: argparse.Namespace) -> dict:
             for system in systems:
                 progress.update(task, description=f"loading {system} {dtype}")
                 tp = args.tp if system.startswith("tandem-tp") else 1
-                runner = (_TandemRunner(str(source.path), dtype, max(args.batch_sizes), args.kv_cache_memory, tp)
-                          if system.startswith("tandem") else _TransformersRunner(source.path, dtype, tokenizer))
+                runner = _runner(args, system, source, dtype, tp, tokenizer)
                 for batch_size in args.batch_sizes:
                     progress.update(task, description=f"{system} {dtype} batch {batch_size}")
                     batch = [prompt_ids[i % len(prompt_ids)] for i in range(batch_size)]
@@ -269,9 +289,15 @@ def _report(args, source, cells: list[Cell], bandwidth: float, num_params: int, 
     import torch
 
     rate = {(c.system, c.dtype, c.batch_size): c.tok_per_s for c in cells}
-    ratios = [{"dtype": d, "batch_size": b, "tandem_over_transformers": rate[t] / rate[h]}
-              for d in args.dtypes for b in args.batch_sizes
-              for t, h in [(("tandem", d, b), ("transformers", d, b))] if t in rate and h in rate]
+    ratios = []
+    for d in args.dtypes:
+        for b in args.batch_sizes:
+            ours = rate.get(("tandem", d, b))
+            if ours is None:
+                continue
+            peers = {f"tandem_over_{p}": ours / rate[(p, d, b)] for p in ("transformers", "vllm") if (p, d, b) in rate}
+            if peers:
+                ratios.append({"dtype": d, "batch_size": b, **peers})
     bounds = []
     for d in args.dtypes:
         bytes_per_token = num_params * getattr(torch, d).itemsize
@@ -331,23 +357,24 @@ def _print_table(console, result: dict) -> None:
         return "-" if value is None else format(value, spec)
 
     rate = {(c["system"], c["dtype"], c["batch_size"]): c["tok_per_s"] for c in result["cells"]}
-    ratio = {(r["dtype"], r["batch_size"]): r["tandem_over_transformers"] for r in result["ratios"]}
+    ratio = {(r["dtype"], r["batch_size"]): r for r in result["ratios"]}
     bound = {b["dtype"]: b for b in result["bandwidth_bound"]}
     machine, settings = result["machine"], result["settings"]
     table = Table(
         title=f"output tok/s, {Path(settings['model']).name}, {settings['output_len']} tokens per request",
         caption=f"bound: batch-1 tok/s at the read bandwidth ({machine['read_bandwidth_gb_s']:.1f} GB/s "
-                f"measured, {machine['threads']} threads); HF = transformers",
+                f"measured, {machine['threads']} threads); HF = transformers, vLLM = vLLM's LLM.generate",
         box=box.SIMPLE_HEAD, show_edge=False,
     )
-    for header in ("dtype", "batch", "Tandem", "HF", "Tandem/HF", "bound", "Tandem/bound", "HF/bound"):
+    for header in ("dtype", "batch", "Tandem", "HF", "vLLM", "Tandem/HF", "Tandem/vLLM", "bound", "Tandem/bound"):
         table.add_column(header, justify="left" if header == "dtype" else "right")
     for d in settings["dtypes"]:
         for b in settings["batch_sizes"]:
             at_1 = bound[d] if b == 1 else {}
+            over = ratio.get((d, b), {})
             table.add_row(
-                d, str(b), fmt(rate.get(("tandem", d, b)), ".1f"), fmt(rate.get(("transformers", d, b)), ".1f"),
-                fmt(ratio.get((d, b)), ".2f"), fmt(at_1.get("bound_tok_per_s"), ".0f"),
-                fmt(at_1.get("tandem_batch1_fraction"), ".0%"), fmt(at_1.get("transformers_batch1_fraction"), ".0%"),
+                d, str(b), *(fmt(rate.get((s, d, b)), ".1f") for s in ("tandem", "transformers", "vllm")),
+                fmt(over.get("tandem_over_transformers"), ".2f"), fmt(over.get("tandem_over_vllm"), ".2f"),
+                fmt(at_1.get("bound_tok_per_s"), ".0f"), fmt(at_1.get("tandem_batch1_fraction"), ".0%"),
             )
     console.print(table)

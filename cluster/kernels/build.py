@@ -2,12 +2,12 @@
 
 The C++ sources are compiled for the host CPU (``-march=native``) with torch's extension
 builder (gcc and ninja) the first time a process asks for them, into
-``<cache dir>/kernels/<key>``; the key hashes the source, the torch version and the
+``<cache dir>/kernels/<key>``; the key hashes the source and headers, the torch version and the
 CPU's flags, so a cache shared by different machines never hands one a build for
 another. Later processes load the built library in well under a second.
 
 Where the build cannot happen (no compiler, a CPU without AVX2/FMA, a build error),
-:func:`small_gemm` returns None once with a logged reason and callers keep torch's own
+:func:`small_gemm` and :func:`decode_ops` return None with a logged reason and callers keep torch's own
 kernels. ``TANDEM_CPU_KERNELS=0`` turns the kernels off (for A/B runs and as an escape
 hatch).
 """
@@ -47,7 +47,8 @@ def _build_dir(name: str, source: Path) -> tuple[str, Path]:
     from cluster.models.loader import default_cache_dir
 
     digest = hashlib.sha256()
-    for part in (source.read_bytes(), torch.__version__.encode(), _cpu_flags().encode()):
+    headers = [h.read_bytes() for h in sorted(_SOURCE_DIR.glob("*.h"))]
+    for part in (source.read_bytes(), *headers, torch.__version__.encode(), _cpu_flags().encode()):
         digest.update(part)
     key = digest.hexdigest()[:16]
     folder = default_cache_dir() / "kernels" / f"{name}-{key}"
@@ -55,21 +56,30 @@ def _build_dir(name: str, source: Path) -> tuple[str, Path]:
     return f"tandem_{name}_{key}", folder
 
 
-@functools.lru_cache(maxsize=None)
 def small_gemm() -> ModuleType | None:
     """The compiled few-row GEMM (``small_gemm.cpp``), or None where it cannot run."""
+    return _load("small_gemm")
+
+
+def decode_ops() -> ModuleType | None:
+    """The compiled decode-step operations (``decode_ops.cpp``), or None where they cannot run."""
+    return _load("decode_ops")
+
+
+@functools.lru_cache(maxsize=None)
+def _load(name: str) -> ModuleType | None:
     if not kernels_enabled():
         logger.info("CPU kernels turned off by %s", _DISABLE_ENV)
         return None
     flags = set(_cpu_flags().split())
     if not ({"avx2", "fma"} <= flags or "avx512f" in flags):
-        logger.info("no AVX2/FMA on this CPU: torch's own linear kernels are used")
+        logger.info("no AVX2/FMA on this CPU: torch's own kernels are used")
         return None
-    source = _SOURCE_DIR / "small_gemm.cpp"
+    source = _SOURCE_DIR / f"{name}.cpp"
     try:
         from torch.utils import cpp_extension
 
-        module_name, folder = _build_dir("small_gemm", source)
+        module_name, folder = _build_dir(name, source)
         return cpp_extension.load(
             name=module_name,
             sources=[str(source)],
@@ -79,5 +89,5 @@ def small_gemm() -> ModuleType | None:
             verbose=False,
         )
     except Exception as err:  # a missing compiler, ninja or header: fall back, never fail the model
-        logger.warning("could not build the CPU small-GEMM kernel (%s); using torch's own kernels", err)
+        logger.warning("could not build the CPU kernel %s (%s); using torch's own kernels", name, err)
         return None

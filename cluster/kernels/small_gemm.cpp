@@ -14,6 +14,8 @@
 #include <immintrin.h>
 #include <torch/extension.h>
 
+#include "simd.h"
+
 #include <algorithm>
 #include <type_traits>
 #include <vector>
@@ -25,36 +27,6 @@ constexpr int kRowBlock = 4;     // rows of x per pass over a tile
 constexpr int kLineBytes = 64;   // one packed chunk: a cache line of one weight row
 constexpr int64_t kMaxRows = 64;
 
-#if defined(__AVX512F__)
-constexpr int kLanes = 16;
-using Vec = __m512;
-inline Vec vzero() { return _mm512_setzero_ps(); }
-inline Vec vfma(Vec a, Vec b, Vec c) { return _mm512_fmadd_ps(a, b, c); }
-inline float vsum(Vec v) { return _mm512_reduce_add_ps(v); }
-inline Vec vload(const float* p) { return _mm512_loadu_ps(p); }
-inline Vec vload(const at::BFloat16* p) {
-  __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
-}
-#elif defined(__AVX2__) && defined(__FMA__)
-constexpr int kLanes = 8;
-using Vec = __m256;
-inline Vec vzero() { return _mm256_setzero_ps(); }
-inline Vec vfma(Vec a, Vec b, Vec c) { return _mm256_fmadd_ps(a, b, c); }
-inline float vsum(Vec v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_movehdup_ps(s));
-  return _mm_cvtss_f32(s);
-}
-inline Vec vload(const float* p) { return _mm256_loadu_ps(p); }
-inline Vec vload(const at::BFloat16* p) {
-  __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(raw), 16));
-}
-#else
-#error "small_gemm needs AVX2 with FMA, or AVX-512"
-#endif
 
 template <typename W>
 constexpr int chunk_elems() { return kLineBytes / static_cast<int>(sizeof(W)); }

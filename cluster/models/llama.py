@@ -26,8 +26,11 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(hidden_size))
         self.eps = eps
+        self.cpu_ops = None  # compiled CPU ops, set by attach_decode_ops
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.cpu_ops is not None:
+            return self.cpu_ops.rms_norm(x.contiguous(), self.weight, self.eps)
         # torch's fused kernel accumulates in float32, like the reference's upcast.
         return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
 
@@ -66,14 +69,18 @@ class LlamaDecoderLayer(nn.Module):
         meta: AttentionMetadata,
     ) -> torch.Tensor:
         residual = hidden
-        num_tokens = hidden.shape[0]
         qkv = self.qkv_proj(self.input_layernorm(hidden))
-        # Rotate Q and K heads together: [num_tokens, num_heads + num_kv_heads, head_dim]
-        qk = apply_rotary(qkv[:, : self.q_size + self.kv_size].view(num_tokens, -1, self.head_dim), *rope)
-        q = qk[:, : self.num_heads].reshape(num_tokens, self.q_size)
-        k = qk[:, self.num_heads :].reshape(num_tokens, self.kv_size)
-        v = qkv[:, self.q_size + self.kv_size :]
-        hidden = residual + self.o_proj(self.attn(q, k, v, kv_cache, meta))
+        if self.attn.decodes_in_kernel(kv_cache, meta):
+            attn_out = self.attn.rotary_decode(qkv, rope, kv_cache, meta)
+        else:
+            num_tokens = hidden.shape[0]
+            # Rotate Q and K heads together: [num_tokens, num_heads + num_kv_heads, head_dim]
+            qk = apply_rotary(qkv[:, : self.q_size + self.kv_size].view(num_tokens, -1, self.head_dim), *rope)
+            q = qk[:, : self.num_heads].reshape(num_tokens, self.q_size)
+            k = qk[:, self.num_heads :].reshape(num_tokens, self.kv_size)
+            v = qkv[:, self.q_size + self.kv_size :]
+            attn_out = self.attn(q, k, v, kv_cache, meta)
+        hidden = residual + self.o_proj(attn_out)
         residual = hidden
         gate, up = self.gate_up_proj(self.post_attention_layernorm(hidden)).chunk(2, dim=-1)
         return residual + self.down_proj(F.silu(gate) * up)

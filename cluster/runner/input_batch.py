@@ -96,6 +96,7 @@ def prepare_inputs(
         num_seqs=num_seqs,
         max_query_len=max_query_len,
         decode_padding=to(~attn_mask) if query_pad_index is None and attn_mask is not None else None,
+        context_lens=to(context_lens_t),
     )
     return ModelInputs(
         input_ids=to(torch.tensor(input_ids, dtype=torch.int64)),

@@ -12,6 +12,7 @@ from cluster.config import TandemConfig
 from cluster.models.loader import (
     iter_lazy_weights, iter_weights, load_hf_config, load_tokenizer_if_present, resolve_model,
 )
+from cluster.models.layers.cpu_ops import attach_decode_ops
 from cluster.models.layers.packed_linear import pack_linears
 from cluster.models.registry import build_model, context_length, resolve_dtype
 from cluster.parallel.group import TPGroup
@@ -99,6 +100,7 @@ def load_model(config: TandemConfig, device: torch.device, tp: TPGroup | None = 
     if scheme != "none":
         quantize_linears(model, scheme)
     pack_linears(model, device, dtype)
+    attach_decode_ops(model, device, dtype)
     if tp is not None:
         pack_parallel_linears(model, device, dtype)
     cache_dtype = torch.int8 if config.cache.kv_cache_dtype == "int8" else None

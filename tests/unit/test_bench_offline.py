@@ -47,7 +47,7 @@ def test_one_system_only(tiny_folder, tmp_path):
     assert result["ratios"] == []
 
 
-@pytest.mark.parametrize("flag,value", [("--batch-sizes", "1,x"), ("--dtypes", "int4"), ("--systems", "vllm")])
+@pytest.mark.parametrize("flag,value", [("--batch-sizes", "1,x"), ("--dtypes", "int4"), ("--systems", "sglang")])
 def test_bad_lists_are_rejected(flag, value, capsys):
     with pytest.raises(SystemExit):
         main(["bench", "offline", flag, value])

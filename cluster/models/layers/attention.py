@@ -26,6 +26,7 @@ class AttentionMetadata:
     num_seqs: int
     max_query_len: int
     decode_padding: torch.Tensor | None = None  # [num_seqs, 1, 1, max_context_len] bool: True = padding (decode only)
+    context_lens: torch.Tensor | None = None  # [num_seqs] int64: tokens each sequence attends to, its new one included
 
 
 class PagedAttention(torch.nn.Module):
@@ -35,6 +36,7 @@ class PagedAttention(torch.nn.Module):
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
         self.scale = scale
+        self.cpu_ops = None  # compiled CPU decode attention, set by attach_decode_ops
 
     def forward(
         self,
@@ -45,6 +47,10 @@ class PagedAttention(torch.nn.Module):
         meta: AttentionMetadata,
     ) -> torch.Tensor:  # [num_tokens, num_heads * head_dim]
         num_tokens = q.shape[0]
+        if self.decodes_in_kernel(kv_cache, meta):
+            return self.cpu_ops.paged_decode_attention(
+                q.contiguous(), k.contiguous(), v.contiguous(), kv_cache, meta.slot_mapping,
+                meta.context_slots, meta.context_lens, self.num_heads, self.scale)
         new_k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
         new_v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
         flat_slots = meta.context_slots.view(-1)
@@ -75,6 +81,25 @@ class PagedAttention(torch.nn.Module):
         )  # [num_seqs, num_heads, max_query_len, head_dim]
         out = out.transpose(1, 2).reshape(-1, self.num_heads * self.head_dim)
         return out.index_select(0, meta.query_pad_index)
+
+    def decodes_in_kernel(self, kv_cache, meta: AttentionMetadata) -> bool:
+        """Whether this step runs in the compiled CPU kernel: a decode step (one query per
+        sequence) over a plain (not quantized) KV cache, with the kernel attached."""
+        return (self.cpu_ops is not None and meta.query_pad_index is None and meta.context_lens is not None
+                and isinstance(kv_cache, torch.Tensor))
+
+    def rotary_decode(
+        self,
+        qkv: torch.Tensor,  # [num_seqs, (num_heads + 2 * num_kv_heads) * head_dim]
+        rope: tuple[torch.Tensor, torch.Tensor],  # cos, sin_signed: [num_seqs, 1, head_dim] each
+        kv_cache: torch.Tensor,  # [2, num_slots, num_kv_heads, head_dim]
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:  # [num_seqs, num_heads * head_dim]
+        """Rotary on Q and K, the K/V write and decode attention in one kernel call; only
+        where :meth:`decodes_in_kernel` holds."""
+        return self.cpu_ops.rotary_decode_attention(
+            qkv.contiguous(), rope[0], rope[1], kv_cache, meta.slot_mapping, meta.context_slots,
+            meta.context_lens, self.num_heads, self.scale)
 
     def _decode(
         self,

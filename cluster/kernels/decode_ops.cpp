@@ -1,0 +1,255 @@
+// The decode step's small operations, one call each instead of a chain of torch ops:
+//
+// * rms_norm: y = (x * rsqrt(mean(x^2) + eps)).to(dtype) * weight, float32 inside (the
+//   rounding order of Hugging Face's LlamaRMSNorm).
+// * paged_decode_attention: writes each sequence's new K/V at its slot, then attends its one
+//   query per head to its whole context straight through the slot table: no gather of the
+//   context, scores and softmax in float32, GQA without repeating K/V. Optionally it first
+//   applies rotary embeddings to Q and K (Llama's rotate-half form, the sign folded into sin),
+//   taking Q, K and V as the fused projection's output.
+//
+// Tensors are float32 or bfloat16 on the CPU; build.py compiles this for the host CPU.
+#include <ATen/Parallel.h>
+#include <torch/extension.h>
+
+#include "simd.h"
+
+#include <algorithm>
+#include <cmath>
+#include <vector>
+
+namespace {
+
+inline float to_float(float v) { return v; }
+inline float to_float(at::BFloat16 v) { return static_cast<float>(v); }
+
+template <typename T>
+void rms_norm_rows(const T* x, const T* weight, T* y, int64_t rows, int64_t hidden, float eps) {
+  at::parallel_for(0, rows, 8, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const T* xr = x + r * hidden;
+      T* yr = y + r * hidden;
+      float sum_sq = 0.f;
+#pragma omp simd reduction(+ : sum_sq)
+      for (int64_t i = 0; i < hidden; ++i) {
+        const float v = to_float(xr[i]);
+        sum_sq += v * v;
+      }
+      const float inv_rms = 1.f / std::sqrt(sum_sq / static_cast<float>(hidden) + eps);
+      for (int64_t i = 0; i < hidden; ++i) {
+        const float normed = to_float(static_cast<T>(to_float(xr[i]) * inv_rms));
+        yr[i] = static_cast<T>(normed * to_float(weight[i]));
+      }
+    }
+  });
+}
+
+torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps) {
+  TORCH_CHECK(x.device().is_cpu() && x.is_contiguous(), "rms_norm: x must be a contiguous CPU tensor");
+  TORCH_CHECK(weight.scalar_type() == x.scalar_type() && weight.is_contiguous(),
+              "rms_norm: weight must be contiguous and of x's dtype");
+  const int64_t hidden = x.size(-1);
+  TORCH_CHECK(weight.numel() == hidden, "rms_norm: weight has ", weight.numel(), " values, x ", hidden);
+  auto y = torch::empty_like(x);
+  const int64_t rows = hidden ? x.numel() / hidden : 0;
+  if (x.scalar_type() == at::kFloat)
+    rms_norm_rows<float>(x.data_ptr<float>(), weight.data_ptr<float>(), y.data_ptr<float>(), rows, hidden, eps);
+  else if (x.scalar_type() == at::kBFloat16)
+    rms_norm_rows<at::BFloat16>(x.data_ptr<at::BFloat16>(), weight.data_ptr<at::BFloat16>(),
+                                y.data_ptr<at::BFloat16>(), rows, hidden, eps);
+  else
+    TORCH_CHECK(false, "rms_norm: float32 or bfloat16, got ", x.scalar_type());
+  return y;
+}
+
+// One decode step's attention inputs. Row s of Q, K and V starts at q + s * row_stride (and
+// likewise for k, v): separate tensors or the column ranges of one fused QKV output.
+template <typename T>
+struct DecodeBatch {
+  const T *q, *k, *v;
+  int64_t row_stride_q, row_stride_k, row_stride_v;
+  const T *cos, *sin_signed;  // [num_seqs, head_dim] each, or null: no rotary
+  T *key_cache, *value_cache;  // [num_slots, num_kv_heads, head_dim] each
+  const int64_t *slot_mapping, *context_slots, *context_lens;
+  int64_t num_seqs, num_heads, num_kv_heads, head_dim, max_context;
+  float scale;
+};
+
+// x * cos + rotate_half(x) * sin_signed for one head, in float32; rotate_half is a roll by half.
+template <typename T>
+inline float rotated(const T* x, const T* cos, const T* sin_signed, int64_t d, int64_t head_dim) {
+  if (!cos) return to_float(x[d]);
+  const int64_t partner = d < head_dim / 2 ? d + head_dim / 2 : d - head_dim / 2;
+  return to_float(x[d]) * to_float(cos[d]) + to_float(x[partner]) * to_float(sin_signed[d]);
+}
+
+template <typename T>
+void decode_attention(const DecodeBatch<T>& b, T* out) {
+  const int64_t D = b.head_dim, kv_stride = b.num_kv_heads * D;  // kv_stride: one slot
+  for (int64_t s = 0; s < b.num_seqs; ++s) {  // write the new K/V first: the query attends to itself
+    const T* cos = b.cos ? b.cos + s * D : nullptr;
+    const T* sin = b.sin_signed ? b.sin_signed + s * D : nullptr;
+    T* key_slot = b.key_cache + b.slot_mapping[s] * kv_stride;
+    const T* k_row = b.k + s * b.row_stride_k;
+    for (int64_t h = 0; h < b.num_kv_heads; ++h)
+      for (int64_t d = 0; d < D; ++d) key_slot[h * D + d] = static_cast<T>(rotated(k_row + h * D, cos, sin, d, D));
+    std::copy(b.v + s * b.row_stride_v, b.v + s * b.row_stride_v + kv_stride,
+              b.value_cache + b.slot_mapping[s] * kv_stride);
+  }
+  const int64_t group = b.num_heads / b.num_kv_heads;
+  at::parallel_for(0, b.num_seqs * b.num_kv_heads, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> query(group * D), acc(group * D), scores;
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t s = task / b.num_kv_heads, h = task % b.num_kv_heads;
+      const int64_t len = b.context_lens[s];
+      const int64_t* slots = b.context_slots + s * b.max_context;
+      const T* cos = b.cos ? b.cos + s * D : nullptr;
+      const T* sin = b.sin_signed ? b.sin_signed + s * D : nullptr;
+      const T* q_heads = b.q + s * b.row_stride_q + h * group * D;
+      for (int64_t g = 0; g < group; ++g)
+        for (int64_t d = 0; d < D; ++d) query[g * D + d] = rotated(q_heads + g * D, cos, sin, d, D) * b.scale;
+      scores.assign(group * len, 0.f);
+      for (int64_t t = 0; t < len; ++t) {
+        const T* key = b.key_cache + slots[t] * kv_stride + h * D;
+        for (int64_t g = 0; g < group; ++g) {
+          const float* qg = query.data() + g * D;
+          Vec dot = vzero();
+          for (int64_t d = 0; d < D; d += kLanes) dot = vfma(vload(qg + d), vload(key + d), dot);
+          scores[g * len + t] = vsum(dot);
+        }
+      }
+      for (int64_t g = 0; g < group; ++g) {  // softmax over the context, float32
+        float* row = scores.data() + g * len;
+        const float top = *std::max_element(row, row + len);
+        float total = 0.f;
+        for (int64_t t = 0; t < len; ++t) total += (row[t] = std::exp(row[t] - top));
+        const float inv = 1.f / total;
+        for (int64_t t = 0; t < len; ++t) row[t] *= inv;
+      }
+      std::fill(acc.begin(), acc.end(), 0.f);
+      for (int64_t t = 0; t < len; ++t) {
+        const T* value = b.value_cache + slots[t] * kv_stride + h * D;
+        for (int64_t g = 0; g < group; ++g) {
+          const Vec p = vbroadcast(scores[g * len + t]);
+          float* ag = acc.data() + g * D;
+          for (int64_t d = 0; d < D; d += kLanes) vstore(ag + d, vfma(p, vload(value + d), vload(ag + d)));
+        }
+      }
+      T* o = out + s * b.num_heads * D + h * group * D;
+      for (int64_t i = 0; i < group * D; ++i) o[i] = static_cast<T>(acc[i]);
+    }
+  });
+}
+
+// Checks shared by both entry points; returns num_seqs.
+int64_t check_paged(const torch::Tensor& kv_cache, const torch::Tensor& slot_mapping,
+                    const torch::Tensor& context_slots, const torch::Tensor& context_lens, int64_t num_heads) {
+  TORCH_CHECK(kv_cache.device().is_cpu() && kv_cache.dim() == 4 && kv_cache.size(0) == 2 && kv_cache.is_contiguous(),
+              "paged_decode_attention: kv_cache must be a contiguous CPU [2, slots, kv_heads, head_dim]");
+  TORCH_CHECK(kv_cache.scalar_type() == at::kFloat || kv_cache.scalar_type() == at::kBFloat16,
+              "paged_decode_attention: float32 or bfloat16, got ", kv_cache.scalar_type());
+  const int64_t num_kv_heads = kv_cache.size(2), head_dim = kv_cache.size(3), num_slots = kv_cache.size(1);
+  TORCH_CHECK(head_dim % kLanes == 0, "paged_decode_attention: head_dim must be a multiple of ", kLanes);
+  TORCH_CHECK(num_heads % num_kv_heads == 0, "paged_decode_attention: num_heads must be a multiple of the KV heads");
+  for (const auto& t : {slot_mapping, context_slots, context_lens})
+    TORCH_CHECK(t.scalar_type() == at::kLong && t.is_contiguous(), "paged_decode_attention: int64 indices");
+  const int64_t num_seqs = slot_mapping.numel();
+  TORCH_CHECK(context_lens.numel() == num_seqs && context_slots.dim() == 2 && context_slots.size(0) == num_seqs,
+              "paged_decode_attention: one slot, one context length and one slot row per sequence");
+  const int64_t max_context = context_slots.size(1);
+  const int64_t* lens = context_lens.data_ptr<int64_t>();
+  const int64_t* slots = context_slots.data_ptr<int64_t>();
+  const int64_t* new_slots = slot_mapping.data_ptr<int64_t>();
+  for (int64_t s = 0; s < num_seqs; ++s) {
+    TORCH_CHECK(lens[s] >= 1 && lens[s] <= max_context, "paged_decode_attention: context length out of range");
+    TORCH_CHECK(new_slots[s] >= 0 && new_slots[s] < num_slots, "paged_decode_attention: slot out of range");
+    for (int64_t t = 0; t < lens[s]; ++t)
+      TORCH_CHECK(slots[s * max_context + t] >= 0 && slots[s * max_context + t] < num_slots,
+                  "paged_decode_attention: context slot out of range");
+  }
+  return num_seqs;
+}
+
+void check_rows(const torch::Tensor& t, const torch::Tensor& kv_cache, int64_t num_seqs, int64_t features,
+                const char* what) {
+  TORCH_CHECK(t.scalar_type() == kv_cache.scalar_type() && t.dim() == 2 && t.size(0) == num_seqs &&
+                  t.size(1) == features && t.stride(1) == 1,
+              "paged_decode_attention: ", what, " must be [num_seqs, ", features, "] rows of the cache's dtype");
+}
+
+template <typename T>
+torch::Tensor run(DecodeBatch<T> b, const torch::Tensor& kv_cache, const torch::Tensor& slot_mapping,
+                  const torch::Tensor& context_slots, const torch::Tensor& context_lens, torch::Tensor out) {
+  b.key_cache = kv_cache[0].data_ptr<T>();
+  b.value_cache = kv_cache[1].data_ptr<T>();
+  b.slot_mapping = slot_mapping.data_ptr<int64_t>();
+  b.context_slots = context_slots.data_ptr<int64_t>();
+  b.context_lens = context_lens.data_ptr<int64_t>();
+  b.num_kv_heads = kv_cache.size(2);
+  b.head_dim = kv_cache.size(3);
+  b.max_context = context_slots.size(1);
+  decode_attention<T>(b, out.data_ptr<T>());
+  return out;
+}
+
+torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor kv_cache,
+                                     torch::Tensor slot_mapping, torch::Tensor context_slots,
+                                     torch::Tensor context_lens, int64_t num_heads, double scale) {
+  // q: [num_seqs, num_heads * head_dim]; k, v: [num_seqs, num_kv_heads * head_dim];
+  // kv_cache: [2, num_slots, num_kv_heads, head_dim]; context_slots: [num_seqs, max_context] int64;
+  // slot_mapping, context_lens: [num_seqs] int64.
+  const int64_t num_seqs = check_paged(kv_cache, slot_mapping, context_slots, context_lens, num_heads);
+  const int64_t kv_features = kv_cache.size(2) * kv_cache.size(3);
+  check_rows(q, kv_cache, num_seqs, num_heads * kv_cache.size(3), "q");
+  check_rows(k, kv_cache, num_seqs, kv_features, "k");
+  check_rows(v, kv_cache, num_seqs, kv_features, "v");
+  auto out = torch::empty({num_seqs, num_heads * kv_cache.size(3)}, q.options());
+  auto fill = [&](auto* tag) {
+    using T = std::remove_pointer_t<decltype(tag)>;
+    DecodeBatch<T> b{};
+    b.q = q.data_ptr<T>(), b.k = k.data_ptr<T>(), b.v = v.data_ptr<T>();
+    b.row_stride_q = q.stride(0), b.row_stride_k = k.stride(0), b.row_stride_v = v.stride(0);
+    b.num_seqs = num_seqs, b.num_heads = num_heads, b.scale = static_cast<float>(scale);
+    return run<T>(b, kv_cache, slot_mapping, context_slots, context_lens, out);
+  };
+  return kv_cache.scalar_type() == at::kFloat ? fill(static_cast<float*>(nullptr))
+                                              : fill(static_cast<at::BFloat16*>(nullptr));
+}
+
+torch::Tensor rotary_decode_attention(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin_signed,
+                                      torch::Tensor kv_cache, torch::Tensor slot_mapping,
+                                      torch::Tensor context_slots, torch::Tensor context_lens, int64_t num_heads,
+                                      double scale) {
+  // qkv: [num_seqs, (num_heads + 2 * num_kv_heads) * head_dim], the fused projection's output;
+  // cos, sin_signed: [num_seqs, 1, head_dim] (see cluster/models/layers/rotary.py).
+  const int64_t num_seqs = check_paged(kv_cache, slot_mapping, context_slots, context_lens, num_heads);
+  const int64_t head_dim = kv_cache.size(3), kv_features = kv_cache.size(2) * head_dim;
+  check_rows(qkv, kv_cache, num_seqs, num_heads * head_dim + 2 * kv_features, "qkv");
+  for (const auto& t : {cos, sin_signed})
+    TORCH_CHECK(t.scalar_type() == kv_cache.scalar_type() && t.is_contiguous() && t.numel() == num_seqs * head_dim,
+                "paged_decode_attention: cos and sin must be [num_seqs, 1, head_dim] of the cache's dtype");
+  auto out = torch::empty({num_seqs, num_heads * head_dim}, qkv.options());
+  auto fill = [&](auto* tag) {
+    using T = std::remove_pointer_t<decltype(tag)>;
+    DecodeBatch<T> b{};
+    const T* row = qkv.data_ptr<T>();
+    b.q = row, b.k = row + num_heads * head_dim, b.v = row + num_heads * head_dim + kv_features;
+    b.row_stride_q = b.row_stride_k = b.row_stride_v = qkv.stride(0);
+    b.cos = cos.data_ptr<T>(), b.sin_signed = sin_signed.data_ptr<T>();
+    b.num_seqs = num_seqs, b.num_heads = num_heads, b.scale = static_cast<float>(scale);
+    return run<T>(b, kv_cache, slot_mapping, context_slots, context_lens, out);
+  };
+  return kv_cache.scalar_type() == at::kFloat ? fill(static_cast<float*>(nullptr))
+                                              : fill(static_cast<at::BFloat16*>(nullptr));
+}
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("rms_norm", &rms_norm, "Llama RMSNorm over the last dimension, float32 inside");
+  m.attr("head_dim_multiple") = kLanes;
+  m.def("paged_decode_attention", &paged_decode_attention,
+        "write one token's K/V per sequence and attend to its paged context");
+  m.def("rotary_decode_attention", &rotary_decode_attention,
+        "paged_decode_attention on a fused QKV output, with rotary embeddings applied to Q and K first");
+}

@@ -1,0 +1,147 @@
+"""The compiled decode-step ops (cluster/kernels/decode_ops.cpp) against float64 references."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from cluster.kernels import build
+from cluster.models.layers.rotary import apply_rotary
+
+
+@pytest.fixture(scope="module")
+def ops():
+    module = build.decode_ops()
+    if module is None:
+        flags = set(build._cpu_flags().split())
+        assert not ({"avx2", "fma"} <= flags or "avx512f" in flags), "decode_ops did not build on this CPU"
+        pytest.skip("decode_ops is not available on this CPU")
+    return module
+
+
+TOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rms_norm_rounds_like_transformers_llama(ops, dtype):
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(7, 576, generator=gen).to(dtype)
+    weight = torch.randn(576, generator=gen).to(dtype)
+    # LlamaRMSNorm: float32 inside, rounded to the input dtype before the weight.
+    xf = x.float()
+    expected = (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + 1e-5)).to(dtype) * weight
+    torch.testing.assert_close(ops.rms_norm(x, weight, 1e-5), expected, rtol=TOL[dtype], atol=TOL[dtype])
+
+
+def _paged_batch(dtype, gen, num_slots=300, num_heads=6, num_kv_heads=2, head_dim=32):
+    """Three sequences of different lengths on shuffled slots; the last slot of each is its new token."""
+    lens = torch.tensor([1, 19, 64])
+    perm = torch.randperm(num_slots, generator=gen)
+    context_slots = torch.zeros(3, 64, dtype=torch.int64)
+    for s in range(3):
+        context_slots[s, : lens[s]] = perm[s * 80 : s * 80 + lens[s]]
+    slot_mapping = torch.stack([context_slots[s, lens[s] - 1] for s in range(3)])
+    cache = torch.randn(2, num_slots, num_kv_heads, head_dim, generator=gen).to(dtype)
+    return lens, context_slots, slot_mapping, cache
+
+
+def _reference(q, k, v, cache, slot_mapping, context_slots, lens, num_heads, scale):
+    """Write, then float64 softmax attention per sequence with GQA."""
+    num_kv_heads, head_dim = cache.shape[2], cache.shape[3]
+    cache = cache.clone()
+    cache[0, slot_mapping] = k.view(-1, num_kv_heads, head_dim).to(cache.dtype)
+    cache[1, slot_mapping] = v.view(-1, num_kv_heads, head_dim).to(cache.dtype)
+    out = []
+    for s in range(len(lens)):
+        keys = cache[0, context_slots[s, : lens[s]]].double().transpose(0, 1)  # [kv_heads, len, head_dim]
+        values = cache[1, context_slots[s, : lens[s]]].double().transpose(0, 1)
+        query = q[s].double().view(num_kv_heads, num_heads // num_kv_heads, head_dim)
+        probs = torch.softmax(query @ keys.transpose(1, 2) * scale, dim=-1)
+        out.append((probs @ values).reshape(-1))
+    return torch.stack(out), cache
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_paged_decode_attention_writes_then_attends_through_the_slot_table(ops, dtype):
+    gen = torch.Generator().manual_seed(1)
+    lens, context_slots, slot_mapping, cache = _paged_batch(dtype, gen)
+    q = torch.randn(3, 6 * 32, generator=gen).to(dtype)
+    k, v = (torch.randn(3, 2 * 32, generator=gen).to(dtype) for _ in range(2))
+    expected, expected_cache = _reference(q, k, v, cache, slot_mapping, context_slots, lens, 6, 0.2)
+    out = ops.paged_decode_attention(q, k, v, cache, slot_mapping, context_slots, lens, 6, 0.2)
+    assert torch.equal(cache, expected_cache)  # the new K/V landed in their slots, nothing else moved
+    torch.testing.assert_close(out.double(), expected, rtol=TOL[dtype], atol=TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rotary_decode_attention_equals_rotary_then_attention(ops, dtype):
+    gen = torch.Generator().manual_seed(2)
+    lens, context_slots, slot_mapping, cache = _paged_batch(dtype, gen)
+    qkv = torch.randn(3, (6 + 2 * 2) * 32, generator=gen).to(dtype)
+    angles = torch.rand(3, 1, 16, generator=gen) * 3
+    cos = torch.cat([angles.cos(), angles.cos()], -1).to(dtype)
+    sin_signed = torch.cat([-angles.sin(), angles.sin()], -1).to(dtype)
+    qk = apply_rotary(qkv[:, : 8 * 32].double().view(3, 8, 32), cos.double(), sin_signed.double())
+    q, k, v = qk[:, :6].reshape(3, -1), qk[:, 6:].reshape(3, -1), qkv[:, 8 * 32 :]
+    expected, expected_cache = _reference(q, k, v, cache, slot_mapping, context_slots, lens, 6, 0.2)
+    out = ops.rotary_decode_attention(qkv, cos, sin_signed, cache, slot_mapping, context_slots, lens, 6, 0.2)
+    torch.testing.assert_close(cache, expected_cache, rtol=TOL[dtype], atol=TOL[dtype])
+    torch.testing.assert_close(out.double(), expected, rtol=TOL[dtype], atol=TOL[dtype])
+
+
+def test_bad_indices_are_refused_before_anything_is_written(ops):
+    gen = torch.Generator().manual_seed(3)
+    lens, context_slots, slot_mapping, cache = _paged_batch(torch.float32, gen)
+    q, k, v = torch.randn(3, 192), torch.randn(3, 64), torch.randn(3, 64)
+    before = cache.clone()
+    bad = context_slots.clone()
+    bad[2, 5] = 10_000
+    with pytest.raises(RuntimeError, match="context slot out of range"):
+        ops.paged_decode_attention(q, k, v, cache, slot_mapping, bad, lens, 6, 0.2)
+    with pytest.raises(RuntimeError, match="context length out of range"):
+        ops.paged_decode_attention(q, k, v, cache, slot_mapping, context_slots, lens + 64, 6, 0.2)
+    with pytest.raises(RuntimeError, match="rows of the cache's dtype"):
+        ops.paged_decode_attention(q.double(), k, v, cache, slot_mapping, context_slots, lens, 6, 0.2)
+    assert torch.equal(cache, before)
+
+
+def test_the_engine_decodes_in_the_kernels_and_keeps_transformers_outputs(ops, tiny_llama_dir):
+    """Decode steps of a tiny Llama go through the compiled ops (counted), and greedy output
+    still equals transformers' greedy generation token for token."""
+    from transformers import AutoModelForCausalLM
+
+    from cluster.engine.llm import LLM
+    from cluster.engine.sampling_params import SamplingParams
+
+    prompt = torch.randint(3, 256, (11,), generator=torch.Generator().manual_seed(4)).tolist()
+    hf = AutoModelForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.float32).eval()
+    hf.generation_config.eos_token_id = None
+    ids = torch.tensor([prompt])
+    expected = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=16, do_sample=False,
+                           pad_token_id=0)[0, len(prompt):].tolist()
+
+    llm = LLM(str(tiny_llama_dir), device="cpu", dtype="float32", num_blocks=64)
+    model = llm.engine.worker.runner.model
+    calls = {"attention": 0, "norm": 0}
+
+    class Counting:
+        def __init__(self, inner):
+            self.inner = inner
+
+        def rotary_decode_attention(self, *args):
+            calls["attention"] += 1
+            return self.inner.rotary_decode_attention(*args)
+
+        def rms_norm(self, *args):
+            calls["norm"] += 1
+            return self.inner.rms_norm(*args)
+
+    for module in model.modules():
+        if getattr(module, "cpu_ops", None) is not None:
+            module.cpu_ops = Counting(module.cpu_ops)
+    out = llm.generate([prompt], SamplingParams(max_tokens=16, temperature=0, ignore_eos=True))
+    assert out[0].outputs[0].token_ids == expected
+    num_layers = model.num_layers
+    assert calls["attention"] == 15 * num_layers  # every decode step after the prefill, every layer
+    assert calls["norm"] == 16 * (2 * num_layers + 1)  # prefill and decode steps alike
