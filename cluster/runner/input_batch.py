@@ -9,6 +9,10 @@ import torch
 
 from cluster.models.layers.attention import AttentionMetadata
 
+# Up to this many query tokens per sequence (decode, draft verification, small prefill chunks)
+# every query row also gets its own context (see AttentionMetadata.row_context_lens).
+SHORT_QUERY_MAX = 16
+
 
 class SeqChunk(NamedTuple):
     """New tokens of one sequence for one forward pass."""
@@ -85,6 +89,11 @@ def prepare_inputs(
         )
         attn_mask = attn_mask.unsqueeze(1)  # [num_seqs, 1, max_query_len, max_context_len]
 
+    row_context_lens = row_context_slots = None
+    if max_query_len <= SHORT_QUERY_MAX:
+        row_context_lens = positions_t + 1  # a query row sees the context up to its own position
+        row_context_slots = context_slots if max_query_len == 1 else context_slots[seq_of_token]
+
     def to(t: torch.Tensor | None) -> torch.Tensor | None:
         return None if t is None else t.to(device, non_blocking=True)
 
@@ -96,7 +105,8 @@ def prepare_inputs(
         num_seqs=num_seqs,
         max_query_len=max_query_len,
         decode_padding=to(~attn_mask) if query_pad_index is None and attn_mask is not None else None,
-        context_lens=to(context_lens_t),
+        row_context_lens=to(row_context_lens),
+        row_context_slots=to(row_context_slots),
     )
     return ModelInputs(
         input_ids=to(torch.tensor(input_ids, dtype=torch.int64)),

@@ -107,7 +107,7 @@ def test_bad_indices_are_refused_before_anything_is_written(ops):
 
 
 def test_the_engine_decodes_in_the_kernels_and_keeps_transformers_outputs(ops, tiny_llama_dir):
-    """Decode steps of a tiny Llama go through the compiled ops (counted), and greedy output
+    """Short-query steps of a tiny Llama go through the compiled ops (counted), and greedy output
     still equals transformers' greedy generation token for token."""
     from transformers import AutoModelForCausalLM
 
@@ -143,5 +143,49 @@ def test_the_engine_decodes_in_the_kernels_and_keeps_transformers_outputs(ops, t
     out = llm.generate([prompt], SamplingParams(max_tokens=16, temperature=0, ignore_eos=True))
     assert out[0].outputs[0].token_ids == expected
     num_layers = model.num_layers
-    assert calls["attention"] == 15 * num_layers  # every decode step after the prefill, every layer
+    assert calls["attention"] == 16 * num_layers  # the 11-token prefill (a short query) and 15 decode steps
     assert calls["norm"] == 16 * (2 * num_layers + 1)  # prefill and decode steps alike
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_verification_rows_get_the_logits_of_plain_decoding_bit_for_bit(ops, tiny_llama_dir, dtype):
+    """Scoring k+1 tokens in one pass gives exactly the logits of decoding them one at a time,
+    so speculation cannot flip a near-tie that plain greedy decoding would have taken the
+    other way (SDPA over the gathered context, the path before, rounds differently)."""
+    from cluster.engine.llm import LLM
+    from cluster.runner.input_batch import SeqChunk
+
+    llm = LLM(str(tiny_llama_dir), device="cpu", dtype=dtype, num_blocks=64, block_size=4)
+    runner = llm.engine.worker.runner
+    gen = torch.Generator().manual_seed(6)
+    prompt = torch.randint(3, 256, (13,), generator=gen).tolist()
+    tokens = torch.randint(3, 256, (5,), generator=gen).tolist()  # a token and four drafts
+    one_by_one, together = list(range(0, 8)), list(range(8, 16))  # block tables in separate blocks
+    runner.forward_logits([SeqChunk(prompt, 0, 1)], [one_by_one])
+    decoded = torch.cat([runner.forward_logits([SeqChunk([t], len(prompt) + i, 1)], [one_by_one])
+                         for i, t in enumerate(tokens)])
+    runner.forward_logits([SeqChunk(prompt, 0, 1)], [together])
+    verified = runner.forward_logits([SeqChunk(tokens, len(prompt), len(tokens))], [together])
+    assert torch.equal(verified, decoded)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_speculation_at_batch_1_keeps_greedy_output_bit_for_bit(ops, tiny_llama_dir, dtype):
+    """Verification rows get the decode kernels' arithmetic, so even in bfloat16 (where a
+    different kernel's rounding flips near-ties of a random model) n-gram speculation
+    reproduces plain greedy decoding exactly."""
+    from cluster.engine.llm import LLM
+    from cluster.engine.sampling_params import SamplingParams
+
+    gen = torch.Generator().manual_seed(5)
+    phrase = torch.randint(3, 256, (6,), generator=gen).tolist()
+    prompts = [phrase * 4 + torch.randint(3, 256, (n,), generator=gen).tolist() for n in (1, 4, 9)]
+    params = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
+    outputs = {}
+    for k in (0, 4):
+        spec = {} if k == 0 else {"method": "ngram", "num_speculative_tokens": k}
+        llm = LLM(str(tiny_llama_dir), device="cpu", dtype=dtype, num_blocks=64, max_num_seqs=1, **spec)
+        outputs[k] = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+    drafted = llm.engine.stats().spec
+    assert drafted.num_draft_tokens > 0  # verification steps did happen
+    assert outputs[4] == outputs[0]

@@ -26,7 +26,10 @@ class AttentionMetadata:
     num_seqs: int
     max_query_len: int
     decode_padding: torch.Tensor | None = None  # [num_seqs, 1, 1, max_context_len] bool: True = padding (decode only)
-    context_lens: torch.Tensor | None = None  # [num_seqs] int64: tokens each sequence attends to, its new one included
+    # Short-query steps only (None otherwise): each query row's own context, as if it were a
+    # one-token decode: its sequence's slots, up to and including its own position.
+    row_context_lens: torch.Tensor | None = None  # [num_tokens] int64
+    row_context_slots: torch.Tensor | None = None  # [num_tokens, max_context_len] int64
 
 
 class PagedAttention(torch.nn.Module):
@@ -50,7 +53,7 @@ class PagedAttention(torch.nn.Module):
         if self.decodes_in_kernel(kv_cache, meta):
             return self.cpu_ops.paged_decode_attention(
                 q.contiguous(), k.contiguous(), v.contiguous(), kv_cache, meta.slot_mapping,
-                meta.context_slots, meta.context_lens, self.num_heads, self.scale)
+                meta.row_context_slots, meta.row_context_lens, self.num_heads, self.scale)
         new_k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
         new_v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
         flat_slots = meta.context_slots.view(-1)
@@ -83,23 +86,26 @@ class PagedAttention(torch.nn.Module):
         return out.index_select(0, meta.query_pad_index)
 
     def decodes_in_kernel(self, kv_cache, meta: AttentionMetadata) -> bool:
-        """Whether this step runs in the compiled CPU kernel: a decode step (one query per
-        sequence) over a plain (not quantized) KV cache, with the kernel attached."""
-        return (self.cpu_ops is not None and meta.query_pad_index is None and meta.context_lens is not None
+        """Whether this step runs in the compiled CPU kernel: a short-query step (decode or
+        draft verification: every query row has its own context) over a plain (not
+        quantized) KV cache, with the kernel attached. The kernel computes every row the
+        same way whatever the step holds, so a verified draft token gets bit for bit the
+        logits plain decoding would have given it."""
+        return (self.cpu_ops is not None and meta.row_context_lens is not None
                 and isinstance(kv_cache, torch.Tensor))
 
     def rotary_decode(
         self,
-        qkv: torch.Tensor,  # [num_seqs, (num_heads + 2 * num_kv_heads) * head_dim]
-        rope: tuple[torch.Tensor, torch.Tensor],  # cos, sin_signed: [num_seqs, 1, head_dim] each
+        qkv: torch.Tensor,  # [num_tokens, (num_heads + 2 * num_kv_heads) * head_dim]
+        rope: tuple[torch.Tensor, torch.Tensor],  # cos, sin_signed: [num_tokens, 1, head_dim] each
         kv_cache: torch.Tensor,  # [2, num_slots, num_kv_heads, head_dim]
         meta: AttentionMetadata,
-    ) -> torch.Tensor:  # [num_seqs, num_heads * head_dim]
-        """Rotary on Q and K, the K/V write and decode attention in one kernel call; only
-        where :meth:`decodes_in_kernel` holds."""
+    ) -> torch.Tensor:  # [num_tokens, num_heads * head_dim]
+        """Rotary on Q and K, the K/V write and attention in one kernel call, one query row at
+        a time; only where :meth:`decodes_in_kernel` holds."""
         return self.cpu_ops.rotary_decode_attention(
-            qkv.contiguous(), rope[0], rope[1], kv_cache, meta.slot_mapping, meta.context_slots,
-            meta.context_lens, self.num_heads, self.scale)
+            qkv.contiguous(), rope[0], rope[1], kv_cache, meta.slot_mapping, meta.row_context_slots,
+            meta.row_context_lens, self.num_heads, self.scale)
 
     def _decode(
         self,
