@@ -3,11 +3,12 @@
 On the CPU in float32 or bfloat16, :func:`attach_decode_ops` gives every
 :class:`~cluster.models.llama.RMSNorm` and :class:`~cluster.models.layers.attention.PagedAttention`
 the module built from ``cluster/kernels/decode_ops.cpp``: one call per norm instead of
-torch's composite (17-22 us a call on a 2-core CPU), and one call per layer for decode
-attention (write the new K/V, attend through the slot table) instead of gathering the
-context and running two small batched matmuls. Modules keep their torch code for every
-other case (CUDA, other dtypes, prefill and verification, the int8 KV cache), so the
-model code is the same everywhere.
+torch's composite (17-22 us a call on a 2-core CPU), and one call per layer for the
+attention of short-query steps (decode, draft verification, chunks of up to
+``SHORT_QUERY_MAX`` tokens per sequence: rotary, the K/V write, attention through the slot
+table, one query row at a time) instead of gathering the context and running batched
+matmuls. Modules keep their torch code for every other case (CUDA, other dtypes, longer
+prefill chunks, the int8 KV cache), so the model code is the same everywhere.
 """
 
 from __future__ import annotations
