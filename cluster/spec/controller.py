@@ -9,8 +9,11 @@
   batch at hand, and switches only when the new ``k`` is predicted to be clearly
   better and the current one has been held for a while (so ``k`` does not flap when
   the batch size sits at the edge between two best values). ``k = 0`` falls out of
-  the model wherever drafting does not pay; while at 0 it drafts one token every
-  ``explore_every`` steps, so acceptance estimates that recover are noticed.
+  the model wherever drafting does not pay. Every ``explore_every`` steps it drafts one
+  token more than the ``k`` it holds (up to ``max_k``): acceptance is only observed at
+  the positions drafted and step times only at the ``k`` run, so without these probes a
+  profile that under-rates the deeper positions (or a recovered acceptance at ``k = 0``)
+  would never be corrected.
 """
 
 from __future__ import annotations
@@ -133,8 +136,8 @@ class AdaptiveController:
                 self.k, self._steps_at_k = best, 0
                 self.num_switches += 1
         self._steps_at_k += 1
-        if self.k == 0 and self.max_k > 0 and self._steps_at_k % self.explore_every == 0:
-            return 1
+        if self.k < self.max_k and self._steps_at_k % self.explore_every == 0:
+            return self.k + 1  # a probe: the next position's acceptance and a longer step's time
         return self.k
 
     def k_table(self, batch_sizes: list[int]) -> dict[int, int]:

@@ -74,7 +74,8 @@ def _edge(acceptance):
 def test_hysteresis_holds_k_when_the_batch_oscillates_at_an_edge():
     acceptance = [0.8] * 8
     edge = _edge(acceptance)
-    adaptive = AdaptiveController(TRUE, acceptance, max_k=8, hysteresis=0.05)
+    # No probes here (explore_every beyond the run): the k in force is what is tested.
+    adaptive = AdaptiveController(TRUE, acceptance, max_k=8, hysteresis=0.05, explore_every=10**6)
     ks = [adaptive.choose_k(_state(edge + (i % 2))) for i in range(200)]
     assert len(set(ks)) == 1
     # Without hysteresis the table policy flaps on every step.
@@ -110,7 +111,36 @@ def test_exploration_at_zero_notices_recovered_acceptance():
         ks.append(k)
         adaptive.observe(StepObservation(1, k, TRUE.step_time(1, k), [(k, k)] if k else []))
     assert 1 in ks[:40]  # it probed while at 0
-    assert adaptive.k == TRUE.best_k(1, adaptive.acceptance, 8) > 0
+    assert adaptive.k > 0
+    _assert_within_hysteresis(adaptive)
+
+
+def test_probes_one_position_deeper_and_climbs_when_the_profile_under_rated_it():
+    """The profile says drafts past position 2 are almost never accepted, the truth is 0.9
+    everywhere: held at its k, the controller only learns that from its probes at k + 1."""
+    profiled = [0.9, 0.9] + [0.05] * 6
+    adaptive = AdaptiveController(TRUE, profiled, max_k=8, explore_every=16)
+    start = adaptive.choose_k(_state(1))
+    assert start == TRUE.best_k(1, profiled, 8) < TRUE.best_k(1, [0.9] * 8, 8)
+    ks = []
+    rng = random.Random(2)
+    for _ in range(4000):
+        k = adaptive.choose_k(_state(1))
+        ks.append(k)
+        accepted = next((j for j in range(k) if rng.random() >= 0.9), k)  # each position 0.9
+        adaptive.observe(StepObservation(1, k, TRUE.step_time(1, k), [(k, accepted)] if k else []))
+    assert start + 1 in ks[:20]  # probed one deeper while holding its k
+    assert adaptive.acceptance[start] > 0.7  # the under-rated position was learnt
+    assert adaptive.k > start  # and it climbed
+    _assert_within_hysteresis(adaptive)
+
+
+def _assert_within_hysteresis(adaptive: AdaptiveController, b: int = 1) -> None:
+    """The k in force costs at most what hysteresis tolerates over the best k under the
+    controller's own estimates (it switches only for a gain of more than ``hysteresis``)."""
+    best = adaptive.model.best_k(b, adaptive.acceptance, adaptive.max_k)
+    held = adaptive.model.time_per_token(b, adaptive.k, adaptive.acceptance)
+    assert held * (1 - adaptive.hysteresis) <= adaptive.model.time_per_token(b, best, adaptive.acceptance)
 
 
 def test_adaptive_relearns_step_times_online():
