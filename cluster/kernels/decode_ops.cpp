@@ -2,11 +2,13 @@
 //
 // * rms_norm: y = (x * rsqrt(mean(x^2) + eps)).to(dtype) * weight, float32 inside (the
 //   rounding order of Hugging Face's LlamaRMSNorm).
-// * paged_decode_attention: writes each sequence's new K/V at its slot, then attends its one
-//   query per head to its whole context straight through the slot table: no gather of the
-//   context, scores and softmax in float32, GQA without repeating K/V. Optionally it first
-//   applies rotary embeddings to Q and K (Llama's rotate-half form, the sign folded into sin),
-//   taking Q, K and V as the fused projection's output.
+// * paged_decode_attention: writes each query row's new K/V at its slot, then attends the row's
+//   query heads to its context straight through the slot table: no gather of the context,
+//   scores and softmax in float32, GQA without repeating K/V. A row is a decoding sequence, or
+//   one token of a short chunk (draft verification) with its own slots and context length; each
+//   row is computed the same way whatever else the call holds. Optionally it first applies
+//   rotary embeddings to Q and K (Llama's rotate-half form, the sign folded into sin), taking
+//   Q, K and V as the fused projection's output.
 //
 // Tensors are float32 or bfloat16 on the CPU; build.py compiles this for the host CPU.
 #include <ATen/Parallel.h>
@@ -62,7 +64,7 @@ torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps) {
   return y;
 }
 
-// One decode step's attention inputs. Row s of Q, K and V starts at q + s * row_stride (and
+// One call's attention inputs, one query row each. Row s of Q, K and V starts at q + s * row_stride (and
 // likewise for k, v): separate tensors or the column ranges of one fused QKV output.
 template <typename T>
 struct DecodeBatch {
@@ -155,7 +157,7 @@ int64_t check_paged(const torch::Tensor& kv_cache, const torch::Tensor& slot_map
     TORCH_CHECK(t.scalar_type() == at::kLong && t.is_contiguous(), "paged_decode_attention: int64 indices");
   const int64_t num_seqs = slot_mapping.numel();
   TORCH_CHECK(context_lens.numel() == num_seqs && context_slots.dim() == 2 && context_slots.size(0) == num_seqs,
-              "paged_decode_attention: one slot, one context length and one slot row per sequence");
+              "paged_decode_attention: one slot, one context length and one slot row per query row");
   const int64_t max_context = context_slots.size(1);
   const int64_t* lens = context_lens.data_ptr<int64_t>();
   const int64_t* slots = context_slots.data_ptr<int64_t>();
@@ -249,7 +251,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rms_norm", &rms_norm, "Llama RMSNorm over the last dimension, float32 inside");
   m.attr("head_dim_multiple") = kLanes;
   m.def("paged_decode_attention", &paged_decode_attention,
-        "write one token's K/V per sequence and attend to its paged context");
+        "write each query row's K/V and attend it to its paged context");
   m.def("rotary_decode_attention", &rotary_decode_attention,
         "paged_decode_attention on a fused QKV output, with rotary embeddings applied to Q and K first");
 }
