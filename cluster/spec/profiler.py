@@ -119,8 +119,8 @@ def run_profile(
     return SpeculationProfile(
         device=device_name(runner.device),
         target_model=engine.config.model.model,
-        draft=engine.config.speculative.draft_model or engine.config.speculative.method,
-        dtype=engine.config.model.dtype,
+        draft=_draft_name(engine.config.speculative),
+        dtype=str(runner.spec.dtype).removeprefix("torch."),  # the concrete dtype ("auto" resolved)
         tensor_parallel_size=engine.config.parallel.tensor_parallel_size,
         max_k=max_k,
         batch_sizes=batch_sizes,
@@ -144,3 +144,10 @@ def _time_draft(engine: Engine, tables, b: int, context_len: int, max_k: int, vo
     sequences = torch.randint(3, vocab, (b, context_len), generator=gen).tolist()
     ngram = proposer.ngram
     return _time(lambda: ngram.propose(sequences, [max_k] * b), repeats) / max(1, max_k)
+
+
+def _draft_name(speculative) -> str:
+    """The draft model, or the method where no model drafts (n-gram)."""
+    if speculative.method == "draft" and speculative.draft_model:
+        return speculative.draft_model
+    return speculative.method

@@ -187,6 +187,16 @@ def test_engine_uses_the_k_the_controller_returns_every_step(tiny_llama_dir):
     assert list(engine.stats().spec.recent_k) == engine.controller.returned
 
 
+def test_a_profile_names_the_draft_model_only_when_a_model_drafts():
+    from types import SimpleNamespace
+
+    from cluster.spec.profiler import _draft_name
+
+    # configs/local.yaml names a draft model for `method: draft` while n-gram drafts.
+    assert _draft_name(SimpleNamespace(method="ngram", draft_model="smollm2-135m-instruct")) == "ngram"
+    assert _draft_name(SimpleNamespace(method="draft", draft_model="d")) == "d"
+
+
 def test_profile_command_writes_a_profile_the_controllers_load(tiny_llama_dir, tmp_path):
     out = tmp_path / "profile.json"
     assert main(["profile", "--model", str(tiny_llama_dir), "--max-k", "3", "--max-batch", "4",
@@ -197,7 +207,9 @@ def test_profile_command_writes_a_profile_the_controllers_load(tiny_llama_dir, t
     assert len(profile.acceptance) == 3
     table = profile.table  # vLLM's inclusive [start, end, k] ranges
     assert profile.vllm_schedule() == [[1, 1, table[1]], [2, 2, table[2]], [3, 4, table[4]]]
-    assert json.loads(out.read_text())["draft"] == "ngram"
+    written = json.loads(out.read_text())
+    assert written["draft"] == "ngram"
+    assert written["dtype"] in ("float32", "bfloat16")  # the dtype "auto" resolved to, as run
     for policy in ("table", "adaptive", "fixed"):
         engine = make_engine(tiny_llama_dir, num_blocks=64, method="ngram", controller=policy,
                              profile=str(out), num_speculative_tokens=3)
