@@ -39,6 +39,12 @@ def _cpu_flags() -> str:
     return ""
 
 
+def cpu_has_vectors() -> bool:
+    """Whether this CPU has what the kernels are written for: AVX2 with FMA, or AVX-512."""
+    flags = set(_cpu_flags().split())
+    return {"avx2", "fma"} <= flags or "avx512f" in flags
+
+
 def kernels_enabled() -> bool:
     return os.environ.get(_DISABLE_ENV, "1") not in ("0", "false", "off")
 
@@ -71,8 +77,7 @@ def _load(name: str) -> ModuleType | None:
     if not kernels_enabled():
         logger.info("CPU kernels turned off by %s", _DISABLE_ENV)
         return None
-    flags = set(_cpu_flags().split())
-    if not ({"avx2", "fma"} <= flags or "avx512f" in flags):
+    if not cpu_has_vectors():
         logger.info("no AVX2/FMA on this CPU: torch's own kernels are used")
         return None
     source = _SOURCE_DIR / f"{name}.cpp"

@@ -10,17 +10,12 @@ from cluster.kernels import build
 from cluster.models.layers.packed_linear import SMALL_GEMM_MAX_ROWS, PackedLinear
 
 
-def _cpu_has_vectors() -> bool:
-    flags = set(build._cpu_flags().split())
-    return {"avx2", "fma"} <= flags or "avx512f" in flags
-
-
 @pytest.fixture(scope="module")
 def kernel():
     module = build.small_gemm()
     if module is None:
         # Where the CPU has the vectors the kernel needs, failing to build it is a bug, not a skip.
-        assert not _cpu_has_vectors() or not build.kernels_enabled(), "small_gemm did not build on this CPU"
+        assert not build.cpu_has_vectors() or not build.kernels_enabled(), "small_gemm did not build on this CPU"
         pytest.skip("small_gemm is not available on this CPU")
     return module
 

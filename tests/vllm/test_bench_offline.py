@@ -1,5 +1,7 @@
-"""``tandem bench offline`` with vLLM's ``LLM.generate`` as a system, side by side with Tandem
-(no timing assertions: the cells are complete and the ratios are taken from them)."""
+"""``tandem bench offline`` with vLLM's ``LLM.generate`` as a system, side by side with Tandem.
+No assertion on speed: every cell is measured with the right token count, and each batch
+size gets a Tandem-over-vLLM ratio (its arithmetic is tested on fixed numbers in
+tests/unit/test_bench_offline.py)."""
 
 from __future__ import annotations
 
@@ -20,7 +22,5 @@ def test_tandem_and_vllm_cells_and_their_ratio(tmp_path):
     assert set(cells) == {(s, b) for s in ("tandem", "vllm") for b in (1, 2)}
     for (_, batch_size), cell in cells.items():
         assert cell["output_tokens"] == batch_size * 6  # _measure also refuses a wrong count
-    for row in result["ratios"]:
-        tandem, vllm = cells[("tandem", row["batch_size"])], cells[("vllm", row["batch_size"])]
-        assert row["tandem_over_vllm"] == tandem["tok_per_s"] / vllm["tok_per_s"]
-        assert "tandem_over_transformers" not in row
+    assert [(r["batch_size"], sorted(k for k in r if k.startswith("tandem_over"))) for r in result["ratios"]] == [
+        (1, ["tandem_over_vllm"]), (2, ["tandem_over_vllm"])]

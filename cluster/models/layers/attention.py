@@ -1,12 +1,15 @@
-"""Paged attention in plain torch ops (runs wherever torch runs).
+"""Paged attention in plain torch ops (runs wherever torch runs), with a compiled CPU kernel
+for short-query steps where one is attached.
 
 The batch is flat: ``num_tokens`` query tokens from ``num_seqs`` sequences, sequence
 ``s`` contributing ``query_lens[s]`` consecutive tokens that sit at the end of its
 ``context_lens[s]`` tokens. Each layer first writes the new K/V into the paged cache
 at ``slot_mapping``, then gathers every sequence's whole context through its block
 table (``context_slots``) and runs SDPA with a mask that is causal within the
-sequence and hides padding. One code path serves prefill, chunked prefill, decode and
-the verification of draft tokens.
+sequence and hides padding. That path serves prefill, chunked prefill, decode and the
+verification of draft tokens on every device. On the CPU, steps of up to
+``SHORT_QUERY_MAX`` query tokens per sequence instead run ``cluster/kernels/decode_ops.cpp``
+(see :meth:`PagedAttention.decodes_in_kernel`), one query row at a time through the slot table.
 """
 
 from __future__ import annotations

@@ -69,6 +69,9 @@ class PackedLinear(nn.Module):
         self.small_max_rows = SMALL_GEMM_MAX_ROWS[weight.dtype] if self._kernel is not None else 0
         small = self._kernel.pack(weight.contiguous()) if self._kernel is not None else None
         self.register_buffer("small_gemm_weight", small)
+        # The kernel adds a float32 bias; converted once here, not on every call.
+        small_bias = self.bias.float() if small is not None and self.bias is not None else None
+        self.register_buffer("small_gemm_bias", small_bias)
         onednn = None
         if can_pack(weight.device, weight.dtype):
             onednn = torch.ops.mkldnn._reorder_linear_weight(weight, _PACK_ROWS_HINT)
@@ -81,7 +84,7 @@ class PackedLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [num_tokens, in] -> [num_tokens, out]
         rows = x.shape[0]
         if 0 < rows <= self.small_max_rows:
-            return self._kernel.linear(x.contiguous(), self.small_gemm_weight, self.out_features, self.bias)
+            return self._kernel.linear(x.contiguous(), self.small_gemm_weight, self.out_features, self.small_gemm_bias)
         if self.packed_weight is not None and rows >= self.min_packed_rows:
             return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, "none", [], "")
         return F.linear(x, self.plain_weight, self.bias)
