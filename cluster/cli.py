@@ -99,6 +99,9 @@ def cmd_profile(args: argparse.Namespace) -> int:
     profile.save(args.out)
     print(f"device {profile.device}; draft {profile.draft}; acceptance per position "
           + ", ".join(f"{a:.2f}" for a in profile.acceptance))
+    if profile.coverage is not None:
+        print("coverage per position (share of positions asked for that got a draft token) "
+              + ", ".join(f"{c:.2f}" for c in profile.coverage))
     print(f"fitted step-time model, mean relative error {profile.fit_error:.1%}")
     print("best k per batch size: " + ", ".join(f"{b}: {k}" for b, k in profile.table.items()))
     if args.vllm_schedule:

@@ -190,11 +190,12 @@ def _sweep(engine, args, prompt_ids, profile, progress, task) -> list[dict]:
             stats = engine.spec_stats
             cell = asdict(make_cell("tandem", "ngram", b, k, args.output_len, timings, seconds,
                                     SpecCounts.of(stats)))
-            acceptance = stats.conditional_acceptance[:k]
-            cell["conditional_acceptance"] = acceptance
-            cell["predicted_tpot_ms"] = model.time_per_token(b, k, profile.acceptance) * 1e3
+            cell["conditional_acceptance"] = stats.conditional_acceptance[:k]  # vLLM's meaning: over proposed
+            acceptance, coverage = stats.effective_acceptance[:k], stats.coverage[:k]  # over asked for
+            cell["effective_acceptance"], cell["coverage"] = acceptance, coverage
+            cell["predicted_tpot_ms"] = model.time_per_token(b, k, profile.acceptance, profile.coverage) * 1e3
             cell["predicted_tpot_ms_measured_acceptance"] = (
-                model.time_per_token(b, k, acceptance) * 1e3 if k == 0 or acceptance else None)
+                model.time_per_token(b, k, acceptance, coverage) * 1e3 if k == 0 or acceptance else None)
             for suffix in ("", "_measured_acceptance"):
                 predicted = cell[f"predicted_tpot_ms{suffix}"]
                 cell[f"prediction_error{suffix}"] = (predicted / cell["tpot_ms"] - 1
@@ -205,18 +206,22 @@ def _sweep(engine, args, prompt_ids, profile, progress, task) -> list[dict]:
 
 
 def _with_workload_acceptance(profile, cells: list[dict]):
-    """``profile`` with the acceptance the sweep measured on this benchmark's prompts: per
-    position, the mean over batch sizes of the cells at the sweep's largest k (extended to
-    the profile's max_k with its last value), and the table re-solved with it."""
-    top = max(c["k"] for c in cells)
-    rows = [c["conditional_acceptance"] for c in cells if c["k"] == top and c["conditional_acceptance"]]
-    if not rows:
+    """``profile`` with the effective acceptance and coverage the sweep measured on this
+    benchmark's prompts: per position, the mean over batch sizes of the cells at the sweep's
+    largest k (extended to the profile's max_k with its last value), and the table
+    re-solved with them."""
+    top = [c for c in cells if c["k"] == max(c["k"] for c in cells) and c["effective_acceptance"]]
+    if not top:
         return profile
-    measured = [sum(r[j] for r in rows) / len(rows) for j in range(min(map(len, rows)))]
-    acceptance = (measured + [measured[-1]] * profile.max_k)[:profile.max_k]
-    model = profile.latency_model
-    table = {b: model.best_k(b, acceptance, profile.max_k) for b in profile.batch_sizes}
-    return profile.model_copy(update={"acceptance": acceptance, "table": table})
+
+    def mean_per_position(key: str) -> list[float]:
+        rows = [c[key] for c in top]
+        measured = [sum(r[j] for r in rows) / len(rows) for j in range(min(map(len, rows)))]
+        return (measured + [measured[-1]] * profile.max_k)[:profile.max_k]
+
+    updated = profile.model_copy(update={"acceptance": mean_per_position("effective_acceptance"),
+                                         "coverage": mean_per_position("coverage")})
+    return updated.model_copy(update={"table": {b: updated.best_k(b) for b in profile.batch_sizes}})
 
 
 def _argmin(cells: list[dict], key: str) -> dict | None:
@@ -273,7 +278,8 @@ def _controller(policy: str, profile, max_k: int):
     if policy == "table":
         return TableController({b: min(k, max_k) for b, k in profile.table.items()})
     if policy == "adaptive":
-        return AdaptiveController(profile.latency_model, profile.acceptance, max_k, hysteresis=HYSTERESIS)
+        return AdaptiveController(profile.latency_model, profile.acceptance, max_k, hysteresis=HYSTERESIS,
+                                  coverage=profile.coverage)
     return FixedController(int(policy.removeprefix("k=")))
 
 

@@ -172,16 +172,19 @@ class Engine:
         if self.controller is None:
             return
         self.spec_stats.record_step(k)
-        verified = []
+        verified = []  # per request asked for drafts: (asked, proposed, accepted)
         if drafts is not None:
-            for rid, tokens in drafts.token_ids.items():
-                if rid in sampled:
-                    self.spec_stats.record_request(len(tokens), sampled[rid].num_accepted)
-                    verified.append((len(tokens), sampled[rid].num_accepted))
+            for s in out.scheduled:
+                rid = s.request.request_id
+                if s.num_draft_tokens and rid in sampled:
+                    proposed = len(drafts.token_ids.get(rid, ()))
+                    accepted = sampled[rid].num_accepted if proposed else 0
+                    self.spec_stats.record_request(proposed, accepted, s.num_draft_tokens)
+                    verified.append((s.num_draft_tokens, proposed, accepted))
         observe = getattr(self.controller, "observe", None)
         # Steps with prefill chunks are not what the latency model describes.
         if observe is not None and out.scheduled and all(s.num_new_tokens == 1 for s in out.scheduled):
-            observe(StepObservation(len(out.scheduled), k, seconds, verified))
+            observe(StepObservation(len(out.scheduled), k, seconds, verified, sum(p for _, p, _ in verified)))
 
     def _output(self, request: Request, sampled: SampledTokens) -> RequestOutput:
         state = self._states[request.request_id]

@@ -98,7 +98,8 @@ METRICS: tuple[MetricSpec, ...] = (
     _g("tandem_spec_k_table", "tokens", "the controller's k per batch size in force (the table)",
        labels=("batch_size",)),
     _g("tandem_spec_acceptance_estimate", "probability",
-       "the controller's estimate of P(draft at a position accepted, given the earlier ones were)",
+       "the controller's estimate of P(draft at a position accepted, given the earlier ones were), "
+       "over the positions asked for (one not proposed counts as rejected)",
        labels=("position",)),
     _c("tandem_spec_steps", "steps", "engine steps by the k they ran with", labels=("k",)),
     _g("tandem_capacity_tokens_per_second", "tokens/s",

@@ -161,7 +161,7 @@ class EngineMetricsCollector:
         self.sink.set("tandem_spec_k", spec.current_k)
         for b, k in controller.k_table(self._batch_sizes).items():
             self.sink.set("tandem_spec_k_table", k, _labels(batch_size=b))
-        estimate = getattr(controller, "acceptance", None) or spec.conditional_acceptance
+        estimate = getattr(controller, "acceptance", None) or spec.effective_acceptance
         for position, value in enumerate(estimate):
             self.sink.set("tandem_spec_acceptance_estimate", value, _labels(position=position))
 

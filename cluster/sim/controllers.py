@@ -51,7 +51,10 @@ class VectorLatencyModel(LatencyModel):
         d0, d1 = self.draft_coef
         return float(d0 * 1.0 + d1 * batch_size)
 
-    def best_k(self, batch_size: int, acceptance: list[float], max_k: int) -> int:
+    def best_k(self, batch_size: int, acceptance: list[float], max_k: int,
+               coverage: list[float] | None = None) -> int:
+        if coverage is not None and any(c != 1.0 for c in coverage):
+            return super().best_k(batch_size, acceptance, max_k, coverage)  # partial drafts: not simulated
         c0, c1, c2 = self.target_coef
         d0, d1 = self.draft_coef
         base = c0 + c1 * batch_size + c2 * batch_size  # k = 0
@@ -87,9 +90,10 @@ class SimAdaptiveController(AdaptiveController):
         if batch_size < 1 or seconds <= 0:
             return
         x = (1.0, float(batch_size), float(k), float(k * batch_size))  # _step_features
+        y = seconds - self._c2 * (batch_size * k)  # every request drafts all k here
         f = self.forgetting
         self._xtx_sums = [f * s + xi * xj for s, (xi, xj) in zip(self._xtx_sums, product(x, repeat=2))]
-        self._xty_sums = [f * s + xi * seconds for s, xi in zip(self._xty_sums, x)]
+        self._xty_sums = [f * s + xi * y for s, xi in zip(self._xty_sums, x)]
         # scale * prior + (f * xtx + np.outer(x, x)), element by element, as observe computes it
         scale = self._prior_scale = max(f * self._prior_scale, self._prior_floor)
         xtx = np.array([scale * p + s for p, s in zip(self._prior_xtx_sums, self._xtx_sums)]).reshape(4, 4)
@@ -97,9 +101,8 @@ class SimAdaptiveController(AdaptiveController):
         theta = _umath_linalg.solve1(xtx, xty, signature="dd->d")
         if not np.isfinite(theta).all():
             theta = np.linalg.solve(xtx, xty)  # raises on a singular system, as observe does
-        c0, per_request, d0, per_draft_request = (max(c, 0.0) for c in theta.tolist())  # np.clip(theta, 0, None)
-        c2 = min(self._c2, per_request, per_draft_request)
-        self.model = VectorLatencyModel([c0, per_request - c2, c2], [d0, per_draft_request - c2])
+        c0, per_request, d0, d1 = (max(c, 0.0) for c in theta.tolist())  # np.clip(theta, 0, None)
+        self.model = VectorLatencyModel([c0, max(per_request - self._c2, 0.0), self._c2], [d0, d1])
 
     def _update_acceptance(self, accepted: np.ndarray) -> None:
         num_positions = min(accepted.shape[1], len(self.acceptance))  # no position beyond the drafts moves

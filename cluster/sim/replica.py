@@ -259,7 +259,7 @@ class SimReplica:
             return
         observe = getattr(self.controller, "observe", None)
         if observe is not None:
-            drafts = [(plan.k, a) for a in accepted.sum(axis=1).tolist()] if accepted is not None else []
+            drafts = [(plan.k, plan.k, a) for a in accepted.sum(axis=1).tolist()] if accepted is not None else []
             observe(StepObservation(len(plan.decode_slots), plan.k, plan.seconds, drafts))
 
     # ---- what the router sees -------------------------------------------------------

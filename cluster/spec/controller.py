@@ -13,7 +13,11 @@
   token more than the ``k`` it holds (up to ``max_k``): acceptance is only observed at
   the positions drafted and step times only at the ``k`` run, so without these probes a
   profile that under-rates the deeper positions (or a recovered acceptance at ``k = 0``)
-  would never be corrected.
+  would never be corrected. Acceptance is learnt over the positions asked for (one not
+  proposed counts as rejected) and, beside it, the coverage (the share of positions
+  asked for that got a token): n-gram lookup often proposes fewer than ``k``, which makes
+  both the step cheaper and the gain smaller than full drafts would
+  (:mod:`cluster.spec.latency_model`).
 """
 
 from __future__ import annotations
@@ -38,7 +42,9 @@ class StepObservation:
     batch_size: int  # requests in the step
     k: int
     seconds: float  # wall time of the whole step (drafting included)
-    drafts: list[tuple[int, int]] = field(default_factory=list)  # per request: (drafted, accepted)
+    # per request asked for drafts: (positions asked for, tokens proposed, tokens accepted)
+    drafts: list[tuple[int, int, int]] = field(default_factory=list)
+    num_drafted: int | None = None  # draft tokens the step verified (None: batch_size * k, full drafts)
 
 
 class SpeculationController(Protocol):
@@ -85,6 +91,7 @@ class AdaptiveController:
         acceptance: list[float],
         max_k: int,
         hysteresis: float = 0.05,
+        coverage: list[float] | None = None,
         min_dwell_steps: int = 8,
         acceptance_ema: float = 0.02,
         forgetting: float = 0.995,
@@ -100,10 +107,14 @@ class AdaptiveController:
         self.forgetting = forgetting
         self.acceptance = [float(acceptance[min(j, len(acceptance) - 1)]) if acceptance else 0.5
                            for j in range(max(1, max_k))]
+        self.coverage = [float(coverage[min(j, len(coverage) - 1)]) if coverage else 1.0
+                         for j in range(max(1, max_k))]
         self.model = LatencyModel(list(model.target_coef), list(model.draft_coef))
-        # Least squares over whole-step times, forgetting old steps. A step costs
-        # c0 + (c1 + c2) b + d0 k + (d1 + c2) k b: only those four sums can be learnt
-        # from whole steps, so those are the unknowns; c2 keeps its profiled value.
+        # Least squares over whole-step times, forgetting old steps. A step that verifies D
+        # draft tokens costs c0 + (c1 + c2) b + c2 D + d0 k + d1 k b. c2, the cost of one
+        # verified token, keeps its profiled value (whole steps cannot tell it from c1 and
+        # d1), so c2 D is taken off the observed seconds and [c0, c1 + c2, d0, d1] are the
+        # unknowns.
         # The profile enters as ``prior_weight`` pseudo-steps over a grid of (b, k), forgotten
         # like observed steps but never below ``prior_floor`` of their weight: steps held at
         # one k (or one batch size) leave some of the four sums unidentified, and a prior
@@ -112,7 +123,7 @@ class AdaptiveController:
         self._c2 = self.model.target_coef[2]
         c0, c1, c2 = self.model.target_coef
         d0, d1 = self.model.draft_coef
-        theta = np.array([c0, c1 + c2, d0, d1 + c2], dtype=np.float64)
+        theta = np.array([c0, c1 + c2, d0, d1], dtype=np.float64)
         grid = np.array([_step_features(b, k) for b in (1, 2, 4, 8, 16, 32, 64) for k in range(max_k + 1)])
         self._prior_xtx = prior_weight / len(grid) * grid.T @ grid + 1e-9 * np.eye(4)
         self._prior_xty = self._prior_xtx @ theta
@@ -127,12 +138,12 @@ class AdaptiveController:
     # ---- deciding ---------------------------------------------------------------------
     def choose_k(self, state: BatchState) -> int:
         b = max(1, state.num_running)
-        best = self.model.best_k(b, self.acceptance, self.max_k)
+        best = self.model.best_k(b, self.acceptance, self.max_k, self.coverage)
         if self.k is None:
             self.k = best
         elif best != self.k and self._steps_at_k >= self.min_dwell_steps:
-            current = self.model.time_per_token(b, self.k, self.acceptance)
-            if self.model.time_per_token(b, best, self.acceptance) < current * (1 - self.hysteresis):
+            current = self.model.time_per_token(b, self.k, self.acceptance, self.coverage)
+            if self.model.time_per_token(b, best, self.acceptance, self.coverage) < current * (1 - self.hysteresis):
                 self.k, self._steps_at_k = best, 0
                 self.num_switches += 1
         self._steps_at_k += 1
@@ -142,25 +153,28 @@ class AdaptiveController:
 
     def k_table(self, batch_sizes: list[int]) -> dict[int, int]:
         """The best k per batch size under the current estimates (before hysteresis)."""
-        return {b: self.model.best_k(b, self.acceptance, self.max_k) for b in batch_sizes}
+        return {b: self.model.best_k(b, self.acceptance, self.max_k, self.coverage) for b in batch_sizes}
 
     # ---- learning ---------------------------------------------------------------------
     def observe(self, obs: StepObservation) -> None:
-        for drafted, accepted in obs.drafts:
-            for j in range(min(accepted + 1, drafted, len(self.acceptance))):
+        rate = self.acceptance_ema
+        for asked, proposed, accepted in obs.drafts:
+            for j in range(min(accepted + 1, asked, len(self.acceptance))):
                 hit = 1.0 if j < accepted else 0.0
-                self.acceptance[j] += self.acceptance_ema * (hit - self.acceptance[j])
+                self.acceptance[j] += rate * (hit - self.acceptance[j])
+            for j in range(min(asked, len(self.coverage))):
+                self.coverage[j] += rate * ((1.0 if j < proposed else 0.0) - self.coverage[j])
         if obs.batch_size < 1 or obs.seconds <= 0:
             return
+        drafted = obs.batch_size * obs.k if obs.num_drafted is None else obs.num_drafted
         x = _step_features(obs.batch_size, obs.k)
         self._xtx = self.forgetting * self._xtx + np.outer(x, x)
-        self._xty = self.forgetting * self._xty + x * obs.seconds
+        self._xty = self.forgetting * self._xty + x * (obs.seconds - self._c2 * drafted)
         self._prior_scale = max(self.forgetting * self._prior_scale, self._prior_floor)
         theta = np.linalg.solve(self._prior_scale * self._prior_xtx + self._xtx,
                                 self._prior_scale * self._prior_xty + self._xty)
-        c0, per_request, d0, per_draft_request = np.clip(theta, 0.0, None)
-        c2 = min(self._c2, per_request, per_draft_request)
-        self.model = LatencyModel([c0, per_request - c2, c2], [d0, per_draft_request - c2])
+        c0, per_request, d0, d1 = np.clip(theta, 0.0, None)
+        self.model = LatencyModel([c0, max(per_request - self._c2, 0.0), self._c2], [d0, d1])
 
 
 def _step_features(b: int, k: int) -> np.ndarray:

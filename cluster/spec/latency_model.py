@@ -22,6 +22,14 @@ sampling), ``c2`` the per-token compute. Assumptions: acceptance does not depend
 batch size; contexts are about as long as when profiled (attention cost sits in c1);
 the batch does not change within a step. The benchmark reports how far the predictions
 fall from measurements.
+
+Proposers that may propose fewer tokens than asked (n-gram lookup finds no match, or its
+match ends early) are described by a *coverage* ``c_j``: the share of requests asked for
+position ``j`` that get a token there. The verifying pass then carries
+``n = 1 + c_1 + ... + c_k`` tokens per request on average, and ``a_j`` is read as the
+*effective* acceptance (a position asked for but not proposed counts as rejected), so that
+E(k) stays the tokens a request gains per step. A draft model always proposes all ``k``:
+coverage 1 (``None``), where both readings of ``a_j`` agree.
 """
 
 from __future__ import annotations
@@ -56,25 +64,38 @@ def expected_tokens(acceptance: list[float], k: int) -> float:
     return total
 
 
+def expected_drafted(coverage: list[float] | None, k: int) -> float:
+    """Draft tokens a request carries into the verifying pass at length ``k``: the sum of the
+    first ``k`` coverages (positions beyond the list reuse its last value; None: all ``k``)."""
+    if coverage is None:
+        return float(k)
+    if not coverage:
+        return 0.0
+    return float(sum(min(max(coverage[min(j, len(coverage) - 1)], 0.0), 1.0) for j in range(k)))
+
+
 @dataclass
 class LatencyModel:
     target_coef: list[float]  # c0, c1, c2
     draft_coef: list[float]  # d0, d1
 
-    def target_time(self, batch_size: int, tokens_per_request: int) -> float:
+    def target_time(self, batch_size: int, tokens_per_request: float) -> float:
         return float(np.dot(self.target_coef, target_features(batch_size, tokens_per_request)))
 
     def draft_time(self, batch_size: int) -> float:
         return float(np.dot(self.draft_coef, draft_features(batch_size)))
 
-    def step_time(self, batch_size: int, k: int) -> float:
-        return k * self.draft_time(batch_size) + self.target_time(batch_size, k + 1)
+    def step_time(self, batch_size: int, k: int, coverage: list[float] | None = None) -> float:
+        """k draft passes and a verifying pass of 1 + expected_drafted(coverage, k) tokens per request."""
+        return k * self.draft_time(batch_size) + self.target_time(batch_size, 1 + expected_drafted(coverage, k))
 
-    def time_per_token(self, batch_size: int, k: int, acceptance: list[float]) -> float:
-        return self.step_time(batch_size, k) / expected_tokens(acceptance, k)
+    def time_per_token(self, batch_size: int, k: int, acceptance: list[float],
+                       coverage: list[float] | None = None) -> float:
+        return self.step_time(batch_size, k, coverage) / expected_tokens(acceptance, k)
 
-    def best_k(self, batch_size: int, acceptance: list[float], max_k: int) -> int:
-        costs = [self.time_per_token(batch_size, k, acceptance) for k in range(max_k + 1)]
+    def best_k(self, batch_size: int, acceptance: list[float], max_k: int,
+               coverage: list[float] | None = None) -> int:
+        costs = [self.time_per_token(batch_size, k, acceptance, coverage) for k in range(max_k + 1)]
         return int(np.argmin(costs))
 
     @classmethod

@@ -27,7 +27,9 @@ class SpeculationProfile(BaseModel):
     batch_sizes: list[int]
     target_grid: list[tuple[int, int, float]]  # (batch size, tokens per request, seconds per pass)
     draft_grid: list[tuple[int, float]]  # (batch size, seconds per draft pass)
-    acceptance: list[float]  # per draft position, conditional on the previous ones accepted
+    acceptance: list[float]  # per draft position, conditional on the previous ones accepted (effective: a
+    # position asked for but not proposed counts as rejected; see cluster.spec.latency_model)
+    coverage: list[float] | None = None  # per draft position: share of requests proposed a token (None: all)
     target_coef: list[float]
     draft_coef: list[float]
     table: dict[int, int]  # batch size -> best k
@@ -37,6 +39,11 @@ class SpeculationProfile(BaseModel):
     @property
     def latency_model(self) -> LatencyModel:
         return LatencyModel(list(self.target_coef), list(self.draft_coef))
+
+    def best_k(self, batch_size: int, max_k: int | None = None) -> int:
+        """The latency model's best k at ``batch_size`` under the profile's acceptance and coverage."""
+        return self.latency_model.best_k(batch_size, self.acceptance, self.max_k if max_k is None else max_k,
+                                         self.coverage)
 
     def vllm_schedule(self) -> list[list[int]]:
         """The table as vLLM's ``num_speculative_tokens_per_batch_size``: [[start, end, k], ...]."""

@@ -5,7 +5,9 @@ Step times are measured on synthetic batches through the engine's own runners:
 ``b`` sequences with ``context_len`` tokens of context each (their K/V is whatever the
 cache holds: attention costs the same), each computing ``k + 1`` new tokens with logits
 at every one of them, exactly as a verification pass does. Acceptance is measured by
-generating the calibration prompts with speculation at the largest ``k``.
+generating the calibration prompts with speculation at the largest ``k``, over the
+positions asked for (effective acceptance), with the coverage beside it (the share of
+positions asked for that got a draft token: below 1 for n-gram lookup).
 """
 
 from __future__ import annotations
@@ -64,6 +66,14 @@ def _time(fn, repeats: int) -> float:
 
 
 def measure_acceptance(engine: Engine, k: int, max_tokens: int = 64) -> list[float]:
+    """Effective acceptance per draft position on the calibration prompts at length ``k``."""
+    return measure_drafting(engine, k, max_tokens)[0]
+
+
+def measure_drafting(engine: Engine, k: int, max_tokens: int = 64) -> tuple[list[float], list[float]]:
+    """(effective acceptance, coverage) per draft position on the calibration prompts,
+    generated greedily at length ``k``; each list has ``k`` entries (positions never
+    reached reuse the last measured value)."""
     saved, saved_stats = engine.controller, engine.spec_stats
     engine.controller = FixedController(k)
     engine.spec_stats = type(saved_stats)()
@@ -77,10 +87,14 @@ def measure_acceptance(engine: Engine, k: int, max_tokens: int = 64) -> list[flo
             engine.add_request(text if tokenizer is not None else list(range(3, 40)), params)
         while engine.has_unfinished():
             engine.step()
-        rates = engine.spec_stats.conditional_acceptance
+        rates, coverage = engine.spec_stats.effective_acceptance, engine.spec_stats.coverage
     finally:
         engine.controller, engine.spec_stats = saved, saved_stats
-    return (rates + [rates[-1] if rates else 0.0] * k)[:k]
+    return _pad(rates, k, 0.0), _pad(coverage, k, 1.0)
+
+
+def _pad(values: list[float], k: int, empty: float) -> list[float]:
+    return (values + [values[-1] if values else empty] * k)[:k]
 
 
 def run_profile(
@@ -112,7 +126,7 @@ def run_profile(
                 bar.update(1)
             finally:
                 batch.close()
-        acceptance = measure_acceptance(engine, max_k)
+        acceptance, coverage = measure_drafting(engine, max_k)
         bar.update(1)
     model = LatencyModel.fit(target_grid, draft_grid)
     errors = [abs(model.target_time(b, n) - t) / t for b, n, t in target_grid]
@@ -127,9 +141,10 @@ def run_profile(
         target_grid=target_grid,
         draft_grid=draft_grid,
         acceptance=acceptance,
+        coverage=coverage,
         target_coef=model.target_coef,
         draft_coef=model.draft_coef,
-        table={b: model.best_k(b, acceptance, max_k) for b in batch_sizes},
+        table={b: model.best_k(b, acceptance, max_k, coverage) for b in batch_sizes},
         fit_error=sum(errors) / len(errors),
     )
 

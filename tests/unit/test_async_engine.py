@@ -76,13 +76,15 @@ def test_consumer_that_stops_early_aborts_and_frees_blocks(engine):
 
 
 def test_cancelled_task_aborts_its_request(engine):
+    streaming = asyncio.Event()
+
     async def consume():
         async for _ in engine.generate("cancel me", SamplingParams(max_tokens=500, **GREEDY)):
-            pass
+            streaming.set()
 
     async def run():
         task = asyncio.create_task(consume())
-        await asyncio.sleep(0.2)
+        await streaming.wait()  # cancelled mid-stream (a fixed sleep let a fast machine finish first)
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await task

@@ -126,13 +126,14 @@ def test_workload_acceptance_replaces_the_calibration_one_and_resolves_the_table
                                  tensor_parallel_size=1, max_k=4, batch_sizes=[1, 8], target_grid=[], draft_grid=[],
                                  acceptance=calibration, target_coef=model.target_coef, draft_coef=model.draft_coef,
                                  table={b: model.best_k(b, calibration, 4) for b in (1, 8)}, fit_error=0.0)
-    cells = [{"k": 3, "conditional_acceptance": [0.8, 0.9, 0.7]},  # the sweep's largest k, two batch sizes
-             {"k": 3, "conditional_acceptance": [0.6, 0.7, 0.9]},
-             {"k": 1, "conditional_acceptance": [0.1]}]  # a smaller k: not used
+    cells = [{"k": 3, "effective_acceptance": [0.8, 0.9, 0.7], "coverage": [1.0, 0.8, 0.6]},  # the sweep's
+             {"k": 3, "effective_acceptance": [0.6, 0.7, 0.9], "coverage": [0.8, 0.6, 0.4]},  # largest k, 2 sizes
+             {"k": 1, "effective_acceptance": [0.1], "coverage": [0.1]}]  # a smaller k: not used
     updated = _with_workload_acceptance(profile, cells)
     assert updated.acceptance == pytest.approx([0.7, 0.8, 0.8, 0.8])  # position 4 repeats position 3
-    assert updated.table == {b: model.best_k(b, updated.acceptance, 4) for b in (1, 8)}
-    assert updated.table != profile.table and profile.acceptance == calibration
+    assert updated.coverage == pytest.approx([0.9, 0.7, 0.5, 0.5])
+    assert updated.table == {b: model.best_k(b, updated.acceptance, 4, updated.coverage) for b in (1, 8)}
+    assert updated.table != profile.table and profile.acceptance == calibration and profile.coverage is None
 
 
 def test_repeats_rotate_the_policy_order_and_keep_each_policys_median_run(monkeypatch):

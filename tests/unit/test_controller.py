@@ -97,7 +97,7 @@ def test_acceptance_near_zero_drives_k_to_zero():
     assert adaptive.choose_k(_state(1)) > 0
     for _ in range(400):
         k = adaptive.choose_k(_state(1))
-        adaptive.observe(StepObservation(1, k, TRUE.step_time(1, k), [(k, 0)] if k else []))
+        adaptive.observe(StepObservation(1, k, TRUE.step_time(1, k), [(k, k, 0)] if k else []))
     assert adaptive.k == 0
     assert adaptive.acceptance[0] < 0.3
 
@@ -109,7 +109,7 @@ def test_exploration_at_zero_notices_recovered_acceptance():
     for _ in range(3000):
         k = adaptive.choose_k(_state(1))
         ks.append(k)
-        adaptive.observe(StepObservation(1, k, TRUE.step_time(1, k), [(k, k)] if k else []))
+        adaptive.observe(StepObservation(1, k, TRUE.step_time(1, k), [(k, k, k)] if k else []))
     assert 1 in ks[:40]  # it probed while at 0
     assert adaptive.k > 0
     _assert_within_hysteresis(adaptive)
@@ -128,7 +128,7 @@ def test_probes_one_position_deeper_and_climbs_when_the_profile_under_rated_it()
         k = adaptive.choose_k(_state(1))
         ks.append(k)
         accepted = next((j for j in range(k) if rng.random() >= 0.9), k)  # each position 0.9
-        adaptive.observe(StepObservation(1, k, TRUE.step_time(1, k), [(k, accepted)] if k else []))
+        adaptive.observe(StepObservation(1, k, TRUE.step_time(1, k), [(k, k, accepted)] if k else []))
     assert start + 1 in ks[:20]  # probed one deeper while holding its k
     assert adaptive.acceptance[start] > 0.7  # the under-rated position was learnt
     assert adaptive.k > start  # and it climbed
@@ -153,6 +153,44 @@ def test_adaptive_relearns_step_times_online():
         adaptive.observe(StepObservation(b, k, slow_draft.step_time(b, k)))
     assert adaptive.model.draft_coef[0] == pytest.approx(0.03, rel=0.2)
     assert adaptive.k_table([1, 8]) == {b: slow_draft.best_k(b, adaptive.acceptance, 8) for b in (1, 8)}
+
+
+def test_partial_proposals_are_learnt_as_coverage_and_effective_acceptance():
+    """n-gram lookup proposes nothing for half of the requests here; the others propose all
+    k and each position is accepted with 0.9. Learnt: coverage 0.5, acceptance 0.45 at the
+    first position (a position asked for but not proposed counts as rejected) and 0.9 after
+    it, step times with only the proposed tokens verified; the k it picks then costs, under
+    the truth, within hysteresis of the truth's best k at every batch size."""
+    coverage, acceptance = [0.5] * 8, [0.45] + [0.9] * 7
+    adaptive = AdaptiveController(TRUE, [0.9] * 8, max_k=8, explore_every=8)  # the profile: full, 0.9
+    rng = random.Random(3)
+    for step in range(6000):
+        b = (1, 2, 4, 8, 16, 32)[step // 1000]
+        k = adaptive.choose_k(_state(b))
+        drafts = []
+        for _ in range(b):
+            proposed = k if rng.random() < 0.5 else 0
+            accepted = next((j for j in range(proposed) if rng.random() >= 0.9), proposed)
+            drafts.append((k, proposed, accepted))
+        drafted = sum(p for _, p, _ in drafts)
+        seconds = k * TRUE.draft_time(b) + TRUE.target_time(b, 1 + drafted / b)
+        adaptive.observe(StepObservation(b, k, seconds, drafts if k else [], drafted))
+    assert adaptive.coverage[:3] == pytest.approx(coverage[:3], abs=0.12)
+    assert adaptive.acceptance[:3] == pytest.approx(acceptance[:3], abs=0.12)
+    for b in (1, 4, 8, 32):
+        assert adaptive.model.step_time(b, 3, coverage) == pytest.approx(TRUE.step_time(b, 3, coverage), rel=0.05)
+        best = TRUE.time_per_token(b, TRUE.best_k(b, acceptance, 8, coverage), acceptance, coverage)
+        picked = adaptive.k_table([b])[b]
+        assert TRUE.time_per_token(b, picked, acceptance, coverage) <= best * (1 + adaptive.hysteresis)
+
+
+def test_coverage_makes_the_verifying_pass_cheaper_and_its_gain_smaller():
+    full = TRUE.step_time(8, 4)
+    half = TRUE.step_time(8, 4, [0.5] * 4)
+    assert full - half == pytest.approx(TRUE.target_coef[2] * 8 * 2)  # 2 of 4 draft tokens per request verified
+    assert TRUE.step_time(8, 4, [1.0] * 4) == full and TRUE.step_time(8, 0, [0.5]) == TRUE.step_time(8, 0)
+    # ragged coverage lists: positions beyond the list reuse its last value
+    assert TRUE.step_time(8, 4, [1.0, 0.5]) == pytest.approx(TRUE.step_time(8, 4, [1.0, 0.5, 0.5, 0.5]))
 
 
 @pytest.mark.parametrize("vary_batch", [False, True])
@@ -187,6 +225,31 @@ def test_engine_uses_the_k_the_controller_returns_every_step(tiny_llama_dir):
     assert list(engine.stats().spec.recent_k) == engine.controller.returned
 
 
+class ObservingController(RecordingController):
+    def __init__(self):
+        super().__init__()
+        self.observed = []
+
+    def observe(self, obs: StepObservation) -> None:
+        self.observed.append(obs)
+
+
+def test_engine_reports_positions_asked_proposed_and_accepted_per_request(tiny_llama_dir):
+    engine = make_engine(tiny_llama_dir, num_blocks=64, method="ngram", num_speculative_tokens=4)
+    engine.controller = ObservingController()
+    prompts = [[5, 6, 7, 5, 6, 7, 5, 6], [8, 9, 10, 11, 12, 13]]  # the first repeats itself, the second not
+    run_to_completion(engine, prompts, SamplingParams(max_tokens=12, temperature=0))
+    rows = []
+    for obs in engine.controller.observed:
+        assert obs.num_drafted == sum(proposed for _, proposed, _ in obs.drafts)
+        assert all(0 <= accepted <= proposed <= asked <= obs.k for asked, proposed, accepted in obs.drafts)
+        rows += obs.drafts
+    assert any(proposed < asked for asked, proposed, _ in rows)  # lookup proposed fewer than asked
+    assert any(proposed > 0 for _, proposed, _ in rows)
+    stats = engine.stats().spec
+    assert stats.effective_acceptance[0] < stats.conditional_acceptance[0] or stats.conditional_acceptance[0] == 0
+
+
 def test_a_profile_names_the_draft_model_only_when_a_model_drafts():
     from types import SimpleNamespace
 
@@ -205,6 +268,7 @@ def test_profile_command_writes_a_profile_the_controllers_load(tiny_llama_dir, t
     assert profile.batch_sizes == [1, 2, 4] and len(profile.target_grid) == 3 * 4
     assert set(profile.table) == {1, 2, 4} and all(0 <= k <= 3 for k in profile.table.values())
     assert len(profile.acceptance) == 3
+    assert len(profile.coverage) == 3 and all(0.0 <= c <= 1.0 for c in profile.coverage)  # n-gram: measured
     table = profile.table  # vLLM's inclusive [start, end, k] ranges
     assert profile.vllm_schedule() == [[1, 1, table[1]], [2, 2, table[2]], [3, 4, table[4]]]
     written = json.loads(out.read_text())

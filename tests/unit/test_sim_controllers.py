@@ -31,7 +31,7 @@ def test_same_observations_same_acceptance_model_and_choices():
         assert sim.choose_k(state) == k, f"step {step}"
         seconds = PRIOR.step_time(b, k) * rng.uniform(0.8, 1.6)
         accepted = np.cumprod(rng.random((b, k)) < 0.8, axis=1) if k else None  # [b, k]
-        real.observe(StepObservation(b, k, seconds, [(k, int(a)) for a in accepted.sum(axis=1)] if k else []))
+        real.observe(StepObservation(b, k, seconds, [(k, k, int(a)) for a in accepted.sum(axis=1)] if k else []))
         sim.observe_arrays(b, k, seconds, accepted)
         np.testing.assert_allclose(sim.acceptance, real.acceptance, rtol=1e-9, atol=1e-12)
         # The refit makes the same float operations: the same model to the last bit.
