@@ -40,8 +40,8 @@ def test_tpot_vs_k_every_cell_with_a_prediction(paper_run):
     cells = {(c["batch_size"], c["k"]): c for c in sweep["cells"]}
     assert set(cells) == {(b, k) for b in (1, 2) for k in (0, 1, 2)}
     for (b, k), cell in cells.items():
-        # At least four requests per cell, in whole rounds of b submitted at once.
-        assert cell["num_requests"] == 4 and cell["output_tokens"] == 4 * 5
+        # Every one of the 16 prompts once per cell, in whole rounds of b submitted at once.
+        assert cell["num_requests"] == 16 and cell["output_tokens"] == 16 * 5
         assert cell["tpot_ms"] > 0 and cell["predicted_tpot_ms"] > 0
         assert cell["prediction_error"] == pytest.approx(cell["predicted_tpot_ms"] / cell["tpot_ms"] - 1)
         assert len(cell["conditional_acceptance"]) <= k
