@@ -15,7 +15,7 @@ learning written for numpy, so a million requests fit in minutes:
   the operations of ``AdaptiveController.observe`` (f * sum + x_i * x_j), and calls the
   LAPACK solver ``np.linalg.solve`` calls, without its argument checks (a result that is
   not finite goes through ``np.linalg.solve`` again, which raises as the original does);
-* ``best_k`` evaluates TPOT(b, k) for all k in one loop of floats and the step times
+* ``best_k`` evaluates TPOT(b, k) for all k in one loop of floats (coverage included) and the step times
   are sums of floats in ``np.dot``'s order (:class:`VectorLatencyModel`).
 
 The acceptance agrees with the original to float rounding and the refit exactly
@@ -53,19 +53,22 @@ class VectorLatencyModel(LatencyModel):
 
     def best_k(self, batch_size: int, acceptance: list[float], max_k: int,
                coverage: list[float] | None = None) -> int:
-        if coverage is not None and any(c != 1.0 for c in coverage):
-            return super().best_k(batch_size, acceptance, max_k, coverage)  # partial drafts: not simulated
         c0, c1, c2 = self.target_coef
         d0, d1 = self.draft_coef
         base = c0 + c1 * batch_size + c2 * batch_size  # k = 0
-        per_k = d0 + d1 * batch_size + c2 * batch_size  # one more draft pass and verified token
+        per_pass = d0 + d1 * batch_size  # one more draft pass
+        per_token = c2 * batch_size  # one more draft token verified per request
         best, best_cost = 0, base
-        tokens, survive = 1.0, 1.0
+        tokens, survive, drafted = 1.0, 1.0, 0.0
         for k in range(1, max_k + 1):
             rate = acceptance[min(k - 1, len(acceptance) - 1)] if acceptance else 0.0
             survive *= min(max(rate, 0.0), 1.0)
             tokens += survive
-            cost = (base + k * per_k) / tokens
+            if coverage is None:
+                drafted += 1.0
+            elif coverage:  # as expected_drafted: positions beyond the list reuse its last value
+                drafted += min(max(coverage[min(k - 1, len(coverage) - 1)], 0.0), 1.0)
+            cost = (base + k * per_pass + drafted * per_token) / tokens
             if cost < best_cost:
                 best, best_cost = k, cost
         return best

@@ -173,7 +173,7 @@ def test_partial_proposals_are_learnt_as_coverage_and_effective_acceptance():
             accepted = next((j for j in range(proposed) if rng.random() >= 0.9), proposed)
             drafts.append((k, proposed, accepted))
         drafted = sum(p for _, p, _ in drafts)
-        seconds = k * TRUE.draft_time(b) + TRUE.target_time(b, 1 + drafted / b)
+        seconds = k * TRUE.draft_time(b) + TRUE.target_time(b, 1 + drafted / b)  # the model's, no clock
         adaptive.observe(StepObservation(b, k, seconds, drafts if k else [], drafted))
     assert adaptive.coverage[:3] == pytest.approx(coverage[:3], abs=0.12)
     assert adaptive.acceptance[:3] == pytest.approx(acceptance[:3], abs=0.12)

@@ -16,8 +16,10 @@ def test_vector_best_k_equals_the_latency_models():
         model = LatencyModel(list(rng.uniform(0, 0.01, 3)), list(rng.uniform(0, 0.003, 2)))
         fast = VectorLatencyModel(model.target_coef, model.draft_coef)
         acceptance = list(rng.uniform(0, 1, rng.integers(1, 7)))
+        coverage = list(rng.uniform(0, 1, rng.integers(1, 7)))  # partial drafts, ragged lists
         for b in (1, 3, 16, 64, 200):
             assert fast.best_k(b, acceptance, 6) == model.best_k(b, acceptance, 6)
+            assert fast.best_k(b, acceptance, 6, coverage) == model.best_k(b, acceptance, 6, coverage)
 
 
 def test_same_observations_same_acceptance_model_and_choices():
