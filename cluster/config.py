@@ -36,6 +36,9 @@ class ModelConfig(_Strict):
     quantization: Quantization = Field(
         "none", description="int8: int8 weights, per-output-channel scales (linear layers and LM head); "
         "int8-dynamic: also int8 activations per tensor (fbgemm, CPU; fast but measured far less accurate)")
+    batch_invariant: bool = Field(
+        False, description="compute every token the same way whatever else is in the step (CPU, float32 or "
+        "bfloat16): a request's output, speculative or not, no longer depends on its batch; prefill runs slower")
     seed: int = 0
 
 
@@ -136,6 +139,14 @@ class TandemConfig(_Strict):
 
     @model_validator(mode="after")
     def _check(self) -> "TandemConfig":
+        if self.model.batch_invariant:
+            clashes = {"model.quantization": self.model.quantization != "none",
+                       "cache.kv_cache_dtype": self.cache.kv_cache_dtype != "auto",
+                       "parallel.tensor_parallel_size": self.parallel.tensor_parallel_size > 1}
+            for key, clash in clashes.items():
+                if clash:
+                    raise ValueError(f"model.batch_invariant runs the full-precision model on one device with a "
+                                     f"plain KV cache; {key} must stay at its default")
         limit = self.scheduler.max_num_batched_tokens
         if not self.scheduler.enable_chunked_prefill and self.model.max_model_len:
             if limit < self.model.max_model_len:

@@ -112,6 +112,9 @@ def _refuse_native_quantization(config: TandemConfig) -> None:
     own = {"model.quantization": (getattr(config.model, "quantization", "none"), "none"),
            "cache.kv_cache_dtype": (getattr(config.cache, "kv_cache_dtype", "auto"), "auto"),
            "speculative.draft_quantization": (getattr(config.speculative, "draft_quantization", None), None)}
+    if getattr(config.model, "batch_invariant", False):
+        raise ValueError("model.batch_invariant is Tandem's own CPU mode, which vLLM does not run; for a vLLM group "
+                         "leave it unset (vLLM has its own: the environment variable VLLM_BATCH_INVARIANT=1)")
     for key, (value, off) in own.items():
         if value not in (off, "none"):
             raise ValueError(f"{key}={value!r} is Tandem's own int8 scheme, which vLLM does not run; for a vLLM "

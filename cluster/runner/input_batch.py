@@ -35,11 +35,15 @@ def prepare_inputs(
     block_tables: list[list[int]],
     block_size: int,
     device: torch.device,
+    short_query_max: int | None = SHORT_QUERY_MAX,
 ) -> ModelInputs:
     """Flat token ids and positions, cache slots, and the attention mask of one pass.
 
     Chunk ``s`` computes tokens at positions ``[start, start + len(token_ids))`` and
-    attends to all ``start + len(token_ids)`` tokens of its context.
+    attends to all ``start + len(token_ids)`` tokens of its context. Query rows get their
+    own contexts (the CPU kernel's input) in steps of at most ``short_query_max`` tokens
+    per sequence; None gives them in every step (batch-invariant mode; it holds
+    ``num_tokens x max_context_len`` slot indices).
     """
     input_ids: list[int] = []
     positions: list[int] = []
@@ -90,7 +94,7 @@ def prepare_inputs(
         attn_mask = attn_mask.unsqueeze(1)  # [num_seqs, 1, max_query_len, max_context_len]
 
     row_context_lens = row_context_slots = None
-    if max_query_len <= SHORT_QUERY_MAX:
+    if short_query_max is None or max_query_len <= short_query_max:
         row_context_lens = positions_t + 1  # a query row sees the context up to its own position
         row_context_slots = context_slots if max_query_len == 1 else context_slots[seq_of_token]
 

@@ -14,7 +14,7 @@ import torch
 
 from cluster.engine.scheduler import ScheduledRequest
 from cluster.quant.kv_int8 import Int8KVCache, bytes_per_vector
-from cluster.runner.input_batch import SeqChunk, prepare_inputs
+from cluster.runner.input_batch import SHORT_QUERY_MAX, SeqChunk, prepare_inputs
 from cluster.runner.sampler import Sampler, SamplingMetadata, compute_probs
 from cluster.spec.rejection import rejection_sample
 
@@ -67,8 +67,12 @@ def num_blocks_for_budget(spec: KVCacheSpec, budget_bytes: int) -> int:
 
 
 class ModelRunner:
-    def __init__(self, model: torch.nn.Module, num_blocks: int, spec: KVCacheSpec, device: torch.device) -> None:
+    def __init__(self, model: torch.nn.Module, num_blocks: int, spec: KVCacheSpec, device: torch.device,
+                 batch_invariant: bool = False) -> None:
+        """``batch_invariant``: every step's attention goes through the compiled kernel, one
+        query row at a time (the model must have been loaded for it, see ``load_model``)."""
         self.model = model
+        self.short_query_max = None if batch_invariant else SHORT_QUERY_MAX
         self.spec = spec
         self.device = device
         self.num_blocks = num_blocks
@@ -115,7 +119,7 @@ class ModelRunner:
     def forward_logits(self, chunks: list[SeqChunk], block_tables: list[list[int]]) -> torch.Tensor:
         """One forward pass; logits at each chunk's last ``num_logits`` positions, in order:
         [total num_logits, vocab_size] float32."""
-        inputs = prepare_inputs(chunks, block_tables, self.spec.block_size, self.device)
+        inputs = prepare_inputs(chunks, block_tables, self.spec.block_size, self.device, self.short_query_max)
         hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.attn)
         if inputs.logits_indices.numel() == 0:
             return hidden.new_empty(0, self.model.vocab_size, dtype=torch.float32)

@@ -54,7 +54,7 @@ class Worker:
         started = time.monotonic()
         loaded = load_model(config, device)
         num_blocks = num_kv_blocks(config, loaded.spec, device)
-        runner = ModelRunner(loaded.model, num_blocks, loaded.spec, device)
+        runner = ModelRunner(loaded.model, num_blocks, loaded.spec, device, config.model.batch_invariant)
         logger.info(
             "loaded %s (%s, %s) in %.1fs; KV cache: %d blocks of %d tokens",
             config.model.model, loaded.dtype, device, time.monotonic() - started, num_blocks, loaded.spec.block_size,
@@ -99,8 +99,8 @@ def load_model(config: TandemConfig, device: torch.device, tp: TPGroup | None = 
     scheme = config.model.quantization if config.model.quantization != "none" else (stored_scheme or "none")
     if scheme != "none":
         quantize_linears(model, scheme)
-    pack_linears(model, device, dtype)
-    attach_decode_ops(model, device, dtype)
+    pack_linears(model, device, dtype, config.model.batch_invariant)
+    attach_decode_ops(model, device, dtype, config.model.batch_invariant)
     if tp is not None:
         pack_parallel_linears(model, device, dtype)
     cache_dtype = torch.int8 if config.cache.kv_cache_dtype == "int8" else None

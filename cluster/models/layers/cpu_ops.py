@@ -25,18 +25,29 @@ logger = logging.getLogger(__name__)
 _DTYPES = (torch.float32, torch.bfloat16)
 
 
-def attach_decode_ops(model: nn.Module, device: torch.device, dtype: torch.dtype) -> int:
-    """Set ``cpu_ops`` on every module that has the attribute; returns how many."""
+def attach_decode_ops(model: nn.Module, device: torch.device, dtype: torch.dtype, batch_invariant: bool = False) -> int:
+    """Set ``cpu_ops`` on every module that has the attribute; returns how many. With
+    ``batch_invariant`` every such module must get them (ValueError otherwise): its steps
+    then all run in the kernel, one query row at a time."""
     if device.type != "cpu" or dtype not in _DTYPES:
+        if batch_invariant:
+            raise ValueError(f"model.batch_invariant needs the compiled CPU ops (CPU, float32 or bfloat16), got "
+                             f"{device.type} {dtype}")
         return 0
     ops = decode_ops()
     if ops is None:
+        if batch_invariant:
+            raise ValueError("model.batch_invariant needs the compiled CPU ops of cluster/kernels/decode_ops.cpp, "
+                             "which did not build here (see the log)")
         return 0
     attached = 0
     for module in model.modules():
         if not hasattr(module, "cpu_ops"):
             continue
         if getattr(module, "head_dim", 0) % ops.head_dim_multiple:  # attention the kernel cannot vectorize
+            if batch_invariant:
+                raise ValueError(f"model.batch_invariant: head_dim {module.head_dim} is not a multiple of "
+                                 f"{ops.head_dim_multiple}, which the compiled attention needs")
             continue
         module.cpu_ops = ops
         attached += 1

@@ -25,6 +25,10 @@ float32 loses at 1 row and gains from 2 rows on: on an AVX-512/AMX CPU +35% at 8
 ``_FLOAT32_MIN_PACKED_ROWS`` rows; that doubles their weight memory, acceptable for the
 small float32 models CPUs serve.
 
+With ``batch_invariant`` (``model.batch_invariant``) small_gemm takes every row count, in
+calls of at most its ``max_rows``: a token's output then never depends on how many other
+rows share the call (prefill runs slower than through oneDNN).
+
 A layer thus holds two copies of its weight on the CPU (small_gemm's and oneDNN's, or
 small_gemm's and the plain one where oneDNN cannot pack the dtype). On other devices,
 other dtypes, or where neither path exists, ``pack_linears`` leaves the model untouched,
@@ -57,15 +61,22 @@ SMALL_GEMM_MAX_ROWS = {torch.float32: 8, torch.bfloat16: 8}
 
 class PackedLinear(nn.Module):
     """``y = x @ W.T + b`` through small_gemm for few rows, oneDNN's packed weight for
-    more, and ``F.linear`` on the plain weight where neither applies."""
+    more, and ``F.linear`` on the plain weight where neither applies. ``batch_invariant``:
+    small_gemm for every row count (ValueError where it cannot take the weight)."""
 
-    def __init__(self, linear: nn.Linear) -> None:
+    def __init__(self, linear: nn.Linear, batch_invariant: bool = False) -> None:
         super().__init__()
         self.in_features = linear.in_features
         self.out_features = linear.out_features
         weight = linear.weight.detach()
         self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach(), requires_grad=False)
         self._kernel = small_gemm_for(weight)
+        if batch_invariant and self._kernel is None:
+            raise ValueError(f"model.batch_invariant needs the compiled small_gemm kernel for a "
+                             f"{weight.dtype} [{self.out_features}, {self.in_features}] weight on "
+                             f"{weight.device.type}: it takes CPU float32/bfloat16 weights whose in_features "
+                             f"is a multiple of {64 // weight.element_size()}")
+        self.batch_invariant = batch_invariant
         self.small_max_rows = SMALL_GEMM_MAX_ROWS[weight.dtype] if self._kernel is not None else 0
         small = self._kernel.pack(weight.contiguous()) if self._kernel is not None else None
         self.register_buffer("small_gemm_weight", small)
@@ -83,11 +94,17 @@ class PackedLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [num_tokens, in] -> [num_tokens, out]
         rows = x.shape[0]
+        if self.batch_invariant and rows > self.small_max_rows:
+            step = self._kernel.max_rows
+            return torch.cat([self._small_gemm(x[i:i + step]) for i in range(0, rows, step)])
         if 0 < rows <= self.small_max_rows:
-            return self._kernel.linear(x.contiguous(), self.small_gemm_weight, self.out_features, self.small_gemm_bias)
+            return self._small_gemm(x)
         if self.packed_weight is not None and rows >= self.min_packed_rows:
             return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, "none", [], "")
         return F.linear(x, self.plain_weight, self.bias)
+
+    def _small_gemm(self, x: torch.Tensor) -> torch.Tensor:
+        return self._kernel.linear(x.contiguous(), self.small_gemm_weight, self.out_features, self.small_gemm_bias)
 
 
 def small_gemm_for(weight: torch.Tensor):
@@ -132,19 +149,25 @@ def onednn_packs(dtype: torch.dtype) -> bool:
     return True
 
 
-def pack_linears(model: nn.Module, device: torch.device, dtype: torch.dtype) -> int:
-    """Replace every ``nn.Linear`` of ``model`` by a :class:`PackedLinear` where it pays.
+def pack_linears(model: nn.Module, device: torch.device, dtype: torch.dtype, batch_invariant: bool = False) -> int:
+    """Replace every ``nn.Linear`` of ``model`` by a :class:`PackedLinear` where it pays
+    (with ``batch_invariant``: everywhere, through small_gemm, or ValueError).
 
     Call after the weights are loaded. A head tied to the embedding keeps the embedding
     and gets a packed copy. Returns the number of layers replaced.
     """
+    if batch_invariant and (device.type != "cpu" or dtype not in SMALL_GEMM_MAX_ROWS or small_gemm() is None):
+        raise ValueError(f"model.batch_invariant runs on the CPU in float32 or bfloat16 with the compiled kernels "
+                         f"of cluster/kernels; got {device.type} {dtype}"
+                         + ("" if device.type != "cpu" or dtype not in SMALL_GEMM_MAX_ROWS
+                            else " (the small_gemm kernel did not build here: see the log)"))
     if not fast_cpu_linear(device, dtype):
         return 0
     replaced = 0
     for name, module in list(model.named_modules()):
         for child_name, child in list(module.named_children()):
             if type(child) is nn.Linear:
-                setattr(module, child_name, PackedLinear(child))
+                setattr(module, child_name, PackedLinear(child, batch_invariant))
                 replaced += 1
     logger.info("packed %d linear layers for the CPU", replaced)
     return replaced
