@@ -39,3 +39,17 @@ def test_self_draft_accepts_every_token(expected):
     assert [o.outputs[0].token_ids for o in llm.generate(PROMPTS, PARAMS)] == expected
     spec = llm.engine.stats().spec
     assert spec.num_accepted_tokens == spec.num_draft_tokens > 0
+
+
+def test_batch_invariant_bfloat16_keeps_greedy_output_at_batch_4():
+    # bfloat16 rounding differs between the few-row and the oneDNN paths, so without
+    # model.batch_invariant a batch of 4 verifying drafts often lands on other tokens.
+    settings = dict(dtype="bfloat16", device="cpu", kv_cache_memory="128MiB", max_num_seqs=4, batch_invariant=True)
+    alone = [LLM("smollm2-135m-instruct", **settings).generate([p], PARAMS)[0].outputs[0].token_ids
+             for p in PROMPTS[:1]]
+    plain = LLM("smollm2-135m-instruct", **settings)
+    batched = [o.outputs[0].token_ids for o in plain.generate(PROMPTS, PARAMS)]
+    spec = LLM("smollm2-135m-instruct", method="ngram", num_speculative_tokens=4, **settings)
+    assert [o.outputs[0].token_ids for o in spec.generate(PROMPTS, PARAMS)] == batched
+    assert batched[0] == alone[0]
+    assert spec.engine.stats().spec.num_accepted_tokens > 0
