@@ -15,7 +15,9 @@ over requests; TTFT; the engine's speculative counters over the timed run (accep
 = accepted / drafted tokens, mean acceptance length = 1 + accepted / drafting steps); and
 output tokens per target step (steps without a draft count too). Speedup is tok/s over
 ``k = 0`` at the same batch size. ``--vllm`` adds vLLM's CPU server as a peer
-(:mod:`spec_vllm`), measured over HTTP.
+(:mod:`spec_vllm`), measured over HTTP. ``--batch-invariant both`` measures every cell
+twice, with ``model.batch_invariant`` off and on (one engine each, one after the other), and
+reports what the mode costs and whether greedy output then equals plain decoding's.
 """
 
 from __future__ import annotations
@@ -143,6 +145,8 @@ def add_spec_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--threads", type=_positive_int, help="torch.set_num_threads (default: torch's choice)")
     parser.add_argument("--kv-cache-memory", default="1GiB", help="Tandem's KV cache budget")
     parser.add_argument("--kv-cache-dtype", choices=("auto", "int8"), default="auto")
+    parser.add_argument("--batch-invariant", choices=("off", "on", "both"), default="off",
+                        help="model.batch_invariant for Tandem's engine; both: measure each cell with it off and on")
     parser.add_argument("--vllm", action="store_true", help="also measure vLLM's CPU server (n-gram) as a peer")
     parser.add_argument("--vllm-ks", type=_k_list, default=[0, 2, 4], help="vLLM's speculation lengths")
     parser.add_argument("--vllm-script", type=Path, default=DEFAULT_VLLM_SCRIPT, help="the vllm_cpu.sh anchor")
@@ -189,32 +193,37 @@ def run_closed_loop(engine, prompt_ids: list[list[int]], output_len: int, concur
     return timings, time.perf_counter() - start
 
 
-def _measure_tandem(args, source, prompt_ids, progress, task) -> list[SpecCell]:
+TANDEM_INVARIANT = "tandem-batch-invariant"  # the system name of cells measured with model.batch_invariant
+
+
+def _measure_tandem(args, source, prompt_ids, progress, task, batch_invariant: bool = False) -> list[SpecCell]:
     from cluster.engine.llm import LLM
     from cluster.spec.controller import FixedController
 
     if args.method == "draft" and not args.draft_model:
         raise ValueError("--method draft needs --draft-model (a model sharing the target's tokenizer)")
+    system = TANDEM_INVARIANT if batch_invariant else "tandem"
     progress.update(task, description=f"loading {Path(args.model).name} {args.dtype}, {args.method} drafts")
     quant = dict(quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype)
     if args.draft_quantization:
         quant["draft_quantization"] = args.draft_quantization
     llm = LLM(str(source.path), dtype=args.dtype, device="cpu", method=args.method, draft_model=args.draft_model,
               num_speculative_tokens=max(args.ks), enable_prefix_caching=False,
-              max_num_seqs=max(args.batch_sizes), kv_cache_memory=args.kv_cache_memory, **quant)
+              max_num_seqs=max(args.batch_sizes), kv_cache_memory=args.kv_cache_memory,
+              batch_invariant=batch_invariant, **quant)
     engine = llm.engine
     cells = []
     for batch_size in args.batch_sizes:
         plain: dict[int, list[int]] | None = None  # k = 0's outputs at this batch size
         for k in sorted(args.ks):
-            progress.update(task, description=f"Tandem batch {batch_size}, k={k}")
+            progress.update(task, description=f"{system} batch {batch_size}, k={k}")
             engine.controller = FixedController(k)
             run_closed_loop(engine, prompt_ids[:batch_size], min(WARMUP_LEN, args.output_len), batch_size)
             before = SpecCounts.of(engine.stats().spec)
             outputs: dict[int, list[int]] = {}
             timings, seconds = run_closed_loop(engine, prompt_ids, args.output_len, batch_size, outputs)
             counts = SpecCounts.of(engine.stats().spec).minus(before)
-            cell = make_cell("tandem", args.method, batch_size, k, args.output_len, timings, seconds, counts)
+            cell = make_cell(system, args.method, batch_size, k, args.output_len, timings, seconds, counts)
             if k == 0:
                 plain = outputs
             if plain is not None:
@@ -248,9 +257,10 @@ def run_spec_bench(args: argparse.Namespace) -> dict:
     console = Console()
     vllm = VllmResult(enabled=False)
     num_vllm = len(args.vllm_ks) * len(args.batch_sizes) if args.vllm else 0
+    modes = {"off": [False], "on": [True], "both": [False, True]}[args.batch_invariant]
     with Progress(console=console) as progress:
-        task = progress.add_task("loading", total=len(args.ks) * len(args.batch_sizes) + num_vllm)
-        cells = _measure_tandem(args, source, prompt_ids, progress, task)
+        task = progress.add_task("loading", total=len(modes) * len(args.ks) * len(args.batch_sizes) + num_vllm)
+        cells = [c for invariant in modes for c in _measure_tandem(args, source, prompt_ids, progress, task, invariant)]
         if args.vllm:
             vllm = measure_vllm(args, prompt_ids, console, progress, task)
 
@@ -275,7 +285,9 @@ def _with_speedups(cells: list[SpecCell]) -> list[dict]:
 def _report(args, source, load_average, prompt_ids, prompt_format, cells, vllm) -> dict:
     import torch
 
-    tandem = {(c.batch_size, c.k): c for c in cells}
+    invariant = [c for c in cells if c.system == TANDEM_INVARIANT]
+    usual = [c for c in cells if c.system == "tandem"]
+    tandem = {(c.batch_size, c.k): c for c in usual or invariant}
     comparison = [{"batch_size": v.batch_size, "k": v.k, "tandem_tok_per_s": t.tok_per_s,
                    "vllm_tok_per_s": v.tok_per_s, "tandem_over_vllm": t.tok_per_s / v.tok_per_s,
                    "tandem_tpot_ms": t.tpot_ms, "vllm_tpot_ms": v.tpot_ms}
@@ -292,11 +304,27 @@ def _report(args, source, load_average, prompt_ids, prompt_format, cells, vllm) 
                      "sampling": "greedy, ignore_eos", "concurrency": "closed loop, = batch size",
                      "tpot": "per request (last token time - first token time) / (output tokens - 1), mean",
                      "quantization": args.quantization, "draft_quantization": args.draft_quantization,
-                     "kv_cache_dtype": args.kv_cache_dtype},
-        "tandem": {"mode": "offline, in-process engine", "cells": _with_speedups(cells)},
+                     "kv_cache_dtype": args.kv_cache_dtype, "batch_invariant": args.batch_invariant},
+        "tandem": {"mode": "offline, in-process engine", "batch_invariant": not usual,
+                   "cells": _with_speedups(usual or invariant)},
+        "tandem_batch_invariant": {"mode": "offline, in-process engine, model.batch_invariant",
+                                   "cells": _with_speedups(invariant) if usual else []},
+        "batch_invariant_cost": _invariant_cost(usual, invariant),
         "vllm": vllm.to_json() | {"cells": _with_speedups(vllm.cells)},
         "tandem_vs_vllm": comparison,
     }
+
+
+def _invariant_cost(usual: list[SpecCell], invariant: list[SpecCell]) -> list[dict]:
+    """Per (batch size, k) measured both ways: the batch-invariant engine's tok/s over the
+    usual one's, and how many requests equal plain decoding's greedy tokens in each."""
+    theirs = {(c.batch_size, c.k): c for c in invariant}
+    return [{"batch_size": u.batch_size, "k": u.k, "usual_tok_per_s": u.tok_per_s,
+             "invariant_tok_per_s": i.tok_per_s, "invariant_over_usual": i.tok_per_s / u.tok_per_s,
+             "usual_greedy_identical_to_k0": u.greedy_identical_to_k0,
+             "invariant_greedy_identical_to_k0": i.greedy_identical_to_k0, "num_requests": u.num_requests}
+            for u in sorted(usual, key=lambda c: (c.batch_size, c.k)) for i in [theirs.get((u.batch_size, u.k))]
+            if i is not None]
 
 
 def _print_tables(console, result: dict) -> None:
@@ -313,21 +341,26 @@ def _print_tables(console, result: dict) -> None:
                f"steps without a draft included\nworkload: {settings['num_prompts']} prompts, {WORKLOAD}; "
                f"prompts: {settings['prompt_format']}; prefix caching off")
     ours = {(c["batch_size"], c["k"]): c for c in result["tandem"]["cells"]}
-    for system, section in (("tandem", result["tandem"]), ("vllm", result["vllm"])):
+    sections = (("tandem", result["tandem"]), (TANDEM_INVARIANT, result["tandem_batch_invariant"]),
+                ("vllm", result["vllm"]))
+    for system, section in sections:
         if not section["cells"]:
             continue
-        if system == "tandem":
-            title = f"Tandem {settings['method']} speculation, {model} {settings['dtype']}, offline in-process"
+        is_tandem = system != "vllm"
+        if is_tandem:
+            invariant = system == TANDEM_INVARIANT or result["tandem"]["batch_invariant"]
+            title = (f"Tandem {settings['method']} speculation, {model} {settings['dtype']}, offline in-process"
+                     + (", batch-invariant" if invariant else ""))
         else:
             title = (f"vLLM CPU server, n-gram speculation, {model} {settings['dtype']}, over HTTP "
                      "(streaming /v1/completions, HTTP overhead included)")
         table = Table(title=f"{title}, {settings['output_len']} tokens per request",
-                      caption=caption if system == "tandem" else "T/vLLM: Tandem's offline tok/s over vLLM's at the same "
+                      caption=caption if is_tandem else "T/vLLM: Tandem's offline tok/s over vLLM's at the same "
                       "batch and k; vLLM n-gram prompt lookup n = 1..4, prefix caching off",
                       box=box.SIMPLE_HEAD, show_edge=False)
         headers = ["batch", "k", "tok/s", "TPOT ms", "TTFT ms", "accept", "acc. len",
-                   "tok/step" if system == "tandem" else "T/vLLM", "speedup"]
-        if system == "tandem":
+                   "tok/step" if is_tandem else "T/vLLM", "speedup"]
+        if is_tandem:
             headers.append("= k0")  # requests whose greedy tokens equal plain decoding's
         for header in headers:
             table.add_column(header, justify="right")
@@ -336,7 +369,7 @@ def _print_tables(console, result: dict) -> None:
             if last_batch is not None and c["batch_size"] != last_batch:
                 table.add_section()
             last_batch = c["batch_size"]
-            if system == "tandem":
+            if is_tandem:
                 extra = fmt(c["tokens_per_step"], ".2f")
             else:
                 t = ours.get((c["batch_size"], c["k"]))
@@ -344,8 +377,20 @@ def _print_tables(console, result: dict) -> None:
             row = [str(c["batch_size"]), str(c["k"]), f"{c['tok_per_s']:.1f}", fmt(c["tpot_ms"], ".1f"),
                    f"{c['ttft_ms']:.0f}", fmt(c["acceptance_rate"], ".0%"),
                    fmt(c["mean_acceptance_length"], ".2f"), extra, fmt(c["speedup_vs_k0"], ".2f")]
-            if system == "tandem":
+            if is_tandem:
                 same = c.get("greedy_identical_to_k0")
                 row.append("-" if same is None else f"{same}/{c['num_requests']}")
             table.add_row(*row)
+        console.print(table)
+    if result["batch_invariant_cost"]:
+        table = Table(title="What model.batch_invariant costs (same cells, one run)", box=box.SIMPLE_HEAD,
+                      show_edge=False, caption="ratio: batch-invariant tok/s over usual tok/s; = k0: requests "
+                      "whose greedy tokens equal plain decoding's at the same batch, each way")
+        for header in ("batch", "k", "usual tok/s", "invariant tok/s", "ratio", "= k0 usual", "= k0 invariant"):
+            table.add_column(header, justify="right")
+        for row in result["batch_invariant_cost"]:
+            n = row["num_requests"]
+            table.add_row(str(row["batch_size"]), str(row["k"]), f"{row['usual_tok_per_s']:.1f}",
+                          f"{row['invariant_tok_per_s']:.1f}", f"{row['invariant_over_usual']:.2f}",
+                          f"{row['usual_greedy_identical_to_k0']}/{n}", f"{row['invariant_greedy_identical_to_k0']}/{n}")
         console.print(table)

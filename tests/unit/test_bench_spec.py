@@ -133,3 +133,22 @@ def test_bad_arguments_are_rejected(flag, value, capsys):
 def test_draft_method_needs_a_draft_model(tiny_folder, capsys):
     assert main(["bench", "spec", "--model", str(tiny_folder), "--method", "draft", "--ks", "0"]) == 2
     assert "--draft-model" in capsys.readouterr().err
+
+
+def test_batch_invariant_both_measures_each_cell_twice_and_keeps_greedy_output(tiny_folder, tmp_path, capsys):
+    out = tmp_path / "spec.json"
+    assert main(["bench", "spec", "--model", str(tiny_folder), "--batch-sizes", "1,3", "--ks", "0,3",
+                 "--output-len", "8", "--num-prompts", "6", "--dtype", "bfloat16", "--batch-invariant", "both",
+                 "--json", str(out)]) == 0
+    result = json.loads(out.read_text())
+    usual, invariant = result["tandem"]["cells"], result["tandem_batch_invariant"]["cells"]
+    assert {c["system"] for c in usual} == {"tandem"} and {c["system"] for c in invariant} == {"tandem-batch-invariant"}
+    assert [(c["batch_size"], c["k"]) for c in invariant] == [(1, 0), (1, 3), (3, 0), (3, 3)]
+    # The mode's promise, at every batch size: speculation gives plain decoding's greedy tokens.
+    assert all(c["greedy_identical_to_k0"] == 6 for c in invariant)
+    cost = result["batch_invariant_cost"]
+    assert [(r["batch_size"], r["k"]) for r in cost] == [(1, 0), (1, 3), (3, 0), (3, 3)]
+    for row, u, i in zip(cost, usual, invariant):
+        assert row["invariant_over_usual"] == pytest.approx(i["tok_per_s"] / u["tok_per_s"])
+        assert row["usual_greedy_identical_to_k0"] == u["greedy_identical_to_k0"]
+    assert "What model.batch_invariant costs" in capsys.readouterr().out
