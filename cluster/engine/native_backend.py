@@ -86,7 +86,7 @@ class NativeBackend:
             max_num_seqs=max_num_seqs,
             kv_cache_usage=engine.block_manager.usage,
             current_k=k,
-            acceptance=spec.acceptance_rate,
+            acceptance=spec.effective_acceptance_rate,
             step_time_curve=times.curve(k, max_num_seqs),
             prefill_seconds_per_token=times.prefill_seconds_per_token,
             speed_factor=times.speed_factor,
@@ -100,7 +100,7 @@ class NativeBackend:
         spec = self.engine.engine.spec_stats
         k = spec.current_k
         curve = self.engine.step_times.curve(k, self.config.scheduler.max_num_seqs)
-        return peak_tokens_per_second(curve, spec.acceptance_rate, k)
+        return peak_tokens_per_second(curve, spec.effective_acceptance_rate, k)
 
     def spec_state(self) -> SpecState:
         engine = self.engine.engine

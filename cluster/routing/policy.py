@@ -86,10 +86,11 @@ def interpolate_step_time(curve: Sequence[tuple[int, float]], batch_size: float)
 
 def expected_tokens_per_step(acceptance: float, k: int) -> float:
     """E = 1 + k * a: the expected tokens a request gains per speculative step with ``k``
-    draft tokens when a fraction ``a`` of drafted tokens is accepted (what replicas report:
-    accepted / drafted). Exact for that definition of ``a``, whatever the per-position
-    rates are: a step gains its accepted drafts plus the target's own token. E = 1 when
-    k = 0; ``a`` is clipped to [0, 1]."""
+    draft positions when a fraction ``a`` of them ends accepted (what native replicas
+    report: accepted / positions asked for, an empty n-gram position counting as rejected).
+    Exact for that definition of ``a``, whatever the per-position rates are: a step gains
+    its accepted drafts plus the target's own token. E = 1 when k = 0; ``a`` is clipped to
+    [0, 1]."""
     if k <= 0:
         return 1.0
     return 1.0 + k * min(max(acceptance, 0.0), 1.0)

@@ -23,7 +23,9 @@ class ReplicaStats:
     max_num_seqs: int
     kv_cache_usage: float  # fraction of KV blocks held by requests, [0, 1]
     current_k: int  # speculation length chosen at the latest step (0: plain decoding)
-    acceptance: float  # accepted / drafted tokens so far, [0, 1]
+    # Accepted draft tokens / draft positions asked for so far, [0, 1], so that 1 + k * acceptance is
+    # the tokens a request gains per step (vLLM replicas: accepted / proposed, all their counters give).
+    acceptance: float
     # Seconds per decoding step at batch size b with the current k, from the replica's
     # device profile (already corrected by speed_factor); sorted by batch size.
     step_time_curve: tuple[tuple[int, float], ...] = ()

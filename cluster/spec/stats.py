@@ -81,7 +81,16 @@ class SpecDecodeStats:
 
     @property
     def acceptance_rate(self) -> float:
+        """vLLM's: accepted / proposed draft tokens."""
         return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
+
+    @property
+    def effective_acceptance_rate(self) -> float:
+        """Accepted / draft positions asked for (a position lookup left empty counts as
+        rejected): a request asked for k drafts per step gains 1 + k * this rate tokens per
+        step, which ``acceptance_rate`` over-states whenever proposals fall short of k."""
+        asked = sum(self.asked_per_position)
+        return self.num_accepted_tokens / asked if asked else 0.0
 
     @property
     def mean_acceptance_length(self) -> float:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 
+from cluster.routing.policy import expected_tokens_per_step
 from cluster.spec.stats import SpecDecodeStats
 
 
@@ -23,11 +24,25 @@ def test_positions_asked_for_but_not_proposed_count_as_rejected_only_in_the_effe
     assert stats.coverage == pytest.approx([2 / 3, 2 / 3, 1 / 3, 1 / 3])
 
 
+def test_the_effective_rate_gives_the_tokens_gained_per_step_that_routers_use():
+    stats = SpecDecodeStats()
+    steps = [(2, 2), (0, 0), (4, 1), (3, 3)]  # (proposed, accepted) of 4 positions asked for each
+    for proposed, accepted in steps:
+        stats.record_request(proposed, accepted, num_asked=4)
+    gained = sum(accepted + 1 for _, accepted in steps) / len(steps)  # 10 tokens over 4 steps
+    assert stats.effective_acceptance_rate == pytest.approx(6 / 16)
+    assert expected_tokens_per_step(stats.effective_acceptance_rate, 4) == pytest.approx(gained)
+    # vLLM's rate (accepted / proposed) would promise more than lookup delivered
+    assert expected_tokens_per_step(stats.acceptance_rate, 4) > gained + 1
+    assert SpecDecodeStats().effective_acceptance_rate == 0.0
+
+
 def test_full_proposals_give_the_same_rate_either_way():
     stats = SpecDecodeStats()
     for accepted in (0, 1, 3, 3, 2):
         stats.record_request(3, accepted)  # num_asked defaults to what was proposed
     assert stats.effective_acceptance == pytest.approx(stats.conditional_acceptance)
+    assert stats.effective_acceptance_rate == pytest.approx(stats.acceptance_rate)
     assert stats.coverage == [1.0, 1.0, 1.0]
 
 
