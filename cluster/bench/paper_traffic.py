@@ -8,9 +8,11 @@ run it sleeps until the next arrival. A request's latency counts from its schedu
 arrival, so time spent waiting behind a long step counts too (open loop).
 
 Per request: TPOT = (finish - first token) / (output tokens - 1), TTFT = first token -
-arrival, latency = finish - arrival. Per run: means of those over requests, throughput
-= output tokens / (last finish - first arrival), and per step the batch size the
-controller saw and the ``k`` it chose.
+arrival, latency = finish - arrival. Per run: means of those over requests (and mean TPOT
+per phase, requests counted in the phase they arrived in), throughput = output tokens /
+(last finish - first arrival), the share of step time spent in steps that carried a
+prompt's prefill (the speculation length hardly changes those), and per step the batch
+size the controller saw and the ``k`` it chose.
 """
 
 from __future__ import annotations
@@ -93,6 +95,8 @@ class RunResult:
     k_per_step: dict[int, int]
     acceptance_rate: float | None
     steps: list[StepRecord] = field(default_factory=list)  # kept in the JSON for table and adaptive only
+    phase_mean_tpot_ms: list[float] = field(default_factory=list)  # per phase of the workload
+    prefill_step_share: float | None = None  # step seconds in steps carrying prefill / all step seconds
 
 
 def run_open_loop(engine, workload: Workload, prompt_ids: list[list[int]], output_len: int,
@@ -106,6 +110,8 @@ def run_open_loop(engine, workload: Workload, prompt_ids: list[list[int]], outpu
     engine.spec_stats = type(engine.spec_stats)()
     params = SamplingParams(max_tokens=output_len, temperature=0, ignore_eos=True)
     arrival: dict[str, float] = {}
+    index: dict[str, int] = {}  # request id -> its place in the arrival trace
+    step_seconds = {"prefill": 0.0, "all": 0.0}
     first: dict[str, float] = {}
     finished: dict[str, tuple[float, int]] = {}
     steps: list[StepRecord] = []
@@ -116,7 +122,7 @@ def run_open_loop(engine, workload: Workload, prompt_ids: list[list[int]], outpu
         now = time.perf_counter() - start
         while next_req < len(arrivals) and arrivals[next_req] <= now:
             rid = engine.add_request(prompt_ids[next_req % len(prompt_ids)], params)
-            arrival[rid] = arrivals[next_req]
+            arrival[rid], index[rid] = arrivals[next_req], next_req
             next_req += 1
         if not engine.has_unfinished():
             time.sleep(max(0.0, arrivals[next_req] - now))
@@ -126,20 +132,30 @@ def run_open_loop(engine, workload: Workload, prompt_ids: list[list[int]], outpu
         done = time.perf_counter() - start
         recent = engine.spec_stats.recent_k
         steps.append(StepRecord(now, num_running, recent[-1] if recent else 0))
+        step_seconds["all"] += engine.last_step.seconds
+        if engine.last_step.num_prefill_tokens:
+            step_seconds["prefill"] += engine.last_step.seconds
         for out in outputs:
             if out.outputs[0].delta_token_ids and out.request_id not in first:
                 first[out.request_id] = done
             if out.finished:
                 finished[out.request_id] = (done, len(out.outputs[0].token_ids))
-    return _summarize(policy, workload, output_len, arrival, first, finished, steps, engine.spec_stats)
+    result = _summarize(policy, workload, output_len, arrival, first, finished, steps, engine.spec_stats, index)
+    result.prefill_step_share = step_seconds["prefill"] / step_seconds["all"] if step_seconds["all"] else None
+    return result
 
 
-def _summarize(policy, workload, output_len, arrival, first, finished, steps, spec_stats) -> RunResult:
+def _summarize(policy, workload, output_len, arrival, first, finished, steps, spec_stats, index) -> RunResult:
     wrong = [n for _, n in finished.values() if n != output_len]
     if wrong or len(finished) != workload.num_requests:
         raise RuntimeError(f"{policy} on {workload.name}: {len(finished)} of {workload.num_requests} requests "
                            f"finished, token counts {wrong[:3]} instead of {output_len}")
-    tpots = [(end - first[rid]) / (n - 1) for rid, (end, n) in finished.items() if n > 1]
+    tpot = {rid: (end - first[rid]) / (n - 1) for rid, (end, n) in finished.items() if n > 1}
+    tpots = list(tpot.values())
+    phase_of: list[int] = []  # phase of each place in the arrival trace
+    for number, phase in enumerate(workload.phases):
+        phase_of += [number] * phase.num_requests
+    by_phase = [[t for rid, t in tpot.items() if phase_of[index[rid]] == p] for p in range(len(workload.phases))]
     output_tokens = sum(n for _, n in finished.values())
     duration = max(end for end, _ in finished.values()) - min(arrival.values())
     ks = Counter(s.k for s in steps)
@@ -155,4 +171,5 @@ def _summarize(policy, workload, output_len, arrival, first, finished, steps, sp
         k_per_step=dict(sorted(ks.items())),
         acceptance_rate=spec_stats.acceptance_rate if spec_stats.num_draft_tokens else None,
         steps=steps,
+        phase_mean_tpot_ms=[sum(ts) / len(ts) * 1e3 if ts else 0.0 for ts in by_phase],
     )

@@ -74,6 +74,7 @@ def test_traffic_every_policy_and_workload(paper_run):
             # measured fields are present as numbers (their values are timings: not asserted)
             assert all(isinstance(r[key], float) for key in ("mean_tpot_ms", "mean_latency_s", "throughput_tok_s"))
             assert len(r["repeat_mean_tpot_ms"]) == 2  # --repeats 2 (which run is kept: the test below)
+            assert len(r["phase_mean_tpot_ms"]) == len(w["phases"]) and 0 < r["prefill_step_share"] <= 1
             assert sum(r["k_per_step"].values()) > 0
             assert all(int(k) <= 2 for k in r["k_per_step"])
             if r["policy"].startswith("k="):
@@ -82,8 +83,10 @@ def test_traffic_every_policy_and_workload(paper_run):
                 assert len(r["steps"]) == sum(r["k_per_step"].values())
         assert w["best_fixed"]["policy"] in POLICIES[:3]
         assert set(w["gaps"]) == {"table", "adaptive"} and min(r["gap_vs_best_fixed"] for r in w["runs"][:3]) == 0
+    assert workloads[0]["phase_oracle"] is None and len(workloads[2]["phase_oracle"]["policies"]) == 3
     goals = result["goals"]
     assert [g["workload"] for g in goals][1:] == ["phased"] and all(isinstance(g["met"], bool) for g in goals)
+    assert goals[1]["phase_oracle_gap"] == workloads[2]["phase_oracle"]["gap_vs_best_fixed"] <= 0
 
 
 def test_plots_are_png_files(paper_run):
@@ -170,3 +173,38 @@ def test_repeats_rotate_the_policy_order_and_keep_each_policys_median_run(monkey
     assert {p: r["mean_tpot_ms"] for p, r in runs.items()} == {"k=1": 20.0, "k=2": 6.0, "adaptive": 4.0}
     assert runs["adaptive"]["repeat_mean_tpot_ms"] == [9.0, 3.0, 4.0]
     assert result["best_fixed"]["policy"] == "k=2" and result["gaps"]["adaptive"] == pytest.approx(4.0 / 6.0 - 1)
+
+
+def test_the_phase_oracle_takes_each_phases_best_fixed_k(monkeypatch):
+    """Per phase, the fixed k whose requests of that phase were fastest (fixed numbers, no timing)."""
+    import argparse
+
+    from cluster.bench import paper
+    from cluster.bench.paper_traffic import RunResult
+
+    per_phase = {"k=1": [10.0, 30.0, 10.0], "k=2": [14.0, 20.0, 14.0], "adaptive": [12.0, 21.0, 12.0]}
+    workload = phased_workload(1.0, 5.0, 8, 0)  # 2, 4 and 2 requests
+    weights = [p.num_requests for p in workload.phases]
+
+    def fake_run(engine, workload, prompt_ids, output_len, policy):
+        phases = per_phase[policy]
+        return RunResult(policy=policy, workload=workload.name, num_requests=8, output_tokens=8, duration_s=1.0,
+                         mean_tpot_ms=sum(w * t for w, t in zip(weights, phases)) / 8, mean_latency_s=1.0,
+                         mean_ttft_s=0.1, throughput_tok_s=1.0, mean_batch_size=1.0, mean_k=0.0, k_per_step={},
+                         acceptance_rate=None, phase_mean_tpot_ms=phases)
+
+    class Progress:
+        def update(self, *args, **kwargs):
+            pass
+
+        advance = update
+
+    monkeypatch.setattr(paper, "run_open_loop", fake_run)
+    monkeypatch.setattr(paper, "_controller", lambda policy, profile, max_k: None)
+    args = argparse.Namespace(repeats=1, max_k=2, output_len=1)
+    result = paper._serve(type("E", (), {})(), workload, list(per_phase), None, [], args, Progress(), 0)
+    assert result["best_fixed"]["policy"] == "k=2"  # 17 ms against k=1's 20
+    oracle = result["phase_oracle"]
+    assert oracle["policies"] == ["k=1", "k=2", "k=1"]  # the adaptive run is not a fixed k
+    assert oracle["mean_tpot_ms"] == pytest.approx((2 * 10 + 4 * 20 + 2 * 10) / 8)
+    assert oracle["gap_vs_best_fixed"] == pytest.approx(15 / 17 - 1)
