@@ -54,23 +54,58 @@ inline void tile_fma(const float* x, const W* tile, int64_t K, float* out) {
 
 #if defined(__AVX512BF16__)
 constexpr bool kHasDpbf16 = true;
+
+// A vector's lane sum in one fixed order: the four 128-bit blocks first, (B0 + B2) + (B1 + B3)
+// at each of the four positions, then the positions, (s0 + s2) + (s1 + s3). Written out here
+// (not _mm512_reduce_add_ps, whose order is the compiler's) so lane_sums16 can match it.
+inline float lane_sum(__m512 v) {
+  const __m256 halves = _mm256_add_ps(_mm512_castps512_ps256(v),
+                                      _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)));
+  const __m128 s = _mm_add_ps(_mm256_castps256_ps128(halves), _mm256_extractf128_ps(halves, 1));
+  const __m128 pairs = _mm_add_ps(s, _mm_movehl_ps(s, s));  // [s0 + s2, s1 + s3, ...]
+  return _mm_cvtss_f32(_mm_add_ss(pairs, _mm_movehdup_ps(pairs)));
+}
+
+// The lane sums of 16 vectors at once, each added in lane_sum's order (so a row's result
+// is the same bits whether it was reduced alone or beside 15 others): blocks across pairs
+// of vectors, then positions within blocks, by transposing shuffles. Vector i's sum lands
+// in lane 4 * (i % 4) + i / 4.
+inline __m512 lane_sums16(const __m512 v[16]) {
+  __m512 w[8], x[4], y[2];
+  for (int i = 0; i < 8; ++i)  // [a.B0 + a.B2, a.B1 + a.B3, b.B0 + b.B2, b.B1 + b.B3]
+    w[i] = _mm512_add_ps(_mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                         _mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+  for (int i = 0; i < 4; ++i)  // block j: the four position sums s0..s3 of v[4i + j]
+    x[i] = _mm512_add_ps(_mm512_shuffle_f32x4(w[2 * i], w[2 * i + 1], _MM_SHUFFLE(2, 0, 2, 0)),
+                         _mm512_shuffle_f32x4(w[2 * i], w[2 * i + 1], _MM_SHUFFLE(3, 1, 3, 1)));
+  for (int i = 0; i < 2; ++i)  // block j: [s0 + s2, s0 + s2, s1 + s3, s1 + s3] of two vectors
+    y[i] = _mm512_add_ps(_mm512_unpacklo_ps(x[2 * i], x[2 * i + 1]), _mm512_unpackhi_ps(x[2 * i], x[2 * i + 1]));
+  return _mm512_add_ps(_mm512_shuffle_ps(y[0], y[1], _MM_SHUFFLE(1, 0, 1, 0)),
+                       _mm512_shuffle_ps(y[0], y[1], _MM_SHUFFLE(3, 2, 3, 2)));
+}
+
 // bfloat16 x and W: one instruction multiplies 32 pairs into 16 float32 lanes.
 template <int M>
 inline void tile_dpbf16(const at::BFloat16* x, const at::BFloat16* tile, int64_t K, float* out) {
+  static_assert(kTileRows * M <= 16, "lane_sums16 reduces at most 16 accumulators");
   constexpr int C = chunk_elems<at::BFloat16>();  // 32: one instruction's pairs
-  __m512 acc[kTileRows][M];
-  for (int r = 0; r < kTileRows; ++r)
-    for (int m = 0; m < M; ++m) acc[r][m] = _mm512_setzero_ps();
+  __m512 acc[16];
+  for (int i = 0; i < 16; ++i) acc[i] = _mm512_setzero_ps();
   for (int64_t k = 0; k < K; k += C, tile += kTileRows * C) {
     __m512bh wv[kTileRows];
     for (int r = 0; r < kTileRows; ++r) wv[r] = (__m512bh)_mm512_loadu_si512(tile + r * C);
     for (int m = 0; m < M; ++m) {
       __m512bh xv = (__m512bh)_mm512_loadu_si512(x + m * K + k);
-      for (int r = 0; r < kTileRows; ++r) acc[r][m] = _mm512_dpbf16_ps(acc[r][m], wv[r], xv);
+      for (int r = 0; r < kTileRows; ++r) acc[r * M + m] = _mm512_dpbf16_ps(acc[r * M + m], wv[r], xv);
     }
   }
-  for (int r = 0; r < kTileRows; ++r)
-    for (int m = 0; m < M; ++m) out[r * M + m] = _mm512_reduce_add_ps(acc[r][m]);
+  if constexpr (M == 1) {  // 4 sums: one by one is cheaper than a 16-wide transpose
+    for (int i = 0; i < kTileRows; ++i) out[i] = lane_sum(acc[i]);
+  } else {
+    alignas(64) float sums[16];
+    _mm512_store_ps(sums, lane_sums16(acc));
+    for (int i = 0; i < kTileRows * M; ++i) out[i] = sums[4 * (i % 4) + i / 4];
+  }
 }
 #else
 constexpr bool kHasDpbf16 = false;

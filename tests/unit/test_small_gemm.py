@@ -44,6 +44,21 @@ def test_every_row_count_and_a_partial_tile_match_float64(kernel, weight_dtype, 
             assert (error <= _bound(x, weight, x_dtype) + 1e-6).all(), (rows, out_features, error.max())
 
 
+@pytest.mark.parametrize("weight_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("x_dtype", [torch.float32, torch.bfloat16])
+def test_a_row_gets_the_same_bits_whatever_the_row_count(kernel, weight_dtype, x_dtype):
+    # What keeps speculation's greedy output exact at batch 1 (and model.batch_invariant exact
+    # everywhere): a verified row's logits equal the ones plain decoding computed alone.
+    gen = torch.Generator().manual_seed(1)
+    weight = torch.randn(37, 576, generator=gen).to(weight_dtype)
+    packed = kernel.pack(weight)
+    x = torch.randn(64, 576, generator=gen).to(x_dtype)
+    together = kernel.linear(x, packed, 37, None)
+    for rows in (1, 2, 3, 5, 8, 13):
+        assert torch.equal(kernel.linear(x[:rows].contiguous(), packed, 37, None), together[:rows]), rows
+    assert torch.equal(kernel.linear(x[50:51].contiguous(), packed, 37, None), together[50:51])
+
+
 def test_no_bias_and_the_pack_pads_rows_with_zeros(kernel):
     weight = torch.randn(6, 32)
     packed = kernel.pack(weight)
