@@ -84,16 +84,19 @@ class SimAdaptiveController(AdaptiveController):
         self._prior_xtx_sums = self._prior_xtx.ravel().tolist()  # [16]
         self._prior_xty_sums = self._prior_xty.tolist()  # [4]
 
-    def observe_arrays(self, batch_size: int, k: int, seconds: float, accepted: np.ndarray | None) -> None:
-        """``observe(StepObservation(batch_size, k, seconds, drafts))`` where request i drafted
-        k tokens and accepted the first ``accepted[i].sum()`` (``accepted``: # [n, k], 1 on
-        the accepted prefix of the drafts, 0 after it)."""
+    def observe_arrays(self, batch_size: int, k: int, seconds: float, accepted: np.ndarray | None,
+                       num_drafted: float | None = None) -> None:
+        """``observe(StepObservation(batch_size, k, seconds, drafts, num_drafted))`` where request
+        i was asked for k draft tokens and accepted the first ``accepted[i].sum()``
+        (``accepted``: # [n, k], 1 on the accepted prefix, 0 after it) and the step verified
+        ``num_drafted`` draft tokens (None: every request all k). Coverage is not learnt
+        here: the simulator draws acceptance per position asked for, not proposals."""
         if accepted is not None and k > 0 and len(accepted):
             self._update_acceptance(accepted)
         if batch_size < 1 or seconds <= 0:
             return
         x = (1.0, float(batch_size), float(k), float(k * batch_size))  # _step_features
-        y = seconds - self._c2 * (batch_size * k)  # every request drafts all k here
+        y = seconds - self._c2 * (batch_size * k if num_drafted is None else num_drafted)
         f = self.forgetting
         self._xtx_sums = [f * s + xi * xj for s, (xi, xj) in zip(self._xtx_sums, product(x, repeat=2))]
         self._xty_sums = [f * s + xi * y for s, xi in zip(self._xty_sums, x)]
@@ -127,14 +130,17 @@ class SimAdaptiveController(AdaptiveController):
 
 
 def build_controller(name: str, prior: LatencyModel, acceptance: list[float], max_k: int, max_num_seqs: int,
-                     profile_table: dict[int, int] | None = None, hysteresis: float = 0.05) -> SpeculationController:
+                     profile_table: dict[int, int] | None = None, hysteresis: float = 0.05,
+                     coverage: list[float] | None = None) -> SpeculationController:
     """``name`` is ``adaptive``, ``table`` or ``fixed:K``. The table is the profile's when
-    given (capped at ``max_k``, as the factory does), else solved from ``prior``."""
+    given (capped at ``max_k``, as the factory does), else solved from ``prior`` (with
+    ``coverage``: n-gram lookup's share of positions proposed, None for full drafts)."""
     policy, k = parse_controller(name)
     if policy == "fixed":
         return FixedController(k)
     if policy == "table":
         if profile_table:
             return TableController({b: min(best, max_k) for b, best in profile_table.items()})
-        return TableController({b: prior.best_k(b, acceptance, max_k) for b in power_of_two_sizes(max_num_seqs)})
-    return SimAdaptiveController(prior, acceptance, max_k, hysteresis=hysteresis)
+        return TableController({b: prior.best_k(b, acceptance, max_k, coverage)
+                                for b in power_of_two_sizes(max_num_seqs)})
+    return SimAdaptiveController(prior, acceptance, max_k, hysteresis=hysteresis, coverage=coverage)

@@ -5,9 +5,12 @@ chunks of ``num_prefill_tokens`` tokens from ``num_prefill_requests`` requests. 
 extends the profile's linear model (:mod:`cluster.spec.latency_model`) to prefill
 tokens, which cost what verified tokens cost (the same matrix products)::
 
-    T = c0 + c1 (b + p) + c2 (b (k + 1) + P) + k (d0 + d1 b)      (k = 0 when b = 0)
+    T = c0 + c1 (b + p) + c2 (b (1 + D(k)) + P) + k (d0 + d1 b)      (k = 0 when b = 0)
 
-with b = num_decode, p = num_prefill_requests and P = num_prefill_tokens.
+with b = num_decode, p = num_prefill_requests, P = num_prefill_tokens and D(k) the draft
+tokens a request carries into the verifying pass: k for a draft model, the sum of the
+profile's first k coverages for n-gram lookup (which often proposes fewer than asked;
+:func:`cluster.spec.latency_model.expected_drafted`), in expectation.
 
 Derived models, for GPU kinds nobody measured here (labelled ``derived`` everywhere):
 
@@ -30,7 +33,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from cluster.config import ConfigError, _format_errors
 from cluster.sim.config import GroupConfig, ModelFigures, SimConfig
-from cluster.spec.latency_model import LatencyModel
+from cluster.spec.latency_model import LatencyModel, expected_drafted
 from cluster.spec.profile_data import SpeculationProfile
 
 
@@ -73,11 +76,12 @@ class StepModel:
     """True step times of one replica group, and where they come from."""
 
     latency: LatencyModel
-    acceptance: tuple[float, ...]  # per draft position, conditional on the previous accepted
+    acceptance: tuple[float, ...]  # per draft position asked for, given the previous accepted (effective)
     kv_capacity_tokens: int
     source: str  # "measured: <profile>" or "derived: <device source>"
     price_per_hour: float
     max_k: int
+    coverage: tuple[float, ...] | None = None  # per position asked for, the share proposed (None: all)
 
     @property
     def derived(self) -> bool:
@@ -87,11 +91,17 @@ class StepModel:
     def prefill_seconds_per_token(self) -> float:
         return self.latency.target_coef[2]
 
+    def drafted_per_request(self, k: int) -> float:
+        """D(k): draft tokens a decoding request carries into the verifying pass, in expectation."""
+        return expected_drafted(None if self.coverage is None else list(self.coverage), k)
+
     def step_seconds(self, num_decode: int, k: int, num_prefill_tokens: int, num_prefill_requests: int) -> float:
         c0, c1, c2 = self.latency.target_coef
         if num_decode == 0:
             k = 0
-        seconds = c0 + c1 * (num_decode + num_prefill_requests) + c2 * (num_decode * (k + 1) + num_prefill_tokens)
+        drafted = self.drafted_per_request(k) if k else 0.0
+        seconds = (c0 + c1 * (num_decode + num_prefill_requests)
+                   + c2 * (num_decode * (1 + drafted) + num_prefill_tokens))
         if k:
             d0, d1 = self.latency.draft_coef
             seconds += k * (d0 + d1 * num_decode)
@@ -140,8 +150,9 @@ def group_step_model(config: SimConfig, group: GroupConfig, table: DeviceTable) 
         profile = SpeculationProfile.load(group.profile)
         capacity = group.kv_capacity_tokens or group.max_num_seqs * 4096
         acceptance = group.acceptance if group.acceptance is not None else profile.acceptance
+        coverage = tuple(profile.coverage) if profile.coverage is not None else None
         return StepModel(profile.latency_model, tuple(acceptance), capacity,
-                         f"measured: {Path(group.profile).name}", price, max_k)
+                         f"measured: {Path(group.profile).name}", price, max_k, coverage)
     if figures is None:
         raise ConfigError(f"groups[{group.name}].device: {group.device!r} is not in the device table "
                           f"({', '.join(table.devices)}) and the group has no profile")
@@ -151,13 +162,14 @@ def group_step_model(config: SimConfig, group: GroupConfig, table: DeviceTable) 
     return StepModel(model, tuple(acceptance), capacity, f"derived: {figures.source}", price, max_k)
 
 
-def controller_prior(group: GroupConfig, truth: StepModel) -> tuple[LatencyModel, list[float]]:
-    """What a replica's controller and router start from: ``controller_profile`` when set
-    (a profile measured elsewhere, as the real replicas may be given), else the truth."""
+def controller_prior(group: GroupConfig, truth: StepModel) -> tuple[LatencyModel, list[float], list[float] | None]:
+    """What a replica's controller and router start from (step model, acceptance, coverage):
+    ``controller_profile`` when set (a profile measured elsewhere, as the real replicas may
+    be given), else the truth."""
     if group.controller_profile is None:
-        return truth.latency, list(truth.acceptance)
+        return truth.latency, list(truth.acceptance), None if truth.coverage is None else list(truth.coverage)
     profile = SpeculationProfile.load(group.controller_profile)
-    return profile.latency_model, list(profile.acceptance)
+    return profile.latency_model, list(profile.acceptance), profile.coverage
 
 
 def peak_requests_per_s(model: StepModel, max_num_seqs: int, mean_prompt: float, mean_output: float,

@@ -94,16 +94,16 @@ class Simulation:
 
     # ---- replicas -----------------------------------------------------------------------
     def _prior(self, group: GroupRuntime):
-        prior, acceptance = controller_prior(group.config, group.model)
+        prior, acceptance, coverage = controller_prior(group.config, group.model)
         table = None
         if group.config.controller_profile:
             table = SpeculationProfile.load(group.config.controller_profile).table
-        return prior, acceptance, table
+        return prior, acceptance, coverage, table
 
     def _new_replica(self, group: GroupRuntime, now: float, ready_s: float) -> ReplicaLife:
-        prior, acceptance, table = self._priors[group.config.name]
+        prior, acceptance, coverage, table = self._priors[group.config.name]
         controller = build_controller(self.controller_name, prior, acceptance, self.config.scheduling.max_k,
-                                      group.config.max_num_seqs, table)
+                                      group.config.max_num_seqs, table, coverage=coverage)
         tracker = StepTimeTracker(prior)  # the group's profile whatever the controller, as AsyncEngine builds it
         index = len(self.replicas)
         replica = SimReplica(f"{group.config.name}-{index}", group.config.name, group.config.device, group.model,

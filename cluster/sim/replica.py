@@ -253,14 +253,17 @@ class SimReplica:
         self.tracker.observe(num_seqs, plan.k, num_prefill_tokens, plan.seconds)
         if plan.prefill_slots or not len(plan.decode_slots):
             return  # steps with prefill chunks are not what the latency model describes
+        num_decode = len(plan.decode_slots)
+        drafted = num_decode * self.model.drafted_per_request(plan.k) if self.model.coverage is not None else None
         fast = getattr(self.controller, "observe_arrays", None)
         if fast is not None:
-            fast(len(plan.decode_slots), plan.k, plan.seconds, accepted)
+            fast(num_decode, plan.k, plan.seconds, accepted, drafted)
             return
         observe = getattr(self.controller, "observe", None)
         if observe is not None:
             drafts = [(plan.k, plan.k, a) for a in accepted.sum(axis=1).tolist()] if accepted is not None else []
-            observe(StepObservation(len(plan.decode_slots), plan.k, plan.seconds, drafts))
+            observe(StepObservation(num_decode, plan.k, plan.seconds, drafts,
+                                    None if drafted is None else round(drafted)))
 
     # ---- what the router sees -------------------------------------------------------
     def stats(self, now: float) -> ReplicaStats:

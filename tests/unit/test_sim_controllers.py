@@ -48,3 +48,31 @@ def test_build_controller(name, kind):
     controller = build_controller(name, PRIOR, [0.8], max_k=4, max_num_seqs=32)
     assert isinstance(controller, kind)
     assert 0 <= controller.choose_k(BatchState(8, 0)) <= 4
+
+
+def test_the_refit_takes_off_the_draft_tokens_the_step_really_verified():
+    # n-gram lookup proposes fewer than k: told the step's drafted count, the simulator's refit
+    # is the engine's, to the last bit, and so is the choice that follows.
+    real = AdaptiveController(PRIOR, [0.5], max_k=6, coverage=[0.6, 0.4])
+    sim = SimAdaptiveController(PRIOR, [0.5], max_k=6, coverage=[0.6, 0.4])
+    rng = np.random.default_rng(2)
+    for step in range(300):
+        state = BatchState(int(rng.integers(1, 64)), 0)
+        k = real.choose_k(state)
+        assert sim.choose_k(state) == k, f"step {step}"
+        drafted = int(rng.integers(0, state.num_running * k + 1))
+        seconds = PRIOR.step_time(state.num_running, k) * rng.uniform(0.8, 1.6)
+        real.observe(StepObservation(state.num_running, k, seconds, [], drafted))
+        sim.observe_arrays(state.num_running, k, seconds, None, drafted)
+        assert sim.model.target_coef == real.model.target_coef and sim.model.draft_coef == real.model.draft_coef
+
+
+def test_build_controller_passes_coverage_to_the_table_and_adaptive():
+    model = LatencyModel([0.01, 0.0, 0.002], [0.0, 0.0])  # verified tokens cost; drafting is free
+    table = build_controller("table", model, [0.6], max_k=6, max_num_seqs=4, coverage=[0.3])
+    full = build_controller("table", model, [0.6], max_k=6, max_num_seqs=4)
+    assert table.table == {b: model.best_k(b, [0.6], 6, [0.3]) for b in (1, 2, 4)}
+    assert full.table == {b: model.best_k(b, [0.6], 6) for b in (1, 2, 4)}
+    assert table.table != full.table  # cheaper verification: deeper k ({1: 4, 2: 3, 4: 3} against {1: 2, 2: 2, 4: 1})
+    adaptive = build_controller("adaptive", model, [0.6], max_k=6, max_num_seqs=4, coverage=[0.3])
+    assert adaptive.coverage == [0.3] * 6

@@ -99,3 +99,35 @@ def test_the_routers_tokens_per_step_match_what_the_replica_decodes():
     measured = (replica.num_output_tokens - 1) / decode_steps
     assert expected_tokens_per_step(stats.acceptance, 3) == pytest.approx(measured, rel=0.01)
     assert measured == pytest.approx(1 + 0.9 + 0.9 * 0.6 + 0.9 * 0.6 * 0.3, rel=0.05)
+
+
+def test_partial_drafts_make_the_verifying_step_cheaper():
+    import dataclasses
+
+    from cluster.sim.device_model import StepModel
+    from cluster.spec.latency_model import LatencyModel
+
+    full = StepModel(LatencyModel([0.01, 0.001, 0.0005], [0.0, 0.0]), (0.5,), 10**6, "measured: by hand", 1.0, 8)
+    partial = dataclasses.replace(full, coverage=(0.5, 0.5, 0.25))  # n-gram lookup: half, half, a quarter
+    assert full.step_seconds(4, 3, 0, 0) == pytest.approx(0.01 + 4 * 0.001 + 0.0005 * 4 * (1 + 3))
+    assert partial.step_seconds(4, 3, 0, 0) == pytest.approx(0.01 + 4 * 0.001 + 0.0005 * 4 * (1 + 1.25))
+    # positions past the list reuse its last value; no decoding request, no drafts
+    assert partial.step_seconds(4, 5, 0, 0) == pytest.approx(0.01 + 4 * 0.001 + 0.0005 * 4 * (1 + 1.75))
+    assert partial.step_seconds(0, 3, 100, 1) == full.step_seconds(0, 3, 100, 1)
+
+
+def test_a_measured_groups_coverage_reaches_its_step_model_and_controller():
+    from pathlib import Path
+
+    from cluster.sim.device_model import DeviceTable, controller_prior, group_step_model
+    from cluster.spec.profile_data import SpeculationProfile
+
+    path = Path(__file__).resolve().parents[2] / "configs" / "profiles" / "cpu-2core-avx512-smollm2-135m-ngram-bf16.json"
+    profile = SpeculationProfile.load(path)
+    assert profile.coverage is not None and min(profile.coverage) < 1
+    config = one_replica(profile=str(path))
+    group = config.groups[0]
+    model = group_step_model(config, group, DeviceTable.load(config.devices))
+    assert model.coverage == tuple(profile.coverage)
+    assert model.drafted_per_request(2) == pytest.approx(profile.coverage[0] + profile.coverage[1])
+    assert controller_prior(group, model)[2] == list(profile.coverage)
