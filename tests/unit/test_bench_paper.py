@@ -139,11 +139,26 @@ def test_workload_acceptance_replaces_the_calibration_one_and_resolves_the_table
     assert updated.table != profile.table and profile.acceptance == calibration and profile.coverage is None
 
 
-def test_repeats_rotate_the_policy_order_and_keep_each_policys_median_run(monkeypatch):
-    """``_serve`` with the traffic runs replaced by fixed numbers (no timing involved)."""
+def _serve_with_fake_runs(monkeypatch, fake_run, workload, policies, repeats):
+    """``paper._serve`` with every traffic run replaced by ``fake_run`` (no engine, no timing)."""
     import argparse
 
     from cluster.bench import paper
+
+    class Progress:
+        def update(self, *args, **kwargs):
+            pass
+
+        advance = update
+
+    monkeypatch.setattr(paper, "run_open_loop", fake_run)
+    monkeypatch.setattr(paper, "_controller", lambda policy, profile, max_k: None)
+    args = argparse.Namespace(repeats=repeats, max_k=2, output_len=1)
+    return paper._serve(type("E", (), {})(), workload, policies, None, [], args, Progress(), 0)
+
+
+def test_repeats_rotate_the_policy_order_and_keep_each_policys_median_run(monkeypatch):
+    """``_serve`` with the traffic runs replaced by fixed numbers (no timing involved)."""
     from cluster.bench.paper_traffic import RunResult
 
     tpot = {"k=1": [30.0, 10.0, 20.0], "k=2": [5.0, 6.0, 7.0], "adaptive": [9.0, 3.0, 4.0]}
@@ -156,17 +171,7 @@ def test_repeats_rotate_the_policy_order_and_keep_each_policys_median_run(monkey
                          mean_tpot_ms=value, mean_latency_s=1.0, mean_ttft_s=0.1, throughput_tok_s=1.0,
                          mean_batch_size=1.0, mean_k=0.0, k_per_step={}, acceptance_rate=None)
 
-    class Progress:
-        def update(self, *args, **kwargs):
-            pass
-
-        advance = update
-
-    monkeypatch.setattr(paper, "run_open_loop", fake_run)
-    monkeypatch.setattr(paper, "_controller", lambda policy, profile, max_k: None)
-    args = argparse.Namespace(repeats=3, max_k=2, output_len=1)
-    result = paper._serve(type("E", (), {})(), uniform_workload(1.0, 1, 0), list(tpot), None, [], args,
-                          Progress(), 0)
+    result = _serve_with_fake_runs(monkeypatch, fake_run, uniform_workload(1.0, 1, 0), list(tpot), repeats=3)
     # Rounds start at policy 0, 1 and 2 (3 policies spread over 3 rounds).
     assert calls == ["k=1", "k=2", "adaptive", "k=2", "adaptive", "k=1", "adaptive", "k=1", "k=2"]
     runs = {r["policy"]: r for r in result["runs"]}
@@ -177,9 +182,6 @@ def test_repeats_rotate_the_policy_order_and_keep_each_policys_median_run(monkey
 
 def test_the_phase_oracle_takes_each_phases_best_fixed_k(monkeypatch):
     """Per phase, the fixed k whose requests of that phase were fastest (fixed numbers, no timing)."""
-    import argparse
-
-    from cluster.bench import paper
     from cluster.bench.paper_traffic import RunResult
 
     per_phase = {"k=1": [10.0, 30.0, 10.0], "k=2": [14.0, 20.0, 14.0], "adaptive": [12.0, 21.0, 12.0]}
@@ -193,16 +195,7 @@ def test_the_phase_oracle_takes_each_phases_best_fixed_k(monkeypatch):
                          mean_ttft_s=0.1, throughput_tok_s=1.0, mean_batch_size=1.0, mean_k=0.0, k_per_step={},
                          acceptance_rate=None, phase_mean_tpot_ms=phases)
 
-    class Progress:
-        def update(self, *args, **kwargs):
-            pass
-
-        advance = update
-
-    monkeypatch.setattr(paper, "run_open_loop", fake_run)
-    monkeypatch.setattr(paper, "_controller", lambda policy, profile, max_k: None)
-    args = argparse.Namespace(repeats=1, max_k=2, output_len=1)
-    result = paper._serve(type("E", (), {})(), workload, list(per_phase), None, [], args, Progress(), 0)
+    result = _serve_with_fake_runs(monkeypatch, fake_run, workload, list(per_phase), repeats=1)
     assert result["best_fixed"]["policy"] == "k=2"  # 17 ms against k=1's 20
     oracle = result["phase_oracle"]
     assert oracle["policies"] == ["k=1", "k=2", "k=1"]  # the adaptive run is not a fixed k
