@@ -7,7 +7,9 @@ rewrite / summarize / proofread / continue a passage given in the prompt, where 
 lookup is natural) closed-loop at concurrency = batch size: a finished request is replaced
 at once by the next prompt. Greedy, ``output_len`` tokens, EOS ignored, prefix caching off
 (so every cell prefills the same prompts cold). Each cell first runs an untimed warm-up of
-``batch size`` requests x ``WARMUP_LEN`` tokens at its own ``k``.
+``batch size`` requests x ``WARMUP_LEN`` tokens at its own ``k``. ``--repeats N`` measures
+every k of a batch size N times in rounds, each round starting at another k (so on a
+machine whose speed drifts no k is always measured first), and pools a cell's rounds.
 
 Per cell: output tok/s (all output tokens / wall time, prefill included), TPOT per request
 as vLLM defines it ((last token time - first token time) / (output tokens - 1)), averaged
@@ -64,6 +66,13 @@ class SpecCounts:
         return cls(stats.num_drafts, stats.num_draft_tokens, stats.num_accepted_tokens,
                    tuple(stats.accepted_per_position))
 
+    def plus(self, other: SpecCounts) -> SpecCounts:
+        width = max(len(self.accepted_per_position), len(other.accepted_per_position))
+        pad = lambda c: c.accepted_per_position + (0,) * (width - len(c.accepted_per_position))  # noqa: E731
+        return SpecCounts(self.num_drafts + other.num_drafts, self.num_draft_tokens + other.num_draft_tokens,
+                          self.num_accepted_tokens + other.num_accepted_tokens,
+                          tuple(a + b for a, b in zip(pad(self), pad(other))))
+
     def minus(self, earlier: SpecCounts) -> SpecCounts:
         width = len(self.accepted_per_position)
         old = earlier.accepted_per_position + (0,) * (width - len(earlier.accepted_per_position))
@@ -94,6 +103,7 @@ class SpecCell:
     mean_acceptance_length: float | None = None
     accepted_per_position: list[int] = field(default_factory=list)
     greedy_identical_to_k0: int | None = None  # requests whose tokens equal k = 0's at this batch size
+    repeat_tok_per_s: list[float] = field(default_factory=list)  # each round's tok/s (--repeats)
 
 
 def make_cell(system: str, method: str, batch_size: int, k: int, output_len: int,
@@ -145,6 +155,8 @@ def add_spec_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--threads", type=_positive_int, help="torch.set_num_threads (default: torch's choice)")
     parser.add_argument("--kv-cache-memory", default="1GiB", help="Tandem's KV cache budget")
     parser.add_argument("--kv-cache-dtype", choices=("auto", "int8"), default="auto")
+    parser.add_argument("--repeats", type=_positive_int, default=1,
+                        help="rounds over every k per batch size, each starting at another k; a cell pools its rounds")
     parser.add_argument("--batch-invariant", choices=("off", "on", "both"), default="off",
                         help="model.batch_invariant for Tandem's engine; both: measure each cell with it off and on")
     parser.add_argument("--vllm", action="store_true", help="also measure vLLM's CPU server (n-gram) as a peer")
@@ -213,24 +225,34 @@ def _measure_tandem(args, source, prompt_ids, progress, task, batch_invariant: b
               batch_invariant=batch_invariant, **quant)
     engine = llm.engine
     cells = []
+    ks = sorted(args.ks)
     for batch_size in args.batch_sizes:
-        plain: dict[int, list[int]] | None = None  # k = 0's outputs at this batch size
-        for k in sorted(args.ks):
-            progress.update(task, description=f"{system} batch {batch_size}, k={k}")
-            engine.controller = FixedController(k)
-            run_closed_loop(engine, prompt_ids[:batch_size], min(WARMUP_LEN, args.output_len), batch_size)
-            before = SpecCounts.of(engine.stats().spec)
-            outputs: dict[int, list[int]] = {}
-            timings, seconds = run_closed_loop(engine, prompt_ids, args.output_len, batch_size, outputs)
-            counts = SpecCounts.of(engine.stats().spec).minus(before)
-            cell = make_cell(system, args.method, batch_size, k, args.output_len, timings, seconds, counts)
-            if k == 0:
-                plain = outputs
+        rounds: dict[int, list[tuple]] = {k: [] for k in ks}  # per k, each round's (timings, seconds, counts, outputs)
+        for round_ in range(args.repeats):
+            shift = round_ * len(ks) // args.repeats  # each round starts at another k
+            for k in ks[shift:] + ks[:shift]:
+                progress.update(task, description=f"{system} batch {batch_size}, k={k}"
+                                + (f" (round {round_ + 1})" if args.repeats > 1 else ""))
+                engine.controller = FixedController(k)
+                run_closed_loop(engine, prompt_ids[:batch_size], min(WARMUP_LEN, args.output_len), batch_size)
+                before = SpecCounts.of(engine.stats().spec)
+                outputs: dict[int, list[int]] = {}
+                timings, seconds = run_closed_loop(engine, prompt_ids, args.output_len, batch_size, outputs)
+                rounds[k].append((timings, seconds, SpecCounts.of(engine.stats().spec).minus(before), outputs))
+                progress.advance(task)
+        plain = rounds[0][-1][3] if 0 in rounds else None  # k = 0's outputs at this batch size
+        for k in ks:
+            runs = rounds[k]
+            counts = runs[0][2]
+            for run in runs[1:]:
+                counts = counts.plus(run[2])
+            cell = make_cell(system, args.method, batch_size, k, args.output_len, [t for r in runs for t in r[0]],
+                             sum(r[1] for r in runs), counts)
+            cell = dataclasses.replace(cell, repeat_tok_per_s=[sum(t.output_tokens for t in r[0]) / r[1] for r in runs])
             if plain is not None:
-                same = sum(outputs[i] == plain[i] for i in plain)
-                cell = dataclasses.replace(cell, greedy_identical_to_k0=same)
+                outputs = runs[-1][3]
+                cell = dataclasses.replace(cell, greedy_identical_to_k0=sum(outputs[i] == plain[i] for i in plain))
             cells.append(cell)
-            progress.advance(task)
     del llm, engine
     gc.collect()
     return cells
@@ -259,7 +281,8 @@ def run_spec_bench(args: argparse.Namespace) -> dict:
     num_vllm = len(args.vllm_ks) * len(args.batch_sizes) if args.vllm else 0
     modes = {"off": [False], "on": [True], "both": [False, True]}[args.batch_invariant]
     with Progress(console=console) as progress:
-        task = progress.add_task("loading", total=len(modes) * len(args.ks) * len(args.batch_sizes) + num_vllm)
+        task = progress.add_task("loading", total=len(modes) * len(args.ks) * len(args.batch_sizes) * args.repeats
+                                 + num_vllm)
         cells = [c for invariant in modes for c in _measure_tandem(args, source, prompt_ids, progress, task, invariant)]
         if args.vllm:
             vllm = measure_vllm(args, prompt_ids, console, progress, task)
@@ -304,7 +327,8 @@ def _report(args, source, load_average, prompt_ids, prompt_format, cells, vllm) 
                      "sampling": "greedy, ignore_eos", "concurrency": "closed loop, = batch size",
                      "tpot": "per request (last token time - first token time) / (output tokens - 1), mean",
                      "quantization": args.quantization, "draft_quantization": args.draft_quantization,
-                     "kv_cache_dtype": args.kv_cache_dtype, "batch_invariant": args.batch_invariant},
+                     "kv_cache_dtype": args.kv_cache_dtype, "batch_invariant": args.batch_invariant,
+                     "repeats": args.repeats},
         "tandem": {"mode": "offline, in-process engine", "batch_invariant": not usual,
                    "cells": _with_speedups(usual or invariant)},
         "tandem_batch_invariant": {"mode": "offline, in-process engine, model.batch_invariant",

@@ -152,3 +152,27 @@ def test_batch_invariant_both_measures_each_cell_twice_and_keeps_greedy_output(t
         assert row["invariant_over_usual"] == pytest.approx(i["tok_per_s"] / u["tok_per_s"])
         assert row["usual_greedy_identical_to_k0"] == u["greedy_identical_to_k0"]
     assert "What model.batch_invariant costs" in capsys.readouterr().out
+
+
+def test_repeats_pool_every_round_of_a_cell(tiny_folder, tmp_path):
+    out = tmp_path / "spec.json"
+    assert main(["bench", "spec", "--model", str(tiny_folder), "--batch-sizes", "2", "--ks", "0,3",
+                 "--output-len", "5", "--num-prompts", "4", "--repeats", "3", "--json", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert result["settings"]["repeats"] == 3
+    for cell in result["tandem"]["cells"]:
+        assert cell["num_requests"] == 3 * 4 and cell["output_tokens"] == 3 * 4 * 5
+        assert len(cell["repeat_tok_per_s"]) == 3 and all(r > 0 for r in cell["repeat_tok_per_s"])
+        # the pooled rate lies between the rounds' rates
+        assert min(cell["repeat_tok_per_s"]) <= cell["tok_per_s"] * (1 + 1e-9)
+        assert cell["tok_per_s"] <= max(cell["repeat_tok_per_s"]) * (1 + 1e-9)
+        assert cell["greedy_identical_to_k0"] == 4
+    drafted = result["tandem"]["cells"][1]
+    assert drafted["num_draft_tokens"] > 0 and sum(drafted["accepted_per_position"]) == drafted["num_accepted_tokens"]
+
+
+def test_spec_counts_add_up_across_positions():
+    a = SpecCounts(2, 5, 3, (2, 1))
+    b = SpecCounts(1, 4, 4, (1, 1, 1, 1))
+    assert a.plus(b) == SpecCounts(3, 9, 7, (3, 2, 1, 1))
+    assert a.plus(b).minus(b) == SpecCounts(2, 5, 3, (2, 1, 0, 0))
