@@ -41,7 +41,7 @@ class AsyncEngine:
             raise ValueError(f"step_time_scale must be >= 1, got {step_time_scale}")
         self.engine = engine
         self.step_time_scale = step_time_scale
-        self.step_times = StepTimeTracker(profile_step_model(engine.config))
+        self.step_times = StepTimeTracker(*profile_step_model(engine.config))
         self._queues: dict[str, asyncio.Queue] = {}
         self._pending_adds: list[Request] = []
         self._pending_aborts: list[str] = []

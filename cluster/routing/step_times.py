@@ -1,8 +1,9 @@
 """How long this replica's steps take, as the router needs it: a curve of seconds per
 decoding step against batch size at the current k, and seconds per prefill token.
 
-With a device profile (``LatencyModel``), the curve is the profile's prediction times a
-*speed factor*: the running mean of measured / predicted time over recent decode
+With a device profile (``LatencyModel``, and its n-gram coverage where it has one: a
+verifying pass carries the draft tokens lookup proposes, not k), the curve is the
+profile's prediction times a *speed factor*: the running mean of measured / predicted time over recent decode
 steps, so a device that is slower than profiled (a noisy neighbour, a throttled GPU,
 or the ``step_time_scale`` emulation) shows up within a few steps. Without a profile,
 the curve is a least-squares line ``seconds = a + c * batch_size`` through recent
@@ -30,8 +31,10 @@ _CURVE_BATCH_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 
 
 class StepTimeTracker:
-    def __init__(self, model: LatencyModel | None = None, window: int = 256, smoothing: float = 0.1) -> None:
+    def __init__(self, model: LatencyModel | None = None, coverage: list[float] | None = None, window: int = 256,
+                 smoothing: float = 0.1) -> None:
         self.model = model
+        self.coverage = coverage
         self.smoothing = smoothing
         self._decode_steps: deque[tuple[int, float]] = deque(maxlen=window)  # (batch size, seconds)
         self.speed_factor = 1.0
@@ -53,7 +56,7 @@ class StepTimeTracker:
         self._decode_steps.append((num_seqs, seconds))
         self._line = None
         if self.model is not None:
-            predicted = self.model.step_time(num_seqs, k)
+            predicted = self.model.step_time(num_seqs, k, self.coverage)
             if predicted > 0:
                 self.speed_factor = self._smooth(self.speed_factor, seconds / predicted, first=not self._seen_speed)
                 self._seen_speed = True
@@ -69,7 +72,7 @@ class StepTimeTracker:
         """Predicted seconds of a decoding step of ``batch_size`` at ``k``; None before
         there is a profile or a decode step to predict from."""
         if self.model is not None:
-            return self.model.step_time(batch_size, k) * self.speed_factor
+            return self.model.step_time(batch_size, k, self.coverage) * self.speed_factor
         if not self._decode_steps:
             return None
         if self._line is None:

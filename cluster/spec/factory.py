@@ -36,15 +36,17 @@ def build_speculation(config: TandemConfig, target_worker) -> tuple[Proposer | N
     return DraftModelProposer(draft.runner, target_worker.runner), controller
 
 
-def profile_step_model(config: TandemConfig) -> LatencyModel | None:
-    """The speculation profile's step-time model, whatever the controller (None without
-    speculation or without a profile): what shapes the step-time curve a replica publishes
-    for the router, so replicas that differ only in controller are routed alike."""
+def profile_step_model(config: TandemConfig) -> tuple[LatencyModel | None, list[float] | None]:
+    """The speculation profile's step-time model and coverage, whatever the controller
+    ((None, None) without speculation or without a profile): what shapes the step-time curve
+    a replica publishes for the router, so replicas that differ only in controller are
+    routed alike."""
     if config.speculative.method == "none" or not config.speculative.profile:
-        return None
+        return None, None
     from cluster.spec.profile_data import SpeculationProfile
 
-    return SpeculationProfile.load(config.speculative.profile).latency_model
+    profile = SpeculationProfile.load(config.speculative.profile)
+    return profile.latency_model, profile.coverage
 
 
 def build_controller(config: TandemConfig) -> SpeculationController:

@@ -177,6 +177,19 @@ def test_speed_factor_follows_steps_slower_than_the_profile():
         assert seconds == pytest.approx(PROFILE.step_time(batch, 0) * tracker.speed_factor)
 
 
+def test_a_profile_with_coverage_predicts_the_tokens_lookup_really_verifies():
+    model = LatencyModel(target_coef=[0.010, 0.001, 0.0005], draft_coef=[0.0, 0.0])
+    coverage = [0.5, 0.25]  # lookup proposes half the first positions asked for, a quarter of the rest
+    tracker = StepTimeTracker(model, coverage, smoothing=0.1)
+    curve = dict(tracker.curve(4, 8))
+    # batch 8, k = 4: 1 + 0.5 + 3 * 0.25 = 2.25 tokens per request, not 5
+    assert curve[8] == pytest.approx(0.010 + 8 * 0.001 + 0.0005 * 8 * 2.25)
+    assert curve[8] < model.step_time(8, 4)
+    # a step that took what the coverage predicts leaves the speed factor at 1
+    tracker.observe(8, 4, 0, model.step_time(8, 4, coverage))
+    assert tracker.speed_factor == pytest.approx(1.0)
+
+
 def test_speed_factor_starts_at_the_first_ratio_and_then_smooths():
     tracker = StepTimeTracker(PROFILE, smoothing=0.1)
     assert tracker.speed_factor == 1.0
