@@ -279,9 +279,9 @@ def test_profile_command_writes_a_profile_the_controllers_load(tiny_llama_dir, t
                              profile=str(out), num_speculative_tokens=3)
         assert isinstance(engine.controller, FixedController) == (policy == "fixed")
         # Whatever the controller, the curve the replica publishes for the router is the
-        # profile's (times a speed factor of 1 before any decoding step is timed).
+        # profile's, with its coverage (times a speed factor of 1 before any decoding step is timed).
         curve = AsyncEngine(engine).step_times.curve(2, 4)
-        assert curve == tuple((b, profile.latency_model.step_time(b, 2)) for b in (1, 2, 4))
+        assert curve == tuple((b, profile.latency_model.step_time(b, 2, profile.coverage)) for b in (1, 2, 4))
         run_to_completion(engine, [[5, 6, 7, 5, 6, 7, 5, 6]], SamplingParams(max_tokens=8, temperature=0))
 
 
