@@ -27,7 +27,8 @@ small float32 models CPUs serve.
 
 With ``batch_invariant`` (``model.batch_invariant``) small_gemm takes every row count, in
 calls of at most its ``max_rows``: a token's output then never depends on how many other
-rows share the call (prefill runs slower than through oneDNN).
+rows share the call (prefill runs slower than through oneDNN). Such a layer holds only
+small_gemm's copy of its weight.
 
 A layer thus holds two copies of its weight on the CPU (small_gemm's and oneDNN's, or
 small_gemm's and the plain one where oneDNN cannot pack the dtype). On other devices,
@@ -57,6 +58,7 @@ _FLOAT32_MIN_PACKED_ROWS = 2
 # (speculation keeps greedy output identical). In float32 oneDNN is ~10% faster at 5-8 rows
 # (measured above); exactness wins that trade.
 SMALL_GEMM_MAX_ROWS = {torch.float32: 8, torch.bfloat16: 8}
+_ANY_ROWS = 1 << 62  # small_max_rows of a batch-invariant layer
 
 
 class PackedLinear(nn.Module):
@@ -76,27 +78,27 @@ class PackedLinear(nn.Module):
                              f"{weight.dtype} [{self.out_features}, {self.in_features}] weight on "
                              f"{weight.device.type}: it takes CPU float32/bfloat16 weights whose in_features "
                              f"is a multiple of {64 // weight.element_size()}")
-        self.batch_invariant = batch_invariant
-        self.small_max_rows = SMALL_GEMM_MAX_ROWS[weight.dtype] if self._kernel is not None else 0
+        # batch_invariant: every row count through small_gemm (in calls of its max_rows at most)
+        self._rows_per_call = self._kernel.max_rows if self._kernel is not None else 0
+        self.small_max_rows = (0 if self._kernel is None else
+                               _ANY_ROWS if batch_invariant else SMALL_GEMM_MAX_ROWS[weight.dtype])
         small = self._kernel.pack(weight.contiguous()) if self._kernel is not None else None
         self.register_buffer("small_gemm_weight", small)
         # The kernel adds a float32 bias; converted once here, not on every call.
         small_bias = self.bias.float() if small is not None and self.bias is not None else None
         self.register_buffer("small_gemm_bias", small_bias)
         onednn = None
-        if can_pack(weight.device, weight.dtype):
+        if can_pack(weight.device, weight.dtype) and not batch_invariant:  # small_gemm takes every row then
             onednn = torch.ops.mkldnn._reorder_linear_weight(weight, _PACK_ROWS_HINT)
         self.register_buffer("packed_weight", onednn)
         # oneDNN's float32 path loses at 1 row: keep the plain weight for rows small_gemm does not take.
         self.min_packed_rows = _FLOAT32_MIN_PACKED_ROWS if weight.dtype == torch.float32 else 0
-        needs_plain = self.packed_weight is None or self.min_packed_rows > max(self.small_max_rows, 1)
+        needs_plain = not batch_invariant and (self.packed_weight is None
+                                               or self.min_packed_rows > max(self.small_max_rows, 1))
         self.plain_weight = weight if needs_plain else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [num_tokens, in] -> [num_tokens, out]
         rows = x.shape[0]
-        if self.batch_invariant and rows > self.small_max_rows:
-            step = self._kernel.max_rows
-            return torch.cat([self._small_gemm(x[i:i + step]) for i in range(0, rows, step)])
         if 0 < rows <= self.small_max_rows:
             return self._small_gemm(x)
         if self.packed_weight is not None and rows >= self.min_packed_rows:
@@ -104,6 +106,9 @@ class PackedLinear(nn.Module):
         return F.linear(x, self.plain_weight, self.bias)
 
     def _small_gemm(self, x: torch.Tensor) -> torch.Tensor:
+        step = self._rows_per_call
+        if x.shape[0] > step:  # batch-invariant mode only: each row is computed alike in every call
+            return torch.cat([self._small_gemm(x[i:i + step]) for i in range(0, x.shape[0], step)])
         return self._kernel.linear(x.contiguous(), self.small_gemm_weight, self.out_features, self.small_gemm_bias)
 
 
