@@ -91,9 +91,14 @@ class StepModel:
     def prefill_seconds_per_token(self) -> float:
         return self.latency.target_coef[2]
 
+    def __post_init__(self) -> None:
+        # D(k) for every k a step can ask for, once: step_seconds reads it on every simulated step.
+        coverage = None if self.coverage is None else list(self.coverage)
+        object.__setattr__(self, "_drafted", tuple(expected_drafted(coverage, k) for k in range(max(self.max_k, 16) + 1)))
+
     def drafted_per_request(self, k: int) -> float:
         """D(k): draft tokens a decoding request carries into the verifying pass, in expectation."""
-        return expected_drafted(None if self.coverage is None else list(self.coverage), k)
+        return self._drafted[k]
 
     def step_seconds(self, num_decode: int, k: int, num_prefill_tokens: int, num_prefill_requests: int) -> float:
         c0, c1, c2 = self.latency.target_coef
