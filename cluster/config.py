@@ -88,6 +88,9 @@ class SpeculativeConfig(_Strict):
     controller: Literal["fixed", "table", "adaptive"] = "fixed"
     profile: str | None = Field(None, description="`tandem profile` JSON, needed by table and adaptive")
     hysteresis: float = Field(0.05, ge=0, lt=1, description="adaptive: switch k only when this much better")
+    explore_budget: float = Field(
+        0.001, ge=0, le=1, description="adaptive: the most its probes (one draft token more than the k held) "
+        "may add to the mean predicted step time")
     ngram_min: int = Field(1, ge=1)
     ngram_max: int = Field(4, ge=1)
 

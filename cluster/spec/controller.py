@@ -9,11 +9,16 @@
   batch at hand, and switches only when the new ``k`` is predicted to be clearly
   better and the current one has been held for a while (so ``k`` does not flap when
   the batch size sits at the edge between two best values). ``k = 0`` falls out of
-  the model wherever drafting does not pay. Every ``explore_every`` steps it drafts one
-  token more than the ``k`` it holds (up to ``max_k``): acceptance is only observed at
+  the model wherever drafting does not pay. At most every ``explore_every`` steps it drafts
+  one token more than the ``k`` it holds (up to ``max_k``): acceptance is only observed at
   the positions drafted and step times only at the ``k`` run, so without these probes a
   profile that under-rates the deeper positions (or a recovered acceptance at ``k = 0``)
-  would never be corrected. Acceptance is learnt over the positions asked for (one not
+  would never be corrected. Probes are paid from a budget: each step earns
+  ``explore_budget`` and a probe costs its predicted step time over the held k's, minus
+  one (so probes add at most ``explore_budget`` to the mean predicted step time). Where a
+  probe is cheap (small batches) it runs every ``explore_every`` steps; where it is dear
+  (a large batch drafting one more token each) it runs as often as the budget pays for,
+  so exploring does not cost a loaded replica the throughput it lives on. Acceptance is learnt over the positions asked for (one not
   proposed counts as rejected) and, beside it, the coverage (the share of positions
   asked for that got a token): n-gram lookup often proposes fewer than ``k``, which makes
   both the step cheaper and the gain smaller than full drafts would
@@ -98,12 +103,14 @@ class AdaptiveController:
         prior_weight: float = 50.0,
         prior_floor: float = 1e-3,
         explore_every: int = 64,
+        explore_budget: float = 0.001,
     ) -> None:
         self.max_k = max_k
         self.hysteresis = hysteresis
         self.min_dwell_steps = min_dwell_steps
         self.acceptance_ema = acceptance_ema
         self.explore_every = explore_every
+        self.explore_budget = explore_budget
         self.forgetting = forgetting
         self.acceptance = [float(acceptance[min(j, len(acceptance) - 1)]) if acceptance else 0.5
                            for j in range(max(1, max_k))]
@@ -133,7 +140,10 @@ class AdaptiveController:
         self._xty = np.zeros(4)
         self.k: int | None = None
         self._steps_at_k = 0
+        self._steps_since_probe = 0
+        self._probe_credit = 0.0  # in steps' worth of time; earned per step, spent by probes
         self.num_switches = 0
+        self.num_probes = 0
 
     # ---- deciding ---------------------------------------------------------------------
     def choose_k(self, state: BatchState) -> int:
@@ -144,11 +154,19 @@ class AdaptiveController:
         elif best != self.k and self._steps_at_k >= self.min_dwell_steps:
             current = self.model.time_per_token(b, self.k, self.acceptance, self.coverage)
             if self.model.time_per_token(b, best, self.acceptance, self.coverage) < current * (1 - self.hysteresis):
-                self.k, self._steps_at_k = best, 0
+                self.k, self._steps_at_k, self._steps_since_probe = best, 0, 0
                 self.num_switches += 1
         self._steps_at_k += 1
-        if self.k < self.max_k and self._steps_at_k % self.explore_every == 0:
-            return self.k + 1  # a probe: the next position's acceptance and a longer step's time
+        self._steps_since_probe += 1
+        self._probe_credit = min(self._probe_credit + self.explore_budget, 1.0)
+        if self.k < self.max_k and self._steps_since_probe >= self.explore_every:
+            held = self.model.step_time(b, self.k, self.coverage)
+            cost = max(self.model.step_time(b, self.k + 1, self.coverage) / held - 1.0, 0.0) if held > 0 else 0.0
+            if cost <= self._probe_credit:
+                self._probe_credit -= cost
+                self._steps_since_probe = 0
+                self.num_probes += 1
+                return self.k + 1  # a probe: the next position's acceptance and a longer step's time
         return self.k
 
     def k_table(self, batch_sizes: list[int]) -> dict[int, int]:

@@ -63,4 +63,4 @@ def build_controller(config: TandemConfig) -> SpeculationController:
     if spec.controller == "table":
         return TableController({b: min(k, max_k) for b, k in profile.table.items()})
     return AdaptiveController(profile.latency_model, profile.acceptance, max_k, hysteresis=spec.hysteresis,
-                              coverage=profile.coverage)
+                              coverage=profile.coverage, explore_budget=spec.explore_budget)

@@ -103,7 +103,7 @@ def test_acceptance_near_zero_drives_k_to_zero():
 
 
 def test_exploration_at_zero_notices_recovered_acceptance():
-    adaptive = AdaptiveController(TRUE, [0.01] * 8, max_k=8, explore_every=16)
+    adaptive = AdaptiveController(TRUE, [0.01] * 8, max_k=8, explore_every=16, explore_budget=0.05)
     assert adaptive.choose_k(_state(1)) == 0
     ks = []
     for _ in range(3000):
@@ -115,11 +115,35 @@ def test_exploration_at_zero_notices_recovered_acceptance():
     _assert_within_hysteresis(adaptive)
 
 
+def test_probes_are_paid_from_the_budget():
+    """A probe costs its predicted step time over the held k's, minus one (under TRUE from
+    k = 0: 0.26 at batch 1, 0.77 at batch 32). Where the budget earned over ``explore_every``
+    steps pays for one, the controller probes every ``explore_every`` steps; where it does
+    not, as often as the budget pays, so probes add at most the budget to the step time."""
+    def run(b: int, steps: int) -> list[int]:
+        adaptive = AdaptiveController(TRUE, [0.01] * 8, max_k=8, explore_every=16, explore_budget=0.02)
+        ks = []
+        for _ in range(steps):
+            k = adaptive.choose_k(_state(b))
+            ks.append(k)
+            adaptive.observe(StepObservation(b, k, TRUE.step_time(b, k), [(k, k, 0)] * b if k else []))
+        assert adaptive.k == 0 and adaptive.num_probes == sum(ks)
+        return ks
+
+    cheap = run(1, 1600)  # 16 steps earn 0.32 >= 0.26
+    assert [i for i, k in enumerate(cheap) if k] == list(range(15, 1600, 16))
+    dear = run(32, 1600)  # 16 steps earn 0.32 < 0.77: one probe per ~39 steps
+    cost = TRUE.step_time(32, 1) / TRUE.step_time(32, 0) - 1
+    assert sum(dear) * cost <= 0.02 * 1600 and sum(dear) >= 0.02 * 1600 / cost - 2
+    probes = [i for i, k in enumerate(dear) if k]
+    assert min(b - a for a, b in zip(probes, probes[1:])) >= 16
+
+
 def test_probes_one_position_deeper_and_climbs_when_the_profile_under_rated_it():
     """The profile says drafts past position 2 are almost never accepted, the truth is 0.9
     everywhere: held at its k, the controller only learns that from its probes at k + 1."""
     profiled = [0.9, 0.9] + [0.05] * 6
-    adaptive = AdaptiveController(TRUE, profiled, max_k=8, explore_every=16)
+    adaptive = AdaptiveController(TRUE, profiled, max_k=8, explore_every=16, explore_budget=0.05)
     start = adaptive.choose_k(_state(1))
     assert start == TRUE.best_k(1, profiled, 8) < TRUE.best_k(1, [0.9] * 8, 8)
     ks = []
@@ -162,7 +186,8 @@ def test_partial_proposals_are_learnt_as_coverage_and_effective_acceptance():
     it, step times with only the proposed tokens verified; the k it picks then costs, under
     the truth, within hysteresis of the truth's best k at every batch size."""
     coverage, acceptance = [0.5] * 8, [0.45] + [0.9] * 7
-    adaptive = AdaptiveController(TRUE, [0.9] * 8, max_k=8, explore_every=8)  # the profile: full, 0.9
+    adaptive = AdaptiveController(TRUE, [0.9] * 8, max_k=8, explore_every=8,  # the profile: full, 0.9
+                                  explore_budget=0.1)
     rng = random.Random(3)
     for step in range(6000):
         b = (1, 2, 4, 8, 16, 32)[step // 1000]
