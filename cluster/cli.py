@@ -25,6 +25,7 @@ import logging
 import sys
 
 from cluster.config import ConfigError, TandemConfig, group_engine_config, load_config, with_overrides
+from cluster.spec.calibration import ACCEPTANCE_PROMPT_SETS
 
 
 def _engine_config(args: argparse.Namespace) -> TandemConfig:
@@ -85,6 +86,10 @@ def cmd_profile(args: argparse.Namespace) -> int:
     if config.engine.backend == "vllm":
         from cluster.backends.vllm_profile import print_grid, run_vllm_profile
 
+        if args.acceptance_prompts != "calibration":
+            raise ConfigError(f"--acceptance-prompts {args.acceptance_prompts}: the vLLM profile measures "
+                              "acceptance on the calibration prompts only")
+
         profile, grid = run_vllm_profile(config, power_of_two_sizes(max_batch), args.max_k, args.output_len,
                                          args.repeats or 1)
         print_grid(profile, grid)
@@ -93,11 +98,12 @@ def cmd_profile(args: argparse.Namespace) -> int:
         engine = Engine(with_overrides(config, controller="fixed", num_speculative_tokens=args.max_k))
         try:
             profile = run_profile(engine, power_of_two_sizes(max_batch), args.max_k, args.context_len,
-                                  args.repeats or 3)
+                                  args.repeats or 3, args.acceptance_prompts)
         finally:
             engine.worker.close()  # tensor-parallel ranks, if any
     profile.save(args.out)
-    print(f"device {profile.device}; draft {profile.draft}; acceptance per position "
+    print(f"device {profile.device}; draft {profile.draft}; acceptance ({profile.acceptance_prompts} prompts) "
+          "per position "
           + ", ".join(f"{a:.2f}" for a in profile.acceptance))
     if profile.coverage is not None:
         print("coverage per position (share of positions asked for that got a draft token) "
@@ -259,6 +265,9 @@ def build_parser() -> argparse.ArgumentParser:
     prof.add_argument("--repeats", type=int, help="timed passes per cell (median is kept; default 3, vLLM 1)")
     prof.add_argument("--output-len", type=int, default=48,
                       help="engine: vllm only: tokens each request generates while its steps are timed")
+    prof.add_argument("--acceptance-prompts", choices=ACCEPTANCE_PROMPT_SETS, default="calibration",
+                      help="measure acceptance on the mixed calibration chat prompts or on `tandem bench spec`'s "
+                           "edit requests (rewrite / summarize / proofread a passage in the prompt)")
     prof.add_argument("--group", help="profile this serve.groups entry (its engine settings), on its device kind")
     prof.add_argument("--vllm-schedule", action="store_true",
                       help="also print the table as vLLM's num_speculative_tokens_per_batch_size")

@@ -1,5 +1,13 @@
-"""Calibration prompts for measuring acceptance: chat requests of the kinds users send,
-some that quote text back (where prompt lookup shines) and some open-ended."""
+"""Prompt sets acceptance is measured on (``tandem profile --acceptance-prompts``).
+
+``calibration``: chat requests of the kinds users send, some that quote text back (where
+prompt lookup shines) and some open-ended. ``edit``: ``tandem bench spec``'s requests to
+rewrite, summarize, proofread or continue a passage given in full (RAG answers, code and
+document edits), where lookup copies far more. Acceptance depends on the workload, so the
+paper profiled per dataset; a profile records which set it was measured on.
+"""
+
+from __future__ import annotations
 
 CALIBRATION_PROMPTS = [
     "Summarize this in one sentence: The library opens at nine in the morning and closes at six in the "
@@ -17,3 +25,17 @@ CALIBRATION_PROMPTS = [
     "Convert this list to a numbered list: apples, pears, plums, cherries, grapes.",
     "Write a haiku about autumn leaves.",
 ]
+
+
+ACCEPTANCE_PROMPT_SETS = ("calibration", "edit")
+
+
+def acceptance_prompts(name: str) -> list[str]:
+    """The user messages of prompt set ``name`` (one of :data:`ACCEPTANCE_PROMPT_SETS`)."""
+    if name == "calibration":
+        return list(CALIBRATION_PROMPTS)
+    if name == "edit":
+        from cluster.bench.spec_workload import PASSAGES, prompt_messages
+
+        return [prompt_messages(i)[0]["content"] for i in range(len(PASSAGES))]
+    raise ValueError(f"unknown acceptance prompt set {name!r}; choose one of {', '.join(ACCEPTANCE_PROMPT_SETS)}")

@@ -30,6 +30,7 @@ class SpeculationProfile(BaseModel):
     acceptance: list[float]  # per draft position, conditional on the previous ones accepted (effective: a
     # position asked for but not proposed counts as rejected; see cluster.spec.latency_model)
     coverage: list[float] | None = None  # per draft position: share of requests proposed a token (None: all)
+    acceptance_prompts: str = "calibration"  # the prompt set acceptance was measured on (cluster.spec.calibration)
     target_coef: list[float]
     draft_coef: list[float]
     table: dict[int, int]  # batch size -> best k

@@ -5,7 +5,8 @@ Step times are measured on synthetic batches through the engine's own runners:
 ``b`` sequences with ``context_len`` tokens of context each (their K/V is whatever the
 cache holds: attention costs the same), each computing ``k + 1`` new tokens with logits
 at every one of them, exactly as a verification pass does. Acceptance is measured by
-generating the calibration prompts with speculation at the largest ``k``, over the
+generating a prompt set (the calibration prompts, or ``--acceptance-prompts edit``:
+:mod:`cluster.spec.calibration`) with speculation at the largest ``k``, over the
 positions asked for (effective acceptance), with the coverage beside it (the share of
 positions asked for that got a draft token: below 1 for n-gram lookup).
 """
@@ -23,7 +24,7 @@ from cluster.engine.engine import Engine
 from cluster.engine.llm import apply_chat_template
 from cluster.engine.sampling_params import SamplingParams
 from cluster.runner.input_batch import SeqChunk
-from cluster.spec.calibration import CALIBRATION_PROMPTS
+from cluster.spec.calibration import CALIBRATION_PROMPTS, acceptance_prompts
 from cluster.spec.controller import FixedController
 from cluster.spec.draft_proposer import DraftModelProposer
 from cluster.spec.latency_model import LatencyModel, power_of_two_sizes  # noqa: F401 (re-exported)
@@ -70,8 +71,9 @@ def measure_acceptance(engine: Engine, k: int, max_tokens: int = 64) -> list[flo
     return measure_drafting(engine, k, max_tokens)[0]
 
 
-def measure_drafting(engine: Engine, k: int, max_tokens: int = 64) -> tuple[list[float], list[float]]:
-    """(effective acceptance, coverage) per draft position on the calibration prompts,
+def measure_drafting(engine: Engine, k: int, max_tokens: int = 64,
+                     prompts: list[str] = CALIBRATION_PROMPTS) -> tuple[list[float], list[float]]:
+    """(effective acceptance, coverage) per draft position on ``prompts`` (user messages),
     generated greedily at length ``k``; each list has ``k`` entries (positions never
     reached reuse the last measured value)."""
     saved, saved_stats = engine.controller, engine.spec_stats
@@ -80,7 +82,7 @@ def measure_drafting(engine: Engine, k: int, max_tokens: int = 64) -> tuple[list
     try:
         tokenizer = engine.tokenizer
         params = SamplingParams(max_tokens=max_tokens, temperature=0)
-        for prompt in CALIBRATION_PROMPTS:
+        for prompt in prompts:
             text = prompt
             if tokenizer is not None and getattr(tokenizer, "chat_template", None):
                 text = apply_chat_template(tokenizer, [{"role": "user", "content": prompt}])
@@ -103,9 +105,11 @@ def run_profile(
     max_k: int,
     context_len: int = 128,
     repeats: int = 3,
+    prompt_set: str = "calibration",
 ) -> SpeculationProfile:
     if engine.proposer is None:
         raise ValueError("profiling needs speculation on: set speculative.method to 'draft' or 'ngram'")
+    prompts = acceptance_prompts(prompt_set)
     runner = engine.worker.runner
     vocab = runner.model.vocab_size
     gen = torch.Generator().manual_seed(0)
@@ -126,7 +130,7 @@ def run_profile(
                 bar.update(1)
             finally:
                 batch.close()
-        acceptance, coverage = measure_drafting(engine, max_k)
+        acceptance, coverage = measure_drafting(engine, max_k, prompts=prompts)
         bar.update(1)
     model = LatencyModel.fit(target_grid, draft_grid)
     errors = [abs(model.target_time(b, n) - t) / t for b, n, t in target_grid]
@@ -142,6 +146,7 @@ def run_profile(
         draft_grid=draft_grid,
         acceptance=acceptance,
         coverage=coverage,
+        acceptance_prompts=prompt_set,
         target_coef=model.target_coef,
         draft_coef=model.draft_coef,
         table={b: model.best_k(b, acceptance, max_k, coverage) for b in batch_sizes},

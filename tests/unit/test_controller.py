@@ -315,3 +315,29 @@ def test_table_and_adaptive_need_a_profile(tiny_llama_dir):
         make_engine(tiny_llama_dir, method="ngram", controller="table")
     with pytest.raises(ValueError, match="does not exist"):
         make_engine(tiny_llama_dir, method="ngram", controller="adaptive", profile="/nonexistent.json")
+
+
+def test_profile_measures_acceptance_on_the_prompt_set_asked_for(tiny_llama_dir, tmp_path, monkeypatch):
+    import cluster.spec.profiler as profiler
+    from cluster.bench.spec_workload import PASSAGES
+    from cluster.spec.calibration import CALIBRATION_PROMPTS, acceptance_prompts
+
+    seen = []
+    measure = profiler.measure_drafting
+
+    def recording(engine, k, max_tokens=64, prompts=CALIBRATION_PROMPTS):
+        seen.append(list(prompts))
+        return measure(engine, k, max_tokens, prompts)
+
+    monkeypatch.setattr(profiler, "measure_drafting", recording)
+    out = tmp_path / "edit.json"
+    assert main(["profile", "--model", str(tiny_llama_dir), "--max-k", "2", "--max-batch", "1", "--context-len", "8",
+                 "--repeats", "1", "--acceptance-prompts", "edit", "--out", str(out)]) == 0
+    assert SpeculationProfile.load(out).acceptance_prompts == "edit"
+    assert seen == [acceptance_prompts("edit")] and len(seen[0]) == len(PASSAGES)
+    assert all(passage in prompt for passage, prompt in zip(PASSAGES, seen[0]))
+    assert acceptance_prompts("calibration") == CALIBRATION_PROMPTS
+    with pytest.raises(ValueError, match="calibration, edit"):
+        acceptance_prompts("chat")
+    with pytest.raises(SystemExit):  # argparse names the choices
+        main(["profile", "--model", str(tiny_llama_dir), "--acceptance-prompts", "chat"])
