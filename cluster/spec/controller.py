@@ -98,7 +98,7 @@ class AdaptiveController:
         hysteresis: float = 0.05,
         coverage: list[float] | None = None,
         min_dwell_steps: int = 8,
-        acceptance_ema: float = 0.02,
+        acceptance_ema: float = 0.01,
         forgetting: float = 0.995,
         prior_weight: float = 50.0,
         prior_floor: float = 1e-3,
@@ -108,6 +108,8 @@ class AdaptiveController:
         self.max_k = max_k
         self.hysteresis = hysteresis
         self.min_dwell_steps = min_dwell_steps
+        # The weight of one request's sample at a position: 0.01 averages over ~100 samples,
+        # a few steps of a large batch (0.02 left the estimate noisy enough to flip k there).
         self.acceptance_ema = acceptance_ema
         self.explore_every = explore_every
         self.explore_budget = explore_budget
