@@ -14,11 +14,12 @@
   the positions drafted and step times only at the ``k`` run, so without these probes a
   profile that under-rates the deeper positions (or a recovered acceptance at ``k = 0``)
   would never be corrected. Probes are paid from a budget: each step earns
-  ``explore_budget`` and a probe costs its predicted step time over the held k's, minus
-  one (so probes add at most ``explore_budget`` to the mean predicted step time). Where a
-  probe is cheap (small batches) it runs every ``explore_every`` steps; where it is dear
-  (a large batch drafting one more token each) it runs as often as the budget pays for,
-  so exploring does not cost a loaded replica the throughput it lives on. Acceptance is learnt over the positions asked for (one not
+  ``explore_budget`` (up to one step's worth saved) and a probe costs its predicted step
+  time over the held k's, minus one, so probes add about ``explore_budget`` at most to
+  the mean step time. Where a probe is cheap (small batches) it runs every
+  ``explore_every`` steps; where it is dear (a large batch drafting one more token each)
+  only as often as the budget pays, so exploring does not take a loaded replica's
+  throughput. Acceptance is learnt over the positions asked for (one not
   proposed counts as rejected) and, beside it, the coverage (the share of positions
   asked for that got a token): n-gram lookup often proposes fewer than ``k``, which makes
   both the step cheaper and the gain smaller than full drafts would
