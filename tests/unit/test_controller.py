@@ -301,8 +301,10 @@ def test_profile_command_writes_a_profile_the_controllers_load(tiny_llama_dir, t
     assert written["dtype"] in ("float32", "bfloat16")  # the dtype "auto" resolved to, as run
     for policy in ("table", "adaptive", "fixed"):
         engine = make_engine(tiny_llama_dir, num_blocks=64, method="ngram", controller=policy,
-                             profile=str(out), num_speculative_tokens=3)
+                             profile=str(out), num_speculative_tokens=3, explore_budget=0.05)
         assert isinstance(engine.controller, FixedController) == (policy == "fixed")
+        if policy == "adaptive":
+            assert engine.controller.explore_budget == 0.05  # speculative.explore_budget reaches it
         # Whatever the controller, the curve the replica publishes for the router is the
         # profile's, with its coverage (times a speed factor of 1 before any decoding step is timed).
         curve = AsyncEngine(engine).step_times.curve(2, 4)
