@@ -43,6 +43,7 @@ WARMUP_LEN = 8
 NUM_PROMPTS = 16
 MIN_REQUESTS_PER_CELL = NUM_PROMPTS
 RATE_FRACTIONS = (0.25, 0.55, 0.85)  # of the measured capacity: light, medium, near saturation
+WORKLOAD_PROMPTS = "bench paper sweep"  # a profile's acceptance_prompts once the sweep's acceptance replaced it
 UNIFORM_GOAL = 0.02  # adaptive at most 2% behind the best fixed k at every uniform rate
 PHASED_GOAL = 0.09  # adaptive at least 9% ahead of the best fixed k on phased traffic
 HYSTERESIS = 0.05
@@ -221,7 +222,8 @@ def _with_workload_acceptance(profile, cells: list[dict]):
         return (measured + [measured[-1]] * profile.max_k)[:profile.max_k]
 
     updated = profile.model_copy(update={"acceptance": mean_per_position("effective_acceptance"),
-                                         "coverage": mean_per_position("coverage")})
+                                         "coverage": mean_per_position("coverage"),
+                                         "acceptance_prompts": WORKLOAD_PROMPTS})
     return updated.model_copy(update={"table": {b: updated.best_k(b) for b in profile.batch_sizes}})
 
 

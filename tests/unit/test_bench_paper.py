@@ -137,6 +137,7 @@ def test_workload_acceptance_replaces_the_calibration_one_and_resolves_the_table
     assert updated.coverage == pytest.approx([0.9, 0.7, 0.5, 0.5])
     assert updated.table == {b: model.best_k(b, updated.acceptance, 4, updated.coverage) for b in (1, 8)}
     assert updated.table != profile.table and profile.acceptance == calibration and profile.coverage is None
+    assert (profile.acceptance_prompts, updated.acceptance_prompts) == ("calibration", "bench paper sweep")
 
 
 def _serve_with_fake_runs(monkeypatch, fake_run, workload, policies, repeats):
