@@ -106,6 +106,19 @@ class SpecCell:
     repeat_tok_per_s: list[float] = field(default_factory=list)  # each round's tok/s (--repeats)
 
 
+def pool_rounds(system: str, method: str, batch_size: int, k: int, output_len: int,
+                rounds: list[tuple[list[RequestTiming], float, SpecCounts]]) -> SpecCell:
+    """One cell from its rounds' (timings, seconds, counts): every round's requests and
+    counters together, tok/s as all rounds' tokens over all rounds' seconds, and each
+    round's own tok/s in ``repeat_tok_per_s``."""
+    counts = rounds[0][2]
+    for _, _, more in rounds[1:]:
+        counts = counts.plus(more)
+    cell = make_cell(system, method, batch_size, k, output_len, [t for r in rounds for t in r[0]],
+                     sum(r[1] for r in rounds), counts)
+    return dataclasses.replace(cell, repeat_tok_per_s=[sum(t.output_tokens for t in r[0]) / r[1] for r in rounds])
+
+
 def make_cell(system: str, method: str, batch_size: int, k: int, output_len: int,
               timings: list[RequestTiming], seconds: float, counts: SpecCounts | None) -> SpecCell:
     """Raises RuntimeError if any request did not produce exactly ``output_len`` tokens."""
@@ -243,12 +256,7 @@ def _measure_tandem(args, source, prompt_ids, progress, task, batch_invariant: b
         plain = rounds[0][-1][3] if 0 in rounds else None  # k = 0's outputs at this batch size
         for k in ks:
             runs = rounds[k]
-            counts = runs[0][2]
-            for run in runs[1:]:
-                counts = counts.plus(run[2])
-            cell = make_cell(system, args.method, batch_size, k, args.output_len, [t for r in runs for t in r[0]],
-                             sum(r[1] for r in runs), counts)
-            cell = dataclasses.replace(cell, repeat_tok_per_s=[sum(t.output_tokens for t in r[0]) / r[1] for r in runs])
+            cell = pool_rounds(system, args.method, batch_size, k, args.output_len, [r[:3] for r in runs])
             if plain is not None:
                 outputs = runs[-1][3]
                 cell = dataclasses.replace(cell, greedy_identical_to_k0=sum(outputs[i] == plain[i] for i in plain))
