@@ -72,5 +72,6 @@ def print_tables(console, result: dict) -> None:
             n = row["num_requests"]
             table.add_row(str(row["batch_size"]), str(row["k"]), f"{row['usual_tok_per_s']:.1f}",
                           f"{row['invariant_tok_per_s']:.1f}", f"{row['invariant_over_usual']:.2f}",
-                          f"{row['usual_greedy_identical_to_k0']}/{n}", f"{row['invariant_greedy_identical_to_k0']}/{n}")
+                          f"{row['usual_greedy_identical_to_k0']}/{n}",
+                          f"{row['invariant_greedy_identical_to_k0']}/{n}")
         console.print(table)

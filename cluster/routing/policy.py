@@ -139,7 +139,8 @@ def predict_completion_seconds(request: RoutingRequest, stats: ReplicaStats, num
     * step time s(b) from ``step_time_curve`` (:func:`interpolate_step_time`), which is
       the replica's profile at its current k, already scaled by its speed factor.
     * E = 1 + k * a tokens per step for the accepted fraction a of the draft positions
-      asked for (what replicas report) and k = current_k (:func:`expected_tokens_per_step`); decode = max_tokens / E * s(b).
+      asked for (what replicas report) and k = current_k (:func:`expected_tokens_per_step`);
+      decode = max_tokens / E * s(b).
     * prefill = (num_prompt_tokens - matched) * prefill_seconds_per_token, where
       matched is the cached prefix (:func:`matched_prefix_tokens`);
       affinity_seconds_saved = matched * prefill_seconds_per_token.

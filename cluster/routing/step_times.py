@@ -3,9 +3,10 @@ decoding step against batch size at the current k, and seconds per prefill token
 
 With a device profile (``LatencyModel``, and its n-gram coverage where it has one: a
 verifying pass carries the draft tokens lookup proposes, not k), the curve is the
-profile's prediction times a *speed factor*: the running mean of measured / predicted time over recent decode
-steps, so a device that is slower than profiled (a noisy neighbour, a throttled GPU,
-or the ``step_time_scale`` emulation) shows up within a few steps. Without a profile,
+profile's prediction times a *speed factor*: the running mean of measured / predicted
+time over recent decode steps, so a device that is slower than profiled (a noisy
+neighbour, a throttled GPU, or the ``step_time_scale`` emulation) shows up within a few
+steps. Without a profile,
 the curve is a least-squares line ``seconds = a + c * batch_size`` through recent
 decode steps (a flat line while only one batch size has been seen). Before any
 decode step has been seen the curve is empty and the router falls back.

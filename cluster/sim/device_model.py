@@ -94,7 +94,8 @@ class StepModel:
     def __post_init__(self) -> None:
         # D(k) for every k a step can ask for, once: step_seconds reads it on every simulated step.
         coverage = None if self.coverage is None else list(self.coverage)
-        object.__setattr__(self, "_drafted", tuple(expected_drafted(coverage, k) for k in range(max(self.max_k, 16) + 1)))
+        drafted = tuple(expected_drafted(coverage, k) for k in range(max(self.max_k, 16) + 1))
+        object.__setattr__(self, "_drafted", drafted)
 
     def drafted_per_request(self, k: int) -> float:
         """D(k): draft tokens a decoding request carries into the verifying pass, in expectation."""

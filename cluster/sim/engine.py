@@ -104,7 +104,8 @@ class Simulation:
         prior, acceptance, coverage, table = self._priors[group.config.name]
         controller = build_controller(self.controller_name, prior, acceptance, self.config.scheduling.max_k,
                                       group.config.max_num_seqs, table, coverage=coverage)
-        tracker = StepTimeTracker(prior, coverage)  # the group's profile whatever the controller, as AsyncEngine builds it
+        # The group's profile whatever the controller, as AsyncEngine builds it.
+        tracker = StepTimeTracker(prior, coverage)
         index = len(self.replicas)
         replica = SimReplica(f"{group.config.name}-{index}", group.config.name, group.config.device, group.model,
                              controller, tracker, group.settings, self.table, self.rng)
