@@ -253,13 +253,12 @@ def _measure_tandem(args, source, prompt_ids, progress, task, batch_invariant: b
                 timings, seconds = run_closed_loop(engine, prompt_ids, args.output_len, batch_size, outputs)
                 rounds[k].append((timings, seconds, SpecCounts.of(engine.stats().spec).minus(before), outputs))
                 progress.advance(task)
-        plain = rounds[0][-1][3] if 0 in rounds else None  # k = 0's outputs at this batch size
         for k in ks:
             runs = rounds[k]
             cell = pool_rounds(system, args.method, batch_size, k, args.output_len, [r[:3] for r in runs])
-            if plain is not None:
-                outputs = runs[-1][3]
-                cell = dataclasses.replace(cell, greedy_identical_to_k0=sum(outputs[i] == plain[i] for i in plain))
+            if 0 in rounds:  # every round's outputs against k = 0's in the same round, as many as num_requests
+                same = sum(run[3][i] == plain[3][i] for run, plain in zip(runs, rounds[0]) for i in plain[3])
+                cell = dataclasses.replace(cell, greedy_identical_to_k0=same)
             cells.append(cell)
     del llm, engine
     gc.collect()
