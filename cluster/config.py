@@ -93,6 +93,9 @@ class SpeculativeConfig(_Strict):
         "may add to the mean predicted step time")
     ngram_min: int = Field(1, ge=1)
     ngram_max: int = Field(4, ge=1)
+    ngram_draft_per_match_token: float | None = Field(
+        1.0, ge=0, description="a lookup match shorter than ngram_max tokens proposes at most this many draft "
+        "tokens per matched token; null: every match proposes k, as vLLM's")
 
     @model_validator(mode="after")
     def _check(self) -> "SpeculativeConfig":

@@ -9,6 +9,7 @@ What maps:
 | ``cache.block_size``, ``enable_prefix_caching``, ``kv_cache_memory`` | ``block_size``, ``enable_prefix_caching``, ``kv_cache_memory_bytes`` |
 | ``scheduler.max_num_seqs``, ``max_num_batched_tokens``, ``enable_chunked_prefill`` | the same names |
 | ``speculative.method: ngram`` / ``draft`` | ``speculative_config``: ``{method: ngram, prompt_lookup_min/max}`` / ``{method: draft_model, model}`` with ``num_speculative_tokens`` |
+| ``speculative.ngram_draft_per_match_token`` | nothing: vLLM's lookup drafts ``k`` tokens after every match, however short |
 | ``speculative.controller: table`` / ``adaptive`` with a profile | the profile's batch-size -> k table as ``num_speculative_tokens_per_batch_size`` (inclusive ranges ``[start, end, k]``), when the installed vLLM has that option; otherwise a fixed k (see :class:`SpecPlan`) |
 | a group's ``tensor_parallel_size`` | ``tensor_parallel_size`` |
 | ``engine.vllm_args`` | passed through last (e.g. ``enforce_eager``, ``quantization``) |

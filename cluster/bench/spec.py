@@ -151,10 +151,25 @@ def _k_list(text: str) -> list[int]:
     return [int(p) for p in parts]
 
 
+def _ratio_or_none(text: str) -> float | None:
+    if text.strip().lower() == "none":
+        return None
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not value >= 0:
+        raise argparse.ArgumentTypeError(f"expected a number >= 0 or none, got {text!r}")
+    return value
+
+
 def add_spec_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default="smollm2-135m-instruct", help="short name, HF folder or .gguf file")
     parser.add_argument("--method", choices=("ngram", "draft"), default="ngram", help="how drafts are proposed")
     parser.add_argument("--draft-model", help="draft model for --method draft (the target itself = self-draft)")
+    parser.add_argument("--ngram-draft-per-match-token", type=_ratio_or_none, default=1.0,
+                        help="n-gram: a match shorter than 4 tokens drafts at most this many tokens per matched "
+                             "token (default 1; none: every match drafts k, as vLLM)")
     parser.add_argument("--dtype", choices=(*DTYPES, "auto"), default="auto",
                         help="auto: bfloat16 where the device computes it natively, else float32")
     parser.add_argument("--batch-sizes", type=_int_list, default=[1, 4, 16], help="concurrency (default 1,4,16)")
@@ -232,6 +247,8 @@ def _measure_tandem(args, source, prompt_ids, progress, task, batch_invariant: b
     quant = dict(quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype)
     if args.draft_quantization:
         quant["draft_quantization"] = args.draft_quantization
+    if args.method == "ngram":
+        quant["ngram_draft_per_match_token"] = args.ngram_draft_per_match_token
     llm = LLM(str(source.path), dtype=args.dtype, device="cpu", method=args.method, draft_model=args.draft_model,
               num_speculative_tokens=max(args.ks), enable_prefix_caching=False,
               max_num_seqs=max(args.batch_sizes), kv_cache_memory=args.kv_cache_memory,
@@ -337,7 +354,9 @@ def _report(args, source, load_average, prompt_ids, prompt_format, cells, vllm) 
                      "tpot": "per request (last token time - first token time) / (output tokens - 1), mean",
                      "quantization": args.quantization, "draft_quantization": args.draft_quantization,
                      "kv_cache_dtype": args.kv_cache_dtype, "batch_invariant": args.batch_invariant,
-                     "repeats": args.repeats},
+                     "repeats": args.repeats,
+                     "ngram_draft_per_match_token": args.ngram_draft_per_match_token if args.method == "ngram"
+                     else None},
         "tandem": {"mode": "offline, in-process engine", "batch_invariant": not usual,
                    "cells": _with_speedups(usual or invariant)},
         "tandem_batch_invariant": {"mode": "offline, in-process engine, model.batch_invariant",

@@ -16,7 +16,7 @@ def build_speculation(config: TandemConfig, target_worker) -> tuple[Proposer | N
         return None, None
     controller = build_controller(config)
     if spec.method == "ngram":
-        return NgramStepProposer(spec.ngram_min, spec.ngram_max), controller
+        return NgramStepProposer(spec.ngram_min, spec.ngram_max, spec.ngram_draft_per_match_token), controller
 
     from cluster.runner.worker import Worker
     from cluster.spec.draft_proposer import DraftModelProposer, check_vocab_compatible

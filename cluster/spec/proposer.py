@@ -31,8 +31,8 @@ class Proposer(Protocol):
 class NgramStepProposer:
     """Prompt lookup over each request's own tokens; no model, no KV cache."""
 
-    def __init__(self, min_n: int, max_n: int) -> None:
-        self.ngram = NgramProposer(min_n, max_n)
+    def __init__(self, min_n: int, max_n: int, draft_per_match_token: float | None = None) -> None:
+        self.ngram = NgramProposer(min_n, max_n, draft_per_match_token)
 
     def propose(
         self, scheduled: list[ScheduledRequest], block_tables: list[list[int]]

@@ -58,3 +58,15 @@ def test_local_yaml_profile_is_found_next_to_it():
     config = load_config(ROOT / "configs" / "local.yaml")
     assert config.speculative.method == "ngram" and config.speculative.controller == "adaptive"
     assert Path(config.speculative.profile).is_file()
+
+
+def test_ngram_draft_cap_reaches_the_proposer():
+    from cluster.spec.factory import build_speculation
+
+    proposer, _ = build_speculation(with_overrides(TandemConfig(), method="ngram"), None)
+    assert proposer.ngram.draft_per_match_token == 1.0  # the default caps short matches
+    proposer, _ = build_speculation(with_overrides(TandemConfig(), method="ngram", ngram_draft_per_match_token=None),
+                                    None)
+    assert proposer.ngram.draft_per_match_token is None  # every match drafts k, as vLLM
+    with pytest.raises(ConfigError, match="speculative.ngram_draft_per_match_token"):
+        with_overrides(TandemConfig(), method="ngram", ngram_draft_per_match_token=-1)

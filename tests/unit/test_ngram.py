@@ -10,7 +10,8 @@ import pytest
 from cluster.spec.ngram import NgramProposer
 
 
-def reference_propose(token_ids: list[int], num_draft_tokens: int, min_n: int, max_n: int) -> list[int]:
+def reference_propose(token_ids: list[int], num_draft_tokens: int, min_n: int, max_n: int,
+                      draft_per_match_token: float | None = None) -> list[int]:
     """Plain loops, straight from the definition."""
     seq_len = len(token_ids)
     for n in range(max_n, min_n - 1, -1):
@@ -19,7 +20,10 @@ def reference_propose(token_ids: list[int], num_draft_tokens: int, min_n: int, m
         suffix = token_ids[seq_len - n :]
         for start in range(seq_len - n - 1, -1, -1):  # match ends at start + n - 1 <= seq_len - 2
             if token_ids[start : start + n] == suffix:
-                return token_ids[start + n : start + n + num_draft_tokens]
+                limit = num_draft_tokens
+                if draft_per_match_token is not None and n < max_n:
+                    limit = min(limit, int(draft_per_match_token * n))
+                return token_ids[start + n : start + n + limit]
     return []
 
 
@@ -82,18 +86,31 @@ def test_accepts_numpy_input_and_returns_python_ints():
     assert out == [3, 1] and all(type(t) is int for t in out)
 
 
+@pytest.mark.parametrize("ratio", [None, 0.5, 1.0, 2.0])
 @pytest.mark.parametrize("min_n,max_n", [(1, 1), (1, 2), (1, 4), (2, 3), (2, 5), (3, 3), (4, 6)])
-def test_matches_brute_force_reference(min_n, max_n):
+def test_matches_brute_force_reference(min_n, max_n, ratio):
     rng = random.Random(1000 * min_n + max_n)
-    proposer = NgramProposer(min_n=min_n, max_n=max_n)
+    proposer = NgramProposer(min_n=min_n, max_n=max_n, draft_per_match_token=ratio)
     for _ in range(300):
         alphabet = rng.choice([2, 3, 5, 20])
         tokens = [rng.randrange(alphabet) for _ in range(rng.randrange(0, 80))]
         k = rng.randrange(0, 8)
-        assert proposer.propose_one(tokens, k) == reference_propose(tokens, k, min_n, max_n), (
+        assert proposer.propose_one(tokens, k) == reference_propose(tokens, k, min_n, max_n, ratio), (
             tokens,
             k,
         )
+
+
+def test_short_matches_draft_fewer_tokens():
+    # The suffix [5, 6, 7] matches 3 tokens (max_n 4): at most 3 drafts at one per matched token.
+    tokens = [5, 6, 7, 1, 2, 3, 4, 8, 9, 5, 6, 7]
+    assert NgramProposer(1, 4).propose_one(tokens, 6) == [1, 2, 3, 4, 8, 9]  # no cap: all k
+    assert NgramProposer(1, 4, draft_per_match_token=1.0).propose_one(tokens, 6) == [1, 2, 3]
+    assert NgramProposer(1, 4, draft_per_match_token=1.5).propose_one(tokens, 6) == [1, 2, 3, 4]
+    assert NgramProposer(1, 4, draft_per_match_token=1.0).propose_one(tokens, 2) == [1, 2]  # k still caps
+    # A 1-token match at 0.5 per matched token drafts nothing; a full max_n match drafts all k.
+    assert NgramProposer(1, 4, draft_per_match_token=0.5).propose_one([3, 1, 2, 3], 4) == []
+    assert NgramProposer(1, 3, draft_per_match_token=0.5).propose_one(tokens, 6) == [1, 2, 3, 4, 8, 9]
 
 
 @pytest.mark.parametrize(
@@ -104,6 +121,8 @@ def test_matches_brute_force_reference(min_n, max_n):
         ({"max_n": 0}, "1 <= min_n <= max_n"),
         ({"min_n": 1.5}, "min_n must be an int"),
         ({"max_n": True}, "max_n must be an int"),
+        ({"draft_per_match_token": -1.0}, "draft_per_match_token must be >= 0"),
+        ({"draft_per_match_token": float("nan")}, "draft_per_match_token must be >= 0"),
     ],
 )
 def test_bad_constructor_args(kwargs, message):
