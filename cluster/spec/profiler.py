@@ -167,7 +167,11 @@ def _time_draft(engine: Engine, tables, b: int, context_len: int, max_k: int, vo
 
 
 def _draft_name(speculative) -> str:
-    """The draft model, or the method where no model drafts (n-gram)."""
+    """The draft model, or the method where no model drafts (n-gram, with its cap on short
+    matches when one is set: it changes the coverage and acceptance measured)."""
     if speculative.method == "draft" and speculative.draft_model:
         return speculative.draft_model
+    cap = getattr(speculative, "ngram_draft_per_match_token", None)
+    if speculative.method == "ngram" and cap is not None:
+        return f"ngram, short matches draft <= {cap:g} per matched token"
     return speculative.method

@@ -282,6 +282,8 @@ def test_a_profile_names_the_draft_model_only_when_a_model_drafts():
 
     # configs/local.yaml names a draft model for `method: draft` while n-gram drafts.
     assert _draft_name(SimpleNamespace(method="ngram", draft_model="smollm2-135m-instruct")) == "ngram"
+    assert _draft_name(SimpleNamespace(method="ngram", draft_model=None, ngram_draft_per_match_token=1.0)) \
+        == "ngram, short matches draft <= 1 per matched token"
     assert _draft_name(SimpleNamespace(method="draft", draft_model="d")) == "d"
 
 
@@ -297,7 +299,7 @@ def test_profile_command_writes_a_profile_the_controllers_load(tiny_llama_dir, t
     table = profile.table  # vLLM's inclusive [start, end, k] ranges
     assert profile.vllm_schedule() == [[1, 1, table[1]], [2, 2, table[2]], [3, 4, table[4]]]
     written = json.loads(out.read_text())
-    assert written["draft"] == "ngram"
+    assert written["draft"] == "ngram, short matches draft <= 1 per matched token"  # the default cap
     assert written["dtype"] in ("float32", "bfloat16")  # the dtype "auto" resolved to, as run
     for policy in ("table", "adaptive", "fixed"):
         engine = make_engine(tiny_llama_dir, num_blocks=64, method="ngram", controller=policy,
