@@ -244,15 +244,15 @@ def _measure_tandem(args, source, prompt_ids, progress, task, batch_invariant: b
         raise ValueError("--method draft needs --draft-model (a model sharing the target's tokenizer)")
     system = TANDEM_INVARIANT if batch_invariant else "tandem"
     progress.update(task, description=f"loading {Path(args.model).name} {args.dtype}, {args.method} drafts")
-    quant = dict(quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype)
+    settings = dict(quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype)
     if args.draft_quantization:
-        quant["draft_quantization"] = args.draft_quantization
+        settings["draft_quantization"] = args.draft_quantization
     if args.method == "ngram":
-        quant["ngram_draft_per_match_token"] = args.ngram_draft_per_match_token
+        settings["ngram_draft_per_match_token"] = args.ngram_draft_per_match_token
     llm = LLM(str(source.path), dtype=args.dtype, device="cpu", method=args.method, draft_model=args.draft_model,
               num_speculative_tokens=max(args.ks), enable_prefix_caching=False,
               max_num_seqs=max(args.batch_sizes), kv_cache_memory=args.kv_cache_memory,
-              batch_invariant=batch_invariant, **quant)
+              batch_invariant=batch_invariant, **settings)
     engine = llm.engine
     cells = []
     ks = sorted(args.ks)

@@ -6,10 +6,9 @@ verifying pass carries the draft tokens lookup proposes, not k), the curve is th
 profile's prediction times a *speed factor*: the running mean of measured / predicted
 time over recent decode steps, so a device that is slower than profiled (a noisy
 neighbour, a throttled GPU, or the ``step_time_scale`` emulation) shows up within a few
-steps. Without a profile,
-the curve is a least-squares line ``seconds = a + c * batch_size`` through recent
-decode steps (a flat line while only one batch size has been seen). Before any
-decode step has been seen the curve is empty and the router falls back.
+steps. Without a profile, the curve is a least-squares line ``seconds = a + c *
+batch_size`` through recent decode steps (a flat line while only one batch size has been
+seen). Before any decode step has been seen the curve is empty and the router falls back.
 
 Seconds per prefill token are *marginal*: a step that computes prompt tokens (most
 steps of a busy replica mix prefill chunks into the decoding batch) counts only the
