@@ -95,8 +95,9 @@ class SimAdaptiveController(AdaptiveController):
             self._update_acceptance(accepted)
         if batch_size < 1 or seconds <= 0:
             return
-        x = (1.0, float(batch_size), float(k), float(k * batch_size))  # _step_features
-        y = seconds - self._c2 * (batch_size * k if num_drafted is None else num_drafted)
+        # _step_features / seconds and 1 - c2 D / seconds: relative errors, as observe weighs them
+        x = (1.0 / seconds, float(batch_size) / seconds, float(k) / seconds, float(k * batch_size) / seconds)
+        y = 1.0 - self._c2 * (batch_size * k if num_drafted is None else num_drafted) / seconds
         f = self.forgetting
         self._xtx_sums = [f * s + xi * xj for s, (xi, xj) in zip(self._xtx_sums, product(x, repeat=2))]
         self._xty_sums = [f * s + xi * y for s, xi in zip(self._xty_sums, x)]

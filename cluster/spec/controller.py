@@ -135,6 +135,10 @@ class AdaptiveController:
         d0, d1 = self.model.draft_coef
         theta = np.array([c0, c1 + c2, d0, d1], dtype=np.float64)
         grid = np.array([_step_features(b, k) for b in (1, 2, 4, 8, 16, 32, 64) for k in range(max_k + 1)])
+        # Relative errors, as the profile was fitted (:func:`fit_linear`): each step's row is
+        # scaled by 1 / its time, so a batch-32 step does not outweigh thirty batch-1 steps.
+        times = grid @ theta + self._c2 * grid[:, 3]
+        grid = grid / np.maximum(times, 1e-12)[:, None]
         self._prior_xtx = prior_weight / len(grid) * grid.T @ grid + 1e-9 * np.eye(4)
         self._prior_xty = self._prior_xtx @ theta
         self._prior_scale = 1.0
@@ -188,9 +192,9 @@ class AdaptiveController:
         if obs.batch_size < 1 or obs.seconds <= 0:
             return
         drafted = obs.batch_size * obs.k if obs.num_drafted is None else obs.num_drafted
-        x = _step_features(obs.batch_size, obs.k)
+        x = _step_features(obs.batch_size, obs.k) / obs.seconds  # relative error, as the profile's fit
         self._xtx = self.forgetting * self._xtx + np.outer(x, x)
-        self._xty = self.forgetting * self._xty + x * (obs.seconds - self._c2 * drafted)
+        self._xty = self.forgetting * self._xty + x * (1.0 - self._c2 * drafted / obs.seconds)
         self._prior_scale = max(self.forgetting * self._prior_scale, self._prior_floor)
         theta = np.linalg.solve(self._prior_scale * self._prior_xtx + self._xtx,
                                 self._prior_scale * self._prior_xty + self._xty)

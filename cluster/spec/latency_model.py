@@ -20,8 +20,11 @@ Step times are linear in what the hardware does per step:
 once while the batch is small), ``c1`` per-request costs (attention over the context,
 sampling), ``c2`` the per-token compute. Assumptions: acceptance does not depend on the
 batch size; contexts are about as long as when profiled (attention cost sits in c1);
-the batch does not change within a step. The benchmark reports how far the predictions
-fall from measurements.
+the batch does not change within a step. Measured step times are not quite linear (on a
+CPU the cost of a token falls as a pass carries more of them), so the coefficients are
+fitted to relative errors (:func:`fit_linear`): the model is about as far off, in per
+cent, at batch 1 as at batch 32. The benchmark reports how far the predictions fall from
+measurements.
 
 Proposers that may propose fewer tokens than asked (n-gram lookup finds no match, or its
 match ends early) are described by a *coverage* ``c_j``: the share of requests asked for
@@ -48,10 +51,32 @@ def draft_features(batch_size: float) -> list[float]:
 
 
 def fit_linear(features: list[list[float]], seconds: list[float]) -> list[float]:
-    """Least-squares coefficients, clipped at 0 (a negative cost is noise)."""
-    coef, *_ = np.linalg.lstsq(np.asarray(features, dtype=np.float64), np.asarray(seconds, dtype=np.float64),
-                               rcond=None)
-    return [max(0.0, float(c)) for c in coef]
+    """Non-negative coefficients minimising the *relative* squared error, sum ((pred - t) / t)^2.
+
+    Relative, because the controllers compare step times of one batch size against each
+    other (what matters is each one's ratio, not its milliseconds), and because measured
+    step times are not linear over a wide grid: an unweighted fit lets the slowest cells
+    (largest batch, most tokens) set the coefficients and misses the small ones by 30%.
+    Non-negative, because a negative cost is noise: a coefficient the unconstrained fit
+    makes negative is fixed at 0 and the others re-fitted without it (clipping it after
+    the fit would leave them fitted to a term that is gone)."""
+    x = np.asarray(features, dtype=np.float64)
+    t = np.asarray(seconds, dtype=np.float64)
+    if x.ndim != 2 or len(x) != len(t) or not len(t):
+        raise ValueError(f"fit_linear needs one feature row per time, got {x.shape} rows for {len(t)} times")
+    if np.any(t < 0):
+        raise ValueError("step times cannot be negative")
+    scale = 1.0 / np.maximum(t, 1e-12)  # a time below the clock's resolution weighs like 1 ps
+    weighted_x, weighted_t = x * scale[:, None], t * scale
+    active = list(range(x.shape[1]))
+    coef = np.zeros(x.shape[1])
+    while active:
+        solution, *_ = np.linalg.lstsq(weighted_x[:, active], weighted_t, rcond=None)
+        if np.all(solution >= 0):
+            coef[active] = solution
+            break
+        active.pop(int(np.argmin(solution)))
+    return [float(c) for c in coef]
 
 
 def expected_tokens(acceptance: list[float], k: int) -> float:

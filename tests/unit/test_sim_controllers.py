@@ -32,7 +32,8 @@ def test_same_observations_same_acceptance_model_and_choices():
         k = real.choose_k(state)
         assert sim.choose_k(state) == k, f"step {step}"
         seconds = PRIOR.step_time(b, k) * rng.uniform(0.8, 1.6)
-        accepted = np.cumprod(rng.random((b, k)) < 0.8, axis=1) if k else None  # [b, k]
+        rate = 0.8 if step < 150 else 0.1  # acceptance collapses half-way: k must switch
+        accepted = np.cumprod(rng.random((b, k)) < rate, axis=1) if k else None  # [b, k]
         real.observe(StepObservation(b, k, seconds, [(k, k, int(a)) for a in accepted.sum(axis=1)] if k else []))
         sim.observe_arrays(b, k, seconds, accepted)
         np.testing.assert_allclose(sim.acceptance, real.acceptance, rtol=1e-9, atol=1e-12)
