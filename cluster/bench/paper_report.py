@@ -109,12 +109,15 @@ def _print_goals(console, result: dict) -> None:
 
     table = Table(title="Goals (gap: policy TPOT / best fixed k TPOT - 1)", box=box.SIMPLE_HEAD, show_edge=False,
                   caption="per-phase k: the best fixed k of each phase picked in hindsight from the fixed-k runs, "
-                          "the most any controller could gain over the best single k here (noise flatters it)")
-    for header in ("goal", "workload", "adaptive", "table", "per-phase k", "met"):
+                          "the most any controller could gain over the best single k here (noise flatters it); "
+                          "run to run: how far repeated runs of one fixed k fall apart (median over the fixed k's "
+                          "of slowest / fastest - 1), the noise a gap must clear")
+    for header in ("goal", "workload", "adaptive", "table", "per-phase k", "run to run", "met"):
         table.add_column(header, justify="left" if header in ("goal", "workload") else "right")
     for g in result["goals"]:
         table.add_row(g["goal"], g["workload"], _pct(g["adaptive_gap"]), _pct(g["table_gap"]),
-                      _pct(g.get("phase_oracle_gap")), "[green]yes[/]" if g["met"] else "[red]no[/]")
+                      _pct(g.get("phase_oracle_gap")), _pct(g.get("run_to_run")),
+                      "[green]yes[/]" if g["met"] else "[red]no[/]")
     console.print(table)
     share = [r["prefill_step_share"] for w in result["traffic"]["workloads"] for r in w["runs"]
              if r.get("prefill_step_share") is not None]

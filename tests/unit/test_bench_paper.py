@@ -179,6 +179,9 @@ def test_repeats_rotate_the_policy_order_and_keep_each_policys_median_run(monkey
     assert {p: r["mean_tpot_ms"] for p, r in runs.items()} == {"k=1": 20.0, "k=2": 6.0, "adaptive": 4.0}
     assert runs["adaptive"]["repeat_mean_tpot_ms"] == [9.0, 3.0, 4.0]
     assert result["best_fixed"]["policy"] == "k=2" and result["gaps"]["adaptive"] == pytest.approx(4.0 / 6.0 - 1)
+    # Run to run: k=1 spreads 30 / 10 - 1 = 200%, k=2 7 / 5 - 1 = 40%; the lower median of the
+    # fixed k's (adaptive is not one).
+    assert result["run_to_run"] == pytest.approx(0.4)
 
 
 def test_the_phase_oracle_takes_each_phases_best_fixed_k(monkeypatch):
@@ -202,3 +205,4 @@ def test_the_phase_oracle_takes_each_phases_best_fixed_k(monkeypatch):
     assert oracle["policies"] == ["k=1", "k=2", "k=1"]  # the adaptive run is not a fixed k
     assert oracle["mean_tpot_ms"] == pytest.approx((2 * 10 + 4 * 20 + 2 * 10) / 8)
     assert oracle["gap_vs_best_fixed"] == pytest.approx(15 / 17 - 1)
+    assert result["run_to_run"] is None  # one run per policy: no spread to measure
