@@ -31,8 +31,8 @@ def _print_sweep(console, result: dict) -> None:
         title=f"TPOT ms vs k, measured / predicted, {model} {settings['dtype']} n-gram, "
               f"{settings['output_len']} tokens per request, batch submitted at once",
         caption=f"predicted: the latency model fitted by run_profile (fit error {profile['fit_error']:.1%}) with the "
-                "profile's acceptance (" + ", ".join(f"{a:.2f}" for a in profile["acceptance"]) + "); "
-                "bold: best measured k",
+                f"acceptance the controllers start from, measured on the {profile['acceptance_prompts']} prompts ("
+                + ", ".join(f"{a:.2f}" for a in profile["acceptance"]) + "); bold: best measured k",
         box=box.SIMPLE_HEAD, show_edge=False,
     )
     table.add_column("batch", justify="right")
@@ -117,7 +117,7 @@ def _print_goals(console, result: dict) -> None:
     for g in result["goals"]:
         table.add_row(g["goal"], g["workload"], _pct(g["adaptive_gap"]), _pct(g["table_gap"]),
                       _pct(g.get("phase_oracle_gap")), _pct(g.get("run_to_run")),
-                      "[green]yes[/]" if g["met"] else "[red]no[/]")
+                      "[green]yes[/]" if g["met"] else ("no, within noise" if g.get("within_noise") else "[red]no[/]"))
     console.print(table)
     share = [r["prefill_step_share"] for w in result["traffic"]["workloads"] for r in w["runs"]
              if r.get("prefill_step_share") is not None]

@@ -119,7 +119,7 @@ def test_bad_arguments_are_rejected(flag, value, capsys):
 
 
 def test_workload_acceptance_replaces_the_calibration_one_and_resolves_the_table():
-    from cluster.bench.paper import _with_workload_acceptance
+    from cluster.bench.paper import _add_predictions, _with_workload_acceptance
     from cluster.spec.latency_model import LatencyModel
     from cluster.spec.profile_data import SpeculationProfile
 
@@ -138,6 +138,18 @@ def test_workload_acceptance_replaces_the_calibration_one_and_resolves_the_table
     assert updated.table == {b: model.best_k(b, updated.acceptance, 4, updated.coverage) for b in (1, 8)}
     assert updated.table != profile.table and profile.acceptance == calibration and profile.coverage is None
     assert (profile.acceptance_prompts, updated.acceptance_prompts) == ("calibration", "bench paper sweep")
+
+    # The sweep's predictions use the acceptance the controllers start from (the replaced one).
+    for cell, (b, tpot) in zip(cells, [(1, 20.0), (8, 30.0), (1, 25.0)]):
+        cell.update(batch_size=b, tpot_ms=tpot)
+    _add_predictions(cells, updated)
+    for cell in cells:
+        b, k = cell["batch_size"], cell["k"]
+        want = model.time_per_token(b, k, updated.acceptance, updated.coverage) * 1e3
+        assert cell["predicted_tpot_ms"] == pytest.approx(want)
+        assert cell["prediction_error"] == pytest.approx(want / cell["tpot_ms"] - 1)
+        own = model.time_per_token(b, k, cell["effective_acceptance"], cell["coverage"]) * 1e3
+        assert cell["predicted_tpot_ms_measured_acceptance"] == pytest.approx(own)
 
 
 def _serve_with_fake_runs(monkeypatch, fake_run, workload, policies, repeats):
@@ -173,8 +185,9 @@ def test_repeats_rotate_the_policy_order_and_keep_each_policys_median_run(monkey
                          mean_batch_size=1.0, mean_k=0.0, k_per_step={}, acceptance_rate=None)
 
     result = _serve_with_fake_runs(monkeypatch, fake_run, uniform_workload(1.0, 1, 0), list(tpot), repeats=3)
-    # Rounds start at policy 0, 1 and 2 (3 policies spread over 3 rounds).
-    assert calls == ["k=1", "k=2", "adaptive", "k=2", "adaptive", "k=1", "adaptive", "k=1", "k=2"]
+    # Rounds start at position 0, 1 and 2 (3 policies spread over 3 rounds); the middle round
+    # runs the list backwards, so adaptive follows k=2 in one round and precedes it in another.
+    assert calls == ["k=1", "k=2", "adaptive", "k=2", "k=1", "adaptive", "adaptive", "k=1", "k=2"]
     runs = {r["policy"]: r for r in result["runs"]}
     assert {p: r["mean_tpot_ms"] for p, r in runs.items()} == {"k=1": 20.0, "k=2": 6.0, "adaptive": 4.0}
     assert runs["adaptive"]["repeat_mean_tpot_ms"] == [9.0, 3.0, 4.0]
@@ -206,3 +219,21 @@ def test_the_phase_oracle_takes_each_phases_best_fixed_k(monkeypatch):
     assert oracle["mean_tpot_ms"] == pytest.approx((2 * 10 + 4 * 20 + 2 * 10) / 8)
     assert oracle["gap_vs_best_fixed"] == pytest.approx(15 / 17 - 1)
     assert result["run_to_run"] is None  # one run per policy: no spread to measure
+
+
+def test_goals_mark_a_miss_within_the_run_to_run_spread():
+    """Fixed gaps and spreads, no timing: the worst uniform rate decides the uniform goal."""
+    from cluster.bench.paper import _goals
+
+    def workload(name, kind, adaptive, spread):
+        return {"name": name, "kind": kind, "gaps": {"adaptive": adaptive, "table": 0.0}, "run_to_run": spread,
+                "phase_oracle": None}
+
+    uniform, phased = _goals([workload("uniform-1", "uniform", 0.01, 0.1), workload("uniform-4", "uniform", 0.05, 0.1),
+                              workload("phased", "phased", -0.05, 0.02)])
+    assert uniform["workload"] == "uniform-4" and not uniform["met"] and uniform["within_noise"]  # 3% over, 10% spread
+    assert not phased["met"] and not phased["within_noise"]  # 4% short of 9% ahead, 2% spread
+    uniform, = _goals([workload("uniform-1", "uniform", 0.05, None)])
+    assert not uniform["met"] and not uniform["within_noise"]  # one run per policy: no spread measured
+    uniform, phased = _goals([workload("uniform-1", "uniform", 0.0, 0.3), workload("phased", "phased", -0.1, 0.3)])
+    assert uniform["met"] and phased["met"] and not uniform["within_noise"] and not phased["within_noise"]
