@@ -15,8 +15,8 @@ import torch
 from cluster.engine.scheduler import ScheduledRequest
 from cluster.quant.kv_int8 import Int8KVCache, bytes_per_vector
 from cluster.runner.input_batch import SHORT_QUERY_MAX, SeqChunk, prepare_inputs
-from cluster.runner.sampler import Sampler, SamplingMetadata, compute_probs
-from cluster.spec.rejection import rejection_sample
+from cluster.runner.sampler import Sampler, SamplingMetadata, compute_probs, greedy_token_ids
+from cluster.spec.rejection import greedy_verify, rejection_sample
 
 if TYPE_CHECKING:
     from cluster.spec.proposer import DraftProposal
@@ -190,7 +190,12 @@ class ModelRunner:
         # Target distributions at every verified position: [num_reqs, max_k + 1, vocab]
         expanded = [r for r, d in spec for _ in range(len(d) + 1)]
         flat = torch.cat([logits[rows[r.request_id]] for r in requests])
-        flat_probs = compute_probs(flat, self.sampling_metadata(expanded, vocab))
+        metadata = self.sampling_metadata(expanded, vocab)
+        if metadata.all_greedy:  # no distributions needed: compare drafts with the argmax
+            out = greedy_verify([d for _, d in spec], greedy_token_ids(flat, metadata).tolist())
+            return {r.request_id: SampledTokens(tokens, None, accepted)
+                    for r, tokens, accepted in zip(requests, out.output_token_ids, out.num_accepted)}
+        flat_probs = compute_probs(flat, metadata)
         target_probs = flat_probs.new_zeros(len(requests), max_k + 1, vocab)
         draft_token_ids = torch.zeros(len(requests), max_k, dtype=torch.int64, device=logits.device)
         draft_probs = None if drafts.probs is None else flat_probs.new_zeros(len(requests), max_k, vocab)

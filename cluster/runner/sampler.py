@@ -149,6 +149,14 @@ def _penalized_logits(
     return apply_banned_token_ids(apply_penalties(logits.float(), metadata), metadata)
 
 
+def greedy_token_ids(
+    logits: torch.Tensor,  # [num_reqs, vocab_size] any float dtype
+    metadata: SamplingMetadata,
+) -> torch.Tensor:  # [num_reqs] int64
+    """What greedy rows emit: the argmax of their penalized logits (first index on ties)."""
+    return _penalized_logits(logits, metadata).argmax(dim=-1)
+
+
 def _one_hot(
     token_ids: torch.Tensor,  # [num_reqs] int64
     vocab_size: int,
@@ -233,7 +241,7 @@ class Sampler(torch.nn.Module):
         logits = logits.float()
         raw_logprobs = None if metadata.max_num_logprobs is None else logits.log_softmax(dim=-1)
         if metadata.all_greedy:
-            sampled = _penalized_logits(logits, metadata).argmax(dim=-1)
+            sampled = greedy_token_ids(logits, metadata)
         else:
             sampled = sample_from_probs(compute_probs(logits, metadata), metadata)
         logprobs = None

@@ -34,6 +34,11 @@ uniforms ``[num_reqs, max_k]`` and one batched exponential race; a seeded row dr
 depend on its seed and its own inputs, never on its position or on the other rows. Greedy rows
 never advance a generator, and an all-greedy batch draws nothing at all.
 
+A batch of only greedy rows needs no distributions at all: ``greedy_verify`` takes the target's
+argmax at each verified position and walks the drafts on the host, which is what the greedy
+fast path computes, without building ``[num_reqs, max_k + 1, vocab_size]`` tensors (at batch
+32 with ragged n-gram drafts that padding cost more than the forward pass).
+
 Host syncs: one read of the greedy mask (it decides which draws to make) and one ``.tolist()``
 of the result.
 """
@@ -44,7 +49,7 @@ from typing import NamedTuple
 
 import torch
 
-__all__ = ["RejectionOutput", "recovered_probs", "rejection_sample"]
+__all__ = ["RejectionOutput", "greedy_verify", "recovered_probs", "rejection_sample"]
 
 
 class RejectionOutput(NamedTuple):
@@ -135,6 +140,26 @@ def rejection_sample(
         output_token_ids=[row[: row[-1] + 1] for row in host_rows],
         num_accepted=[row[-1] for row in host_rows],
     )
+
+
+def greedy_verify(
+    draft_token_ids: list[list[int]],  # per request, its k_i draft tokens
+    target_argmax: list[int],  # per request in order, the target's argmax at its k_i + 1 verified positions
+) -> RejectionOutput:
+    """Greedy verification: accept drafts while each equals the target's argmax there, then
+    emit the argmax at the first mismatch (recovered) or after the last draft (bonus)."""
+    expected = sum(len(d) + 1 for d in draft_token_ids)
+    if len(target_argmax) != expected:
+        raise ValueError(f"target_argmax must hold {expected} ids (k_i + 1 per request), got {len(target_argmax)}")
+    outputs, num_accepted, offset = [], [], 0
+    for drafts in draft_token_ids:
+        accepted = 0
+        while accepted < len(drafts) and drafts[accepted] == target_argmax[offset + accepted]:
+            accepted += 1
+        outputs.append(list(drafts[:accepted]) + [target_argmax[offset + accepted]])
+        num_accepted.append(accepted)
+        offset += len(drafts) + 1
+    return RejectionOutput(output_token_ids=outputs, num_accepted=num_accepted)
 
 
 def _draw_uniforms(
