@@ -361,8 +361,8 @@ def _median_run(runs: list[RunResult]) -> RunResult:
 
 def _goals(traffic: list[dict]) -> list[dict]:
     """gap = policy TPOT / best fixed TPOT - 1: positive is behind, negative ahead. A goal
-    missed by a gap no larger than the run-to-run spread is marked ``within_noise``: the
-    runs cannot tell it from met."""
+    met or missed by a margin no larger than the run-to-run spread is marked
+    ``within_noise``: these runs cannot tell the one from the other."""
     uniform = [w for w in traffic if w["kind"] == "uniform"]
     phased = [w for w in traffic if w["kind"] == "phased"]
     worst = max(uniform, key=lambda w: w["gaps"]["adaptive"]) if uniform else None
@@ -384,7 +384,7 @@ def _goals(traffic: list[dict]) -> list[dict]:
     return goals
 
 
-def _within_noise(miss: float, workload: dict) -> bool:
-    """A goal missed by ``miss`` (> 0) within the workload's run-to-run spread."""
+def _within_noise(margin: float, workload: dict) -> bool:
+    """A goal missed (``margin`` > 0) or met (< 0) by no more than the workload's run-to-run spread."""
     spread = workload.get("run_to_run")
-    return miss > 0 and spread is not None and miss <= spread
+    return spread is not None and abs(margin) <= spread

@@ -117,7 +117,8 @@ def _print_goals(console, result: dict) -> None:
     for g in result["goals"]:
         table.add_row(g["goal"], g["workload"], _pct(g["adaptive_gap"]), _pct(g["table_gap"]),
                       _pct(g.get("phase_oracle_gap")), _pct(g.get("run_to_run")),
-                      "[green]yes[/]" if g["met"] else ("no, within noise" if g.get("within_noise") else "[red]no[/]"))
+                      ("yes" if g["met"] else "no") + ", within noise" if g.get("within_noise")
+                      else "[green]yes[/]" if g["met"] else "[red]no[/]")
     console.print(table)
     share = [r["prefill_step_share"] for w in result["traffic"]["workloads"] for r in w["runs"]
              if r.get("prefill_step_share") is not None]
