@@ -16,7 +16,7 @@ from cluster.engine.scheduler import ScheduledRequest
 from cluster.quant.kv_int8 import Int8KVCache, bytes_per_vector
 from cluster.runner.input_batch import SHORT_QUERY_MAX, SeqChunk, prepare_inputs
 from cluster.runner.sampler import Sampler, SamplingMetadata, compute_probs, greedy_token_ids
-from cluster.spec.rejection import greedy_verify, rejection_sample
+from cluster.spec.rejection import greedy_verify, rejection_sample_packed
 
 if TYPE_CHECKING:
     from cluster.spec.proposer import DraftProposal
@@ -184,10 +184,8 @@ class ModelRunner:
     ) -> dict[str, SampledTokens]:
         """Rejection-sample the drafts of ``spec`` requests against the target's logits."""
         requests = [r for r, _ in spec]
-        num_drafts = [len(d) for _, d in spec]
-        max_k = max(num_drafts)
         vocab = logits.shape[-1]
-        # Target distributions at every verified position: [num_reqs, max_k + 1, vocab]
+        # The target's logits at every verified position, request after request: [sum (k_i + 1), vocab]
         expanded = [r for r, d in spec for _ in range(len(d) + 1)]
         flat = torch.cat([logits[rows[r.request_id]] for r in requests])
         metadata = self.sampling_metadata(expanded, vocab)
@@ -195,21 +193,11 @@ class ModelRunner:
             out = greedy_verify([d for _, d in spec], greedy_token_ids(flat, metadata).tolist())
             return {r.request_id: SampledTokens(tokens, None, accepted)
                     for r, tokens, accepted in zip(requests, out.output_token_ids, out.num_accepted)}
-        flat_probs = compute_probs(flat, metadata)
-        target_probs = flat_probs.new_zeros(len(requests), max_k + 1, vocab)
-        draft_token_ids = torch.zeros(len(requests), max_k, dtype=torch.int64, device=logits.device)
-        draft_probs = None if drafts.probs is None else flat_probs.new_zeros(len(requests), max_k, vocab)
-        offset = 0
-        for i, (request, proposed) in enumerate(spec):
-            k = len(proposed)
-            target_probs[i, : k + 1] = flat_probs[offset : offset + k + 1]
-            draft_token_ids[i, :k] = torch.tensor(proposed, device=logits.device)
-            if draft_probs is not None:
-                draft_probs[i, :k] = drafts.probs[request.request_id]
-            offset += k + 1
+        flat_probs = compute_probs(flat, metadata)  # [sum (k_i + 1), vocab], request after request
+        draft_probs = None if drafts.probs is None else torch.cat([drafts.probs[r.request_id] for r in requests])
         greedy = torch.tensor([r.sampling_params.greedy for r in requests], device=logits.device)
         generators = {i: g for i, r in enumerate(requests) if (g := self._generator(r)) is not None}
-        out = rejection_sample(draft_token_ids, num_drafts, draft_probs, target_probs, greedy, generators)
+        out = rejection_sample_packed([d for _, d in spec], draft_probs, flat_probs, greedy, generators)
         return {
             r.request_id: SampledTokens(tokens, None, accepted)
             for r, tokens, accepted in zip(requests, out.output_token_ids, out.num_accepted)

@@ -34,10 +34,14 @@ uniforms ``[num_reqs, max_k]`` and one batched exponential race; a seeded row dr
 depend on its seed and its own inputs, never on its position or on the other rows. Greedy rows
 never advance a generator, and an all-greedy batch draws nothing at all.
 
-A batch of only greedy rows needs no distributions at all: ``greedy_verify`` takes the target's
-argmax at each verified position and walks the drafts on the host, which is what the greedy
-fast path computes, without building ``[num_reqs, max_k + 1, vocab_size]`` tensors (at batch
-32 with ragged n-gram drafts that padding cost more than the forward pass).
+``rejection_sample`` takes distributions padded to ``[num_reqs, max_k + 1, vocab_size]``;
+``rejection_sample_packed`` takes them packed request after request (``[sum (k_i + 1),
+vocab_size]``, as the verifying pass returns them) and reads the same rows through an index,
+so the same draws give the same tokens. The engine uses the packed form: with ragged n-gram
+drafts at batch 32, padding every request to the longest one's rows cost more than the
+forward pass. A batch of only greedy rows needs no distributions at all: ``greedy_verify``
+walks the drafts on the host against the target's argmax, which is what the greedy fast path
+computes.
 
 Host syncs: one read of the greedy mask (it decides which draws to make) and one ``.tolist()``
 of the result.
@@ -49,7 +53,7 @@ from typing import NamedTuple
 
 import torch
 
-__all__ = ["RejectionOutput", "greedy_verify", "recovered_probs", "rejection_sample"]
+__all__ = ["RejectionOutput", "greedy_verify", "recovered_probs", "rejection_sample", "rejection_sample_packed"]
 
 
 class RejectionOutput(NamedTuple):
@@ -86,6 +90,59 @@ def rejection_sample(
     num_reqs, max_k, vocab_size = _check_shapes(
         draft_token_ids, num_draft_tokens, draft_probs, target_probs, greedy, generators
     )
+    device = target_probs.device
+    target_rows = torch.arange(num_reqs * (max_k + 1), device=device).view(num_reqs, max_k + 1)
+    draft_rows = torch.arange(num_reqs * max_k, device=device).view(num_reqs, max_k)
+    return _sample_rows(draft_token_ids, num_draft_tokens,
+                        None if draft_probs is None else draft_probs.reshape(-1, vocab_size), draft_rows,
+                        target_probs.reshape(-1, vocab_size), target_rows, greedy, generators)
+
+
+def rejection_sample_packed(
+    draft_token_ids: list[list[int]],  # per request, its k_i draft tokens
+    draft_probs: torch.Tensor | None,  # [sum k_i, vocab_size] float32, request after request; None = one-hot
+    target_probs: torch.Tensor,  # [sum (k_i + 1), vocab_size] float32, request after request
+    greedy: torch.Tensor,  # [num_reqs] bool
+    generators: dict[int, torch.Generator],  # row -> the request's own generator (seeded rows)
+) -> RejectionOutput:
+    """``rejection_sample`` on distributions packed request after request, as the target's
+    verifying pass returns them: the same tokens for the same inputs and random draws,
+    without padding every request to the longest one's ``k + 1`` rows of the vocabulary."""
+    counts = [len(d) for d in draft_token_ids]
+    num_reqs, max_k = len(counts), max(counts, default=0)
+    if target_probs.dim() != 2 or target_probs.shape[0] != sum(counts) + num_reqs:
+        raise ValueError(f"target_probs must be [sum (k_i + 1), vocab_size] = [{sum(counts) + num_reqs}, vocab_size], "
+                         f"got {tuple(target_probs.shape)}")
+    if draft_probs is not None and tuple(draft_probs.shape) != (sum(counts), target_probs.shape[1]):
+        raise ValueError(f"draft_probs must be None or [sum k_i, vocab_size] = [{sum(counts)}, "
+                         f"{target_probs.shape[1]}], got {tuple(draft_probs.shape)}")
+    device = target_probs.device
+    num_draft = torch.tensor(counts, dtype=torch.int64, device=device)  # [num_reqs]
+    draft_start = torch.cumsum(num_draft, 0) - num_draft  # [num_reqs]
+    target_start = draft_start + torch.arange(num_reqs, device=device)  # each request has k_i + 1 rows
+    j = torch.arange(max_k + 1, device=device)  # [max_k + 1]
+    # Positions past a row's own rows point at its last one (padding: never read into the result).
+    target_rows = target_start[:, None] + torch.minimum(j, num_draft[:, None])  # [num_reqs, max_k + 1]
+    draft_rows = (draft_start[:, None] + torch.minimum(j[:max_k], (num_draft - 1).clamp(min=0)[:, None]))
+    draft_rows = draft_rows.clamp(max=max(sum(counts) - 1, 0))  # [num_reqs, max_k]
+    _check_rows(num_reqs, greedy, generators)
+    ids = torch.tensor([d + [0] * (max_k - len(d)) for d in draft_token_ids], dtype=torch.int64, device=device)
+    return _sample_rows(ids.view(num_reqs, max_k), counts, draft_probs, draft_rows, target_probs, target_rows,
+                        greedy, generators)
+
+
+def _sample_rows(
+    draft_token_ids: torch.Tensor,  # [num_reqs, max_k] int64
+    num_draft_tokens: list[int],
+    draft_probs: torch.Tensor | None,  # [num_draft_rows, vocab_size]
+    draft_rows: torch.Tensor,  # [num_reqs, max_k] int64: the row of draft_probs at (request, position)
+    target_probs: torch.Tensor,  # [num_target_rows, vocab_size]
+    target_rows: torch.Tensor,  # [num_reqs, max_k + 1] int64: the row of target_probs at (request, position)
+    greedy: torch.Tensor,
+    generators: dict[int, torch.Generator],
+) -> RejectionOutput:
+    """The rule, reading distributions through row indices (shapes already checked)."""
+    num_reqs, max_k = draft_token_ids.shape
     if num_reqs == 0:
         return RejectionOutput(output_token_ids=[], num_accepted=[])
     device = target_probs.device
@@ -99,16 +156,16 @@ def rejection_sample(
     draft_ids = torch.where(is_draft, draft_token_ids.long(), 0)  # [num_reqs, max_k] padding -> a valid id
 
     if any_greedy:
-        target_argmax = target_probs.argmax(dim=-1)  # [num_reqs, max_k + 1]
+        target_argmax = target_probs.argmax(dim=-1)[target_rows]  # [num_reqs, max_k + 1]
         accepted = draft_ids == target_argmax[:, :max_k]  # [num_reqs, max_k]
     if not all_greedy:
         uniforms = _draw_uniforms(num_reqs, max_k, num_draft_tokens, seeded, any_unseeded_random, device)
         # Accept iff u < target / draft, written without a division: P = min(1, target / draft).
-        target_at_draft = target_probs[:, :max_k].gather(2, draft_ids[..., None]).squeeze(2)
+        target_at_draft = target_probs[target_rows[:, :max_k], draft_ids]  # [num_reqs, max_k]
         if draft_probs is None:
             random_accepted = uniforms < target_at_draft
         else:
-            draft_at_draft = draft_probs.gather(2, draft_ids[..., None]).squeeze(2)
+            draft_at_draft = draft_probs[draft_rows, draft_ids]
             random_accepted = uniforms * draft_at_draft < target_at_draft
         accepted = torch.where(greedy[:, None], accepted, random_accepted) if any_greedy else random_accepted
     accepted &= is_draft
@@ -119,14 +176,14 @@ def rejection_sample(
     if all_greedy:
         final_ids = target_argmax[rows, num_accepted]  # [num_reqs]
     else:
-        final_probs = target_probs[rows, num_accepted]  # [num_reqs, vocab_size] bonus distribution
+        final_probs = target_probs[target_rows[rows, num_accepted]]  # [num_reqs, vocab_size] bonus distribution
         if max_k > 0:
             rejected = num_accepted < num_draft  # [num_reqs]
             rejected_ids = draft_ids[rows, num_accepted.clamp(max=max_k - 1)]  # [num_reqs]
             if draft_probs is None:
                 rejected_draft_probs = torch.zeros_like(final_probs).scatter_(1, rejected_ids[:, None], 1.0)
             else:
-                rejected_draft_probs = draft_probs[rows, num_accepted.clamp(max=max_k - 1)]
+                rejected_draft_probs = draft_probs[draft_rows[rows, num_accepted.clamp(max=max_k - 1)]]
             recovered = recovered_probs(final_probs, rejected_draft_probs)
             final_probs = torch.where(rejected[:, None], recovered, final_probs)
         final_ids = _exponential_race(final_probs, seeded, any_unseeded_random)
@@ -222,12 +279,16 @@ def _check_shapes(
             f"draft_probs must be None or [num_reqs, max_k, vocab_size] = [{num_reqs}, {max_k}, {vocab_size}], "
             f"got {tuple(draft_probs.shape)}"
         )
-    if tuple(greedy.shape) != (num_reqs,) or greedy.dtype != torch.bool:
-        raise ValueError(f"greedy must be a [{num_reqs}] bool tensor, got {tuple(greedy.shape)} {greedy.dtype}")
     if len(num_draft_tokens) != num_reqs or any(not 0 <= n <= max_k for n in num_draft_tokens):
         raise ValueError(
             f"num_draft_tokens must hold {num_reqs} counts in [0, {max_k}], got {list(num_draft_tokens)}"
         )
+    _check_rows(num_reqs, greedy, generators)
+    return num_reqs, max_k, vocab_size
+
+
+def _check_rows(num_reqs: int, greedy: torch.Tensor, generators: dict[int, torch.Generator]) -> None:
+    if tuple(greedy.shape) != (num_reqs,) or greedy.dtype != torch.bool:
+        raise ValueError(f"greedy must be a [{num_reqs}] bool tensor, got {tuple(greedy.shape)} {greedy.dtype}")
     if any(not 0 <= row < num_reqs for row in generators):
         raise ValueError(f"generators must be keyed by rows in [0, {num_reqs}), got {sorted(generators)}")
-    return num_reqs, max_k, vocab_size
