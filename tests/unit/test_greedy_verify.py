@@ -17,13 +17,18 @@ def test_hand_cases():
     assert out.num_accepted == [1, 2, 0]
 
 
+def _random_counts(gen: torch.Generator) -> list[int]:
+    """Draft counts of a random batch: 1-5 requests with 0-4 drafts each."""
+    num_reqs = int(torch.randint(1, 6, (1,), generator=gen))
+    return torch.randint(0, 5, (num_reqs,), generator=gen).tolist()
+
+
 def test_matches_rejection_samplings_greedy_rows():
     gen = torch.Generator().manual_seed(0)
     vocab = 11
     for _ in range(200):
-        num_reqs = int(torch.randint(1, 6, (1,), generator=gen))
-        counts = torch.randint(0, 5, (num_reqs,), generator=gen).tolist()
-        max_k = max(counts)
+        counts = _random_counts(gen)
+        num_reqs, max_k = len(counts), max(counts)
         target_ids = torch.randint(0, vocab, (num_reqs, max_k + 1), generator=gen)
         drafts = torch.randint(0, vocab, (num_reqs, max_k), generator=gen)
         # Make long accepted runs likely: copy the target's tokens into most draft positions.
@@ -48,9 +53,8 @@ def test_packed_distributions_give_the_padded_results(with_draft_probs):
     gen = torch.Generator().manual_seed(1)
     vocab = 7
     for trial in range(100):
-        num_reqs = int(torch.randint(1, 6, (1,), generator=gen))
-        counts = torch.randint(0, 5, (num_reqs,), generator=gen).tolist()
-        max_k = max(counts)
+        counts = _random_counts(gen)
+        num_reqs, max_k = len(counts), max(counts)
         drafts = [torch.randint(0, vocab, (n,), generator=gen).tolist() for n in counts]
         target = [torch.rand(n + 1, vocab, generator=gen) for n in counts]
         draft = [torch.rand(n, vocab, generator=gen) for n in counts] if with_draft_probs else None
