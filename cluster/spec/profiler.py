@@ -171,7 +171,7 @@ def _draft_name(speculative) -> str:
     matches when one is set: it changes the coverage and acceptance measured)."""
     if speculative.method == "draft" and speculative.draft_model:
         return speculative.draft_model
-    cap = getattr(speculative, "ngram_draft_per_match_token", None)
+    cap = speculative.ngram_draft_per_match_token
     if speculative.method == "ngram" and cap is not None:
         return f"ngram, short matches draft <= {cap:g} per matched token"
     return speculative.method

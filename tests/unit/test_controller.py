@@ -281,10 +281,12 @@ def test_a_profile_names_the_draft_model_only_when_a_model_drafts():
     from cluster.spec.profiler import _draft_name
 
     # configs/local.yaml names a draft model for `method: draft` while n-gram drafts.
-    assert _draft_name(SimpleNamespace(method="ngram", draft_model="smollm2-135m-instruct")) == "ngram"
-    assert _draft_name(SimpleNamespace(method="ngram", draft_model=None, ngram_draft_per_match_token=1.0)) \
-        == "ngram, short matches draft <= 1 per matched token"
-    assert _draft_name(SimpleNamespace(method="draft", draft_model="d")) == "d"
+    def speculative(method, draft_model, cap=None):
+        return SimpleNamespace(method=method, draft_model=draft_model, ngram_draft_per_match_token=cap)
+
+    assert _draft_name(speculative("ngram", "smollm2-135m-instruct")) == "ngram"
+    assert _draft_name(speculative("ngram", None, 1.0)) == "ngram, short matches draft <= 1 per matched token"
+    assert _draft_name(speculative("draft", "d", 1.0)) == "d"
 
 
 def test_profile_command_writes_a_profile_the_controllers_load(tiny_llama_dir, tmp_path):

@@ -11,20 +11,21 @@ GRID = [(b, n) for b in (1, 2, 4, 8, 16, 32) for n in range(1, 10)]
 ACCEPTANCE = [0.35, 0.6, 0.7, 0.8, 0.9, 0.9, 0.9, 0.9]
 
 
-def _concave_ms(b: int, n: int) -> float:
-    """A pass whose token cost falls as it carries more tokens, as measured on this
-    machine's CPU (0.66 ms per token up to 32 tokens, 0.42 beyond; 8 ms of fixed cost)."""
+def _made_up_step_cost(b: int, n: int) -> float:
+    """A made-up cost function (no clock is read): a pass whose token cost falls as it carries
+    more tokens, shaped like this machine's CPU (0.66 per token up to 32 tokens, 0.42 beyond,
+    8 of fixed cost, in ms)."""
     tokens = b * n
     return 8.0 + 0.1 * b + 0.66 * min(tokens, 32) + 0.42 * max(tokens - 32, 0)
 
 
 def _relative_errors(coef: list[float]) -> dict[tuple[int, int], float]:
-    return {(b, n): abs(float(np.dot(coef, target_features(b, n))) / _concave_ms(b, n) - 1) for b, n in GRID}
+    return {(b, n): abs(float(np.dot(coef, target_features(b, n))) / _made_up_step_cost(b, n) - 1) for b, n in GRID}
 
 
 def test_relative_fit_keeps_small_batches_as_accurate_as_large_ones():
     features = [target_features(b, n) for b, n in GRID]
-    times = [_concave_ms(b, n) for b, n in GRID]
+    times = [_made_up_step_cost(b, n) for b, n in GRID]
     relative = _relative_errors(fit_linear(features, times))
     plain = _relative_errors(np.linalg.lstsq(np.array(features), np.array(times), rcond=None)[0].tolist())
     small = [cell for cell in GRID if cell[0] * cell[1] <= 8]
@@ -33,7 +34,7 @@ def test_relative_fit_keeps_small_batches_as_accurate_as_large_ones():
 
 
 def test_relative_fit_picks_ks_close_to_the_best_of_the_true_step_times():
-    truth = {(b, n): _concave_ms(b, n) for b, n in GRID}
+    truth = {(b, n): _made_up_step_cost(b, n) for b, n in GRID}
     relative = LatencyModel.fit([(b, n, t) for (b, n), t in truth.items()], [])
     coef = np.linalg.lstsq(np.array([target_features(b, n) for b, n in GRID]), np.array(list(truth.values())),
                            rcond=None)[0]
