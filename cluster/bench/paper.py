@@ -5,12 +5,12 @@ Decoding and Batching") on our engine, in one run on one loaded model.
    step times over (batch size, k) and acceptance on the calibration prompts; it fits
    TPOT(b, k) = (k T_draft(b) + T_target(b, k + 1)) / E(k)). Then each (batch size b, k)
    cell submits b prompts at once and generates ``output_len`` greedy tokens each (EOS
-   ignored) under ``FixedController(k)``, in rounds until every prompt was served
-   (``MIN_REQUESTS_PER_CELL``): prompt lookup's acceptance differs several-fold between
-   prompts, so every batch size must see the same ones (when cells took the first 4, batch
-   1 rested on the prompts that copy most and its best k looked larger than it is). Measured TPOT is set against the model's prediction with the
-   profile's acceptance (what the controllers use) and with the cell's own measured
-   acceptance (which isolates the step-time part of the model).
+   ignored) under ``FixedController(k)``, in rounds until every prompt of the set was
+   served: prompt lookup's acceptance differs several-fold between prompts, so every batch
+   size must see the same ones (when cells took the first 4, batch 1 rested on the prompts
+   that copy most and its best k looked larger than it is). Measured TPOT is set against
+   the model's prediction with the profile's acceptance (what the controllers use) and
+   with the cell's own measured acceptance (which isolates the step-time part of the model).
 2. **Traffic.** Open-loop Poisson arrivals in real time (:mod:`paper_traffic`): uniform
    rates at ``RATE_FRACTIONS`` of a capacity measured in part 1 (requests/s of the
    largest batch at its best k), or ``--rates``; and a phased workload (the lightest
@@ -18,10 +18,13 @@ Decoding and Batching") on our engine, in one run on one loaded model.
    ``adaptive``) serves the same arrival trace; adaptive starts afresh from the profile
    in every run. Goals are checked on mean TPOT against the best fixed k.
 
-Prompts are :mod:`spec_workload`'s rewrite / summarize / proofread / continue requests
-(n-gram prompt lookup pays on them). Prefix caching is off, so identical prompts are
-prefilled cold in every run. Figures: :mod:`paper_plots`. Heavy imports stay inside
-functions: ``tandem`` builds this parser for every command.
+Prompts (``--prompts``): ``edit`` is :mod:`spec_workload`'s rewrite / summarize / proofread /
+continue requests (n-gram prompt lookup pays on them at every batch size here);
+``calibration`` is the profiler's chat requests, most of them open-ended, where lookup
+drafts less (the default profile's model has k fall from 8 to 0 at batch 8 on them).
+Prefix caching is off, so identical prompts are prefilled cold in every run. Figures:
+:mod:`paper_plots`. Heavy imports stay inside functions: ``tandem`` builds this parser for
+every command.
 """
 
 from __future__ import annotations
@@ -38,10 +41,13 @@ from cluster.bench.offline import DTYPES, concrete_dtype, _int_list, _positive_i
 from cluster.bench.paper_traffic import RunResult, Workload, phased_workload, run_open_loop, uniform_workload
 from cluster.bench.spec import WORKLOAD, SpecCounts, _k_list, make_cell, run_closed_loop
 from cluster.bench.spec_workload import build_prompt_ids
+from cluster.spec.calibration import ACCEPTANCE_PROMPT_SETS, acceptance_prompts
 
 WARMUP_LEN = 8
-NUM_PROMPTS = 16
-MIN_REQUESTS_PER_CELL = NUM_PROMPTS
+PROMPT_SETS = {"edit": WORKLOAD,
+               "calibration": "the profiler's calibration chat requests: a few quote text back (where prompt "
+                              "lookup helps), most are open-ended"}
+assert set(PROMPT_SETS) == set(ACCEPTANCE_PROMPT_SETS)
 RATE_FRACTIONS = (0.25, 0.55, 0.85)  # of the measured capacity: light, medium, near saturation
 WORKLOAD_PROMPTS = "bench paper sweep"  # a profile's acceptance_prompts once the sweep's acceptance replaced it
 UNIFORM_GOAL = 0.02  # adaptive at most 2% behind the best fixed k at every uniform rate
@@ -80,6 +86,9 @@ def add_paper_args(parser: argparse.ArgumentParser) -> None:
                         help="acceptance the table and adaptive policies start from: the profiler's calibration "
                              "prompts, or the sweep's measurement on this benchmark's prompts (the paper profiled "
                              "per dataset)")
+    parser.add_argument("--prompts", choices=tuple(PROMPT_SETS), default="edit",
+                        help="the requests of sweep and traffic: edit a given passage (lookup copies a lot) or the "
+                             "calibration chat requests (mostly open-ended)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the arrival traces")
     parser.add_argument("--threads", type=_positive_int, help="torch.set_num_threads (default: torch's choice)")
     parser.add_argument("--kv-cache-memory", default="1GiB", help="Tandem's KV cache budget")
@@ -107,7 +116,9 @@ def run_paper_bench(args: argparse.Namespace) -> dict:
     tokenizer = load_tokenizer(source)
     if tokenizer is None:
         raise ValueError(f"{args.model} has no tokenizer; this benchmark builds text prompts")
-    prompt_ids, prompt_format = build_prompt_ids(tokenizer, NUM_PROMPTS)
+    texts = acceptance_prompts(args.prompts)
+    prompt_ids, prompt_format = build_prompt_ids(tokenizer, len(texts),
+                                                 lambda i: [{"role": "user", "content": texts[i]}])
     top_k = max(args.max_k, max(args.ks))
     console = Console()
     console.print(f"loading {Path(args.model).name} {args.dtype} with n-gram speculation")
@@ -145,8 +156,9 @@ def run_paper_bench(args: argparse.Namespace) -> dict:
                      "output_len": args.output_len, "requests": args.requests, "repeats": args.repeats,
                      "seed": args.seed,
                      "prompt_format": prompt_format, "prompt_lens": [len(p) for p in prompt_ids],
-                     "workload": WORKLOAD, "prefix_caching": False, "sampling": "greedy, ignore_eos",
-                     "min_requests_per_cell": MIN_REQUESTS_PER_CELL, "rate_fractions": list(RATE_FRACTIONS),
+                     "prompts": args.prompts, "workload": PROMPT_SETS[args.prompts], "prefix_caching": False,
+                     "sampling": "greedy, ignore_eos",
+                     "min_requests_per_cell": len(prompt_ids), "rate_fractions": list(RATE_FRACTIONS),
                      "profile_context_len": context_len, "adaptive_hysteresis": HYSTERESIS,
                      "profile_acceptance": args.profile_acceptance, "calibration_acceptance": calibration_acceptance,
                      "tpot": "per request (finish - first token) / (output tokens - 1), mean over requests"},
@@ -178,7 +190,7 @@ def _sweep(engine, args, prompt_ids, progress, task) -> list[dict]:
     for b in args.batch_sizes:
         engine.controller = FixedController(max(args.ks))
         run_closed_loop(engine, prompt_ids[:b], min(WARMUP_LEN, args.output_len), b)
-        rounds = -(-MIN_REQUESTS_PER_CELL // b)
+        rounds = -(-len(prompt_ids) // b)
         for k in args.ks:
             progress.update(task, description=f"TPOT vs k: batch {b}, k={k}")
             engine.controller = FixedController(k)

@@ -29,7 +29,8 @@ def _print_sweep(console, result: dict) -> None:
     best = {p["batch_size"]: p["best_k"] for p in sweep["per_batch"]}
     table = Table(
         title=f"TPOT ms vs k, measured / predicted, {model} {settings['dtype']} n-gram, "
-              f"{settings['output_len']} tokens per request, batch submitted at once",
+              f"{settings['output_len']} tokens per request, batch submitted at once, "
+              f"{settings['prompts']} prompts",
         caption=f"predicted: the latency model fitted by run_profile (fit error {profile['fit_error']:.1%}) with the "
                 f"acceptance the controllers start from, measured on the {profile['acceptance_prompts']} prompts ("
                 + ", ".join(f"{a:.2f}" for a in profile["acceptance"]) + "); bold: best measured k",

@@ -75,13 +75,14 @@ def prompt_messages(i: int) -> list[dict]:
     return [{"role": "user", "content": f"{TASKS[i % len(TASKS)]}\n\n{passage}"}]
 
 
-def build_prompt_ids(tokenizer, num_prompts: int) -> tuple[list[list[int]], str]:
-    """Token ids of the first ``num_prompts`` prompts and the format used
-    (``"chat_template"`` or ``"plain"``). Both systems get exactly these ids."""
+def build_prompt_ids(tokenizer, num_prompts: int, messages_of=prompt_messages) -> tuple[list[list[int]], str]:
+    """Token ids of the first ``num_prompts`` prompts (``messages_of(i)``, this workload's
+    by default) and the format used (``"chat_template"`` or ``"plain"``). Both systems get
+    exactly these ids."""
     templated = bool(getattr(tokenizer, "chat_template", None))
     prompt_ids = []
     for i in range(num_prompts):
-        messages = prompt_messages(i)
+        messages = messages_of(i)
         if templated:
             text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
         else:

@@ -29,9 +29,32 @@ def paper_run(tiny_folder, tmp_path_factory):
                  "--ks", "0,1,2", "--max-k", "2", "--output-len", "5", "--requests", "4", "--repeats", "2",
                  "--rates", "40,80",
                  # A batch limit above the 12 calibration prompts keeps the profile's acceptance run short.
-                 "--max-num-seqs", "16", "--kv-cache-memory", "32MiB", "--json", str(out / "paper.json"), "--plots", str(out / "plots")])
+                 "--max-num-seqs", "16", "--kv-cache-memory", "32MiB", "--json", str(out / "paper.json"),
+                 "--plots", str(out / "plots")])
     assert code == 0
     return json.loads((out / "paper.json").read_text()), out / "plots"
+
+
+def test_calibration_prompts_serve_every_calibration_request_per_cell(tiny_folder, tmp_path):
+    from cluster.models.loader import load_tokenizer, resolve_model
+    from cluster.spec.calibration import CALIBRATION_PROMPTS
+
+    out = tmp_path / "paper.json"
+    code = main(["bench", "paper", "--model", str(tiny_folder), "--dtype", "float32", "--batch-sizes", "2",
+                 "--ks", "0,1", "--max-k", "1", "--output-len", "3", "--requests", "2", "--rates", "40",
+                 "--prompts", "calibration", "--max-num-seqs", "16", "--kv-cache-memory", "32MiB", "--json", str(out)])
+    assert code == 0
+    result = json.loads(out.read_text())
+    settings = result["settings"]
+    assert settings["prompts"] == "calibration" and "calibration chat requests" in settings["workload"]
+    tokenizer = load_tokenizer(resolve_model(str(tiny_folder)))
+    # The tiny tokenizer has no chat template: plain "User: ..." text.
+    expected = [len(tokenizer.encode(f"User: {p}\n\nAssistant:")) for p in CALIBRATION_PROMPTS]
+    assert settings["prompt_format"] == "plain" and settings["prompt_lens"] == expected
+    assert settings["min_requests_per_cell"] == len(CALIBRATION_PROMPTS)
+    for cell in result["tpot_vs_k"]["cells"]:
+        # 12 prompts in whole rounds of 2: each served once.
+        assert (cell["num_requests"], cell["output_tokens"]) == (len(CALIBRATION_PROMPTS), 3 * len(CALIBRATION_PROMPTS))
 
 
 def test_tpot_vs_k_every_cell_with_a_prediction(paper_run):
@@ -110,7 +133,7 @@ def test_arrivals_are_seeded_and_phased():
 
 
 @pytest.mark.parametrize("flag,value", [("--rates", "0,1"), ("--rates", "x"), ("--ks", "0,17"),
-                                        ("--batch-sizes", "0")])
+                                        ("--batch-sizes", "0"), ("--prompts", "chat")])
 def test_bad_arguments_are_rejected(flag, value, capsys):
     with pytest.raises(SystemExit):
         main(["bench", "paper", flag, value])
