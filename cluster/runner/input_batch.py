@@ -43,7 +43,10 @@ def prepare_inputs(
     attends to all ``start + len(token_ids)`` tokens of its context. Query rows get their
     own contexts (the CPU kernel's input) in steps of at most ``short_query_max`` tokens
     per sequence; None gives them in every step (batch-invariant mode; it holds
-    ``num_tokens x max_context_len`` slot indices).
+    ``num_tokens x max_context_len`` slot indices). A step that mixes short chunks (decodes,
+    draft verification) with longer ones (prefill) attends in two parts, each padded only to
+    its own longest query: padding 24 decodes to a 72-token prompt took a pass 205 ms against
+    56 ms for the two apart (SmolLM2-135M, 2-core CPU).
     """
     input_ids: list[int] = []
     positions: list[int] = []
@@ -59,18 +62,60 @@ def prepare_inputs(
         logits_indices.extend(range(len(input_ids) - chunk.num_logits, len(input_ids)))
 
     num_seqs = len(chunks)
-    max_query_len = max(query_lens)
-    max_context_len = max(context_lens)
     max_blocks = max(len(t) for t in block_tables)
     table = torch.zeros(num_seqs, max_blocks, dtype=torch.int64)
     for s, blocks in enumerate(block_tables):
         table[s, : len(blocks)] = torch.tensor(blocks, dtype=torch.int64)
-
     positions_t = torch.tensor(positions, dtype=torch.int64)
+    seq_of_token = torch.repeat_interleave(torch.arange(num_seqs), torch.tensor(query_lens, dtype=torch.int64))
+    slot_mapping = table[seq_of_token, positions_t // block_size] * block_size + positions_t % block_size
+
+    def to(t: torch.Tensor | None) -> torch.Tensor | None:
+        return None if t is None else t.to(device, non_blocking=True)
+
+    short = [s for s, n in enumerate(query_lens) if short_query_max is not None and n <= short_query_max]
+    if not short or len(short) == num_seqs:
+        attn = _attention_metadata(query_lens, context_lens, table, positions_t, slot_mapping, block_size,
+                                   short_query_max, to)
+    else:
+        long = [s for s in range(num_seqs) if s not in set(short)]
+        starts = [0]
+        for n in query_lens:
+            starts.append(starts[-1] + n)
+        parts = []
+        for seqs in (short, long):
+            tokens = torch.tensor([i for s in seqs for i in range(starts[s], starts[s + 1])], dtype=torch.int64)
+            part = _attention_metadata([query_lens[s] for s in seqs], [context_lens[s] for s in seqs], table[seqs],
+                                       positions_t[tokens], slot_mapping[tokens], block_size, short_query_max, to)
+            parts.append((to(tokens), part))
+        attn = AttentionMetadata(slot_mapping=to(slot_mapping), context_slots=None, attn_mask=None,
+                                 query_pad_index=None, num_seqs=num_seqs, max_query_len=max(query_lens),
+                                 parts=tuple(parts))
+    return ModelInputs(
+        input_ids=to(torch.tensor(input_ids, dtype=torch.int64)),
+        positions=to(positions_t),
+        attn=attn,
+        logits_indices=to(torch.tensor(logits_indices, dtype=torch.int64)),
+    )
+
+
+def _attention_metadata(
+    query_lens: list[int],
+    context_lens: list[int],
+    table: torch.Tensor,  # [num_seqs, max_blocks] int64
+    positions_t: torch.Tensor,  # [num_tokens] int64, these sequences' tokens in order
+    slot_mapping: torch.Tensor,  # [num_tokens] int64
+    block_size: int,
+    short_query_max: int | None,
+    to,
+) -> AttentionMetadata:
+    """The attention inputs of the sequences whose rows of the block table ``table`` holds."""
+    num_seqs = len(query_lens)
+    max_query_len = max(query_lens)
+    max_context_len = max(context_lens)
     query_lens_t = torch.tensor(query_lens, dtype=torch.int64)
     context_lens_t = torch.tensor(context_lens, dtype=torch.int64)
     seq_of_token = torch.repeat_interleave(torch.arange(num_seqs), query_lens_t)
-    slot_mapping = table[seq_of_token, positions_t // block_size] * block_size + positions_t % block_size
 
     context_pos = torch.arange(max_context_len)
     context_slots = table.gather(1, (context_pos // block_size).expand(num_seqs, -1)) * block_size
@@ -84,7 +129,7 @@ def prepare_inputs(
             attn_mask = (context_pos[None, :] < context_lens_t[:, None]).view(num_seqs, 1, 1, -1)
     else:
         starts = torch.cumsum(query_lens_t, 0) - query_lens_t
-        offset_in_seq = torch.arange(len(input_ids)) - starts[seq_of_token]
+        offset_in_seq = torch.arange(len(positions_t)) - starts[seq_of_token]
         query_pad_index = seq_of_token * max_query_len + offset_in_seq
         # Query row i of sequence s sits at position context_len - query_len + i.
         query_pos = context_lens_t[:, None] - query_lens_t[:, None] + torch.arange(max_query_len)[None, :]
@@ -98,10 +143,7 @@ def prepare_inputs(
         row_context_lens = positions_t + 1  # a query row sees the context up to its own position
         row_context_slots = context_slots if max_query_len == 1 else context_slots[seq_of_token]
 
-    def to(t: torch.Tensor | None) -> torch.Tensor | None:
-        return None if t is None else t.to(device, non_blocking=True)
-
-    attn = AttentionMetadata(
+    return AttentionMetadata(
         slot_mapping=to(slot_mapping),
         context_slots=to(context_slots),
         attn_mask=to(attn_mask),
@@ -111,10 +153,4 @@ def prepare_inputs(
         decode_padding=to(~attn_mask) if query_pad_index is None and attn_mask is not None else None,
         row_context_lens=to(row_context_lens),
         row_context_slots=to(row_context_slots),
-    )
-    return ModelInputs(
-        input_ids=to(torch.tensor(input_ids, dtype=torch.int64)),
-        positions=to(positions_t),
-        attn=attn,
-        logits_indices=to(torch.tensor(logits_indices, dtype=torch.int64)),
     )

@@ -71,3 +71,24 @@ def test_small_blocks_and_few_seqs(model_and_reference):
     path, prompts, expected = model_and_reference
     got, _ = _tandem_greedy(path, prompts, num_blocks=256, block_size=4, max_num_seqs=2)
     assert got == expected
+
+
+def test_prompts_arriving_while_others_decode_keep_outputs(model_and_reference):
+    """Prompts prefilled in the same steps as other requests' decodes (the two-part attention of
+    a mixed step) still give transformers' tokens."""
+    path, prompts, expected = model_and_reference
+    llm = LLM(str(path), device="cpu", dtype="float32", num_blocks=128)
+    engine = llm.engine
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True)
+    ids, got, mixed_steps = [], {}, 0  # request id -> its whole output so far
+    for prompt in prompts:
+        ids.append(engine.add_request(prompt, params))
+        for _ in range(3):
+            got.update({out.request_id: out.outputs[0].token_ids for out in engine.step()})
+            step = engine.last_step
+            mixed_steps += step.num_prefill_tokens > 16 and step.num_seqs > 1
+    while engine.has_unfinished():
+        got.update({out.request_id: out.outputs[0].token_ids for out in engine.step()})
+    assert mixed_steps >= 2  # the 17-, 41- and 64-token prompts joined running decodes
+    assert [got[i] for i in ids] == expected
+    assert engine.block_manager.num_free_blocks == engine.block_manager.pool.num_blocks

@@ -7,7 +7,8 @@ The batch is flat: ``num_tokens`` query tokens from ``num_seqs`` sequences, sequ
 at ``slot_mapping``, then gathers every sequence's whole context through its block
 table (``context_slots``) and runs SDPA with a mask that is causal within the
 sequence and hides padding. That path serves prefill, chunked prefill, decode and the
-verification of draft tokens on every device. On the CPU, steps of up to
+verification of draft tokens on every device; a step mixing short queries with long ones
+attends in two parts (``AttentionMetadata.parts``) so decodes are not padded to a prompt. On the CPU, steps of up to
 ``SHORT_QUERY_MAX`` query tokens per sequence instead run ``cluster/kernels/decode_ops.cpp``
 (see :meth:`PagedAttention.decodes_in_kernel`), one query row at a time through the slot table.
 """
@@ -23,7 +24,7 @@ import torch.nn.functional as F
 @dataclass
 class AttentionMetadata:
     slot_mapping: torch.Tensor  # [num_tokens] int64: cache slot of each new token
-    context_slots: torch.Tensor  # [num_seqs, max_context_len] int64: slots of every context token (padded)
+    context_slots: torch.Tensor | None  # [num_seqs, max_context_len] int64: slots of every context token (padded)
     attn_mask: torch.Tensor | None  # [num_seqs, 1, max_query_len, max_context_len] bool, None = attend all
     query_pad_index: torch.Tensor | None  # [num_tokens] int64 into num_seqs * max_query_len; None when every query_len is 1
     num_seqs: int
@@ -33,6 +34,10 @@ class AttentionMetadata:
     # one-token decode: its sequence's slots, up to and including its own position.
     row_context_lens: torch.Tensor | None = None  # [num_tokens] int64
     row_context_slots: torch.Tensor | None = None  # [num_tokens, max_context_len] int64
+    # A step mixing short and long queries: (the part's token indices [part_tokens] int64 into the
+    # step's tokens, the part's own metadata) per part; the fields above other than slot_mapping,
+    # num_seqs and max_query_len are then unused (context_slots None).
+    parts: tuple[tuple[torch.Tensor, "AttentionMetadata"], ...] | None = None
 
 
 class PagedAttention(torch.nn.Module):
@@ -53,6 +58,13 @@ class PagedAttention(torch.nn.Module):
         meta: AttentionMetadata,
     ) -> torch.Tensor:  # [num_tokens, num_heads * head_dim]
         num_tokens = q.shape[0]
+        if meta.parts is not None:
+            out = q.new_empty(num_tokens, self.num_heads * self.head_dim)
+            for tokens, part in meta.parts:
+                part_out = self.forward(q.index_select(0, tokens), k.index_select(0, tokens),
+                                        v.index_select(0, tokens), kv_cache, part)
+                out.index_copy_(0, tokens, part_out)
+            return out
         if self.decodes_in_kernel(kv_cache, meta):
             return self.cpu_ops.paged_decode_attention(
                 q.contiguous(), k.contiguous(), v.contiguous(), kv_cache, meta.slot_mapping,
