@@ -7,10 +7,11 @@ The batch is flat: ``num_tokens`` query tokens from ``num_seqs`` sequences, sequ
 at ``slot_mapping``, then gathers every sequence's whole context through its block
 table (``context_slots``) and runs SDPA with a mask that is causal within the
 sequence and hides padding. That path serves prefill, chunked prefill, decode and the
-verification of draft tokens on every device; a step mixing short queries with long ones
-attends in two parts (``AttentionMetadata.parts``) so decodes are not padded to a prompt. On the CPU, steps of up to
+verification of draft tokens on every device. On the CPU, steps of up to
 ``SHORT_QUERY_MAX`` query tokens per sequence instead run ``cluster/kernels/decode_ops.cpp``
 (see :meth:`PagedAttention.decodes_in_kernel`), one query row at a time through the slot table.
+A step mixing such short queries with longer ones (decodes beside a prompt's prefill)
+attends in two parts (``AttentionMetadata.parts``), so decodes are never padded to a prompt.
 """
 
 from __future__ import annotations
