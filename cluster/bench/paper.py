@@ -11,6 +11,7 @@ Decoding and Batching") on our engine, in one run on one loaded model.
    that copy most and its best k looked larger than it is). Measured TPOT is set against
    the model's prediction with the profile's acceptance (what the controllers use) and
    with the cell's own measured acceptance (which isolates the step-time part of the model).
+   The sweep and its summary live in :mod:`paper_sweep`.
 2. **Traffic.** Open-loop Poisson arrivals in real time (:mod:`paper_traffic`): uniform
    rates at ``RATE_FRACTIONS`` of a capacity measured in part 1 (requests/s of the
    largest batch at its best k), or ``--rates``; and a phased workload (the lightest
@@ -38,18 +39,17 @@ from dataclasses import asdict
 from pathlib import Path
 
 from cluster.bench.offline import DTYPES, concrete_dtype, _int_list, _positive_int
+from cluster.bench.paper_sweep import (WARMUP_LEN, add_predictions, measured_capacity, sweep, sweep_summary,
+                                      with_workload_acceptance)
 from cluster.bench.paper_traffic import RunResult, Workload, phased_workload, run_open_loop, uniform_workload
-from cluster.bench.spec import WORKLOAD, SpecCounts, _k_list, make_cell, run_closed_loop
+from cluster.bench.spec import WORKLOAD, _k_list, run_closed_loop
 from cluster.bench.spec_workload import build_prompt_ids
-from cluster.spec.calibration import ACCEPTANCE_PROMPT_SETS, acceptance_prompts
+from cluster.spec.calibration import acceptance_prompts
 
-WARMUP_LEN = 8
 PROMPT_SETS = {"edit": WORKLOAD,
                "calibration": "the profiler's calibration chat requests: a few quote text back (where prompt "
                               "lookup helps), most are open-ended"}
-assert set(PROMPT_SETS) == set(ACCEPTANCE_PROMPT_SETS)
 RATE_FRACTIONS = (0.25, 0.55, 0.85)  # of the measured capacity: light, medium, near saturation
-WORKLOAD_PROMPTS = "bench paper sweep"  # a profile's acceptance_prompts once the sweep's acceptance replaced it
 UNIFORM_GOAL = 0.02  # adaptive at most 2% behind the best fixed k at every uniform rate
 PHASED_GOAL = 0.09  # adaptive at least 9% ahead of the best fixed k on phased traffic
 HYSTERESIS = 0.05
@@ -135,12 +135,12 @@ def run_paper_bench(args: argparse.Namespace) -> dict:
     with Progress(console=console) as progress:
         task = progress.add_task("TPOT vs k", total=len(args.batch_sizes) * len(args.ks)
                                  + num_workloads * len(policies) * args.repeats)
-        cells = _sweep(engine, args, prompt_ids, progress, task)
+        cells = sweep(engine, args, prompt_ids, progress, task)
         calibration_acceptance = profile.acceptance
         if args.profile_acceptance == "workload":
-            profile = _with_workload_acceptance(profile, cells)
-        _add_predictions(cells, profile)
-        capacity = _capacity(cells, args)
+            profile = with_workload_acceptance(profile, cells)
+        add_predictions(cells, profile)
+        capacity = measured_capacity(cells, args)
         rates = args.rates or [float(f"{f * capacity['requests_per_s']:.3g}") for f in RATE_FRACTIONS]
         workloads = [uniform_workload(r, args.requests, args.seed) for r in rates]
         workloads.append(phased_workload(min(rates), max(rates), args.requests, args.seed))
@@ -163,7 +163,7 @@ def run_paper_bench(args: argparse.Namespace) -> dict:
                      "profile_acceptance": args.profile_acceptance, "calibration_acceptance": calibration_acceptance,
                      "tpot": "per request (finish - first token) / (output tokens - 1), mean over requests"},
         "profile": profile.model_dump(),
-        "tpot_vs_k": _sweep_summary(cells, args),
+        "tpot_vs_k": sweep_summary(cells, args),
         "capacity": capacity,
         "traffic": {"policies": policies, "workloads": traffic},
         "goals": _goals(traffic),
@@ -180,119 +180,6 @@ def run_paper_bench(args: argparse.Namespace) -> dict:
         for path in write_plots(result, args.plots):
             console.print(f"wrote {path}")
     return result
-
-
-# ---- part 1: TPOT vs k ----------------------------------------------------------------
-def _sweep(engine, args, prompt_ids, progress, task) -> list[dict]:
-    from cluster.spec.controller import FixedController
-
-    cells = []
-    for b in args.batch_sizes:
-        engine.controller = FixedController(max(args.ks))
-        run_closed_loop(engine, prompt_ids[:b], min(WARMUP_LEN, args.output_len), b)
-        rounds = -(-len(prompt_ids) // b)
-        for k in args.ks:
-            progress.update(task, description=f"TPOT vs k: batch {b}, k={k}")
-            engine.controller = FixedController(k)
-            engine.spec_stats = type(engine.spec_stats)()
-            timings, seconds = [], 0.0
-            for r in range(rounds):
-                batch = [prompt_ids[(r * b + i) % len(prompt_ids)] for i in range(b)]
-                round_timings, round_seconds = run_closed_loop(engine, batch, args.output_len, b)
-                timings += round_timings
-                seconds += round_seconds
-            stats = engine.spec_stats
-            cell = asdict(make_cell("tandem", "ngram", b, k, args.output_len, timings, seconds,
-                                    SpecCounts.of(stats)))
-            cell["conditional_acceptance"] = stats.conditional_acceptance[:k]  # vLLM's meaning: over proposed
-            acceptance, coverage = stats.effective_acceptance[:k], stats.coverage[:k]  # over asked for
-            cell["effective_acceptance"], cell["coverage"] = acceptance, coverage
-            cells.append(cell)
-            progress.advance(task)
-    return cells
-
-
-def _add_predictions(cells: list[dict], profile) -> None:
-    """Each cell's TPOT as the latency model predicts it: with the acceptance and coverage
-    the controllers start from (``profile``'s), and with the cell's own measured ones."""
-    model = profile.latency_model
-    for cell in cells:
-        b, k = cell["batch_size"], cell["k"]
-        acceptance, coverage = cell["effective_acceptance"], cell["coverage"]
-        cell["predicted_tpot_ms"] = model.time_per_token(b, k, profile.acceptance, profile.coverage) * 1e3
-        cell["predicted_tpot_ms_measured_acceptance"] = (
-            model.time_per_token(b, k, acceptance, coverage) * 1e3 if k == 0 or acceptance else None)
-        for suffix in ("", "_measured_acceptance"):
-            predicted = cell[f"predicted_tpot_ms{suffix}"]
-            cell[f"prediction_error{suffix}"] = (predicted / cell["tpot_ms"] - 1
-                                                 if predicted is not None and cell["tpot_ms"] else None)
-
-
-def _with_workload_acceptance(profile, cells: list[dict]):
-    """``profile`` with the effective acceptance and coverage the sweep measured on this
-    benchmark's prompts: per position, the mean over batch sizes of the cells at the sweep's
-    largest k (extended to the profile's max_k with its last value), and the table
-    re-solved with them."""
-    top = [c for c in cells if c["k"] == max(c["k"] for c in cells) and c["effective_acceptance"]]
-    if not top:
-        return profile
-
-    def mean_per_position(key: str) -> list[float]:
-        rows = [c[key] for c in top]
-        measured = [sum(r[j] for r in rows) / len(rows) for j in range(min(map(len, rows)))]
-        return (measured + [measured[-1]] * profile.max_k)[:profile.max_k]
-
-    updated = profile.model_copy(update={"acceptance": mean_per_position("effective_acceptance"),
-                                         "coverage": mean_per_position("coverage"),
-                                         "acceptance_prompts": WORKLOAD_PROMPTS})
-    return updated.model_copy(update={"table": {b: updated.best_k(b) for b in profile.batch_sizes}})
-
-
-def _argmin(cells: list[dict], key: str) -> dict | None:
-    usable = [c for c in cells if c[key] is not None]
-    return min(usable, key=lambda c: c[key]) if usable else None
-
-
-def _sweep_summary(cells: list[dict], args) -> dict:
-    per_batch = []
-    for b in args.batch_sizes:
-        row = [c for c in cells if c["batch_size"] == b]
-        best, model_pick = _argmin(row, "tpot_ms"), _argmin(row, "predicted_tpot_ms")
-        model_pick_acc = _argmin(row, "predicted_tpot_ms_measured_acceptance")
-        k0 = next((c for c in row if c["k"] == 0), None)
-        top = max(row, key=lambda c: c["k"])
-        per_batch.append({
-            "batch_size": b, "best_k": best["k"], "best_tpot_ms": best["tpot_ms"],
-            "k0_tpot_ms": k0["tpot_ms"] if k0 else None,
-            "speedup_vs_k0": k0["tpot_ms"] / best["tpot_ms"] if k0 else None,
-            "model_k": model_pick["k"], "model_k_tpot_ms": model_pick["tpot_ms"],
-            "model_k_regret": model_pick["tpot_ms"] / best["tpot_ms"] - 1,
-            "model_k_measured_acceptance": model_pick_acc["k"] if model_pick_acc else None,
-            "acceptance_rate_at_top_k": top["acceptance_rate"],
-            "mean_abs_prediction_error": _mean_abs(row, "prediction_error"),
-        })
-    best_ks = [p["best_k"] for p in per_batch]
-    return {
-        "cells": cells, "per_batch": per_batch,
-        "best_k_non_increasing": all(a >= b for a, b in zip(best_ks, best_ks[1:])),
-        "best_k_falls": len(best_ks) > 1 and best_ks[-1] < best_ks[0],
-        "mean_abs_prediction_error": _mean_abs(cells, "prediction_error"),
-        "mean_abs_prediction_error_measured_acceptance": _mean_abs(cells, "prediction_error_measured_acceptance"),
-    }
-
-
-def _mean_abs(cells: list[dict], key: str) -> float | None:
-    values = [abs(c[key]) for c in cells if c[key] is not None]
-    return sum(values) / len(values) if values else None
-
-
-def _capacity(cells: list[dict], args) -> dict:
-    """Requests/s of the largest batch at its best k: all submitted at once, prefill and tail included."""
-    b = max(args.batch_sizes)
-    best = max((c for c in cells if c["batch_size"] == b), key=lambda c: c["num_requests"] / c["seconds"])
-    measured = best["num_requests"] / best["seconds"]
-    return {"requests_per_s": measured, "batch_size": b, "k": best["k"],
-            "source": "given by --rates (not used)" if args.rates else "measured"}
 
 
 # ---- part 2: traffic ------------------------------------------------------------------

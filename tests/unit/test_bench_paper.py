@@ -35,6 +35,13 @@ def paper_run(tiny_folder, tmp_path_factory):
     return json.loads((out / "paper.json").read_text()), out / "plots"
 
 
+def test_every_acceptance_prompt_set_has_a_description():
+    from cluster.bench.paper import PROMPT_SETS
+    from cluster.spec.calibration import ACCEPTANCE_PROMPT_SETS
+
+    assert set(PROMPT_SETS) == set(ACCEPTANCE_PROMPT_SETS)
+
+
 def test_calibration_prompts_serve_every_calibration_request_per_cell(tiny_folder, tmp_path):
     from cluster.models.loader import load_tokenizer, resolve_model
     from cluster.spec.calibration import CALIBRATION_PROMPTS
@@ -142,7 +149,7 @@ def test_bad_arguments_are_rejected(flag, value, capsys):
 
 
 def test_workload_acceptance_replaces_the_calibration_one_and_resolves_the_table():
-    from cluster.bench.paper import _add_predictions, _with_workload_acceptance
+    from cluster.bench.paper_sweep import add_predictions, with_workload_acceptance
     from cluster.spec.latency_model import LatencyModel
     from cluster.spec.profile_data import SpeculationProfile
 
@@ -155,7 +162,7 @@ def test_workload_acceptance_replaces_the_calibration_one_and_resolves_the_table
     cells = [{"k": 3, "effective_acceptance": [0.8, 0.9, 0.7], "coverage": [1.0, 0.8, 0.6]},  # the sweep's
              {"k": 3, "effective_acceptance": [0.6, 0.7, 0.9], "coverage": [0.8, 0.6, 0.4]},  # largest k, 2 sizes
              {"k": 1, "effective_acceptance": [0.1], "coverage": [0.1]}]  # a smaller k: not used
-    updated = _with_workload_acceptance(profile, cells)
+    updated = with_workload_acceptance(profile, cells)
     assert updated.acceptance == pytest.approx([0.7, 0.8, 0.8, 0.8])  # position 4 repeats position 3
     assert updated.coverage == pytest.approx([0.9, 0.7, 0.5, 0.5])
     assert updated.table == {b: model.best_k(b, updated.acceptance, 4, updated.coverage) for b in (1, 8)}
@@ -165,7 +172,7 @@ def test_workload_acceptance_replaces_the_calibration_one_and_resolves_the_table
     # The sweep's predictions use the acceptance the controllers start from (the replaced one).
     for cell, (b, tpot) in zip(cells, [(1, 20.0), (8, 30.0), (1, 25.0)]):
         cell.update(batch_size=b, tpot_ms=tpot)
-    _add_predictions(cells, updated)
+    add_predictions(cells, updated)
     for cell in cells:
         b, k = cell["batch_size"], cell["k"]
         want = model.time_per_token(b, k, updated.acceptance, updated.coverage) * 1e3
