@@ -1,5 +1,6 @@
 """``tandem profile``: measure a target/draft pair on the device at hand, fit the latency
-model, and write the speculation profile (the table of best k per batch size).
+model, and write the speculation profile (the table of best k per batch size, read from the
+measured grid: :meth:`SpeculationProfile.best_k`).
 
 Step times are measured on synthetic batches through the engine's own runners:
 ``b`` sequences with ``context_len`` tokens of context each (their K/V is whatever the
@@ -134,7 +135,7 @@ def run_profile(
         bar.update(1)
     model = LatencyModel.fit(target_grid, draft_grid)
     errors = [abs(model.target_time(b, n) - t) / t for b, n, t in target_grid]
-    return SpeculationProfile(
+    profile = SpeculationProfile(
         device=device_name(runner.device),
         target_model=engine.config.model.model,
         draft=_draft_name(engine.config.speculative),
@@ -149,9 +150,10 @@ def run_profile(
         acceptance_prompts=prompt_set,
         target_coef=model.target_coef,
         draft_coef=model.draft_coef,
-        table={b: model.best_k(b, acceptance, max_k, coverage) for b in batch_sizes},
+        table={},
         fit_error=sum(errors) / len(errors),
     )
+    return profile.model_copy(update={"table": {b: profile.best_k(b) for b in batch_sizes}})
 
 
 def _time_draft(engine: Engine, tables, b: int, context_len: int, max_k: int, vocab: int, gen, repeats: int) -> float:
