@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import random
 
+import numpy as np
 import pytest
 
 from cluster.cli import main
@@ -56,6 +57,21 @@ def test_best_k_is_the_minimum_and_shrinks_as_the_batch_grows():
     sizes = sorted(best)
     assert all(best[x] >= best[y] for x, y in zip(sizes, sizes[1:]))
     assert best[1] > best[64]
+
+
+def test_best_k_is_the_argmin_of_time_per_token():
+    """``best_k`` (one loop of floats, as every step calls it) against the model's definition,
+    ``time_per_token`` per k (E(k) and expected_drafted), on random models and ragged lists."""
+    rng = np.random.default_rng(0)
+    for _ in range(200):
+        model = LatencyModel(list(rng.uniform(0, 0.01, 3)), list(rng.uniform(0, 0.003, 2)))
+        acceptance = list(rng.uniform(0, 1, rng.integers(1, 7)))
+        coverage = list(rng.uniform(0, 1, rng.integers(1, 7)))  # partial drafts, ragged lists
+        for b in (1, 3, 16, 64, 200):
+            for cov in (None, coverage):
+                by_definition = [model.time_per_token(b, k, acceptance, cov) for k in range(7)]
+                assert model.time_per_token_by_k(b, acceptance, 6, cov) == pytest.approx(by_definition, rel=1e-12)
+                assert model.best_k(b, acceptance, 6, cov) == int(np.argmin(by_definition))
 
 
 def test_table_controller_uses_the_largest_entry_not_above_the_batch():

@@ -10,21 +10,6 @@ from cluster.spec.latency_model import LatencyModel
 PRIOR = LatencyModel([0.02, 0.0004, 0.0002], [0.003, 0.00005])
 
 
-def test_best_k_is_the_argmin_of_time_per_token():
-    """``best_k`` (one loop of floats, as every step calls it) against the model's definition,
-    ``time_per_token`` per k (E(k) and expected_drafted), on random models and ragged lists."""
-    rng = np.random.default_rng(0)
-    for _ in range(200):
-        model = LatencyModel(list(rng.uniform(0, 0.01, 3)), list(rng.uniform(0, 0.003, 2)))
-        acceptance = list(rng.uniform(0, 1, rng.integers(1, 7)))
-        coverage = list(rng.uniform(0, 1, rng.integers(1, 7)))  # partial drafts, ragged lists
-        for b in (1, 3, 16, 64, 200):
-            for cov in (None, coverage):
-                by_definition = [model.time_per_token(b, k, acceptance, cov) for k in range(7)]
-                assert model.time_per_token_by_k(b, acceptance, 6, cov) == pytest.approx(by_definition, rel=1e-12)
-                assert model.best_k(b, acceptance, 6, cov) == int(np.argmin(by_definition))
-
-
 def test_same_observations_same_acceptance_model_and_choices():
     real = AdaptiveController(PRIOR, [0.7, 0.6, 0.5], max_k=6)
     sim = SimAdaptiveController(PRIOR, [0.7, 0.6, 0.5], max_k=6)
