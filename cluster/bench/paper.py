@@ -163,7 +163,7 @@ def run_paper_bench(args: argparse.Namespace) -> dict:
                      "profile_acceptance": args.profile_acceptance, "calibration_acceptance": calibration_acceptance,
                      "tpot": "per request (finish - first token) / (output tokens - 1), mean over requests"},
         "profile": profile.model_dump(),
-        "tpot_vs_k": sweep_summary(cells, args),
+        "tpot_vs_k": sweep_summary(cells, args, profile.table),
         "capacity": capacity,
         "traffic": {"policies": policies, "workloads": traffic},
         "goals": _goals(traffic),

@@ -51,8 +51,9 @@ def _print_sweep(console, result: dict) -> None:
     table = Table(
         title="Best k per batch size: measured vs the latency model",
         caption="model k: argmin of the predicted TPOT (profile acceptance); regret: measured TPOT at model k over "
-                "the best; model k (acc.): argmin with each cell's own measured acceptance; |err|: mean "
-                "|predicted / measured - 1| over k; accept: accepted / drafted at the largest k\n"
+                "the best; model k (acc.): argmin with each cell's own measured acceptance; table k: the "
+                "profile's table (read from its measured grid; regret - where the sweep did not run that k); "
+                "|err|: mean |predicted / measured - 1| over k; accept: accepted / drafted at the largest k\n"
                 f"best k non-increasing as the batch grows: {'yes' if sweep['best_k_non_increasing'] else 'no'}; "
                 f"falls from the smallest to the largest batch: {'yes' if sweep['best_k_falls'] else 'no'}; "
                 f"mean |err| {_fmt(sweep['mean_abs_prediction_error'], '.1%')} (profile acceptance), "
@@ -60,12 +61,13 @@ def _print_sweep(console, result: dict) -> None:
         box=box.SIMPLE_HEAD, show_edge=False,
     )
     for header in ("batch", "best k", "TPOT ms", "k=0 ms", "speedup", "model k", "regret", "model k (acc.)",
-                   "|err|", "accept"):
+                   "table k", "regret", "|err|", "accept"):
         table.add_column(header, justify="right")
     for p in sweep["per_batch"]:
         table.add_row(str(p["batch_size"]), str(p["best_k"]), _fmt(p["best_tpot_ms"], ".1f"),
                       _fmt(p["k0_tpot_ms"], ".1f"), _fmt(p["speedup_vs_k0"], ".2f"), str(p["model_k"]),
                       _pct(p["model_k_regret"]), _fmt(p["model_k_measured_acceptance"], "d"),
+                      _fmt(p.get("table_k"), "d"), _pct(p.get("table_k_regret")),
                       _fmt(p["mean_abs_prediction_error"], ".1%"), _fmt(p["acceptance_rate_at_top_k"], ".0%"))
     console.print(table)
 

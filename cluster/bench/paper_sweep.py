@@ -82,11 +82,16 @@ def _argmin(cells: list[dict], key: str) -> dict | None:
     return min(usable, key=lambda c: c[key]) if usable else None
 
 
-def sweep_summary(cells: list[dict], args) -> dict:
+def sweep_summary(cells: list[dict], args, table: dict[int, int] | None = None) -> dict:
+    """Per batch size: the best measured k, the fitted model's pick and, with ``table`` (the
+    profile's, read from its grid), the table's pick; a pick's regret is its measured TPOT over
+    the best's, minus 1 (None for a k the sweep did not run)."""
     per_batch = []
     for b in args.batch_sizes:
         row = [c for c in cells if c["batch_size"] == b]
         best, model_pick = _argmin(row, "tpot_ms"), _argmin(row, "predicted_tpot_ms")
+        table_k = table.get(b) if table else None
+        table_pick = next((c for c in row if c["k"] == table_k), None)
         model_pick_acc = _argmin(row, "predicted_tpot_ms_measured_acceptance")
         k0 = next((c for c in row if c["k"] == 0), None)
         top = max(row, key=lambda c: c["k"])
@@ -97,6 +102,8 @@ def sweep_summary(cells: list[dict], args) -> dict:
             "model_k": model_pick["k"], "model_k_tpot_ms": model_pick["tpot_ms"],
             "model_k_regret": model_pick["tpot_ms"] / best["tpot_ms"] - 1,
             "model_k_measured_acceptance": model_pick_acc["k"] if model_pick_acc else None,
+            "table_k": table_k,
+            "table_k_regret": table_pick["tpot_ms"] / best["tpot_ms"] - 1 if table_pick else None,
             "acceptance_rate_at_top_k": top["acceptance_rate"],
             "mean_abs_prediction_error": _mean_abs(row, "prediction_error"),
         })

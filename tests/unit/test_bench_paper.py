@@ -86,6 +86,10 @@ def test_tpot_vs_k_every_cell_with_a_prediction(paper_run):
     profile = result["profile"]
     assert profile["max_k"] == 2 and profile["batch_sizes"] == [1, 2] and len(profile["acceptance"]) == 2
     assert set(profile["table"]) == {"1", "2"}
+    for p in sweep["per_batch"]:  # the table's pick and its regret, from the same cells
+        b = p["batch_size"]
+        assert p["table_k"] == profile["table"][str(b)]
+        assert p["table_k_regret"] == pytest.approx(cells[(b, p["table_k"])]["tpot_ms"] / p["best_tpot_ms"] - 1)
 
 
 def test_traffic_every_policy_and_workload(paper_run):
