@@ -189,8 +189,7 @@ def _controller(policy: str, profile, max_k: int):
     if policy == "table":
         return TableController({b: min(k, max_k) for b, k in profile.table.items()})
     if policy == "adaptive":
-        return AdaptiveController(profile.latency_model, profile.acceptance, max_k, hysteresis=HYSTERESIS,
-                                  coverage=profile.coverage)
+        return AdaptiveController.from_profile(profile, max_k, hysteresis=HYSTERESIS)
     return FixedController(int(policy.removeprefix("k=")))
 
 

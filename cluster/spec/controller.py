@@ -5,7 +5,10 @@
   live batch size.
 - ``AdaptiveController``: starts from the profile, keeps per-position acceptance and
   the step-time model true online from the engine's own observations (exponential
-  moving averages; least squares with forgetting), re-solves the best ``k`` for the
+  moving averages; least squares with forgetting). Where the profile measured every
+  batch size and length, the step times stand on its measured grid (as the table's do)
+  and the least squares learn a correction to it, linear in the batch size and k; else
+  they learn the fitted line's coefficients. It re-solves the best ``k`` for the
   batch at hand, and switches only when the new ``k`` is predicted to be clearly
   better and the current one has been held for a while (so ``k`` does not flap when
   the batch size sits at the edge between two best values). ``k = 0`` falls out of
@@ -36,6 +39,7 @@ from typing import Protocol
 import numpy as np
 
 from cluster.spec.latency_model import LatencyModel
+from cluster.spec.pass_grid import PassGrid
 
 
 @dataclass(frozen=True)
@@ -106,6 +110,7 @@ class AdaptiveController:
         prior_floor: float = 1e-3,
         explore_every: int = 64,
         explore_budget: float = 0.001,
+        grid: PassGrid | None = None,
     ) -> None:
         self.max_k = max_k
         self.hysteresis = hysteresis
@@ -120,27 +125,31 @@ class AdaptiveController:
                            for j in range(max(1, max_k))]
         self.coverage = [float(coverage[min(j, len(coverage) - 1)]) if coverage else 1.0
                          for j in range(max(1, max_k))]
-        self.model = LatencyModel(list(model.target_coef), list(model.draft_coef))
         # Least squares over whole-step times, forgetting old steps. A step that verifies D
-        # draft tokens costs c0 + (c1 + c2) b + c2 D + d0 k + d1 k b. c2, the cost of one
-        # verified token, keeps its profiled value (whole steps cannot tell it from c1 and
-        # d1), so c2 D is taken off the observed seconds and [c0, c1 + c2, d0, d1] are the
-        # unknowns.
+        # draft tokens at batch size b costs fixed(b, k, D) + c0 + c1 b + d0 k + d1 k b, where
+        # [c0, c1, d0, d1] are learnt and fixed(...) is what stays as profiled:
+        # - with a measured grid, its pass times (verifying pass at 1 + D / b tokens, k draft
+        #   passes); the learnt terms are a correction to them, 0 at first and of either sign;
+        # - else c2 (b + D), the fitted cost of one verified token (whole steps cannot tell it
+        #   from c1 and d1); the learnt terms are the fit's other coefficients, never below 0.
+        self.grid = grid
+        c0, c1, c2 = (0.0, 0.0, 0.0) if grid is not None else model.target_coef
+        d0, d1 = (0.0, 0.0) if grid is not None else model.draft_coef
+        self.model = LatencyModel([c0, c1, c2], [d0, d1], grid)
+        self._fixed = LatencyModel([0.0, 0.0, c2], [0.0, 0.0], grid)
         # The profile enters as ``prior_weight`` pseudo-steps over a grid of (b, k), forgotten
         # like observed steps but never below ``prior_floor`` of their weight: steps held at
         # one k (or one batch size) leave some of the four sums unidentified, and a prior
         # decaying to nothing turned the system singular (after ~6,000 such steps); at the
         # floor those sums keep the profile's values and the observed ones hardly move.
-        self._c2 = self.model.target_coef[2]
-        c0, c1, c2 = self.model.target_coef
-        d0, d1 = self.model.draft_coef
-        theta = np.array([c0, c1 + c2, d0, d1], dtype=np.float64)
-        grid = np.array([_step_features(b, k) for b in (1, 2, 4, 8, 16, 32, 64) for k in range(max_k + 1)])
+        theta = np.array([c0, c1, d0, d1], dtype=np.float64)
+        sizes_ks = [(b, k) for b in (1, 2, 4, 8, 16, 32, 64) for k in range(max_k + 1)]
+        features = np.array([_step_features(b, k) for b, k in sizes_ks])
         # Relative errors, as the profile was fitted (:func:`fit_linear`): each step's row is
         # scaled by 1 / its time, so a batch-32 step does not outweigh thirty batch-1 steps.
-        times = grid @ theta + self._c2 * grid[:, 3]
-        grid = grid / np.maximum(times, 1e-12)[:, None]
-        prior_xtx = prior_weight / len(grid) * grid.T @ grid + 1e-9 * np.eye(4)
+        times = features @ theta + np.array([self._fixed.step_time(b, k) for b, k in sizes_ks])
+        features = features / np.maximum(times, 1e-12)[:, None]
+        prior_xtx = prior_weight / len(features) * features.T @ features + 1e-9 * np.eye(4)
         # The sums are kept as lists of floats (row-major 4 x 4 and 4) and updated element by
         # element: with numpy arrays ``observe`` took ~150 us a step in the engine, ~70 us so.
         self._prior_xtx = prior_xtx.ravel().tolist()
@@ -155,6 +164,13 @@ class AdaptiveController:
         self._probe_credit = 0.0  # in steps' worth of time; earned per step, spent by probes
         self.num_switches = 0
         self.num_probes = 0
+
+    @classmethod
+    def from_profile(cls, profile, max_k: int, **kwargs) -> "AdaptiveController":
+        """Started from a :class:`~cluster.spec.profile_data.SpeculationProfile`: its acceptance,
+        coverage and measured grid (its fitted line where the grid lacks a length up to max_k)."""
+        return cls(profile.latency_model, profile.acceptance, max_k, coverage=profile.coverage,
+                   grid=profile.pass_grid(max_k), **kwargs)
 
     # ---- deciding ---------------------------------------------------------------------
     def choose_k(self, state: BatchState) -> int:
@@ -200,17 +216,20 @@ class AdaptiveController:
         if batch_size < 1 or seconds <= 0:
             return
         drafted = batch_size * k if num_drafted is None else num_drafted
+        fixed = self._fixed.target_time(batch_size, 1.0 + drafted / batch_size) + k * self._fixed.draft_time(batch_size)
         # _step_features / seconds: relative errors, as the profile's fit
         x = (1.0 / seconds, float(batch_size) / seconds, float(k) / seconds, float(k * batch_size) / seconds)
-        y = 1.0 - self._c2 * drafted / seconds
+        y = 1.0 - fixed / seconds
         f = self.forgetting
         self._xtx = [f * s + xi * xj for s, (xi, xj) in zip(self._xtx, product(x, repeat=2))]
         self._xty = [f * s + xi * y for s, xi in zip(self._xty, x)]
         scale = self._prior_scale = max(f * self._prior_scale, self._prior_floor)
         xtx = np.array([scale * p + s for p, s in zip(self._prior_xtx, self._xtx)]).reshape(4, 4)
         xty = np.array([scale * p + s for p, s in zip(self._prior_xty, self._xty)])
-        c0, per_request, d0, d1 = (max(c, 0.0) for c in self._solve(xtx, xty).tolist())
-        self.model = LatencyModel([c0, max(per_request - self._c2, 0.0), self._c2], [d0, d1])
+        c0, c1, d0, d1 = self._solve(xtx, xty).tolist()
+        if self.grid is None:  # the fit's costs: a negative one is noise
+            c0, c1, d0, d1 = max(c0, 0.0), max(c1, 0.0), max(d0, 0.0), max(d1, 0.0)
+        self.model = LatencyModel([c0, c1, self._fixed.target_coef[2]], [d0, d1], self.grid)
 
     @staticmethod
     def _solve(xtx: np.ndarray, xty: np.ndarray) -> np.ndarray:

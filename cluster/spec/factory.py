@@ -62,5 +62,5 @@ def build_controller(config: TandemConfig) -> SpeculationController:
     max_k = min(spec.num_speculative_tokens, profile.max_k)
     if spec.controller == "table":
         return TableController({b: min(k, max_k) for b, k in profile.table.items()})
-    return AdaptiveController(profile.latency_model, profile.acceptance, max_k, hysteresis=spec.hysteresis,
-                              coverage=profile.coverage, explore_budget=spec.explore_budget)
+    return AdaptiveController.from_profile(profile, max_k, hysteresis=spec.hysteresis,
+                                           explore_budget=spec.explore_budget)

@@ -33,6 +33,11 @@ position ``j`` that get a token there. The verifying pass then carries
 *effective* acceptance (a position asked for but not proposed counts as rejected), so that
 E(k) stays the tokens a request gains per step. A draft model always proposes all ``k``:
 coverage 1 (``None``), where both readings of ``a_j`` agree.
+
+Where a profile measured the passes (:class:`~cluster.spec.pass_grid.PassGrid`), a model can
+stand on the measured times instead of the line: ``T_target(b, n) = grid(b, n) + c0 + c1 b +
+c2 b n`` and ``T_draft(b) = grid(b) + d0 + d1 b``, the coefficients then being a correction
+to the grid (0 as profiled; ``AdaptiveController`` learns them online).
 """
 
 from __future__ import annotations
@@ -40,6 +45,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
+
+from cluster.spec.pass_grid import PassGrid, read_row
 
 
 def target_features(batch_size: float, tokens_per_request: float) -> list[float]:
@@ -103,19 +110,24 @@ def expected_drafted(coverage: list[float] | None, k: int) -> float:
 class LatencyModel:
     target_coef: list[float]  # c0, c1, c2
     draft_coef: list[float]  # d0, d1
+    grid: PassGrid | None = None  # measured pass times the coefficients correct (None: the line alone)
 
     # Sums of floats rather than np.dot: the controllers call these every step.
     def target_time(self, batch_size: int, tokens_per_request: float) -> float:
         c0, c1, c2 = self.target_coef
-        return float(c0 + c1 * batch_size + c2 * (batch_size * tokens_per_request))
+        measured = self.grid.verify_time(batch_size, tokens_per_request) if self.grid is not None else 0.0
+        return float(measured + c0 + c1 * batch_size + c2 * (batch_size * tokens_per_request))
 
     def draft_time(self, batch_size: int) -> float:
         d0, d1 = self.draft_coef
-        return float(d0 + d1 * batch_size)
+        measured = self.grid.draft_time(batch_size) if self.grid is not None else 0.0
+        return float(measured + d0 + d1 * batch_size)
 
     def step_time(self, batch_size: int, k: int, coverage: list[float] | None = None) -> float:
-        """k draft passes and a verifying pass of 1 + expected_drafted(coverage, k) tokens per request."""
-        return k * self.draft_time(batch_size) + self.target_time(batch_size, 1 + expected_drafted(coverage, k))
+        """k draft passes and a verifying pass of 1 + expected_drafted(coverage, k) tokens per
+        request (never below 0: a learnt correction to a grid may be negative)."""
+        return max(k * self.draft_time(batch_size) + self.target_time(batch_size, 1 + expected_drafted(coverage, k)),
+                   0.0)
 
     def time_per_token(self, batch_size: int, k: int, acceptance: list[float],
                        coverage: list[float] | None = None) -> float:
@@ -126,11 +138,11 @@ class LatencyModel:
         """``time_per_token`` for k = 0..max_k in one loop of floats: the controllers ask for it
         every step (``AdaptiveController.choose_k`` took ~75 us with numpy per k, ~11 us so)."""
         c0, c1, c2 = (float(c) for c in self.target_coef)
-        d0, d1 = (float(d) for d in self.draft_coef)
-        base = c0 + c1 * batch_size + c2 * batch_size  # k = 0: one token per request
-        per_pass = d0 + d1 * batch_size  # one more draft pass
+        row = self.grid.verify_row(batch_size) if self.grid is not None else None
+        fixed = c0 + c1 * batch_size  # the verifying pass's cost whatever its tokens
+        per_pass = self.draft_time(batch_size)  # one more draft pass
         per_token = c2 * batch_size  # one more draft token verified per request
-        costs = [base]
+        costs = [max(fixed + per_token + (row[0] if row is not None else 0.0), 0.0)]
         tokens, survive, drafted = 1.0, 1.0, 0.0
         for k in range(1, max_k + 1):
             rate = acceptance[min(k - 1, len(acceptance) - 1)] if acceptance else 0.0
@@ -140,7 +152,10 @@ class LatencyModel:
                 drafted += 1.0
             elif coverage:  # as expected_drafted: positions beyond the list reuse its last value
                 drafted += min(max(coverage[min(k - 1, len(coverage) - 1)], 0.0), 1.0)
-            costs.append((base + k * per_pass + drafted * per_token) / tokens)
+            step = fixed + k * per_pass + (1.0 + drafted) * per_token
+            if row is not None:
+                step += read_row(row, 1.0 + drafted)
+            costs.append(max(step, 0.0) / tokens)
         return costs
 
     def best_k(self, batch_size: int, acceptance: list[float], max_k: int,

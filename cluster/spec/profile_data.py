@@ -5,10 +5,10 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Literal
 
-import numpy as np
 from pydantic import BaseModel, ConfigDict, ValidationError
 
-from cluster.spec.latency_model import LatencyModel, expected_drafted, expected_tokens
+from cluster.spec.latency_model import LatencyModel
+from cluster.spec.pass_grid import PassGrid
 
 
 class SpeculationProfile(BaseModel):
@@ -50,26 +50,26 @@ class SpeculationProfile(BaseModel):
         batch 32; its table said k = 0 at batch 32 on the edit prompts where k = 4-8 was best
         by 26% (bench paper), the grid says 8 (1% from the best)."""
         max_k = self.max_k if max_k is None else max_k
-        if self._measured_passes(batch_size, max_k):
-            costs = [self.measured_time_per_token(batch_size, k) for k in range(max_k + 1)]
-            return costs.index(min(costs))
-        return self.latency_model.best_k(batch_size, self.acceptance, max_k, self.coverage)
+        grid = self.pass_grid(max_k)
+        model = self.latency_model if grid is None or batch_size not in grid.sizes else measured_model(grid)
+        return model.best_k(batch_size, self.acceptance, max_k, self.coverage)
 
     def measured_time_per_token(self, batch_size: int, k: int) -> float:
         """TPOT(b, k) from the grid: the verifying pass of 1 + expected_drafted(coverage, k) tokens
         per request (linear between the measured token counts), k draft passes, over E(k)."""
-        passes = self._measured_passes(batch_size, k)
-        if not passes:
+        grid = self.pass_grid(k)
+        if grid is None or batch_size not in grid.sizes:
             raise ValueError(f"the profile's grid has no batch size {batch_size} with {k + 1} tokens per request")
-        tokens = 1 + expected_drafted(self.coverage, k)
-        verify = float(np.interp(tokens, [n for n, _ in passes], [t for _, t in passes]))
-        draft = next((t for b, t in self.draft_grid if b == batch_size), 0.0)
-        return (verify + k * draft) / expected_tokens(self.acceptance, k)
+        return measured_model(grid).time_per_token(batch_size, k, self.acceptance, self.coverage)
 
-    def _measured_passes(self, batch_size: int, max_k: int) -> list[tuple[int, float]]:
-        """(tokens per request, seconds) measured at ``batch_size``, if they reach max_k + 1 tokens."""
-        passes = sorted((n, t) for b, n, t in self.target_grid if b == batch_size)
-        return passes if passes and passes[0][0] <= 1 and passes[-1][0] >= max_k + 1 else []
+    def pass_grid(self, max_k: int | None = None) -> PassGrid | None:
+        """The measured passes, read between the measured points (:class:`PassGrid`); None unless
+        every batch size was measured at 1..max_k + 1 tokens per request."""
+        max_k = self.max_k if max_k is None else max_k
+        try:
+            return PassGrid(self.target_grid, self.draft_grid, max_k + 1)
+        except ValueError:
+            return None
 
     def vllm_schedule(self) -> list[list[int]]:
         """The table as vLLM's ``num_speculative_tokens_per_batch_size``: [[start, end, k], ...]."""
@@ -87,6 +87,11 @@ class SpeculationProfile(BaseModel):
             return cls.model_validate_json(path.read_text())
         except ValidationError as err:
             raise ValueError(f"{path} is not a speculation profile: {err}") from None
+
+
+def measured_model(grid: PassGrid) -> LatencyModel:
+    """The grid's pass times as they were measured (no correction)."""
+    return LatencyModel([0.0, 0.0, 0.0], [0.0, 0.0], grid)
 
 
 def batch_size_ranges(table: dict[int, int]) -> list[list[int]]:
