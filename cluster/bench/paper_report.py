@@ -53,22 +53,28 @@ def _print_sweep(console, result: dict) -> None:
         caption="model k: argmin of the predicted TPOT (profile acceptance); regret: measured TPOT at model k over "
                 "the best; model k (acc.): argmin with each cell's own measured acceptance; table k: the "
                 "profile's table (read from its measured grid; regret - where the sweep did not run that k); "
-                "|err|: mean |predicted / measured - 1| over k; accept: accepted / drafted at the largest k\n"
+                "|err|: mean |predicted / measured - 1| over k; step |err| fit / grid: the same for the time of a "
+                "step of the whole batch decoding, as the fitted line and the measured grid (what the table and "
+                "adaptive read) predict it at the coverage drafted; accept: accepted / drafted at the largest k\n"
                 f"best k non-increasing as the batch grows: {'yes' if sweep['best_k_non_increasing'] else 'no'}; "
                 f"falls from the smallest to the largest batch: {'yes' if sweep['best_k_falls'] else 'no'}; "
                 f"mean |err| {_fmt(sweep['mean_abs_prediction_error'], '.1%')} (profile acceptance), "
-                f"{_fmt(sweep['mean_abs_prediction_error_measured_acceptance'], '.1%')} (measured acceptance)",
+                f"{_fmt(sweep['mean_abs_prediction_error_measured_acceptance'], '.1%')} (measured acceptance); "
+                f"step |err| {_fmt(sweep.get('mean_abs_step_error_fit'), '.1%')} (fit), "
+                f"{_fmt(sweep.get('mean_abs_step_error_grid'), '.1%')} (grid)",
         box=box.SIMPLE_HEAD, show_edge=False,
     )
     for header in ("batch", "best k", "TPOT ms", "k=0 ms", "speedup", "model k", "regret", "model k (acc.)",
-                   "table k", "regret", "|err|", "accept"):
+                   "table k", "regret", "|err|", "step |err| fit / grid", "accept"):
         table.add_column(header, justify="right")
     for p in sweep["per_batch"]:
         table.add_row(str(p["batch_size"]), str(p["best_k"]), _fmt(p["best_tpot_ms"], ".1f"),
                       _fmt(p["k0_tpot_ms"], ".1f"), _fmt(p["speedup_vs_k0"], ".2f"), str(p["model_k"]),
                       _pct(p["model_k_regret"]), _fmt(p["model_k_measured_acceptance"], "d"),
                       _fmt(p.get("table_k"), "d"), _pct(p.get("table_k_regret")),
-                      _fmt(p["mean_abs_prediction_error"], ".1%"), _fmt(p["acceptance_rate_at_top_k"], ".0%"))
+                      _fmt(p["mean_abs_prediction_error"], ".1%"),
+                      " / ".join(_fmt(p.get(f"mean_abs_step_error_{m}"), ".1%") for m in ("fit", "grid")),
+                      _fmt(p["acceptance_rate_at_top_k"], ".0%"))
     console.print(table)
 
 

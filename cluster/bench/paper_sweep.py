@@ -24,10 +24,10 @@ def sweep(engine, args, prompt_ids, progress, task) -> list[dict]:
             progress.update(task, description=f"TPOT vs k: batch {b}, k={k}")
             engine.controller = FixedController(k)
             engine.spec_stats = type(engine.spec_stats)()
-            timings, seconds = [], 0.0
+            timings, seconds, steps = [], 0.0, []
             for r in range(rounds):
                 batch = [prompt_ids[(r * b + i) % len(prompt_ids)] for i in range(b)]
-                round_timings, round_seconds = run_closed_loop(engine, batch, args.output_len, b)
+                round_timings, round_seconds = run_closed_loop(engine, batch, args.output_len, b, steps_out=steps)
                 timings += round_timings
                 seconds += round_seconds
             stats = engine.spec_stats
@@ -36,6 +36,11 @@ def sweep(engine, args, prompt_ids, progress, task) -> list[dict]:
             cell["conditional_acceptance"] = stats.conditional_acceptance[:k]  # vLLM's meaning: over proposed
             acceptance, coverage = stats.effective_acceptance[:k], stats.coverage[:k]  # over asked for
             cell["effective_acceptance"], cell["coverage"] = acceptance, coverage
+            # The steps the latency model describes: b requests decoding, none prefilling (the
+            # request TPOT above also carries the steps where others' prompts were prefilled).
+            decoding = [s.seconds for s in steps if s.num_seqs == b and s.num_prefill_tokens == 0]
+            cell["decode_steps"] = len(decoding)
+            cell["decode_step_ms"] = sum(decoding) / len(decoding) * 1e3 if decoding else None
             cells.append(cell)
             progress.advance(task)
     return cells
@@ -43,9 +48,20 @@ def sweep(engine, args, prompt_ids, progress, task) -> list[dict]:
 
 def add_predictions(cells: list[dict], profile) -> None:
     """Each cell's TPOT as the latency model predicts it: with the acceptance and coverage
-    the controllers start from (``profile``'s), and with the cell's own measured ones."""
+    the controllers start from (``profile``'s), and with the cell's own measured ones; and
+    its full-batch decoding step time as the fitted model and the measured grid (what the
+    table and adaptive read) predict it, with the coverage the cell drafted at."""
+    from cluster.spec.profile_data import measured_model
+
     model = profile.latency_model
+    grid = profile.pass_grid()
     for cell in cells:
+        measured = cell.get("decode_step_ms")
+        for name, source in (("fit", model), ("grid", measured_model(grid) if grid is not None else None)):
+            predicted = (source.step_time(cell["batch_size"], cell["k"], cell["coverage"] if cell["k"] else None) * 1e3
+                         if source is not None else None)
+            cell[f"predicted_step_ms_{name}"] = predicted
+            cell[f"step_error_{name}"] = predicted / measured - 1 if predicted is not None and measured else None
         b, k = cell["batch_size"], cell["k"]
         acceptance, coverage = cell["effective_acceptance"], cell["coverage"]
         cell["predicted_tpot_ms"] = model.time_per_token(b, k, profile.acceptance, profile.coverage) * 1e3
@@ -106,6 +122,8 @@ def sweep_summary(cells: list[dict], args, table: dict[int, int] | None = None) 
             "table_k_regret": table_pick["tpot_ms"] / best["tpot_ms"] - 1 if table_pick else None,
             "acceptance_rate_at_top_k": top["acceptance_rate"],
             "mean_abs_prediction_error": _mean_abs(row, "prediction_error"),
+            "mean_abs_step_error_fit": _mean_abs(row, "step_error_fit"),
+            "mean_abs_step_error_grid": _mean_abs(row, "step_error_grid"),
         })
     best_ks = [p["best_k"] for p in per_batch]
     return {
@@ -114,11 +132,13 @@ def sweep_summary(cells: list[dict], args, table: dict[int, int] | None = None) 
         "best_k_falls": len(best_ks) > 1 and best_ks[-1] < best_ks[0],
         "mean_abs_prediction_error": _mean_abs(cells, "prediction_error"),
         "mean_abs_prediction_error_measured_acceptance": _mean_abs(cells, "prediction_error_measured_acceptance"),
+        "mean_abs_step_error_fit": _mean_abs(cells, "step_error_fit"),
+        "mean_abs_step_error_grid": _mean_abs(cells, "step_error_grid"),
     }
 
 
 def _mean_abs(cells: list[dict], key: str) -> float | None:
-    values = [abs(c[key]) for c in cells if c[key] is not None]
+    values = [abs(c[key]) for c in cells if c.get(key) is not None]
     return sum(values) / len(values) if values else None
 
 

@@ -194,9 +194,11 @@ def add_spec_args(parser: argparse.ArgumentParser) -> None:
 
 
 def run_closed_loop(engine, prompt_ids: list[list[int]], output_len: int, concurrency: int,
-                    token_ids_out: dict[int, list[int]] | None = None) -> tuple[list[RequestTiming], float]:
+                    token_ids_out: dict[int, list[int]] | None = None,
+                    steps_out: list | None = None) -> tuple[list[RequestTiming], float]:
     """Serve every prompt with at most ``concurrency`` in flight; returns timings and wall seconds.
-    With ``token_ids_out``, fills it with each prompt's (by index) output token ids."""
+    With ``token_ids_out``, fills it with each prompt's (by index) output token ids; with
+    ``steps_out``, appends each step's ``engine.last_step`` (:class:`~cluster.engine.engine.StepRecord`)."""
     from cluster.engine.sampling_params import SamplingParams
 
     if engine.has_unfinished():
@@ -217,6 +219,8 @@ def run_closed_loop(engine, prompt_ids: list[list[int]], output_len: int, concur
             in_flight += 1
         outputs = engine.step()
         now = time.perf_counter()
+        if steps_out is not None:
+            steps_out.append(engine.last_step)
         for out in outputs:
             rid = out.request_id
             if out.outputs[0].delta_token_ids:

@@ -90,6 +90,17 @@ def test_tpot_vs_k_every_cell_with_a_prediction(paper_run):
         b = p["batch_size"]
         assert p["table_k"] == profile["table"][str(b)]
         assert p["table_k_regret"] == pytest.approx(cells[(b, p["table_k"])]["tpot_ms"] / p["best_tpot_ms"] - 1)
+    passes = {(b, n): t for b, n, t in profile["target_grid"]}
+    for (b, k), cell in cells.items():  # the whole batch's decoding steps, against both models' step times
+        assert cell["decode_steps"] > 0 and cell["decode_step_ms"] > 0
+        for name in ("fit", "grid"):
+            predicted = cell[f"predicted_step_ms_{name}"]
+            assert cell[f"step_error_{name}"] == pytest.approx(predicted / cell["decode_step_ms"] - 1)
+        if k == 0:  # plain decoding: the grid's own pass at one token per request
+            assert cell["predicted_step_ms_grid"] == pytest.approx(passes[(b, 1)] * 1e3)
+    for p in sweep["per_batch"]:
+        row = [c for c in cells.values() if c["batch_size"] == p["batch_size"]]
+        assert p["mean_abs_step_error_grid"] == pytest.approx(sum(abs(c["step_error_grid"]) for c in row) / len(row))
 
 
 def test_traffic_every_policy_and_workload(paper_run):
