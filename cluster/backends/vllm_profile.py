@@ -19,9 +19,11 @@ whole steps of vLLM's own engine, on the device at hand and with the group's set
   counted steps, as effective rates: a request-step with no proposal (n-gram found no
   match) counts as a rejection at position 1, since it yields one token like one.
 
-The latency model is fitted to the whole steps (:func:`fit_steps`) and the table is its
-best k per batch size, as for the native engine; ``measured_tpot`` keeps the direct
-measurements so the model's choice can be checked against them.
+The table is read from the measured steps as the native profile's is from its grid: the
+best k per batch size of ``step(b, k) / E(k)`` under the profiled acceptance
+(:meth:`SpeculationProfile.best_k`). The latency model is fitted to the whole steps
+(:func:`fit_steps`) for batch sizes the grid lacks and for the router's step-time curve;
+``measured_tpot`` keeps the direct measurements (each k's own tokens per step).
 """
 
 from __future__ import annotations
@@ -200,7 +202,7 @@ def run_vllm_profile(config: TandemConfig, batch_sizes: list[int], max_k: int, o
     model = fit_steps([(s.batch_size, s.k, s.step_seconds) for s in samples])
     errors = [abs(model.step_time(s.batch_size, s.k) - s.step_seconds) / s.step_seconds for s in samples]
     sc = config.speculative
-    return SpeculationProfile(
+    profile = SpeculationProfile(
         engine="vllm",
         device=f"{device_name(default_device(config.device.device))}, vLLM",
         target_model=config.model.model,
@@ -214,14 +216,17 @@ def run_vllm_profile(config: TandemConfig, batch_sizes: list[int], max_k: int, o
         acceptance=acceptance,
         target_coef=model.target_coef,
         draft_coef=model.draft_coef,
-        table={b: model.best_k(b, acceptance, max_k) for b in batch_sizes},
+        table={},
         fit_error=sum(errors) / len(errors),
         measured_tpot=[(s.batch_size, s.k, s.seconds_per_token) for s in samples],
-    ), samples
+    )
+    return profile.model_copy(update={"table": {b: profile.best_k(b) for b in batch_sizes}}), samples
 
 
 def print_grid(profile: SpeculationProfile, samples: list[StepSample]) -> None:
-    """The measured grid beside the fitted model's time per output token, and both choices of k."""
+    """The measured grid beside the fitted model's time per output token, and the best k measured
+    (each k's own tokens per step; the table, printed by the caller, reads the steps under the
+    profiled acceptance)."""
     model = profile.latency_model
     print(f"{'b':>3} {'k':>2} {'step ms':>8} {'tok/step':>8} {'TPOT ms':>8} {'model ms':>8}")
     for s in samples:

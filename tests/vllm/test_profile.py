@@ -45,12 +45,14 @@ def test_acceptance_from_vllm_counters_matches_the_tokens_it_emitted(measured):
     assert expected_tokens(profile.acceptance, MAX_K) == pytest.approx(tokens / request_steps, rel=1e-6)
 
 
-def test_the_table_is_the_fitted_models_choice_and_vllms_schedule(measured, serve_config):
+def test_the_table_is_the_measured_steps_choice_and_vllms_schedule(measured, serve_config):
     from cluster.backends.vllm import _profile, group_settings
 
-    profile, _, path = measured
-    model = profile.latency_model
-    assert profile.table == {b: model.best_k(b, profile.acceptance, MAX_K) for b in BATCH_SIZES}
+    profile, grid, path = measured
+    for b in BATCH_SIZES:  # step(b, k) / E(k) from the measured steps, the smallest k on a tie
+        costs = [next(s.step_seconds for s in grid if (s.batch_size, s.k) == (b, k))
+                 / expected_tokens(profile.acceptance, k) for k in range(MAX_K + 1)]
+        assert profile.table[b] == costs.index(min(costs))
     config = with_overrides(serve_config, backend="vllm", controller="table", num_speculative_tokens=MAX_K,
                             profile=str(path))
     loaded = _profile(config)  # what a vLLM replica reads
