@@ -24,6 +24,7 @@ from tqdm import tqdm
 from cluster.engine.engine import Engine
 from cluster.engine.llm import apply_chat_template
 from cluster.engine.sampling_params import SamplingParams
+from cluster.kv.block_manager import cdiv
 from cluster.runner.input_batch import SeqChunk
 from cluster.spec.calibration import CALIBRATION_PROMPTS, acceptance_prompts
 from cluster.spec.controller import FixedController
@@ -45,7 +46,7 @@ class _SyntheticBatch:
 
     def __init__(self, engine: Engine, batch_size: int, num_tokens: int) -> None:
         self.engine = engine
-        self.ids = [f"{_PROFILE_PREFIX}{i}" for i in range(batch_size)]
+        self.ids = [f"{_PROFILE_PREFIX}{batch_size}-{i}" for i in range(batch_size)]  # batches coexist
         for rid in self.ids:
             if not engine.block_manager.allocate_slots(rid, 0, num_tokens):
                 self.close()
@@ -57,14 +58,26 @@ class _SyntheticBatch:
             self.engine.block_manager.free(rid)
 
 
-def _time(fn, repeats: int) -> float:
-    fn()  # warm-up
-    samples = []
-    for _ in range(repeats):
-        started = time.perf_counter()
+def _time_interleaved(fns: list, repeats: int, bar=None) -> list[float]:
+    """The median seconds of each of ``fns`` over ``repeats`` rounds, each round calling every
+    one once in turn (after one warm-up call each). Taking the samples of a cell back to back
+    let one slow spell on a shared machine (another process, a frequency dip) inflate every
+    sample of the cells it overlapped: in one bench paper run the batch-4 row read 2x its true
+    cost from 2 tokens per request on, and its table said k = 0 there (44% slower than the best).
+    ``bar`` (tqdm) advances by one per round, warm-up included."""
+    for fn in fns:
         fn()
-        samples.append(time.perf_counter() - started)
-    return statistics.median(samples)
+    samples: list[list[float]] = [[] for _ in fns]
+    for _ in range(repeats):
+        if bar is not None:
+            bar.update(1)
+        for fn, cell in zip(fns, samples):
+            started = time.perf_counter()
+            fn()
+            cell.append(time.perf_counter() - started)
+    if bar is not None:
+        bar.update(1)
+    return [statistics.median(cell) for cell in samples]
 
 
 def measure_acceptance(engine: Engine, k: int, max_tokens: int = 64) -> list[float]:
@@ -116,21 +129,31 @@ def run_profile(
     gen = torch.Generator().manual_seed(0)
     target_grid: list[tuple[int, int, float]] = []
     draft_grid: list[tuple[int, float]] = []
-    cells = [(b, k) for b in batch_sizes for k in range(max_k + 1)]
-    with tqdm(total=len(cells) + len(batch_sizes) + 1, desc="profiling") as bar:
-        for b in batch_sizes:
-            batch = _SyntheticBatch(engine, b, context_len + max_k + 1)
+    groups = _batch_groups(engine, list(dict.fromkeys(batch_sizes)), context_len + max_k + 1)
+    with tqdm(total=len(groups) * (repeats + 1) + 1, desc="profiling") as bar:
+        for group in groups:
+            batches: dict[int, _SyntheticBatch] = {}
             try:
-                for k in range(max_k + 1):
-                    tokens = torch.randint(3, vocab, (b, k + 1), generator=gen).tolist()
-                    chunks = [SeqChunk(t, context_len, k + 1) for t in tokens]
-                    seconds = _time(lambda: runner.forward_logits(chunks, batch.tables), repeats)
-                    target_grid.append((b, k + 1, seconds))
-                    bar.update(1)
-                draft_grid.append((b, _time_draft(engine, batch.tables, b, context_len, max_k, vocab, gen, repeats)))
-                bar.update(1)
+                for b in group:
+                    batches[b] = _SyntheticBatch(engine, b, context_len + max_k + 1)
+                cells, fns = [], []
+                for b, batch in batches.items():
+                    for k in range(max_k + 1):
+                        tokens = torch.randint(3, vocab, (b, k + 1), generator=gen).tolist()
+                        chunks = [SeqChunk(t, context_len, k + 1) for t in tokens]
+                        cells.append((b, k + 1))
+                        fns.append(lambda chunks=chunks, tables=batch.tables: runner.forward_logits(chunks, tables))
+                    cells.append((b, None))
+                    fns.append(_draft_pass(engine, batch.tables, b, context_len, max_k, vocab, gen))
+                for (b, n), seconds in zip(cells, _time_interleaved(fns, repeats, bar)):
+                    if n is None:  # n-gram: a whole proposal over max_k
+                        draft_grid.append((b, seconds if isinstance(engine.proposer, DraftModelProposer)
+                                           else seconds / max(1, max_k)))
+                    else:
+                        target_grid.append((b, n, seconds))
             finally:
-                batch.close()
+                for batch in batches.values():
+                    batch.close()
         acceptance, coverage = measure_drafting(engine, max_k, prompts=prompts)
         bar.update(1)
     model = LatencyModel.fit(target_grid, draft_grid)
@@ -156,16 +179,24 @@ def run_profile(
     return profile.model_copy(update={"table": {b: profile.best_k(b) for b in batch_sizes}})
 
 
-def _time_draft(engine: Engine, tables, b: int, context_len: int, max_k: int, vocab: int, gen, repeats: int) -> float:
-    """Seconds of one draft pass for ``b`` sequences (n-gram: a whole proposal / max_k)."""
+def _draft_pass(engine: Engine, tables, b: int, context_len: int, max_k: int, vocab: int, gen):
+    """One draft pass for ``b`` sequences, to time (n-gram: a whole proposal of ``max_k``)."""
     proposer = engine.proposer
     if isinstance(proposer, DraftModelProposer):
         tokens = torch.randint(3, vocab, (b,), generator=gen).tolist()
         chunks = [SeqChunk([t], context_len, 1) for t in tokens]
-        return _time(lambda: proposer.runner.forward_logits(chunks, tables), repeats)
+        return lambda: proposer.runner.forward_logits(chunks, tables)
     sequences = torch.randint(3, vocab, (b, context_len), generator=gen).tolist()
     ngram = proposer.ngram
-    return _time(lambda: ngram.propose(sequences, [max_k] * b), repeats) / max(1, max_k)
+    return lambda: ngram.propose(sequences, [max_k] * b)
+
+
+def _batch_groups(engine: Engine, batch_sizes: list[int], num_tokens: int) -> list[list[int]]:
+    """Every batch size in one group (timed interleaved) when the KV cache holds them all at
+    once, else one group per batch size."""
+    blocks = engine.block_manager
+    needed = sum(batch_sizes) * cdiv(num_tokens, blocks.block_size)
+    return [list(batch_sizes)] if needed <= blocks.num_free_blocks else [[b] for b in batch_sizes]
 
 
 def _draft_name(speculative) -> str:
