@@ -55,15 +55,15 @@ def add_predictions(cells: list[dict], profile) -> None:
 
     model = profile.latency_model
     grid = profile.pass_grid()
+    step_models = (("fit", model), ("grid", measured_model(grid) if grid is not None else None))
     for cell in cells:
-        measured = cell.get("decode_step_ms")
-        for name, source in (("fit", model), ("grid", measured_model(grid) if grid is not None else None)):
-            predicted = (source.step_time(cell["batch_size"], cell["k"], cell["coverage"] if cell["k"] else None) * 1e3
-                         if source is not None else None)
-            cell[f"predicted_step_ms_{name}"] = predicted
-            cell[f"step_error_{name}"] = predicted / measured - 1 if predicted is not None and measured else None
         b, k = cell["batch_size"], cell["k"]
         acceptance, coverage = cell["effective_acceptance"], cell["coverage"]
+        measured = cell.get("decode_step_ms")
+        for name, source in step_models:
+            predicted = source.step_time(b, k, coverage if k else None) * 1e3 if source is not None else None
+            cell[f"predicted_step_ms_{name}"] = predicted
+            cell[f"step_error_{name}"] = predicted / measured - 1 if predicted is not None and measured else None
         cell["predicted_tpot_ms"] = model.time_per_token(b, k, profile.acceptance, profile.coverage) * 1e3
         cell["predicted_tpot_ms_measured_acceptance"] = (
             model.time_per_token(b, k, acceptance, coverage) * 1e3 if k == 0 or acceptance else None)

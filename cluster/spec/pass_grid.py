@@ -42,10 +42,6 @@ class PassGrid:
         self._draft_times = [t for _, t in drafts]
         self._cache: dict[int, list[float]] = {}
 
-    @property
-    def max_tokens(self) -> int:
-        return len(self._rows[0])
-
     def verify_row(self, batch_size: int) -> list[float]:
         """Seconds of the verifying pass at 1..max_tokens tokens per request for ``batch_size``."""
         row = self._cache.get(batch_size)

@@ -7,7 +7,7 @@ import pytest
 from cluster.spec.controller import AdaptiveController, BatchState, StepObservation
 from cluster.spec.latency_model import LatencyModel
 from cluster.spec.pass_grid import PassGrid
-from cluster.spec.profile_data import SpeculationProfile, measured_model
+from cluster.spec.profile_data import SpeculationProfile
 
 # Made-up pass times (seconds), shaped like this CPU's (as tests/unit/test_profile_table.py):
 # an extra token per request costs 0.1 ms at batch 1, 2 ms at batch 8 and 16 ms at batch 32.
@@ -71,7 +71,7 @@ def test_adaptive_learns_a_correction_to_the_grid():
     (say, proposing is dearer than profiled): the correction is learnt, and with it the best
     k per batch size of the live steps, at sizes observed and between them."""
     profile = _profile([0.8] * 4)
-    truth = LatencyModel([0.0, 0.0, 0.0], [0.003, 0.0], measured_model(profile.pass_grid(4)).grid)
+    truth = LatencyModel([0.0, 0.0, 0.0], [0.003, 0.0], profile.pass_grid(4))
     adaptive = AdaptiveController.from_profile(profile, max_k=4)
     assert adaptive.k_table([1, 8]) != {b: truth.best_k(b, [0.8] * 4, 4) for b in (1, 8)}
     rng = random.Random(3)
@@ -81,4 +81,5 @@ def test_adaptive_learns_a_correction_to_the_grid():
     assert adaptive.model.draft_coef[0] == pytest.approx(0.003, rel=0.05)
     for b in (1, 4, 8, 20, 32):
         assert adaptive.model.step_time(b, 3) == pytest.approx(truth.step_time(b, 3), rel=0.02)
-    assert adaptive.k_table([1, 4, 8, 20, 32]) == {b: truth.best_k(b, adaptive.acceptance, 4) for b in (1, 4, 8, 20, 32)}
+    sizes = [1, 4, 8, 20, 32]
+    assert adaptive.k_table(sizes) == {b: truth.best_k(b, adaptive.acceptance, 4) for b in sizes}
