@@ -136,7 +136,7 @@ def run_profile(
             try:
                 for b in group:
                     batches[b] = _SyntheticBatch(engine, b, context_len + max_k + 1)
-                cells, fns = [], []
+                cells, fns, draft_passes = [], [], {}
                 for b, batch in batches.items():
                     for k in range(max_k + 1):
                         tokens = torch.randint(3, vocab, (b, k + 1), generator=gen).tolist()
@@ -144,11 +144,11 @@ def run_profile(
                         cells.append((b, k + 1))
                         fns.append(lambda chunks=chunks, tables=batch.tables: runner.forward_logits(chunks, tables))
                     cells.append((b, None))
-                    fns.append(_draft_pass(engine, batch.tables, b, context_len, max_k, vocab, gen))
+                    fn, draft_passes[b] = _draft_pass(engine, batch.tables, b, context_len, max_k, vocab, gen)
+                    fns.append(fn)
                 for (b, n), seconds in zip(cells, _time_interleaved(fns, repeats, bar)):
-                    if n is None:  # n-gram: a whole proposal over max_k
-                        draft_grid.append((b, seconds if isinstance(engine.proposer, DraftModelProposer)
-                                           else seconds / max(1, max_k)))
+                    if n is None:
+                        draft_grid.append((b, seconds / draft_passes[b]))
                     else:
                         target_grid.append((b, n, seconds))
             finally:
@@ -180,15 +180,16 @@ def run_profile(
 
 
 def _draft_pass(engine: Engine, tables, b: int, context_len: int, max_k: int, vocab: int, gen):
-    """One draft pass for ``b`` sequences, to time (n-gram: a whole proposal of ``max_k``)."""
+    """A call to time for ``b`` sequences' drafting and the draft passes it makes: one draft
+    model pass, or (n-gram) a whole proposal of ``max_k`` tokens, counted as ``max_k`` passes."""
     proposer = engine.proposer
     if isinstance(proposer, DraftModelProposer):
         tokens = torch.randint(3, vocab, (b,), generator=gen).tolist()
         chunks = [SeqChunk([t], context_len, 1) for t in tokens]
-        return lambda: proposer.runner.forward_logits(chunks, tables)
+        return (lambda: proposer.runner.forward_logits(chunks, tables)), 1
     sequences = torch.randint(3, vocab, (b, context_len), generator=gen).tolist()
     ngram = proposer.ngram
-    return lambda: ngram.propose(sequences, [max_k] * b)
+    return (lambda: ngram.propose(sequences, [max_k] * b)), max(1, max_k)
 
 
 def _batch_groups(engine: Engine, batch_sizes: list[int], num_tokens: int) -> list[list[int]]:
