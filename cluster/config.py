@@ -129,6 +129,9 @@ class EngineConfig(_Strict):
     """
 
     backend: Literal["native", "vllm"] = "native"
+    core_process: bool = Field(
+        True, description="native engine: step in an engine-core process of its own, handing the replica one "
+                          "message per step (tensor-parallel groups step in the replica's process)")
     vllm_args: dict = Field(default_factory=dict, description="extra vLLM engine arguments, e.g. {enforce_eager: true}")
 
 

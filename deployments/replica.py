@@ -66,9 +66,9 @@ class TandemReplica:
     def capacity_tokens_per_second(self) -> float:
         return self.backend.capacity_tokens_per_second()
 
-    def engine_stats(self) -> dict:
+    async def engine_stats(self) -> dict:
         """Debug view: the engine's counters (the native engine checks its invariants first)."""
-        return {"replica_id": self.replica_id, "group": self.group.name, **self.backend.engine_stats()}
+        return {"replica_id": self.replica_id, "group": self.group.name, **(await self.backend.engine_stats())}
 
     def spec_state(self) -> dict:
         return vars(self.backend.spec_state())

@@ -229,7 +229,7 @@ class VllmBackend:
         return SpecState(plan.method, plan.policy, self.recorder.current_k, self.recorder.k_table,
                          self.recorder.spec.acceptance_rate, plan.note)
 
-    def engine_stats(self) -> dict:
+    async def engine_stats(self) -> dict:
         r = self.recorder
         return {
             "backend": self.name,

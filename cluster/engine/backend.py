@@ -92,7 +92,7 @@ class EngineBackend(Protocol):
 
     def spec_state(self) -> SpecState: ...
 
-    def engine_stats(self) -> dict: ...
+    async def engine_stats(self) -> dict: ...
 
     def check_health(self) -> None: ...
 
@@ -103,6 +103,10 @@ def build_backend(config: "TandemConfig", group: "ReplicaGroupConfig", context: 
     """The backend ``config.engine.backend`` names, built from one group's engine settings
     (``group_engine_config``); vLLM is imported only when a group asks for it."""
     backend = config.engine.backend
+    if backend == "native" and config.engine.core_process and group.tensor_parallel_size == 1:
+        from cluster.engine.process_backend import ProcessBackend
+
+        return ProcessBackend(config, group, context)
     if backend == "native":
         from cluster.engine.native_backend import NativeBackend
 

@@ -8,7 +8,6 @@ one, by local processes.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 from typing import AsyncIterator
 
@@ -17,12 +16,11 @@ from cluster.config_serve import ReplicaGroupConfig
 from cluster.engine.async_engine import AsyncEngine, EngineDeadError
 from cluster.engine.backend import BackendContext, EngineLoad, EngineUnhealthyError, SpecState, error_param
 from cluster.engine.engine import Engine
+from cluster.engine.engine_view import EngineView, output_delta, resolved_params
 from cluster.engine.outputs import RequestOutput
 from cluster.engine.protocol import ErrorInfo, GenerateDelta, GenerateRequest, QueueFullError
 from cluster.metrics.collector import EngineMetricsCollector
 from cluster.parallel.executor import TensorParallelError
-from cluster.routing.policy import peak_tokens_per_second
-from cluster.spec.latency_model import power_of_two_sizes
 
 logger = logging.getLogger(__name__)
 
@@ -35,15 +33,13 @@ class NativeBackend:
         self.engine = AsyncEngine(_build_engine(config, group, context), step_time_scale=group.step_time_scale)
         if context.metrics_sink is not None:
             self.engine.metrics = EngineMetricsCollector(self.engine.engine, context.metrics_sink,
-                                                         capacity=self.capacity_tokens_per_second)
+                                                         capacity=lambda: self.view.capacity_tokens_per_second())
         self.max_model_len = self.engine.engine.max_model_len
+        self.view = EngineView(self.engine.engine, self.engine.step_times, config, lambda: self.engine.num_waiting)
         self._failed: str | None = None
 
     async def generate(self, request: GenerateRequest) -> AsyncIterator[GenerateDelta]:
-        params = request.sampling_params
-        if request.max_tokens_is_default:
-            room = self.max_model_len - len(request.prompt_token_ids)
-            params = dataclasses.replace(params, max_tokens=max(1, room), min_tokens=min(params.min_tokens, max(1, room)))
+        params = resolved_params(request, self.max_model_len)
         try:
             stream = self.engine.generate(request.prompt_token_ids, params, request.request_id, request.cache_salt)
             first = await _first_or_error(stream)
@@ -60,11 +56,11 @@ class NativeBackend:
         yield GenerateDelta(accepted=True, num_prompt_tokens=len(request.prompt_token_ids))
         try:
             if first is not None:
-                yield _delta(first)
+                yield output_delta(first)
                 if first.finished:
                     return
                 async for out in stream:
-                    yield _delta(out)
+                    yield output_delta(out)
         except EngineDeadError as err:
             self._failed = str(err)
             yield GenerateDelta(error=ErrorInfo(500, f"the engine failed: {err}", "server_error"))
@@ -75,59 +71,16 @@ class NativeBackend:
         self.engine.abort(request_id)
 
     def load(self, prefix_depth: int) -> EngineLoad:
-        engine = self.engine.engine
-        spec = engine.spec_stats
-        k = spec.current_k
-        max_num_seqs = self.config.scheduler.max_num_seqs
-        times = self.engine.step_times
-        return EngineLoad(
-            num_running=engine.scheduler.num_running,
-            num_waiting=self.engine.num_waiting,
-            max_num_seqs=max_num_seqs,
-            kv_cache_usage=engine.block_manager.usage,
-            current_k=k,
-            acceptance=spec.effective_acceptance_rate,
-            step_time_curve=times.curve(k, max_num_seqs),
-            prefill_seconds_per_token=times.prefill_seconds_per_token,
-            speed_factor=times.speed_factor,
-            cached_prefix_hashes=engine.block_manager.cached_prefix_hashes(prefix_depth),
-            block_size=engine.block_manager.block_size,
-        )
+        return self.view.load(prefix_depth)
 
     def capacity_tokens_per_second(self) -> float:
-        """Predicted peak output tokens/s at the current k and acceptance (0 before any
-        profile or measured step)."""
-        spec = self.engine.engine.spec_stats
-        k = spec.current_k
-        curve = self.engine.step_times.curve(k, self.config.scheduler.max_num_seqs)
-        return peak_tokens_per_second(curve, spec.effective_acceptance_rate, k)
+        return self.view.capacity_tokens_per_second()
 
     def spec_state(self) -> SpecState:
-        engine = self.engine.engine
-        spec_config = self.config.speculative
-        controller = engine.controller
-        if controller is None:
-            return SpecState("none", "none", 0, {}, 0.0)
-        sizes = power_of_two_sizes(self.config.scheduler.max_num_seqs)
-        return SpecState(spec_config.method, spec_config.controller, engine.spec_stats.current_k,
-                         controller.k_table(sizes), engine.spec_stats.acceptance_rate)
+        return self.view.spec_state()
 
-    def engine_stats(self) -> dict:
-        """The engine's counters and free blocks, after checking its invariants."""
-        engine = self.engine.engine
-        engine.check_invariants()
-        stats = engine.stats()
-        pool = engine.block_manager.pool
-        return {
-            "backend": self.name,
-            "num_running": stats.num_running,
-            "num_waiting": stats.num_waiting,
-            "kv_cache_usage": stats.kv_cache_usage,
-            "num_blocks": pool.num_blocks,
-            "num_free_blocks": pool.num_free_blocks,
-            "num_preemptions": stats.num_preemptions,
-            "prefix_cache_hit_rate": stats.prefix_cache_hit_rate,
-        }
+    async def engine_stats(self) -> dict:
+        return self.view.engine_stats(self.name)
 
     def check_health(self) -> None:
         executor = getattr(self.engine.engine.worker.runner, "executor", None)
@@ -160,17 +113,3 @@ async def _first_or_error(stream: AsyncIterator[RequestOutput]) -> RequestOutput
         return await stream.__anext__()
     except StopAsyncIteration:
         return None
-
-
-def _delta(out: RequestOutput) -> GenerateDelta:
-    completion = out.outputs[0]
-    return GenerateDelta(
-        text=completion.delta_text,
-        token_ids=list(completion.delta_token_ids),
-        logprobs=completion.delta_logprobs,
-        finish_reason=completion.finish_reason,
-        stop_reason=completion.stop_reason,
-        num_prompt_tokens=out.usage.prompt_tokens,
-        num_output_tokens=out.usage.completion_tokens,
-        num_cached_tokens=out.usage.cached_tokens,
-    )

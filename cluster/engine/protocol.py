@@ -60,3 +60,22 @@ class GenerateDelta:
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None or self.error is not None
+
+
+def merge_deltas(first: GenerateDelta, second: GenerateDelta) -> GenerateDelta:
+    """One token delta carrying two consecutive ones of the same request (for a reader
+    that fell behind): text, tokens and logprobs joined, the counts and end of the later."""
+    logprobs = None
+    if first.logprobs is not None or second.logprobs is not None:
+        logprobs = (first.logprobs or []) + (second.logprobs or [])
+    return GenerateDelta(
+        text=first.text + second.text,
+        token_ids=first.token_ids + second.token_ids,
+        logprobs=logprobs,
+        finish_reason=second.finish_reason,
+        stop_reason=second.stop_reason,
+        num_prompt_tokens=second.num_prompt_tokens,
+        num_output_tokens=second.num_output_tokens,
+        num_cached_tokens=second.num_cached_tokens,
+        error=second.error,
+    )

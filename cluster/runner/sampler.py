@@ -1,13 +1,13 @@
 """The sampler: logits in, one token per request (and optionally logprobs) out.
 
 Pipeline per row: penalties -> banned ids -> temperature -> top-k -> top-p -> min-p -> softmax,
-then an exponential race. ``compute_probs`` and ``sample_from_probs`` are exposed separately
+then one draw by the inverse of the CDF (``categorical.py``). ``compute_probs`` and ``sample_from_probs`` are exposed separately
 because the speculative rejection sampler needs the distribution itself: it calls
 ``compute_probs`` on target and draft logits and samples recovered and bonus tokens with
 ``sample_from_probs``.
 
 Randomness: unseeded rows share one batched draw from the default generator of the device;
-a seeded row draws only from its own ``torch.Generator`` (one vocab-sized draw per step), so its
+a seeded row draws only from its own ``torch.Generator`` (one number per sampled token), so its
 tokens depend on its seed and its own history, never on its position or on the other rows.
 """
 
@@ -20,6 +20,7 @@ from typing import NamedTuple
 import torch
 
 from cluster.engine.sampling_params import SamplingParams
+from cluster.runner.categorical import sample_categorical
 from cluster.runner.logits_processors import (
     PenaltyState,
     apply_banned_token_ids,
@@ -191,23 +192,15 @@ def sample_from_probs(
     probs: torch.Tensor,  # [num_reqs, vocab_size] float32
     metadata: SamplingMetadata,
 ) -> torch.Tensor:  # [num_reqs] int64
-    """Greedy rows: argmax. Random rows: the exponential race ``argmax(probs / Exponential(1))``.
-
-    The race picks token i with probability ``probs[i] / probs.sum()`` and never picks a token of
-    probability 0. Unseeded rows share one batched draw; each seeded row makes exactly one
-    vocab-sized draw from its own generator, which advances it.
+    """Greedy rows: argmax. Random rows: one draw from ``probs`` by the inverse of its CDF
+    (``sample_categorical``), which never picks a token of probability 0. Unseeded rows share
+    one batched draw; each seeded row draws exactly one number from its own generator, which
+    advances it.
     """
     greedy_ids = probs.argmax(dim=-1)
     if metadata.all_greedy:
         return greedy_ids
-    noise = torch.empty_like(probs)
-    if len(metadata.generators) < probs.shape[0]:
-        noise.exponential_()
-    for row, generator in metadata.generators.items():
-        noise[row].exponential_(generator=generator)
-    # exponential_ may return exactly 0; 0/0 would be NaN and win the argmax.
-    noise.clamp_(min=torch.finfo(noise.dtype).tiny)
-    random_ids = (probs / noise).argmax(dim=-1)
+    random_ids = sample_categorical(probs, metadata.generators, len(metadata.generators) < probs.shape[0])
     if metadata.all_random:
         return random_ids
     return torch.where(metadata.greedy_mask, greedy_ids, random_ids)

@@ -29,8 +29,8 @@ Greedy rows (temperature 0, one-hot ``target_probs``) take a fast path without r
 accept while ``x_j == argmax(target_probs[j])``, then emit that argmax.
 
 Randomness mirrors ``cluster.runner.sampler``: unseeded random rows share one batched draw of
-uniforms ``[num_reqs, max_k]`` and one batched exponential race; a seeded row draws exactly
-``k_i`` uniforms and then one vocab-sized exponential race from its own generator, so its tokens
+uniforms ``[num_reqs, max_k]`` and one batched draw of the final token; a seeded row draws exactly
+``k_i`` uniforms and then one more for its final token from its own generator, so its tokens
 depend on its seed and its own inputs, never on its position or on the other rows. Greedy rows
 never advance a generator, and an all-greedy batch draws nothing at all.
 
@@ -52,6 +52,8 @@ from __future__ import annotations
 from typing import NamedTuple
 
 import torch
+
+from cluster.runner.categorical import sample_categorical
 
 __all__ = ["RejectionOutput", "greedy_verify", "recovered_probs", "rejection_sample", "rejection_sample_packed"]
 
@@ -85,7 +87,7 @@ def rejection_sample(
 
     Padding (draft ids, draft and target probabilities past a row's ``k_i``, resp. ``k_i + 1``)
     is never read into the result and may hold anything. ``draft_probs`` and ``target_probs``
-    are not normalized here: the exponential race is scale-free.
+    are not normalized here: the final draw (``sample_categorical``) is scale-free.
     """
     num_reqs, max_k, vocab_size = _check_shapes(
         draft_token_ids, num_draft_tokens, draft_probs, target_probs, greedy, generators
@@ -186,7 +188,7 @@ def _sample_rows(
                 rejected_draft_probs = draft_probs[draft_rows[rows, num_accepted.clamp(max=max_k - 1)]]
             recovered = recovered_probs(final_probs, rejected_draft_probs)
             final_probs = torch.where(rejected[:, None], recovered, final_probs)
-        final_ids = _exponential_race(final_probs, seeded, any_unseeded_random)
+        final_ids = sample_categorical(final_probs, seeded, any_unseeded_random)
         if any_greedy:
             final_ids = torch.where(greedy, target_argmax[rows, num_accepted], final_ids)
 
@@ -236,22 +238,6 @@ def _draw_uniforms(
         if num_draft_tokens[row] > 0:
             uniforms[row, : num_draft_tokens[row]].uniform_(generator=generator)
     return uniforms
-
-
-def _exponential_race(
-    probs: torch.Tensor,  # [num_reqs, vocab_size] float32, unnormalized is fine
-    seeded: dict[int, torch.Generator],
-    batched: bool,
-) -> torch.Tensor:  # [num_reqs] int64
-    """``argmax(probs / Exponential(1))`` picks i with probability ``probs[i] / probs.sum()``."""
-    noise = torch.empty_like(probs)
-    if batched:
-        noise.exponential_()
-    for row, generator in seeded.items():
-        noise[row].exponential_(generator=generator)
-    # exponential_ may return exactly 0; 0/0 would be NaN and win the argmax.
-    noise.clamp_(min=torch.finfo(noise.dtype).tiny)
-    return (probs / noise).argmax(dim=-1)
 
 
 def _check_shapes(

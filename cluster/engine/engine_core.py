@@ -1,0 +1,204 @@
+"""The engine core: Tandem's engine alone in its own process, stepping without pause.
+
+A replica (``process_backend.ProcessBackend``) starts ``python -m cluster.engine.engine_core
+FD`` with one end of a socket pair. The core builds the engine, then loops: take every
+message waiting (adds, aborts, calls; block only when there is no work), run one
+``Engine.step``, send one ``CoreMessage`` with every request's delta of that step, the
+step's metric samples and, at most every ``SNAPSHOT_PERIOD_S``, the readings the replica
+answers the router from. Nothing else runs in this process, so the step never waits on
+the replica's event loop or shares its GIL with Ray's per-request calls (the same reason
+vLLM keeps its engine core in a process of its own).
+
+A step that raises fails the requests in flight with a 500 and marks the engine failed
+(the replica's health check then fails and Serve replaces it), as ``AsyncEngine`` does.
+The core exits when the replica closes its end (or dies) or sends ``Shutdown``.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import time
+import traceback
+from multiprocessing.connection import Connection
+
+from cluster.config import config_from_dict
+from cluster.engine.backend import error_param
+from cluster.engine.core_messages import (AbortRequest, AddRequest, CallRequest, CallResult, CoreMessage, CoreReady,
+                                          CoreSnapshot, CoreStart, Shutdown)
+from cluster.engine.engine import Engine
+from cluster.engine.engine_view import EngineView, output_delta, resolved_params
+from cluster.engine.protocol import ErrorInfo, GenerateDelta
+from cluster.metrics.collector import EngineMetricsCollector
+from cluster.metrics.sample_buffer import BufferedSink
+from cluster.routing.step_times import StepTimeTracker
+from cluster.spec.factory import profile_step_model
+
+logger = logging.getLogger("cluster.engine.engine_core")
+
+SNAPSHOT_PERIOD_S = 0.05  # how stale the router's view of this engine may be while it steps
+IDLE_POLL_S = 1.0  # an idle core still refreshes its gauges this often (Ray drops stale ones)
+
+
+class EngineCore:
+    def __init__(self, engine: Engine, step_time_scale: float = 1.0) -> None:
+        self.engine = engine
+        self.config = engine.config
+        self.step_time_scale = step_time_scale
+        self.step_times = StepTimeTracker(*profile_step_model(engine.config))
+        self.view = EngineView(engine, self.step_times, engine.config)
+        self.sink = BufferedSink()
+        self.metrics = EngineMetricsCollector(engine, self.sink, capacity=self.view.capacity_tokens_per_second)
+        self.failed: str | None = None
+        self._out = CoreMessage()
+        self._last_snapshot = float("-inf")
+
+    # ---- messages from the replica -------------------------------------------------
+    def handle(self, message) -> bool:
+        """Apply one message; False when it asks the core to stop."""
+        if isinstance(message, AddRequest):
+            self._add(message)
+        elif isinstance(message, AbortRequest):
+            self._abort(message.request_id)
+        elif isinstance(message, CallRequest):
+            self._out.calls.append(self._call(message))
+        elif isinstance(message, Shutdown):
+            return False
+        else:
+            logger.error("engine core: unknown message %r", type(message).__name__)
+        return True
+
+    def _add(self, message: AddRequest) -> None:
+        request = message.request
+        rid = request.request_id
+        limit = self.config.scheduler.max_queued_requests
+        if limit is not None and self.engine.scheduler.num_waiting >= limit:
+            text = f"{self.engine.scheduler.num_waiting} requests are already waiting (max_queued_requests={limit})"
+            self._out.deltas.append((rid, GenerateDelta(error=ErrorInfo(429, text, "rate_limit_error"))))
+            return
+        try:
+            params = resolved_params(request, self.engine.max_model_len)
+            prepared = self.engine.make_request(request.prompt_token_ids, params, rid, request.cache_salt)
+            self.engine.add_prepared(prepared)
+        except ValueError as err:
+            self._out.deltas.append((rid, GenerateDelta(error=ErrorInfo(400, str(err), param=error_param(str(err))))))
+            return
+        self._out.deltas.append((rid, GenerateDelta(accepted=True, num_prompt_tokens=len(request.prompt_token_ids))))
+
+    def _abort(self, request_id: str) -> None:
+        if request_id in self.engine.scheduler.requests:
+            self.metrics.on_abort(request_id)
+        self.engine.abort(request_id)
+
+    def _call(self, message: CallRequest) -> CallResult:
+        try:
+            if message.method == "engine_stats":
+                return CallResult(message.call_id, self.view.engine_stats("native"))
+            return CallResult(message.call_id, error=f"the engine core has no call {message.method!r}")
+        except Exception as err:  # an invariant broken: report it to the caller, keep serving
+            return CallResult(message.call_id, error=f"{type(err).__name__}: {err}")
+
+    # ---- the loop ---------------------------------------------------------------------
+    def step(self) -> None:
+        started = time.perf_counter()
+        try:
+            outputs = self.engine.step()
+        except Exception as err:  # a bug or a device failure: fail in-flight requests, report unhealthy
+            logger.exception("engine step failed")
+            self._fail_all(f"engine step failed: {err}")
+            return
+        if self.step_time_scale > 1.0:
+            time.sleep((self.step_time_scale - 1.0) * (time.perf_counter() - started))
+        record = self.engine.last_step
+        if record is not None:
+            self.step_times.observe(record.num_seqs, record.k, record.num_prefill_tokens,
+                                    time.perf_counter() - started)
+        self.metrics.on_step(outputs)
+        self._out.deltas.extend((out.request_id, output_delta(out)) for out in outputs)
+
+    def _fail_all(self, message: str) -> None:
+        self.failed = message
+        error = GenerateDelta(error=ErrorInfo(500, f"the engine failed: {message}", "server_error"))
+        for rid in list(self.engine.scheduler.requests):
+            self._abort(rid)
+            self._out.deltas.append((rid, error))
+
+    def take_message(self, now: float, force_snapshot: bool = False) -> CoreMessage | None:
+        """What to send now: the deltas and samples gathered since the last message, and a
+        fresh snapshot when the last one is older than ``SNAPSHOT_PERIOD_S``."""
+        out = self._out
+        if force_snapshot or now - self._last_snapshot >= SNAPSHOT_PERIOD_S:
+            out.snapshot = self.snapshot()
+            self._last_snapshot = now
+        out.samples = self.sink.drain()
+        self._out = CoreMessage()
+        return out if out else None
+
+    def snapshot(self) -> CoreSnapshot:
+        view = self.view
+        return CoreSnapshot(view.load(self.config.serve.prefix_affinity_blocks), view.capacity_tokens_per_second(),
+                            view.spec_state(), self.failed)
+
+    def run(self, conn: Connection) -> None:
+        """Serve the replica on ``conn`` until it closes it or sends ``Shutdown``."""
+        while True:
+            busy = self.engine.has_unfinished()
+            timeout = 0.0 if busy else IDLE_POLL_S
+            handled = False
+            while conn.poll(timeout):
+                try:
+                    message = conn.recv()
+                except EOFError:
+                    return
+                if not self.handle(message):
+                    return
+                handled, timeout = True, 0.0
+            now = time.monotonic()
+            if self.engine.has_unfinished():
+                self.step()
+            elif not handled:
+                self.metrics.poll(now)
+            message = self.take_message(time.monotonic(), force_snapshot=not self.engine.has_unfinished())
+            if message is not None:
+                conn.send(message)
+
+
+def _die_with_parent() -> None:
+    """Ask Linux to end this process when the replica that started it dies (best effort)."""
+    try:
+        import ctypes
+        import signal
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+
+
+def main(argv: list[str]) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s engine-core %(levelname)s %(message)s")
+    _die_with_parent()
+    conn = Connection(int(argv[0]))
+    try:
+        start: CoreStart = conn.recv()
+        engine = Engine(config_from_dict(start.config, "engine core config"))
+        core = EngineCore(engine, start.step_time_scale)
+        conn.send(CoreReady(engine.max_model_len, core.snapshot(), os.getpid()))
+    except EOFError:
+        return 0
+    except Exception as err:
+        logger.exception("the engine core could not start")
+        conn.send(CoreMessage(failure=f"the engine could not start: {type(err).__name__}: {err}\n"
+                                      f"{traceback.format_exc(limit=5)}"))
+        return 1
+    try:
+        core.run(conn)
+    except (EOFError, BrokenPipeError, ConnectionResetError):
+        pass  # the replica went away
+    finally:
+        engine.worker.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,215 @@
+"""Tandem's engine behind ``EngineBackend``, run in an engine-core process of its own.
+
+The replica's process keeps only the hand-off: a ``tandem-core-reader`` thread reads the
+core's one message per step, replays its metric samples, keeps its latest snapshot (what
+``load``, ``capacity_tokens_per_second`` and ``spec_state`` answer from, without asking
+the core) and passes the step's deltas to the event loop in one call. Each request's
+stream yields what has arrived for it; when the consumer (Ray's stream back to the ingress)
+falls behind, the deltas waiting are merged into one, so a slow reader costs fewer
+messages, not more.
+
+If the core process dies, every request in flight ends with a 503 error within one read,
+new requests get the same, and ``check_health`` fails, so Serve replaces the replica.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+from multiprocessing.connection import Connection
+from typing import AsyncIterator
+
+from cluster.config import TandemConfig
+from cluster.config_serve import ReplicaGroupConfig
+from cluster.engine.backend import BackendContext, EngineLoad, EngineUnhealthyError, SpecState
+from cluster.engine.core_messages import (AbortRequest, AddRequest, CallRequest, CallResult, CoreMessage, CoreReady,
+                                          CoreSnapshot, CoreStart, Shutdown)
+from cluster.engine.protocol import ErrorInfo, GenerateDelta, GenerateRequest, merge_deltas
+
+logger = logging.getLogger(__name__)
+
+START_TIMEOUT_S = 900.0  # building the engine may convert a model first
+SHUTDOWN_TIMEOUT_S = 10.0
+
+
+class EngineProcessDied(RuntimeError):
+    """The engine-core process exited; the requests it held are lost."""
+
+
+class ProcessBackend:
+    name = "native"
+
+    def __init__(self, config: TandemConfig, group: ReplicaGroupConfig, context: BackendContext) -> None:
+        self.config = config
+        self.sink = context.metrics_sink
+        ours, theirs = socket.socketpair()
+        self.process = subprocess.Popen([sys.executable, "-m", "cluster.engine.engine_core", str(theirs.fileno())],
+                                        pass_fds=[theirs.fileno()], env=os.environ.copy())
+        theirs.close()
+        self._conn = Connection(ours.detach())
+        self._send_lock = threading.Lock()
+        self._queues: dict[str, asyncio.Queue] = {}
+        self._calls: dict[int, asyncio.Future] = {}
+        self._call_ids = itertools.count()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._dead: str | None = None
+        self._stopping = False
+        self._send(CoreStart(config.model_dump(), group.step_time_scale))
+        ready = self._wait_ready()
+        self.max_model_len = ready.max_model_len
+        self.core_pid = ready.pid
+        self.snapshot: CoreSnapshot = ready.snapshot
+        self._reader = threading.Thread(target=self._read, name="tandem-core-reader", daemon=True)
+        self._reader.start()
+        logger.info("engine core started in process %d", ready.pid)
+
+    def _wait_ready(self) -> CoreReady:
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while not self._conn.poll(1.0):
+            if self.process.poll() is not None:
+                raise RuntimeError(f"the engine core exited with {self.process.returncode} before it was ready "
+                                   "(its log is in this replica's stderr)")
+            if time.monotonic() > deadline:
+                self.process.kill()
+                raise RuntimeError(f"the engine core was not ready within {START_TIMEOUT_S:.0f} s")
+        message = self._conn.recv()
+        if isinstance(message, CoreMessage) and message.failure:
+            self.process.wait(timeout=30)
+            raise RuntimeError(message.failure)
+        return message
+
+    # ---- the engine face ----------------------------------------------------------------
+    async def generate(self, request: GenerateRequest) -> AsyncIterator[GenerateDelta]:
+        self._loop = asyncio.get_running_loop()
+        if self._dead is not None:
+            yield _died(self._dead)
+            return
+        rid = request.request_id
+        if rid in self._queues:
+            yield GenerateDelta(error=ErrorInfo(400, f"request id {rid!r} is already in use"))
+            return
+        queue: asyncio.Queue = asyncio.Queue()
+        self._queues[rid] = queue
+        finished = False
+        try:
+            self._send(AddRequest(request))
+            while not finished:
+                delta = await queue.get()
+                while not queue.empty() and isinstance(delta, GenerateDelta) and not (delta.finished or delta.accepted):
+                    following = queue.get_nowait()
+                    delta = merge_deltas(delta, following) if isinstance(following, GenerateDelta) else following
+                if isinstance(delta, EngineProcessDied):
+                    finished = True
+                    yield _died(str(delta))
+                    return
+                finished = delta.finished
+                yield delta
+        finally:
+            self._queues.pop(rid, None)
+            if not finished and self._dead is None:
+                self._send(AbortRequest(rid))
+
+    async def abort(self, request_id: str) -> None:
+        self._send(AbortRequest(request_id))
+
+    def load(self, prefix_depth: int) -> EngineLoad:
+        return self.snapshot.load
+
+    def capacity_tokens_per_second(self) -> float:
+        return self.snapshot.capacity_tokens_per_second
+
+    def spec_state(self) -> SpecState:
+        return self.snapshot.spec_state
+
+    async def engine_stats(self) -> dict:
+        """The core's counters and free blocks, after it checked its invariants (asked between steps)."""
+        if self._dead is not None:
+            raise EngineUnhealthyError(self._dead)
+        self._loop = asyncio.get_running_loop()
+        call_id = next(self._call_ids)
+        future = self._loop.create_future()
+        self._calls[call_id] = future
+        self._send(CallRequest(call_id, "engine_stats"))
+        return await future
+
+    def check_health(self) -> None:
+        if self._dead is None and self.process.poll() is not None:
+            self._dead = f"the engine process exited with {self.process.returncode}"
+        failed = self._dead or self.snapshot.failed
+        if failed is not None:
+            raise EngineUnhealthyError(failed)
+
+    async def shutdown(self) -> None:
+        self._stopping = True
+        if self.process.poll() is None:
+            try:
+                self._send(Shutdown())
+            except OSError:
+                pass
+            try:
+                await asyncio.get_running_loop().run_in_executor(None, self.process.wait, SHUTDOWN_TIMEOUT_S)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+        self._conn.close()
+
+    # ---- the hand-off -------------------------------------------------------------------
+    def _send(self, message) -> None:
+        with self._send_lock:
+            self._conn.send(message)
+
+    def _read(self) -> None:
+        """The reader thread: one core message at a time until the core goes away."""
+        while True:
+            try:
+                message: CoreMessage = self._conn.recv()
+            except (EOFError, OSError):
+                break
+            if message.snapshot is not None:
+                self.snapshot = message.snapshot
+            if message.samples is not None and self.sink is not None:
+                message.samples.replay(self.sink)
+            if message.failure:
+                logger.error("engine core: %s", message.failure)
+            if (message.deltas or message.calls) and self._loop is not None:
+                self._loop.call_soon_threadsafe(self._dispatch, message.deltas, message.calls)
+        code = self.process.wait()
+        if self._stopping:
+            return
+        self._dead = f"the engine process exited with {code}"
+        logger.error("%s; failing the requests in flight", self._dead)
+        if self._loop is not None:
+            self._loop.call_soon_threadsafe(self._fail_all, EngineProcessDied(self._dead))
+
+    def _dispatch(self, deltas: list[tuple[str, GenerateDelta]], calls: list[CallResult]) -> None:
+        queues = self._queues
+        for rid, delta in deltas:
+            queue = queues.get(rid)
+            if queue is not None:
+                queue.put_nowait(delta)
+        for result in calls:
+            future = self._calls.pop(result.call_id, None)
+            if future is None or future.done():
+                continue
+            if result.error is not None:
+                future.set_exception(EngineUnhealthyError(result.error))
+            else:
+                future.set_result(result.value)
+
+    def _fail_all(self, error: EngineProcessDied) -> None:
+        for queue in self._queues.values():
+            queue.put_nowait(error)
+        for future in self._calls.values():
+            if not future.done():
+                future.set_exception(EngineUnhealthyError(str(error)))
+        self._calls.clear()
+
+
+def _died(message: str) -> GenerateDelta:
+    return GenerateDelta(error=ErrorInfo(503, f"{message}; the replica is being replaced, retry", "server_error"))
