@@ -7,6 +7,7 @@
     tandem bench paper [--json PATH] [--plots DIR] ...
     tandem bench serve [--url URL] [--endpoint completions|chat] [--dataset NAME] [--json PATH] ...
     tandem bench compare [CONFIG] [--form peers|groups|both] [--json PATH] ...
+    tandem bench served [CONFIG] [--datasets ...] [--rates ...] [--json PATH] ...
     tandem bench router [CONFIG] [--slow-factor F] [--request-rate R] ...
     tandem sim CONFIG [--json PATH] [--plots DIR] [--num-requests N] ...
     tandem profile [CONFIG] [--group NAME] [--out PATH] ...   (a group with engine: vllm is profiled on vLLM)
@@ -213,6 +214,13 @@ def cmd_bench_quant(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_bench_served(args: argparse.Namespace) -> int:
+    from cluster.bench.served import run_served
+
+    run_served(args)
+    return 0
+
+
 def cmd_bench_compare(args: argparse.Namespace) -> int:
     from cluster.bench.compare import run_compare
 
@@ -339,6 +347,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_serve_args(serve_bench)
     serve_bench.set_defaults(func=cmd_bench_serve)
+    served_bench = bench.add_parser("served", help="tandem serve against vLLM's server under vLLM's own client, "
+                                    "at 2 requests/s and at saturation, with the offline engine beside")
+    from cluster.bench.served import add_served_args
+
+    add_served_args(served_bench)
+    served_bench.set_defaults(func=cmd_bench_served)
     compare_bench = bench.add_parser("compare", help="one workload against Tandem and vLLM (servers, or the "
                                      "native and vLLM groups of one cluster): ratios")
     from cluster.bench.compare import add_compare_args

@@ -85,6 +85,12 @@ class ServeConfig(_Strict):
         -1, ge=-1, description="Ray Serve's per-caller queue cap before 503 (-1: unlimited)"
     )
     ingress_num_cpus: float = Field(0.5, ge=0)
+    direct_ingress: bool = Field(
+        True, description="`tandem serve`: the ingress replica answers HTTP on `port` itself (Ray Serve's direct "
+        "ingress, throughput-optimized mode) instead of behind Serve's HTTP proxy, one Ray hop less per token; "
+        "the proxy then listens on `proxy_port`")
+    proxy_port: int | None = Field(
+        None, ge=1, le=65535, description="Serve's HTTP proxy port under direct ingress (default: port + 1)")
     metrics_export_port: int = Field(
         8080, ge=1, le=65535,
         description="Ray's Prometheus endpoint (/metrics) on the node `tandem serve` starts; a cluster sets it with "

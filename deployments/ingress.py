@@ -123,6 +123,11 @@ class OpenAIIngress:
             results[name] = await handle.engine_stats.remote()
         return results
 
+    @app.get("/debug/timeline")
+    async def debug_timeline(self) -> dict:
+        """The step timeline of one replica per group (``cluster/engine/step_timeline.py``)."""
+        return {name: await handle.step_timeline.remote() for name, handle in self.groups.items()}
+
     # ---- the work -----------------------------------------------------------------
     async def _serve(self, body, request: Request, chat: bool):
         if (denied := self._check_key(request)) is not None:

@@ -1,4 +1,17 @@
-"""``tandem serve``: run the application on a local Ray (started if none is running)."""
+"""``tandem serve``: run the application on a local Ray (started if none is running).
+
+When this call starts Ray and ``serve.direct_ingress`` is on (the default), Ray Serve runs
+in its throughput-optimized mode with direct ingress: the ingress replica itself answers
+HTTP on ``serve.port``, so a streamed token crosses one Ray hop (engine replica to
+ingress) instead of two (and the ingress reaches the replicas over gRPC). Serve's HTTP
+proxy still runs, on ``serve.proxy_port``. The mode is read from the environment of
+Ray's processes, so it can only be chosen by whoever starts Ray; against a running Ray,
+Serve's proxy answers on ``serve.port`` as before.
+
+SIGTERM and SIGINT stop the server alike: Serve is shut down (in-flight requests are
+aborted, which frees their blocks) within ``SHUTDOWN_TIMEOUT_S``, then Ray, then the
+process exits.
+"""
 
 from __future__ import annotations
 
@@ -6,6 +19,8 @@ import logging
 import os
 import signal
 import threading
+import time
+import urllib.request
 
 import ray
 from ray import serve
@@ -15,6 +30,9 @@ from deployments.app import build_app
 
 logger = logging.getLogger(__name__)
 
+SHUTDOWN_TIMEOUT_S = 10.0
+READY_TIMEOUT_S = 120.0
+
 
 def logical_cpus_needed(config: TandemConfig) -> float:
     groups = config.serve.groups
@@ -23,28 +41,79 @@ def logical_cpus_needed(config: TandemConfig) -> float:
     return replicas + config.serve.ingress_num_cpus + 1
 
 
+def direct_ingress_environment(config: TandemConfig) -> dict[str, str]:
+    """The variables that put Ray Serve in throughput-optimized mode with the ingress replica
+    listening on ``serve.port`` (empty when ``serve.direct_ingress`` is off)."""
+    serve_config = config.serve
+    if not serve_config.direct_ingress or serve_config.port == 0:
+        return {}
+    return {
+        "RAY_SERVE_THROUGHPUT_OPTIMIZED": "1",
+        "RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT": str(serve_config.port),
+        "RAY_SERVE_DIRECT_INGRESS_MAX_HTTP_PORT": str(serve_config.port + 100),
+        # No load balancer in front to deregister from: a stopping replica need not wait 30 s.
+        "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S": "1",
+    }
+
+
 def start_local(config: TandemConfig, app_name: str = "tandem", blocking: bool = True) -> str:
-    """Deploy ``config`` and return the base URL; with ``blocking`` serve until interrupted."""
+    """Deploy ``config`` and return the base URL; with ``blocking`` serve until SIGINT or SIGTERM."""
     app = build_app(config)  # validate before starting anything
+    host, port = config.serve.host, config.serve.port
+    proxy_port = port
     if not ray.is_initialized():
+        environment = direct_ingress_environment(config)
+        os.environ.update(environment)  # inherited by Ray's processes
+        if environment:
+            proxy_port = config.serve.proxy_port or port + 1
         # Logical CPUs: replicas of a CPU demo may share physical cores.
         num_cpus = max(os.cpu_count() or 1, int(logical_cpus_needed(config) + 0.999))
         ray.init(num_cpus=num_cpus, include_dashboard=False, logging_level=logging.WARNING,
                  _metrics_export_port=config.serve.metrics_export_port)
-    host, port = config.serve.host, config.serve.port
-    serve.start(http_options={"host": host, "port": port})
+    serve.start(http_options={"host": host, "port": proxy_port})
     serve.run(app, name=app_name, route_prefix="/", blocking=False)
     url = f"http://{host}:{port}"
+    _wait_for_http(url)
     if blocking:
         print(f"Tandem serves {config.serve.served_model_name or config.model.model} at {url}/v1 "
               f"(OpenAI API), Prometheus metrics at http://{host}:{config.serve.metrics_export_port}/metrics; "
-              "Ctrl-C stops it", flush=True)
-        stop = threading.Event()
-        signal.signal(signal.SIGTERM, lambda *_: stop.set())
-        try:
-            stop.wait()
-        except KeyboardInterrupt:
-            pass
-        finally:
-            serve.shutdown()
+              "Ctrl-C or SIGTERM stops it", flush=True)
+        serve_until_signalled()
     return url
+
+
+def _wait_for_http(url: str) -> None:
+    deadline = time.monotonic() + READY_TIMEOUT_S
+    while True:
+        try:
+            with urllib.request.urlopen(f"{url}/health", timeout=5) as response:
+                if response.status == 200:
+                    return
+        except OSError:
+            pass
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"the application is running but nothing answers at {url}/health")
+        time.sleep(0.5)
+
+
+def serve_until_signalled() -> None:
+    """Block until SIGINT or SIGTERM, then stop Serve and Ray within a bounded time."""
+    stop = threading.Event()
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(signum, lambda received, _frame: stop.set())
+    while not stop.wait(0.5):  # a timed wait lets the handler run promptly
+        pass
+    print("stopping: shutting Serve down (in-flight requests are aborted)", flush=True)
+    done = threading.Event()
+
+    def shut_down() -> None:
+        try:
+            serve.shutdown()
+        except Exception:  # Ray may already be going away
+            logger.exception("serve.shutdown failed")
+        done.set()
+
+    threading.Thread(target=shut_down, name="tandem-shutdown", daemon=True).start()
+    if not done.wait(SHUTDOWN_TIMEOUT_S):
+        print(f"Serve did not stop within {SHUTDOWN_TIMEOUT_S:.0f} s; stopping Ray", flush=True)
+    ray.shutdown()

@@ -241,6 +241,10 @@ class VllmBackend:
             "spec_policy": self.settings.spec.policy,
         }
 
+    async def step_timeline(self) -> dict:
+        return {"note": "the step timeline is recorded by Tandem's engine-core process (engine.core_process), "
+                        "not by vLLM's engine"}
+
     def check_health(self) -> None:
         if self._failed is None and self.engine.errored:
             self._failed = f"vLLM's engine died: {self.engine.dead_error}"

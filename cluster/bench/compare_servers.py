@@ -50,13 +50,20 @@ def _wait_ready(url: str, process: subprocess.Popen | None, log: Path, timeout_s
 
 
 def _stop_group(process: subprocess.Popen) -> None:
+    """SIGTERM to the server (``tandem serve`` stops Serve and Ray within a bounded time), then
+    SIGKILL to whatever of its process group is left."""
     if process.poll() is None:
-        os.killpg(process.pid, signal.SIGTERM)  # tandem serve shuts Serve down on SIGTERM
+        process.send_signal(signal.SIGTERM)
         try:
             process.wait(timeout=90)
         except subprocess.TimeoutExpired:
-            os.killpg(process.pid, signal.SIGKILL)
-            process.wait(timeout=30)
+            pass
+    try:
+        os.killpg(process.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    if process.poll() is None:
+        process.wait(timeout=30)
 
 
 def tandem_config_yaml(config_path: str | Path, speculation: bool, groups: list[dict] | None,
@@ -72,7 +79,7 @@ def tandem_config_yaml(config_path: str | Path, speculation: bool, groups: list[
         data["speculative"] = {"method": "none"}
     port = free_port()
     serve = data.setdefault("serve", {})
-    serve.update(port=port, metrics_export_port=free_port(), host="127.0.0.1")
+    serve.update(port=port, proxy_port=free_port(), metrics_export_port=free_port(), host="127.0.0.1")
     if groups is not None:
         serve["groups"] = groups
     for group in serve.get("groups", []):
@@ -101,12 +108,14 @@ def start_tandem(name: str, config_path: str | Path, speculation: bool, python: 
 
 
 def start_vllm_anchor(name: str, script: str | Path, speculation_config: dict | None,
-                      extra_args: list[str]) -> RunningServer:
+                      extra_args: list[str], env: dict[str, str] | None = None) -> RunningServer:
+    """vLLM's CPU server through the anchor script; ``env`` adds variables (e.g. its core placement)."""
     port = free_port()
     cmd = [str(script), "serve", str(port), *extra_args]
     if speculation_config:
         cmd += ["--speculative-config", json.dumps(speculation_config)]
-    started = subprocess.run(cmd, capture_output=True, text=True, timeout=START_TIMEOUT_S)
+    started = subprocess.run(cmd, capture_output=True, text=True, timeout=START_TIMEOUT_S,
+                             env={**os.environ, **(env or {})})
     lines = started.stdout.strip().splitlines()
     if started.returncode != 0 or not lines or not lines[-1].isdigit():
         tail = "\n".join((started.stderr or started.stdout).strip().splitlines()[-15:])

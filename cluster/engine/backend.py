@@ -9,12 +9,15 @@ from the group's engine settings and then only talks to :class:`EngineBackend`:
   Closing the stream before its last delta (a client that went away) aborts the
   request in the engine and frees its KV blocks.
 - ``load()`` is what the router needs (the engine half of ``ReplicaStats``), and
-  ``spec_state()`` the speculation in force; ``engine_stats()`` is a debug view.
+  ``spec_state()`` the speculation in force; ``engine_stats()`` and ``step_timeline()``
+  are debug views.
 - metrics go to the ``MetricsSink`` of the :class:`BackendContext` under the names of
   ``cluster/metrics/catalog.py``, the same series from every backend.
 - ``check_health()`` raises :class:`EngineUnhealthyError` once the engine cannot serve.
 
-Which backend a group runs is ``engine.backend`` (``native`` or ``vllm``).
+Which backend a group runs is ``engine.backend`` (``native`` or ``vllm``). The native
+engine steps in an engine-core process of its own (``ProcessBackend``) unless
+``engine.core_process`` is off or the group is tensor-parallel (``NativeBackend``).
 """
 
 from __future__ import annotations
@@ -93,6 +96,8 @@ class EngineBackend(Protocol):
     def spec_state(self) -> SpecState: ...
 
     async def engine_stats(self) -> dict: ...
+
+    async def step_timeline(self) -> dict: ...
 
     def check_health(self) -> None: ...
 

@@ -36,7 +36,7 @@ class AbortRequest:
 
 @dataclass(frozen=True)
 class CallRequest:
-    """Ask the core for a reading it computes between steps (``engine_stats``)."""
+    """Ask the core for a reading it computes between steps (``engine_stats``, ``step_timeline``)."""
 
     call_id: int
     method: str

@@ -40,6 +40,9 @@ class StepRecord:
     k: int
     num_prefill_tokens: int  # scheduled tokens of requests still prefilling (0: a decode-only step)
     seconds: float
+    num_tokens: int = 0  # tokens the step computed (prompt chunks, decodes and drafts)
+    num_output_tokens: int = 0  # tokens it appended to outputs
+    execute_seconds: float = 0.0  # of ``seconds``, the runner's forward pass and sampling
 
 
 @dataclass
@@ -154,12 +157,19 @@ class Engine:
         drafts = None
         if any(s.num_draft_tokens for s in out.scheduled):
             drafts = self.proposer.propose(out.scheduled, tables)
+        executing = time.perf_counter()
         sampled = self.worker.runner.execute(out.scheduled, tables, drafts)
+        execute_seconds = time.perf_counter() - executing
         self.scheduler.update(out, {rid: s.token_ids for rid, s in sampled.items()})
         seconds = time.perf_counter() - started
         self._record_spec(k, out, drafts, sampled, seconds)
         num_prefill = sum(s.num_new_tokens for s in out.scheduled if s.num_new_tokens > 1)
-        self.last_step = StepRecord(len(out.scheduled), k, num_prefill, seconds)
+        num_tokens = sum(s.num_new_tokens for s in out.scheduled)
+        if drafts is not None:
+            num_tokens += sum(len(ids) for ids in drafts.token_ids.values())
+        num_output = sum(len(s.token_ids) for s in sampled.values())
+        self.last_step = StepRecord(len(out.scheduled), k, num_prefill, seconds, num_tokens, num_output,
+                                    execute_seconds)
         return [self._output(s.request, sampled[s.request.request_id]) for s in out.scheduled
                 if s.request.request_id in sampled]
 

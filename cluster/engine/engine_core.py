@@ -32,6 +32,7 @@ from cluster.engine.engine_view import EngineView, output_delta, resolved_params
 from cluster.engine.protocol import ErrorInfo, GenerateDelta
 from cluster.metrics.collector import EngineMetricsCollector
 from cluster.metrics.sample_buffer import BufferedSink
+from cluster.engine.step_timeline import StepTimeline, TimelineEntry
 from cluster.routing.step_times import StepTimeTracker
 from cluster.spec.factory import profile_step_model
 
@@ -51,6 +52,7 @@ class EngineCore:
         self.sink = BufferedSink()
         self.metrics = EngineMetricsCollector(engine, self.sink, capacity=self.view.capacity_tokens_per_second)
         self.failed: str | None = None
+        self.timeline = StepTimeline()
         self._out = CoreMessage()
         self._last_snapshot = float("-inf")
 
@@ -95,6 +97,10 @@ class EngineCore:
         try:
             if message.method == "engine_stats":
                 return CallResult(message.call_id, self.view.engine_stats("native"))
+            if message.method == "step_timeline":
+                return CallResult(message.call_id, {"summary": self.timeline.summary(),
+                                                    "last_10s": self.timeline.summary(10.0, time.monotonic()),
+                                                    "recent": self.timeline.recent()})
             return CallResult(message.call_id, error=f"the engine core has no call {message.method!r}")
         except Exception as err:  # an invariant broken: report it to the caller, keep serving
             return CallResult(message.call_id, error=f"{type(err).__name__}: {err}")
@@ -142,11 +148,19 @@ class EngineCore:
 
     def run(self, conn: Connection) -> None:
         """Serve the replica on ``conn`` until it closes it or sends ``Shutdown``."""
+        clock = time.monotonic
         while True:
-            busy = self.engine.has_unfinished()
-            timeout = 0.0 if busy else IDLE_POLL_S
+            started = clock()
+            timeout = 0.0 if self.engine.has_unfinished() else IDLE_POLL_S
+            idle = 0.0
             handled = False
-            while conn.poll(timeout):
+            while True:
+                waiting = clock()
+                ready = conn.poll(timeout)
+                if timeout:  # blocked for want of work
+                    idle += clock() - waiting
+                if not ready:
+                    break
                 try:
                     message = conn.recv()
                 except EOFError:
@@ -154,14 +168,21 @@ class EngineCore:
                 if not self.handle(message):
                     return
                 handled, timeout = True, 0.0
-            now = time.monotonic()
+            stepping = clock()
+            record = None
             if self.engine.has_unfinished():
                 self.step()
+                record = self.engine.last_step
             elif not handled:
-                self.metrics.poll(now)
-            message = self.take_message(time.monotonic(), force_snapshot=not self.engine.has_unfinished())
+                self.metrics.poll(stepping)
+            sending = clock()
+            message = self.take_message(sending, force_snapshot=not self.engine.has_unfinished())
             if message is not None:
                 conn.send(message)
+            if record is not None:
+                self.timeline.record(TimelineEntry(
+                    started, idle, stepping - started - idle, sending - stepping, record.execute_seconds,
+                    clock() - sending, record.num_seqs, record.num_tokens, record.num_output_tokens, record.k))
 
 
 def _die_with_parent() -> None:

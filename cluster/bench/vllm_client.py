@@ -1,0 +1,64 @@
+"""vLLM's own serving benchmark client (``vllm.benchmarks.serve``), driven for ``tandem bench served``.
+
+Runs in an interpreter that has vLLM (the vLLM tier's environment): ``python -m
+cluster.bench.vllm_client --url URL --tokenizer DIR --dataset random|instructions --rate R
+--num-prompts N --output-len L --out JSON``. The workload is the one vLLM's documentation
+uses for serving figures: the ``vllm`` backend (completions, streamed), a fixed seed, outputs
+of exactly ``--output-len`` tokens (``--ignore-eos``), no sampling settings sent (each server's
+defaults: temperature 1). ``random`` draws ``--input-len``-token prompts; ``instructions``
+reads Tandem's instruction prompts (``data/instructions.jsonl``) as vLLM's ``custom`` dataset.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+INSTRUCTIONS = Path(__file__).parent / "data" / "instructions.jsonl"
+
+
+def client_args(options: argparse.Namespace) -> list[str]:
+    """The command line of ``vllm bench serve`` for these options."""
+    args = ["--backend", "vllm", "--base-url", options.url, "--model", options.model, "--tokenizer",
+            str(options.tokenizer), "--seed", str(options.seed), "--num-prompts", str(options.num_prompts),
+            "--request-rate", str(options.rate), "--ignore-eos", "--disable-tqdm",
+            "--percentile-metrics", "ttft,tpot,itl,e2el", "--metric-percentiles", "50,90,99",
+            "--save-result", "--result-filename", str(options.out)]
+    if options.dataset == "random":
+        args += ["--dataset-name", "random", "--random-input-len", str(options.input_len),
+                 "--random-output-len", str(options.output_len)]
+    else:
+        args += ["--dataset-name", "custom", "--dataset-path", str(INSTRUCTIONS),
+                 "--custom-output-len", str(options.output_len)]
+    return args
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="python -m cluster.bench.vllm_client")
+    parser.add_argument("--url", required=True)
+    parser.add_argument("--model", default="smollm2-135m-instruct")
+    parser.add_argument("--tokenizer", required=True)
+    parser.add_argument("--dataset", choices=["random", "instructions"], default="random")
+    parser.add_argument("--rate", default="inf")
+    parser.add_argument("--num-prompts", type=int, default=64)
+    parser.add_argument("--input-len", type=int, default=128)
+    parser.add_argument("--output-len", type=int, default=128)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out", type=Path, required=True)
+    options = parser.parse_args(argv)
+    from vllm.benchmarks.serve import add_cli_args
+    from vllm.benchmarks.serve import main as bench_main
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    vllm_parser = FlexibleArgumentParser()
+    add_cli_args(vllm_parser)
+    result = bench_main(vllm_parser.parse_args(client_args(options)))
+    if not options.out.exists():  # older clients return the result without saving it
+        options.out.write_text(json.dumps(result, default=str))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
