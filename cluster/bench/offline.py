@@ -363,7 +363,8 @@ def _print_table(console, result: dict) -> None:
     table = Table(
         title=f"output tok/s, {Path(settings['model']).name}, {settings['output_len']} tokens per request",
         caption=f"bound: batch-1 tok/s at the read bandwidth ({machine['read_bandwidth_gb_s']:.1f} GB/s "
-                f"measured, {machine['threads']} threads); HF = transformers, vLLM = vLLM's LLM.generate",
+                f"measured, {machine['threads']} threads); HF = transformers, vLLM = vLLM's LLM.generate "
+                f"(same threads, no core reserved: VLLM_CPU_NUM_OF_RESERVED_CPU=0)",
         box=box.SIMPLE_HEAD, show_edge=False,
     )
     for header in ("dtype", "batch", "Tandem", "HF", "vLLM", "Tandem/HF", "Tandem/vLLM", "bound", "Tandem/bound"):

@@ -4,7 +4,9 @@ vLLM lives in an environment of its own (its CPU build pins other versions), so 
 in a child process started with that environment's python: the vLLM test tier's
 (``tests/vllm/make_env.sh``, ``~/.cache/tandem/venv-vllm``) unless ``--vllm-python`` names
 another. The child loads the same Hugging Face folder Tandem serves, in the same dtype,
-prefix caching off, compiled as vLLM does by default (``--vllm-eager`` turns that off), with the parent's thread count (``OMP_NUM_THREADS``), and answers one
+prefix caching off, compiled as vLLM does by default (``--vllm-eager`` turns that off), with the parent's thread count
+(``OMP_NUM_THREADS``) on every core (``VLLM_CPU_NUM_OF_RESERVED_CPU=0``, none reserved for a
+front end the offline engine does not have), and answers one
 marked JSON line per batch: the prompt token ids in, the number of generated tokens out, greedy
 with EOS ignored. The parent times each call, as it times Tandem's and transformers'
 ``generate``; the pipe adds well under a millisecond to runs of seconds.
@@ -48,7 +50,10 @@ class VllmRunner:
         if not Path(python).exists():
             raise RuntimeError(f"no vLLM environment at {python}: build it with tests/vllm/make_env.sh "
                                "or pass --vllm-python")
-        env = dict(os.environ, OMP_NUM_THREADS=str(threads), VLLM_CPU_KVCACHE_SPACE=str(KV_CACHE_GIB))
+        # vLLM's CPU build binds its engine to all cores but the ones it reserves for a front end (one on
+        # a small machine) unless told to reserve none: it gets the cores and threads Tandem gets.
+        env = dict(os.environ, OMP_NUM_THREADS=str(threads), VLLM_CPU_KVCACHE_SPACE=str(KV_CACHE_GIB),
+                   VLLM_CPU_NUM_OF_RESERVED_CPU="0")
         self.proc = subprocess.Popen(
             [str(python), "-c", _CHILD, str(model_path), dtype, str(max_num_seqs), "eager" if eager else "compiled"],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=sys.stderr, text=True, env=env)

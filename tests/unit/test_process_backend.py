@@ -1,0 +1,141 @@
+"""ProcessBackend: Tandem's engine in its engine-core process, seen from the replica.
+
+The same tokens as the in-process engine, errors as error deltas, closing a stream frees
+its blocks in the core, metrics and the step timeline cross over, and a core that dies
+fails the requests in flight with a 503 and the health check.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import time
+
+import pytest
+
+from cluster.config import config_from_dict
+from cluster.engine.backend import BackendContext, EngineUnhealthyError
+from cluster.engine.llm import LLM
+from cluster.engine.process_backend import ProcessBackend
+from cluster.engine.protocol import GenerateDelta, GenerateRequest, merge_deltas
+from cluster.engine.sampling_params import SamplingParams
+from cluster.metrics.collector import MemorySink
+
+GREEDY = dict(temperature=0, ignore_eos=True)
+
+
+def _config(model_dir):
+    return config_from_dict({
+        "model": {"model": str(model_dir), "max_model_len": 256},
+        "cache": {"num_blocks": 64, "block_size": 16},
+        "device": {"device": "cpu", "num_threads": 1},
+    }, "test config")
+
+
+def _start(model_dir) -> tuple[ProcessBackend, MemorySink]:
+    config = _config(model_dir)
+    sink = MemorySink()
+    return ProcessBackend(config, config.serve.groups[0], BackendContext(metrics_sink=sink)), sink
+
+
+@pytest.fixture(scope="module")
+def backend(tiny_llama_dir):
+    backend, sink = _start(tiny_llama_dir)
+    backend.test_sink = sink
+    yield backend
+    asyncio.run(backend.shutdown())
+
+
+async def _collect(backend, request) -> list[GenerateDelta]:
+    return [delta async for delta in backend.generate(request)]
+
+
+def test_streams_the_in_process_engines_tokens(backend, tiny_llama_dir):
+    prompts = [[5, 6, 7, 8, 9], [11, 12, 13], [40, 41, 42, 43, 44, 45, 46]]
+    params = SamplingParams(max_tokens=12, **GREEDY)
+    expected = LLM(str(tiny_llama_dir), device="cpu", num_blocks=64).generate(prompts, params)
+
+    async def run():
+        requests = [GenerateRequest(f"same-{i}", p, params) for i, p in enumerate(prompts)]
+        return await asyncio.gather(*(_collect(backend, r) for r in requests))
+
+    for deltas, want in zip(asyncio.run(run()), expected):
+        assert deltas[0].accepted and not deltas[0].token_ids
+        assert [t for d in deltas[1:] for t in d.token_ids] == want.outputs[0].token_ids
+        assert deltas[-1].finish_reason == "length" and not any(d.finished for d in deltas[:-1])
+
+
+def test_bad_input_comes_back_as_a_400_delta(backend):
+    request = GenerateRequest("bad", [1, 10**6], SamplingParams(max_tokens=4))
+    deltas = asyncio.run(_collect(backend, request))
+    assert len(deltas) == 1 and deltas[0].error is not None
+    assert deltas[0].error.status == 400 and "prompt token ids" in deltas[0].error.message
+
+
+def test_closing_a_stream_early_frees_its_blocks(backend):
+    async def run():
+        stream = backend.generate(GenerateRequest("early", list(range(3, 40)), SamplingParams(max_tokens=200,
+                                                                                               **GREEDY)))
+        seen = 0
+        async for delta in stream:
+            seen += len(delta.token_ids)
+            if seen >= 2:
+                break
+        await stream.aclose()
+        for _ in range(100):  # the abort reaches the core between two of its steps
+            stats = await backend.engine_stats()
+            if stats["num_running"] == 0:
+                return stats
+            await asyncio.sleep(0.05)
+        return stats
+
+    stats = asyncio.run(run())
+    assert stats["num_running"] == 0 and stats["num_free_blocks"] == stats["num_blocks"]
+
+
+def test_metrics_and_the_step_timeline_cross_over(backend):
+    asyncio.run(_collect(backend, GenerateRequest("counted", [3, 4, 5], SamplingParams(max_tokens=6, **GREEDY))))
+    deadline = time.monotonic() + 10
+    while backend.test_sink.counter("generation_tokens") < 6 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert backend.test_sink.counter("generation_tokens") >= 6
+    timeline = asyncio.run(backend.step_timeline())
+    summary = timeline["summary"]
+    assert summary["num_steps"] >= 6 and summary["mean_output_tokens_per_step"] >= 1
+    assert 0 < summary["busy_fraction"] <= 1.0
+    assert backend.load(8).num_running == 0 and backend.load(8).block_size == 16
+
+
+def test_a_dead_core_fails_requests_with_503_and_the_health_check(tiny_llama_dir):
+    backend, _ = _start(tiny_llama_dir)
+    backend.check_health()
+
+    async def run():
+        request = GenerateRequest("doomed", [3, 4, 5], SamplingParams(max_tokens=240, **GREEDY))
+        deltas = []
+        started = None
+        async for delta in backend.generate(request):
+            deltas.append(delta)
+            if len(deltas) == 2:
+                os.kill(backend.core_pid, signal.SIGKILL)
+                started = time.monotonic()
+        return deltas, time.monotonic() - started
+
+    deltas, seconds = asyncio.run(run())
+    assert deltas[-1].error is not None and deltas[-1].error.status == 503, deltas[-1]
+    assert seconds < 5
+    with pytest.raises(EngineUnhealthyError, match="exited"):
+        backend.check_health()
+    after = asyncio.run(_collect(backend, GenerateRequest("late", [3], SamplingParams(max_tokens=2))))
+    assert len(after) == 1 and after[0].error.status == 503
+    asyncio.run(backend.shutdown())
+
+
+def test_merged_deltas_join_text_tokens_and_logprobs():
+    first = GenerateDelta(text="a", token_ids=[1], logprobs=[{1: None}], num_output_tokens=1)
+    second = GenerateDelta(text="b", token_ids=[2, 3], finish_reason="length", num_output_tokens=3)
+    merged = merge_deltas(first, second)
+    assert (merged.text, merged.token_ids, merged.finish_reason, merged.num_output_tokens) == ("ab", [1, 2, 3],
+                                                                                             "length", 3)
+    assert merged.logprobs == [{1: None}]
