@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
+import logging
 import time
 from typing import AsyncIterator
 
@@ -23,6 +24,8 @@ from cluster.api import openai_responses as responses
 from cluster.engine.protocol import GenerateDelta, GenerateRequest
 from cluster.routing.group_router import GroupRouter
 from cluster.routing.stats import ReplicaStats, RoutingRequest
+
+logger = logging.getLogger("ray.serve")
 
 
 class ApiError(Exception):
@@ -125,12 +128,12 @@ async def _sse(streams: list[ChoiceStream], body, chat: bool, model: str) -> Asy
             await queue.put((position, None))
 
     tasks = [asyncio.create_task(pump(i)) for i in range(len(streams))]
+    remaining = len(streams)
     try:
         if chat:
             for s in streams:
                 yield _event(responses.chat_chunk(rid, created, model, s.index, {"role": "assistant", "content": ""},
                                                   None, None, include_usage))
-        remaining = len(streams)
         while remaining:
             position, item = await queue.get()
             if item is None:
@@ -159,9 +162,13 @@ async def _sse(streams: list[ChoiceStream], body, chat: bool, model: str) -> Asy
             obj = "chat.completion.chunk" if chat else "text_completion"
             yield _event(responses.usage_chunk(rid, created, model, obj, usage))
         yield "data: [DONE]\n\n"
+        remaining = -1  # sent in full
     finally:
         for task in tasks:
             task.cancel()
+        if remaining > 0:  # the client went away (or the response was cancelled): one line, no traceback
+            logger.info("request %s: the client went away with %d of %d choices unfinished; aborted, blocks freed",
+                        rid, remaining, len(streams))
         _close_all(streams)
 
 

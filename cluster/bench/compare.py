@@ -61,6 +61,7 @@ def _measure(args, server, headers: tuple = ()) -> dict:
 
 def _run_peers(args, console) -> dict:
     from cluster.bench.compare_servers import start_tandem, start_vllm_anchor
+    from cluster.bench.spec_vllm import VLLM_ALL_CORES
 
     systems = {}
     for speculation in (True, False):
@@ -69,7 +70,8 @@ def _run_peers(args, console) -> dict:
         systems[f"tandem-{tag}"] = _one(console, f"tandem-{tag}", lambda: start_tandem(
             f"tandem-{tag}", args.config, speculation, args.python_native), args)
         systems[f"vllm-{tag}"] = _one(console, f"vllm-{tag}", lambda: start_vllm_anchor(
-            f"vllm-{tag}", args.vllm_script, vllm_spec, ["--max-num-seqs", str(args.max_num_seqs)]), args)
+            f"vllm-{tag}", args.vllm_script, vllm_spec, ["--max-num-seqs", str(args.max_num_seqs)],
+            VLLM_ALL_CORES), args)
     pairs = {f"tandem/vllm ({tag})": (f"tandem-{tag}", f"vllm-{tag}") for tag in ("spec", "nospec")}
     return {"systems": systems, "pairs": pairs, "ratios": _pair_ratios(systems, pairs)}
 
@@ -186,7 +188,8 @@ def run_compare(args: argparse.Namespace) -> dict:
     report: dict = {"config": str(args.config), "form": args.form, "workload": {
         "dataset": args.dataset, "num_prompts": args.num_prompts, "output_len": args.output_len,
         "max_concurrency": args.max_concurrency, "request_rate": str(args.request_rate), "seed": args.seed,
-        "num_warmups": args.num_warmups, "ignore_eos": True, "temperature": 0.0}}
+        "num_warmups": args.num_warmups, "ignore_eos": True, "temperature": 0.0},
+        "vllm_placement": "every core for its engine (VLLM_CPU_NUM_OF_RESERVED_CPU=0), as Tandem's"}
     if args.form in ("peers", "both"):
         report["peers"] = _run_peers(args, console)
     if args.form in ("groups", "both"):

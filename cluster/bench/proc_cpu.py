@@ -1,7 +1,7 @@
 """CPU taken by every process on the machine over an interval, read from /proc (Linux).
 
 ``ProcessCpuSampler`` reads each thread's user + system ticks when started and when stopped
-and reports, per process, the share of one core it used (100 = one core busy) with its
+(a thread that started in between counts from 0; one that ended is missed) and reports, per process, the share of one core it used (100 = one core busy) with its
 busiest threads, named by command line (Ray's worker processes by their ``ray::`` title).
 It is how ``tandem bench served`` shows where a saturated machine's time goes.
 """
@@ -56,9 +56,7 @@ class ProcessCpuSampler:
         per_process: dict[int, float] = {}
         threads: dict[int, list[tuple[float, str]]] = {}
         for key, (name, value) in end.items():
-            before = self._start.get(key)
-            if before is None:
-                continue
+            before = self._start.get(key, (name, 0))  # a thread started meanwhile counts from 0
             percent = 100.0 * (value - before[1]) / _TICKS / seconds
             per_process[key[0]] = per_process.get(key[0], 0.0) + percent
             threads.setdefault(key[0], []).append((percent, name))

@@ -28,11 +28,12 @@ import urllib.request
 from pathlib import Path
 
 from cluster.bench.compare import DEFAULT_ANCHOR
+from cluster.bench.spec_vllm import VLLM_ALL_CORES
 from cluster.bench.proc_cpu import ProcessCpuSampler
 from cluster.bench.served_offline import offline_output_throughput
 from cluster.bench.served_report import FIGURES, print_served_report
 
-VLLM_PLACEMENTS = {"vllm-default": {}, "vllm-all-cores": {"VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}}
+VLLM_PLACEMENTS = {"vllm-default": {}, "vllm-all-cores": VLLM_ALL_CORES}
 
 
 def cells(args: argparse.Namespace) -> list[dict]:

@@ -8,6 +8,7 @@ sends these readings to the replica with its step outputs.
 from __future__ import annotations
 
 import dataclasses
+from typing import Callable
 
 from cluster.config import TandemConfig
 from cluster.engine.backend import EngineLoad, SpecState
@@ -49,7 +50,7 @@ class EngineView:
     """Readings of one engine: load, capacity, speculation in force, counters."""
 
     def __init__(self, engine: Engine, step_times: StepTimeTracker, config: TandemConfig,
-                 num_waiting: callable = None) -> None:
+                 num_waiting: Callable[[], int] | None = None) -> None:
         self.engine = engine
         self.step_times = step_times
         self.config = config

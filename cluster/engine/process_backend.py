@@ -99,7 +99,12 @@ class ProcessBackend:
         self._queues[rid] = queue
         finished = False
         try:
-            self._send(AddRequest(request))
+            try:
+                self._send(AddRequest(request))
+            except OSError as err:  # the core went away before the reader noticed
+                finished = True
+                yield _died(f"the engine process is gone ({err})")
+                return
             while not finished:
                 delta = await queue.get()
                 # A reader that fell behind gets what waits merged into one delta (never the acknowledgement).
@@ -115,12 +120,19 @@ class ProcessBackend:
         finally:
             self._queues.pop(rid, None)
             if not finished and self._dead is None:
-                self._send(AbortRequest(rid))
+                self._abort(rid)
 
     async def abort(self, request_id: str) -> None:
-        self._send(AbortRequest(request_id))
+        self._abort(request_id)
+
+    def _abort(self, request_id: str) -> None:
+        try:
+            self._send(AbortRequest(request_id))
+        except OSError:
+            pass  # the core is gone, and the request with it
 
     def load(self, prefix_depth: int) -> EngineLoad:
+        # The core reads its cached prefix hashes to serve.prefix_affinity_blocks, the depth replicas ask for.
         return self.snapshot.load
 
     def capacity_tokens_per_second(self) -> float:
