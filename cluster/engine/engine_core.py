@@ -106,14 +106,15 @@ class EngineCore:
             return CallResult(message.call_id, error=f"{type(err).__name__}: {err}")
 
     # ---- the loop ---------------------------------------------------------------------
-    def step(self) -> None:
+    def step(self) -> bool:
+        """One engine step and its outputs queued for the replica; False when it failed."""
         started = time.perf_counter()
         try:
             outputs = self.engine.step()
         except Exception as err:  # a bug or a device failure: fail in-flight requests, report unhealthy
             logger.exception("engine step failed")
             self._fail_all(f"engine step failed: {err}")
-            return
+            return False
         if self.step_time_scale > 1.0:
             time.sleep((self.step_time_scale - 1.0) * (time.perf_counter() - started))
         record = self.engine.last_step
@@ -122,6 +123,7 @@ class EngineCore:
                                     time.perf_counter() - started)
         self.metrics.on_step(outputs)
         self._out.deltas.extend((out.request_id, output_delta(out)) for out in outputs)
+        return True
 
     def _fail_all(self, message: str) -> None:
         self.failed = message
@@ -170,8 +172,7 @@ class EngineCore:
                 handled, timeout = True, 0.0
             stepping = clock()
             record = None
-            if self.engine.has_unfinished():
-                self.step()
+            if self.engine.has_unfinished() and self.step():
                 record = self.engine.last_step
             elif not handled:
                 self.metrics.poll(stepping)
@@ -185,20 +186,8 @@ class EngineCore:
                     clock() - sending, record.num_seqs, record.num_tokens, record.num_output_tokens, record.k))
 
 
-def _die_with_parent() -> None:
-    """Ask Linux to end this process when the replica that started it dies (best effort)."""
-    try:
-        import ctypes
-        import signal
-
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
-        pass
-
-
 def main(argv: list[str]) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s engine-core %(levelname)s %(message)s")
-    _die_with_parent()
     conn = Connection(int(argv[0]))
     try:
         start: CoreStart = conn.recv()

@@ -139,3 +139,25 @@ def test_merged_deltas_join_text_tokens_and_logprobs():
     assert (merged.text, merged.token_ids, merged.finish_reason, merged.num_output_tokens) == ("ab", [1, 2, 3],
                                                                                              "length", 3)
     assert merged.logprobs == [{1: None}]
+
+
+def test_a_failed_step_fails_the_requests_in_flight_with_500_and_marks_the_core(tiny_llama_dir, monkeypatch):
+    from cluster.engine.core_messages import AddRequest
+    from cluster.engine.engine import Engine
+    from cluster.engine.engine_core import EngineCore
+
+    engine = Engine(_config(tiny_llama_dir))
+    core = EngineCore(engine)
+    core.handle(AddRequest(GenerateRequest("victim", [3, 4, 5], SamplingParams(max_tokens=8, **GREEDY))))
+    assert core.step()
+
+    def broken_step():
+        raise RuntimeError("device lost")
+
+    monkeypatch.setattr(engine, "step", broken_step)
+    assert not core.step()
+    message = core.take_message(time.monotonic(), force_snapshot=True)
+    errors = [d.error for rid, d in message.deltas if rid == "victim" and d.error is not None]
+    assert errors and errors[0].status == 500 and "device lost" in errors[0].message
+    assert "device lost" in message.snapshot.failed
+    assert not engine.has_unfinished() and engine.block_manager.pool.num_free_blocks == 64
