@@ -10,7 +10,7 @@ the replica's event loop or shares its GIL with Ray's per-request calls (the sam
 vLLM keeps its engine core in a process of its own).
 
 A step that raises fails the requests in flight with a 500 and marks the engine failed
-(the replica's health check then fails and Serve replaces it), as ``AsyncEngine`` does.
+(the replica's health check then fails and Serve replaces it), as the in-process engine does.
 The core exits when the replica closes its end (or dies) or sends ``Shutdown``.
 """
 
