@@ -142,8 +142,9 @@ class ProcessBackend:
         return self.snapshot.spec_state
 
     async def engine_stats(self) -> dict:
-        """The core's counters and free blocks, after it checked its invariants (asked between steps)."""
-        return await self._call("engine_stats")
+        """The core's counters and free blocks, after it checked its invariants (asked between steps),
+        and the core's process id."""
+        return {**(await self._call("engine_stats")), "engine_pid": self.core_pid}
 
     async def step_timeline(self) -> dict:
         """The core's recent steps and their summary (``step_timeline.py``)."""
