@@ -99,12 +99,11 @@ def _run_groups(args, console) -> dict:
 
 
 def _one(console, name: str, start, args) -> dict:
-    console.print(f"[bold]starting {name}[/]")
-    try:
-        server = start()
-    except Exception as err:  # a peer that does not start costs its cells, not the run
-        console.print(f"[red]{name} did not start:[/] {err}")
-        return {"error": str(err)}
+    from cluster.bench.compare_servers import start_or_report
+
+    server = start_or_report(console, name, start)
+    if isinstance(server, dict):
+        return server
     try:
         return _measure(args, server)
     finally:

@@ -33,6 +33,17 @@ class RunningServer:
     log: Path
 
 
+def start_or_report(console, name: str, start) -> "RunningServer | dict":
+    """``start()``'s server, or ``{"error": ...}`` when it does not start: a peer that does not
+    start costs its cells, not the run."""
+    console.print(f"[bold]starting {name}[/]")
+    try:
+        return start()
+    except Exception as err:
+        console.print(f"[red]{name} did not start:[/] {err}")
+        return {"error": str(err)}
+
+
 def _wait_ready(url: str, process: subprocess.Popen | None, log: Path, timeout_s: float = START_TIMEOUT_S) -> None:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:

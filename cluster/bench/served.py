@@ -28,6 +28,7 @@ import urllib.request
 from pathlib import Path
 
 from cluster.bench.compare import DEFAULT_ANCHOR
+from cluster.bench.compare_servers import python_with_vllm, start_or_report, start_tandem, start_vllm_anchor
 from cluster.bench.spec_vllm import VLLM_ALL_CORES
 from cluster.bench.proc_cpu import ProcessCpuSampler
 from cluster.bench.served_offline import offline_output_throughput
@@ -70,12 +71,9 @@ def _timeline(url: str) -> dict | None:
 
 
 def _measure_system(args, console, name: str, start, work: Path, is_tandem: bool) -> dict:
-    console.print(f"[bold]starting {name}[/]")
-    try:
-        server = start()
-    except Exception as err:  # a peer that does not start costs its cells, not the run
-        console.print(f"[red]{name} did not start:[/] {err}")
-        return {"error": str(err)}
+    server = start_or_report(console, name, start)
+    if isinstance(server, dict):
+        return server
     results = {}
     try:
         for cell in cells(args):
@@ -102,8 +100,6 @@ def run_served(args: argparse.Namespace) -> dict:
     import sys
 
     from rich.console import Console
-
-    from cluster.bench.compare_servers import python_with_vllm, start_tandem, start_vllm_anchor
 
     console = Console()
     args.python_vllm = args.python_vllm or python_with_vllm()

@@ -31,6 +31,19 @@ from cluster.spec.factory import profile_step_model
 logger = logging.getLogger(__name__)
 
 
+def timed_step(engine: Engine, step_times: StepTimeTracker, step_time_scale: float = 1.0) -> list[RequestOutput]:
+    """One ``Engine.step``, stretched to ``step_time_scale`` times its duration (an emulated
+    slower device), its time given to ``step_times`` for the router's curve."""
+    started = time.perf_counter()
+    outputs = engine.step()
+    if step_time_scale > 1.0:
+        time.sleep((step_time_scale - 1.0) * (time.perf_counter() - started))
+    record = engine.last_step
+    if record is not None:
+        step_times.observe(record.num_seqs, record.k, record.num_prefill_tokens, time.perf_counter() - started)
+    return outputs
+
+
 class EngineDeadError(RuntimeError):
     """The engine loop failed; in-flight requests were failed with this error."""
 
@@ -143,15 +156,7 @@ class AsyncEngine:
             await asyncio.sleep(0)  # let consumers run between steps
 
     def _timed_step(self) -> list[RequestOutput]:
-        started = time.perf_counter()
-        outputs = self.engine.step()
-        if self.step_time_scale > 1.0:
-            time.sleep((self.step_time_scale - 1.0) * (time.perf_counter() - started))
-        record = self.engine.last_step
-        if record is not None:
-            self.step_times.observe(record.num_seqs, record.k, record.num_prefill_tokens,
-                                    time.perf_counter() - started)
-        return outputs
+        return timed_step(self.engine, self.step_times, self.step_time_scale)
 
     def _apply_pending(self) -> None:
         adds, self._pending_adds = self._pending_adds, []

@@ -24,6 +24,7 @@ import traceback
 from multiprocessing.connection import Connection
 
 from cluster.config import config_from_dict
+from cluster.engine.async_engine import timed_step
 from cluster.engine.backend import error_param
 from cluster.engine.core_messages import (AbortRequest, AddRequest, CallRequest, CallResult, CoreMessage, CoreReady,
                                           CoreSnapshot, CoreStart, Shutdown)
@@ -108,19 +109,12 @@ class EngineCore:
     # ---- the loop ---------------------------------------------------------------------
     def step(self) -> bool:
         """One engine step and its outputs queued for the replica; False when it failed."""
-        started = time.perf_counter()
         try:
-            outputs = self.engine.step()
+            outputs = timed_step(self.engine, self.step_times, self.step_time_scale)
         except Exception as err:  # a bug or a device failure: fail in-flight requests, report unhealthy
             logger.exception("engine step failed")
             self._fail_all(f"engine step failed: {err}")
             return False
-        if self.step_time_scale > 1.0:
-            time.sleep((self.step_time_scale - 1.0) * (time.perf_counter() - started))
-        record = self.engine.last_step
-        if record is not None:
-            self.step_times.observe(record.num_seqs, record.k, record.num_prefill_tokens,
-                                    time.perf_counter() - started)
         self.metrics.on_step(outputs)
         self._out.deltas.extend((out.request_id, output_delta(out)) for out in outputs)
         return True
