@@ -91,6 +91,10 @@ class SpeculativeConfig(_Strict):
     explore_budget: float = Field(
         0.001, ge=0, le=1, description="adaptive: the most its probes (one draft token more than the k held) "
         "may add to the mean predicted step time")
+    verification: Literal["auto", "rejection", "coupled"] = Field(
+        "auto", description="how drafts are checked: rejection sampling, or coupling (the target's own draw at each "
+        "position with that position's seeded number; a seeded request's text is then the same whatever k). auto: "
+        "coupled for seeded requests, rejection sampling for the others")
     ngram_min: int = Field(1, ge=1)
     ngram_max: int = Field(4, ge=1)
     ngram_draft_per_match_token: float | None = Field(

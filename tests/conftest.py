@@ -42,3 +42,19 @@ def tiny_qwen2_dir(tmp_path_factory):
     path = tmp_path_factory.mktemp("tiny_qwen2")
     save_tiny_model(config, path, seed=1)
     return path
+
+
+@pytest.fixture(scope="session")
+def noisy_draft_dir(tiny_llama_dir, tmp_path_factory):
+    """A draft that agrees with tiny_llama often but not always: its weights plus noise."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.float32)
+    generator = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn(p.shape, generator=generator) * 0.3 * p.std())
+    path = tmp_path_factory.mktemp("noisy_draft")
+    model.save_pretrained(path)
+    save_tiny_tokenizer(path)
+    return path

@@ -208,7 +208,8 @@ def start_tensor_parallel(config: TandemConfig, launcher: RankLauncher | None = 
         loaded = load_model(config, device, executor.group)
         executor.wait_ready()
         num_blocks = executor.group.min_int(num_kv_blocks(config, loaded.spec, device))
-        runner = TensorParallelRunner(executor, loaded.model, num_blocks, loaded.spec, device)
+        runner = TensorParallelRunner(executor, loaded.model, num_blocks, loaded.spec, device, False,
+                                      config.speculative.verification)
         executor.serving = True
     except BaseException:
         executor.close()

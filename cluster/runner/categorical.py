@@ -15,22 +15,15 @@ import torch
 
 def sample_categorical(
     probs: torch.Tensor,  # [num_rows, vocab_size] float32, non-negative, unnormalized is fine
-    generators: dict[int, torch.Generator],  # row -> its own generator (seeded requests)
-    batched: bool,  # some row without a generator draws from the device's default generator
+    uniforms: torch.Tensor,  # [num_rows] float32 in [0, 1): each row's own number
 ) -> torch.Tensor:  # [num_rows] int64
-    """Token ``i`` of a row with probability ``probs[i] / probs.sum()``; a token of probability 0
-    is never drawn. Rows without a generator share one batched draw (when ``batched``); a row
-    with a generator draws exactly one number from it."""
-    num_rows = probs.shape[0]
+    """Token ``i`` of a row with probability ``probs[i] / probs.sum()`` when its uniform is
+    uniform: the first token whose running sum exceeds ``u * total``. A token of probability 0
+    is never drawn. The same row and number always give the same token, which is what lets a
+    draft and its verifier share a position's number (``cluster.spec.rejection``)."""
     cdf = probs.cumsum(dim=-1)  # [num_rows, vocab_size]
     total = cdf[:, -1:]  # [num_rows, 1]
-    if batched:
-        uniforms = torch.rand(num_rows, 1, device=probs.device)
-    else:
-        uniforms = torch.zeros(num_rows, 1, device=probs.device)
-    for row, generator in generators.items():
-        uniforms[row].uniform_(generator=generator)
     # u * total may round up to total; keep it below, so the search lands on a token of mass > 0
     # (the first index whose running sum exceeds u; a zero-mass token never raises the sum).
-    targets = torch.minimum(uniforms * total, torch.nextafter(total, torch.zeros_like(total)))
+    targets = torch.minimum(uniforms[:, None] * total, torch.nextafter(total, torch.zeros_like(total)))
     return torch.searchsorted(cdf, targets, right=True).squeeze(1).clamp_(max=probs.shape[1] - 1)

@@ -1,7 +1,7 @@
 """Batch -> tensors -> logits -> sampled tokens, for one model and its paged KV cache.
 
-The runner owns everything with a tensor in it: the model, the preallocated K/V pool
-and the per-request sampling generators. The scheduler's block ids index the pool.
+The runner owns everything with a tensor in it: the model and the preallocated K/V pool.
+The scheduler's block ids index the pool.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ import torch
 from cluster.engine.scheduler import ScheduledRequest
 from cluster.quant.kv_int8 import Int8KVCache, bytes_per_vector
 from cluster.runner.input_batch import SHORT_QUERY_MAX, SeqChunk, prepare_inputs
+from cluster.runner.random_stream import SeedKey
 from cluster.runner.sampler import Sampler, SamplingMetadata, compute_probs, greedy_token_ids
 from cluster.spec.rejection import greedy_verify, rejection_sample_packed
 
@@ -68,9 +69,15 @@ def num_blocks_for_budget(spec: KVCacheSpec, budget_bytes: int) -> int:
 
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, num_blocks: int, spec: KVCacheSpec, device: torch.device,
-                 batch_invariant: bool = False) -> None:
+                 batch_invariant: bool = False, verification: str = "auto") -> None:
         """``batch_invariant``: every step's attention goes through the compiled kernel, one
-        query row at a time (the model must have been loaded for it, see ``load_model``)."""
+        query row at a time (the model must have been loaded for it, see ``load_model``).
+        ``verification`` (``speculative.verification``): ``auto`` verifies seeded requests'
+        drafts by coupling and the others' by rejection sampling, ``rejection`` all by
+        rejection sampling, ``coupled`` all by coupling (unseeded requests get a seed of their
+        own, drawn from the default generator when they first sample)."""
+        if verification not in ("auto", "rejection", "coupled"):
+            raise ValueError(f"verification must be auto, rejection or coupled, got {verification!r}")
         self.model = model
         self.short_query_max = None if batch_invariant else SHORT_QUERY_MAX
         self.spec = spec
@@ -85,31 +92,33 @@ class ModelRunner:
                 spec.num_layers, 2, num_slots, spec.num_kv_heads, spec.head_dim, dtype=spec.dtype, device=device
             )
         self.sampler = Sampler()
-        self.generators: dict[str, torch.Generator] = {}
+        self.coupled = verification != "rejection"  # seeded rows are verified by coupling
+        self.own_seeds: dict[str, int] | None = {} if verification == "coupled" else None
 
     def free_request(self, request_id: str) -> None:
-        self.generators.pop(request_id, None)
+        if self.own_seeds is not None:
+            self.own_seeds.pop(request_id, None)
 
-    def _generator(self, request) -> torch.Generator | None:
-        seed = request.sampling_params.seed
-        if seed is None or request.sampling_params.greedy:
+    def seed(self, request) -> int | None:
+        """The seed a random request draws with: its own, or (``coupled``) one given to it."""
+        params = request.sampling_params
+        if params.greedy or (params.seed is None and self.own_seeds is None):
             return None
-        gen = self.generators.get(request.request_id)
-        if gen is None:
-            gen = torch.Generator(device=self.device).manual_seed(seed)
-            self.generators[request.request_id] = gen
-        return gen
+        if params.seed is not None:
+            return params.seed
+        if request.request_id not in self.own_seeds:
+            self.own_seeds[request.request_id] = int(torch.randint(0, 2**62, ()).item())
+        return self.own_seeds[request.request_id]
 
-    def generator(self, request) -> torch.Generator | None:
-        """The request's own generator (seeded requests), created on first use."""
-        return self._generator(request)
-
-    def sampling_metadata(self, requests: list, vocab_size: int) -> SamplingMetadata:
+    def sampling_metadata(self, requests: list, vocab_size: int, offsets: list[int] | None = None) -> SamplingMetadata:
+        """Row ``i`` samples output position ``requests[i].num_output_tokens + offsets[i]`` (offset 0 by default)."""
+        offsets = offsets or [0] * len(requests)
         return SamplingMetadata.build(
             params=[r.sampling_params for r in requests],
             prompt_token_ids=[r.prompt_token_ids for r in requests],
             output_token_ids=[r.output_token_ids for r in requests],
-            generators=[self._generator(r) for r in requests],
+            seeds=[self.seed(r) for r in requests],
+            positions=[r.num_output_tokens + o for r, o in zip(requests, offsets)],
             banned_token_ids=[_banned_ids(r) for r in requests],
             vocab_size=vocab_size,
             device=self.device,
@@ -182,13 +191,14 @@ class ModelRunner:
     def _verify(
         self, logits: torch.Tensor, rows: dict[str, slice], spec: list, drafts: DraftProposal
     ) -> dict[str, SampledTokens]:
-        """Rejection-sample the drafts of ``spec`` requests against the target's logits."""
+        """Verify the drafts of ``spec`` requests against the target's logits."""
         requests = [r for r, _ in spec]
         vocab = logits.shape[-1]
         # The target's logits at every verified position, request after request: [sum (k_i + 1), vocab]
         expanded = [r for r, d in spec for _ in range(len(d) + 1)]
+        offsets = [j for _, d in spec for j in range(len(d) + 1)]
         flat = torch.cat([logits[rows[r.request_id]] for r in requests])
-        metadata = self.sampling_metadata(expanded, vocab)
+        metadata = self.sampling_metadata(expanded, vocab, offsets)
         if metadata.all_greedy:  # no distributions needed: compare drafts with the argmax
             out = greedy_verify([d for _, d in spec], greedy_token_ids(flat, metadata).tolist())
             return {r.request_id: SampledTokens(tokens, None, accepted)
@@ -196,8 +206,9 @@ class ModelRunner:
         flat_probs = compute_probs(flat, metadata)  # [sum (k_i + 1), vocab], request after request
         draft_probs = None if drafts.probs is None else torch.cat([drafts.probs[r.request_id] for r in requests])
         greedy = torch.tensor([r.sampling_params.greedy for r in requests], device=logits.device)
-        generators = {i: g for i, r in enumerate(requests) if (g := self._generator(r)) is not None}
-        out = rejection_sample_packed([d for _, d in spec], draft_probs, flat_probs, greedy, generators)
+        seeded = {i: SeedKey(seed, r.num_output_tokens) for i, r in enumerate(requests)
+                  if (seed := self.seed(r)) is not None}
+        out = rejection_sample_packed([d for _, d in spec], draft_probs, flat_probs, greedy, seeded, self.coupled)
         return {
             r.request_id: SampledTokens(tokens, None, accepted)
             for r, tokens, accepted in zip(requests, out.output_token_ids, out.num_accepted)

@@ -7,8 +7,9 @@ because the speculative rejection sampler needs the distribution itself: it call
 ``sample_from_probs``.
 
 Randomness: unseeded rows share one batched draw from the default generator of the device;
-a seeded row draws only from its own ``torch.Generator`` (one number per sampled token), so its
-tokens depend on its seed and its own history, never on its position or on the other rows.
+a seeded row's number for the token at output position ``t`` is a hash of its seed and ``t``
+(``random_stream.py``), so its tokens depend on its seed and its own history, never on its
+place in the batch, on the other rows or on how its earlier tokens were produced.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import torch
 
 from cluster.engine.sampling_params import SamplingParams
 from cluster.runner.categorical import sample_categorical
+from cluster.runner.random_stream import Lane, SeedKey, row_uniforms
 from cluster.runner.logits_processors import (
     PenaltyState,
     apply_banned_token_ids,
@@ -47,7 +49,7 @@ class SamplingMetadata:
     """Per-step sampling state for the rows of a logits tensor (one row per request that samples).
 
     Invariants (kept by ``build``): ``temperature`` is exactly 0 on greedy rows and > 0 elsewhere;
-    ``top_k`` is 0 when off or >= vocab_size; ``generators`` and the filter flags only concern
+    ``top_k`` is 0 when off or >= vocab_size; ``seeded`` and the filter flags only concern
     random rows; every banned id is in ``[0, vocab_size)``; tensors live on one device.
     """
 
@@ -58,7 +60,7 @@ class SamplingMetadata:
     all_greedy: bool
     all_random: bool
     no_top_p_top_k_min_p: bool  # no random row uses top-p, top-k or min-p: skip the sort
-    generators: dict[int, torch.Generator]  # row -> per-request generator (seeded random rows)
+    seeded: dict[int, SeedKey]  # row -> (seed, output position of its token): seeded random rows
     penalties: PenaltyState | None  # None when no row has a penalty
     banned_token_ids: dict[int, list[int]]  # row -> ids whose logits are set to -inf
     max_num_logprobs: int | None  # None when no row asks for logprobs
@@ -69,22 +71,23 @@ class SamplingMetadata:
         params: Sequence[SamplingParams],
         prompt_token_ids: Sequence[Sequence[int]],
         output_token_ids: Sequence[Sequence[int]],
-        generators: Sequence[torch.Generator | None],
+        seeds: Sequence[int | None],
+        positions: Sequence[int],
         banned_token_ids: Sequence[Sequence[int]],
         vocab_size: int,
         device: torch.device,
     ) -> SamplingMetadata:
         """Gather one step's per-row settings into tensors on ``device``.
 
-        ``generators[i]`` is request i's own generator (on ``device``) when it has a seed; it is
-        kept across steps by the caller and advanced here. Banned ids outside the vocabulary
-        are dropped: such a token can never be sampled anyway.
+        ``seeds[i]`` is the seed row i draws with (None: the device's default generator) and
+        ``positions[i]`` the output position of the token it samples. Banned ids outside the
+        vocabulary are dropped: such a token can never be sampled anyway.
         """
         num_reqs = len(params)
-        lengths = {len(prompt_token_ids), len(output_token_ids), len(generators), len(banned_token_ids)}
+        lengths = {len(prompt_token_ids), len(output_token_ids), len(seeds), len(positions), len(banned_token_ids)}
         if lengths != {num_reqs}:
             raise ValueError(
-                "params, prompt_token_ids, output_token_ids, generators and banned_token_ids must "
+                "params, prompt_token_ids, output_token_ids, seeds, positions and banned_token_ids must "
                 f"have one entry per request ({num_reqs}), got lengths {sorted(lengths)}"
             )
         greedy = [p.greedy for p in params]
@@ -111,7 +114,8 @@ class SamplingMetadata:
             all_greedy=all(greedy),
             all_random=not any(greedy),
             no_top_p_top_k_min_p=not any(filtered),
-            generators={row: gen for row, gen in enumerate(generators) if gen is not None and not greedy[row]},
+            seeded={row: SeedKey(seed, positions[row]) for row, seed in enumerate(seeds)
+                    if seed is not None and not greedy[row]},
             penalties=(
                 PenaltyState.build(params, prompt_token_ids, output_token_ids, vocab_size, device)
                 if needs_penalties
@@ -191,16 +195,18 @@ def compute_probs(
 def sample_from_probs(
     probs: torch.Tensor,  # [num_reqs, vocab_size] float32
     metadata: SamplingMetadata,
+    lane: Lane = Lane.SAMPLE,
 ) -> torch.Tensor:  # [num_reqs] int64
     """Greedy rows: argmax. Random rows: one draw from ``probs`` by the inverse of its CDF
     (``sample_categorical``), which never picks a token of probability 0. Unseeded rows share
-    one batched draw; each seeded row draws exactly one number from its own generator, which
-    advances it.
+    one batched draw; a seeded row uses the number of its seed and position in ``lane``.
     """
     greedy_ids = probs.argmax(dim=-1)
     if metadata.all_greedy:
         return greedy_ids
-    random_ids = sample_categorical(probs, metadata.generators, len(metadata.generators) < probs.shape[0])
+    num_rows = probs.shape[0]
+    uniforms = row_uniforms(num_rows, 1, metadata.seeded, lane, probs.device, len(metadata.seeded) < num_rows)
+    random_ids = sample_categorical(probs, uniforms[:, 0])
     if metadata.all_random:
         return random_ids
     return torch.where(metadata.greedy_mask, greedy_ids, random_ids)
@@ -224,7 +230,7 @@ def gather_logprobs(
 
 
 class Sampler(torch.nn.Module):
-    """Samples one token per row; stateless apart from the generators in the metadata."""
+    """Samples one token per row; stateless."""
 
     def forward(
         self,

@@ -54,7 +54,8 @@ class Worker:
         started = time.monotonic()
         loaded = load_model(config, device)
         num_blocks = num_kv_blocks(config, loaded.spec, device)
-        runner = ModelRunner(loaded.model, num_blocks, loaded.spec, device, config.model.batch_invariant)
+        runner = ModelRunner(loaded.model, num_blocks, loaded.spec, device, config.model.batch_invariant,
+                             config.speculative.verification)
         logger.info(
             "loaded %s (%s, %s) in %.1fs; KV cache: %d blocks of %d tokens",
             config.model.model, loaded.dtype, device, time.monotonic() - started, num_blocks, loaded.spec.block_size,

@@ -16,6 +16,7 @@ import torch
 from cluster.engine.scheduler import ScheduledRequest
 from cluster.runner.input_batch import SeqChunk
 from cluster.runner.model_runner import ModelRunner
+from cluster.runner.random_stream import Lane
 from cluster.runner.sampler import compute_probs, sample_from_probs
 from cluster.spec.proposer import DraftProposal
 
@@ -35,9 +36,11 @@ def check_vocab_compatible(target_tokenizer, draft_tokenizer, target_vocab: int,
 class DraftModelProposer:
     def __init__(self, runner: ModelRunner, target: ModelRunner) -> None:
         self.runner = runner
-        # Sampling state (seeded generators, filters) is the target runner's: drafts are
-        # drawn with each request's own generator, so seeded requests stay reproducible.
+        # Sampling settings and seeds are the target runner's. A seeded draft token for output
+        # position p uses p's SAMPLE number when the target couples (then draft and target share
+        # it, see cluster.spec.rejection), else its own DRAFT number.
         self.target = target
+        self.lane = Lane.SAMPLE if target.coupled else Lane.DRAFT
 
     @torch.inference_mode()
     def propose(
@@ -60,9 +63,10 @@ class DraftModelProposer:
         rows = list(range(len(active)))
         for step in range(max(wanted)):
             logits = self.runner.forward_logits(chunks, [tables[i] for i in rows])
-            metadata = self.target.sampling_metadata([requests[i] for i in rows], logits.shape[-1])
+            metadata = self.target.sampling_metadata([requests[i] for i in rows], logits.shape[-1],
+                                                     [step] * len(rows))
             step_probs = compute_probs(logits, metadata)
-            tokens = sample_from_probs(step_probs, metadata).tolist()
+            tokens = sample_from_probs(step_probs, metadata, self.lane).tolist()
             for j, i in enumerate(rows):
                 drafts[i].append(tokens[j])
                 probs[i].append(step_probs[j])

@@ -28,11 +28,26 @@ to ``t`` so that float rounding can never produce NaN.
 Greedy rows (temperature 0, one-hot ``target_probs``) take a fast path without random numbers:
 accept while ``x_j == argmax(target_probs[j])``, then emit that argmax.
 
+Coupled verification (seeded rows, when the caller asks for it). Rejection sampling's
+realization depends on ``k``: the same seed walks a different path when a controller drafts
+more or fewer tokens. A coupled row instead draws the target's own token ``y_j`` at every
+verified position by the inverse of its CDF with that position's number (the same number
+plain sampling would use there, ``random_stream.Lane.SAMPLE``), accepts drafts while
+``x_j == y_j`` and emits ``y_j`` at the first mismatch (or ``y_k`` as bonus). Every emitted
+token is ``y_j``, a draw from ``target_probs[j]`` with a number no earlier position used, so
+the output follows the target exactly, and the text is the one decoding without speculation
+gives. For point-mass drafts the acceptance probability is ``t(x_j)``, as in rejection
+sampling. A draft model's drafts must have been drawn with the same numbers (inverse CDF of
+the draft's distribution, lane SAMPLE): then ``x_j == y_j`` whenever the two CDFs put the
+number in the same token, an acceptance rate at most rejection sampling's
+``sum(min(d, t))``; ``tandem bench spec`` measures the difference.
+
 Randomness mirrors ``cluster.runner.sampler``: unseeded random rows share one batched draw of
-uniforms ``[num_reqs, max_k]`` and one batched draw of the final token; a seeded row draws exactly
-``k_i`` uniforms and then one more for its final token from its own generator, so its tokens
-depend on its seed and its own inputs, never on its position or on the other rows. Greedy rows
-never advance a generator, and an all-greedy batch draws nothing at all.
+uniforms ``[num_reqs, max_k]`` and one batched draw of the final token; a seeded row's numbers
+are keyed by its seed and output position (``random_stream.py``): the acceptance test at
+position ``p`` uses lane ACCEPT, the token emitted at ``p`` lane SAMPLE. So its tokens depend
+on its seed and its own inputs, never on its place in the batch or on the other rows. Greedy
+rows use no numbers, and an all-greedy batch draws nothing at all.
 
 ``rejection_sample`` takes distributions padded to ``[num_reqs, max_k + 1, vocab_size]``;
 ``rejection_sample_packed`` takes them packed request after request (``[sum (k_i + 1),
@@ -54,6 +69,7 @@ from typing import NamedTuple
 import torch
 
 from cluster.runner.categorical import sample_categorical
+from cluster.runner.random_stream import Lane, SeedKey, row_uniforms
 
 __all__ = ["RejectionOutput", "greedy_verify", "recovered_probs", "rejection_sample", "rejection_sample_packed"]
 
@@ -81,7 +97,8 @@ def rejection_sample(
     draft_probs: torch.Tensor | None,  # [num_reqs, max_k, vocab_size] float32; None = one-hot drafts
     target_probs: torch.Tensor,  # [num_reqs, max_k + 1, vocab_size] float32 from compute_probs
     greedy: torch.Tensor,  # [num_reqs] bool
-    generators: dict[int, torch.Generator],  # row -> the request's own generator (seeded rows)
+    seeded: dict[int, SeedKey],  # row -> (seed, output position of its first verified token)
+    coupled: bool = False,  # seeded rows are verified by coupling (module docstring)
 ) -> RejectionOutput:
     """Verify each row's drafts; see the module docstring for the rule and why it is exact.
 
@@ -90,14 +107,14 @@ def rejection_sample(
     are not normalized here: the final draw (``sample_categorical``) is scale-free.
     """
     num_reqs, max_k, vocab_size = _check_shapes(
-        draft_token_ids, num_draft_tokens, draft_probs, target_probs, greedy, generators
+        draft_token_ids, num_draft_tokens, draft_probs, target_probs, greedy, seeded
     )
     device = target_probs.device
     target_rows = torch.arange(num_reqs * (max_k + 1), device=device).view(num_reqs, max_k + 1)
     draft_rows = torch.arange(num_reqs * max_k, device=device).view(num_reqs, max_k)
     return _sample_rows(draft_token_ids, num_draft_tokens,
                         None if draft_probs is None else draft_probs.reshape(-1, vocab_size), draft_rows,
-                        target_probs.reshape(-1, vocab_size), target_rows, greedy, generators)
+                        target_probs.reshape(-1, vocab_size), target_rows, greedy, seeded, coupled)
 
 
 def rejection_sample_packed(
@@ -105,7 +122,8 @@ def rejection_sample_packed(
     draft_probs: torch.Tensor | None,  # [sum k_i, vocab_size] float32, request after request; None = one-hot
     target_probs: torch.Tensor,  # [sum (k_i + 1), vocab_size] float32, request after request
     greedy: torch.Tensor,  # [num_reqs] bool
-    generators: dict[int, torch.Generator],  # row -> the request's own generator (seeded rows)
+    seeded: dict[int, SeedKey],  # row -> (seed, output position of its first verified token)
+    coupled: bool = False,  # seeded rows are verified by coupling (module docstring)
 ) -> RejectionOutput:
     """``rejection_sample`` on distributions packed request after request, as the target's
     verifying pass returns them: the same tokens for the same inputs and random draws,
@@ -127,10 +145,10 @@ def rejection_sample_packed(
     target_rows = target_start[:, None] + torch.minimum(j, num_draft[:, None])  # [num_reqs, max_k + 1]
     draft_rows = (draft_start[:, None] + torch.minimum(j[:max_k], (num_draft - 1).clamp(min=0)[:, None]))
     draft_rows = draft_rows.clamp(max=max(sum(counts) - 1, 0))  # [num_reqs, max_k]
-    _check_rows(num_reqs, greedy, generators)
+    _check_rows(num_reqs, greedy, seeded)
     ids = torch.tensor([d + [0] * (max_k - len(d)) for d in draft_token_ids], dtype=torch.int64, device=device)
     return _sample_rows(ids.view(num_reqs, max_k), counts, draft_probs, draft_rows, target_probs, target_rows,
-                        greedy, generators)
+                        greedy, seeded, coupled)
 
 
 def _sample_rows(
@@ -141,7 +159,8 @@ def _sample_rows(
     target_probs: torch.Tensor,  # [num_target_rows, vocab_size]
     target_rows: torch.Tensor,  # [num_reqs, max_k + 1] int64: the row of target_probs at (request, position)
     greedy: torch.Tensor,
-    generators: dict[int, torch.Generator],
+    seeded: dict[int, SeedKey],
+    coupled: bool,
 ) -> RejectionOutput:
     """The rule, reading distributions through row indices (shapes already checked)."""
     num_reqs, max_k = draft_token_ids.shape
@@ -149,48 +168,52 @@ def _sample_rows(
         return RejectionOutput(output_token_ids=[], num_accepted=[])
     device = target_probs.device
     greedy_rows = greedy.tolist()
-    all_greedy, any_greedy = all(greedy_rows), any(greedy_rows)
-    seeded = {row: gen for row, gen in generators.items() if not greedy_rows[row]}
-    any_unseeded_random = len(seeded) < num_reqs - sum(greedy_rows)
+    seeded = {row: key for row, key in seeded.items() if not greedy_rows[row]}
+    coupled_rows = sorted(seeded) if coupled else []
+    standard = {row: key for row, key in seeded.items() if not coupled}  # seeded rows verified by rejection
+    num_random = num_reqs - sum(greedy_rows)
+    any_unseeded_random = len(seeded) < num_random
+    any_standard = num_random > len(coupled_rows)
 
     num_draft = torch.tensor(num_draft_tokens, dtype=torch.int64, device=device)  # [num_reqs]
     is_draft = torch.arange(max_k, device=device) < num_draft[:, None]  # [num_reqs, max_k]
     draft_ids = torch.where(is_draft, draft_token_ids.long(), 0)  # [num_reqs, max_k] padding -> a valid id
+    rows = torch.arange(num_reqs, device=device)
 
-    if any_greedy:
+    # Each row kind fills ``accepted`` and ``final_ids`` (the token after the accepted run) for its rows.
+    accepted = torch.zeros(num_reqs, max_k, dtype=torch.bool, device=device)
+    final_ids = torch.zeros(num_reqs, dtype=torch.int64, device=device)
+    if any(greedy_rows):
         target_argmax = target_probs.argmax(dim=-1)[target_rows]  # [num_reqs, max_k + 1]
-        accepted = draft_ids == target_argmax[:, :max_k]  # [num_reqs, max_k]
-    if not all_greedy:
-        uniforms = _draw_uniforms(num_reqs, max_k, num_draft_tokens, seeded, any_unseeded_random, device)
+        accepted = torch.where(greedy[:, None], draft_ids == target_argmax[:, :max_k], accepted)
+    if coupled_rows:
+        samples = _coupled_samples(coupled_rows, num_draft, target_probs, target_rows, seeded, device)
+        coupled_mask = torch.zeros(num_reqs, dtype=torch.bool, device=device)
+        coupled_mask[torch.tensor(coupled_rows, device=device)] = True
+        accepted = torch.where(coupled_mask[:, None], draft_ids == samples[:, :max_k], accepted)
+    if any_standard:
+        uniforms = row_uniforms(num_reqs, max_k, standard, Lane.ACCEPT, device, any_unseeded_random)
         # Accept iff u < target / draft, written without a division: P = min(1, target / draft).
         target_at_draft = target_probs[target_rows[:, :max_k], draft_ids]  # [num_reqs, max_k]
         if draft_probs is None:
             random_accepted = uniforms < target_at_draft
         else:
-            draft_at_draft = draft_probs[draft_rows, draft_ids]
-            random_accepted = uniforms * draft_at_draft < target_at_draft
-        accepted = torch.where(greedy[:, None], accepted, random_accepted) if any_greedy else random_accepted
+            random_accepted = uniforms * draft_probs[draft_rows, draft_ids] < target_at_draft
+        standard_mask = ~greedy
+        if coupled_rows:
+            standard_mask &= ~coupled_mask
+        accepted = torch.where(standard_mask[:, None], random_accepted, accepted)
     accepted &= is_draft
     # The first rejection (or k_i) is the length of the leading run of accepted drafts.
     num_accepted = accepted.long().cumprod(dim=1).sum(dim=1)  # [num_reqs]
 
-    rows = torch.arange(num_reqs, device=device)
-    if all_greedy:
-        final_ids = target_argmax[rows, num_accepted]  # [num_reqs]
-    else:
-        final_probs = target_probs[target_rows[rows, num_accepted]]  # [num_reqs, vocab_size] bonus distribution
-        if max_k > 0:
-            rejected = num_accepted < num_draft  # [num_reqs]
-            rejected_ids = draft_ids[rows, num_accepted.clamp(max=max_k - 1)]  # [num_reqs]
-            if draft_probs is None:
-                rejected_draft_probs = torch.zeros_like(final_probs).scatter_(1, rejected_ids[:, None], 1.0)
-            else:
-                rejected_draft_probs = draft_probs[draft_rows[rows, num_accepted.clamp(max=max_k - 1)]]
-            recovered = recovered_probs(final_probs, rejected_draft_probs)
-            final_probs = torch.where(rejected[:, None], recovered, final_probs)
-        final_ids = sample_categorical(final_probs, seeded, any_unseeded_random)
-        if any_greedy:
-            final_ids = torch.where(greedy, target_argmax[rows, num_accepted], final_ids)
+    if any_standard:
+        final_ids = _standard_final(draft_ids, num_draft, num_accepted, draft_probs, draft_rows, target_probs,
+                                    target_rows, standard, any_unseeded_random)
+    if coupled_rows:
+        final_ids = torch.where(coupled_mask, samples[rows, num_accepted], final_ids)
+    if any(greedy_rows):
+        final_ids = torch.where(greedy, target_argmax[rows, num_accepted], final_ids)
 
     output = torch.cat([draft_ids, torch.zeros_like(final_ids)[:, None]], dim=1)  # [num_reqs, max_k + 1]
     output.scatter_(1, num_accepted[:, None], final_ids[:, None])
@@ -199,6 +222,57 @@ def _sample_rows(
         output_token_ids=[row[: row[-1] + 1] for row in host_rows],
         num_accepted=[row[-1] for row in host_rows],
     )
+
+
+def _coupled_samples(
+    coupled_rows: list[int],
+    num_draft: torch.Tensor,  # [num_reqs] int64
+    target_probs: torch.Tensor,  # [num_target_rows, vocab_size]
+    target_rows: torch.Tensor,  # [num_reqs, max_k + 1]
+    seeded: dict[int, SeedKey],
+    device: torch.device,
+) -> torch.Tensor:  # [num_reqs, max_k + 1] int64: the target's draw at each verified position (0 elsewhere)
+    """Coupled rows: the target's token at each of their ``k_i + 1`` positions, drawn with that
+    position's SAMPLE number; only those rows' real positions are computed."""
+    num_reqs, width = target_rows.shape
+    uniforms = row_uniforms(num_reqs, width, {row: seeded[row] for row in coupled_rows}, Lane.SAMPLE, device,
+                            draw_unseeded=False)  # [num_reqs, max_k + 1]
+    in_row = torch.zeros(num_reqs, dtype=torch.bool, device=device)
+    in_row[torch.tensor(coupled_rows, device=device)] = True
+    valid = in_row[:, None] & (torch.arange(width, device=device) <= num_draft[:, None])  # [num_reqs, max_k + 1]
+    samples = torch.zeros(num_reqs, width, dtype=torch.int64, device=device)
+    samples[valid] = sample_categorical(target_probs[target_rows[valid]], uniforms[valid])
+    return samples
+
+
+def _standard_final(
+    draft_ids: torch.Tensor,  # [num_reqs, max_k]
+    num_draft: torch.Tensor,  # [num_reqs]
+    num_accepted: torch.Tensor,  # [num_reqs]
+    draft_probs: torch.Tensor | None,
+    draft_rows: torch.Tensor,  # [num_reqs, max_k]
+    target_probs: torch.Tensor,
+    target_rows: torch.Tensor,  # [num_reqs, max_k + 1]
+    standard: dict[int, SeedKey],  # seeded rows verified by rejection
+    any_unseeded_random: bool,
+) -> torch.Tensor:  # [num_reqs] int64
+    """Rejection sampling's last token: recovered after a rejection, bonus after ``k_i``
+    acceptances, drawn with the SAMPLE number of the position it lands on."""
+    num_reqs, max_k = draft_ids.shape
+    rows = torch.arange(num_reqs, device=target_probs.device)
+    final_probs = target_probs[target_rows[rows, num_accepted]]  # [num_reqs, vocab_size] bonus distribution
+    if max_k > 0:
+        rejected = num_accepted < num_draft  # [num_reqs]
+        rejected_ids = draft_ids[rows, num_accepted.clamp(max=max_k - 1)]  # [num_reqs]
+        if draft_probs is None:
+            rejected_draft_probs = torch.zeros_like(final_probs).scatter_(1, rejected_ids[:, None], 1.0)
+        else:
+            rejected_draft_probs = draft_probs[draft_rows[rows, num_accepted.clamp(max=max_k - 1)]]
+        recovered = recovered_probs(final_probs, rejected_draft_probs)
+        final_probs = torch.where(rejected[:, None], recovered, final_probs)
+    # Numbers for every position a row may end on, then each row's at its final position.
+    uniforms = row_uniforms(num_reqs, max_k + 1, standard, Lane.SAMPLE, target_probs.device, any_unseeded_random)
+    return sample_categorical(final_probs, uniforms[rows, num_accepted])
 
 
 def greedy_verify(
@@ -221,32 +295,13 @@ def greedy_verify(
     return RejectionOutput(output_token_ids=outputs, num_accepted=num_accepted)
 
 
-def _draw_uniforms(
-    num_reqs: int,
-    max_k: int,
-    num_draft_tokens: list[int],
-    seeded: dict[int, torch.Generator],
-    batched: bool,
-    device: torch.device,
-) -> torch.Tensor:  # [num_reqs, max_k] float32 in [0, 1)
-    """One batched draw for unseeded rows; exactly ``k_i`` draws from each seeded row's generator."""
-    if batched:
-        uniforms = torch.rand(num_reqs, max_k, device=device)
-    else:
-        uniforms = torch.zeros(num_reqs, max_k, device=device)
-    for row, generator in seeded.items():
-        if num_draft_tokens[row] > 0:
-            uniforms[row, : num_draft_tokens[row]].uniform_(generator=generator)
-    return uniforms
-
-
 def _check_shapes(
     draft_token_ids: torch.Tensor,  # [num_reqs, max_k] int64
     num_draft_tokens: list[int],
     draft_probs: torch.Tensor | None,  # [num_reqs, max_k, vocab_size]
     target_probs: torch.Tensor,  # [num_reqs, max_k + 1, vocab_size]
     greedy: torch.Tensor,  # [num_reqs] bool
-    generators: dict[int, torch.Generator],
+    seeded: dict[int, SeedKey],
 ) -> tuple[int, int, int]:
     if draft_token_ids.dim() != 2 or target_probs.dim() != 3:
         raise ValueError(
@@ -269,12 +324,12 @@ def _check_shapes(
         raise ValueError(
             f"num_draft_tokens must hold {num_reqs} counts in [0, {max_k}], got {list(num_draft_tokens)}"
         )
-    _check_rows(num_reqs, greedy, generators)
+    _check_rows(num_reqs, greedy, seeded)
     return num_reqs, max_k, vocab_size
 
 
-def _check_rows(num_reqs: int, greedy: torch.Tensor, generators: dict[int, torch.Generator]) -> None:
+def _check_rows(num_reqs: int, greedy: torch.Tensor, seeded: dict[int, SeedKey]) -> None:
     if tuple(greedy.shape) != (num_reqs,) or greedy.dtype != torch.bool:
         raise ValueError(f"greedy must be a [{num_reqs}] bool tensor, got {tuple(greedy.shape)} {greedy.dtype}")
-    if any(not 0 <= row < num_reqs for row in generators):
-        raise ValueError(f"generators must be keyed by rows in [0, {num_reqs}), got {sorted(generators)}")
+    if any(not 0 <= row < num_reqs for row in seeded):
+        raise ValueError(f"seeded must be keyed by rows in [0, {num_reqs}), got {sorted(seeded)}")

@@ -153,8 +153,9 @@ def test_min_tokens_blocks_eos(tiny_llama_dir):
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_random_workload_with_aborts_frees_every_block(tiny_llama_dir, seed):
     rng = random.Random(seed)
+    verification = ["auto", "rejection", "coupled"][seed]
     engine = make_engine(tiny_llama_dir, num_blocks=24, block_size=4, max_num_seqs=6,
-                     max_num_batched_tokens=rng.choice([8, 32, 256]))
+                         max_num_batched_tokens=rng.choice([8, 32, 256]), verification=verification)
     live: set[str] = set()
     added = 0
     for _ in range(400):
@@ -178,4 +179,5 @@ def test_random_workload_with_aborts_frees_every_block(tiny_llama_dir, seed):
     assert not live
     assert engine.scheduler.num_preemptions > 0  # the pool was small enough to force them
     assert engine.block_manager.num_free_blocks == engine.block_manager.pool.num_blocks
-    assert not engine.worker.runner.generators
+    # coupled: every random request was given a seed of its own, and each was dropped when it ended
+    assert engine.worker.runner.own_seeds == ({} if verification == "coupled" else None)

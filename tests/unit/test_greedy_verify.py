@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from cluster.runner.random_stream import SeedKey
 from cluster.spec.rejection import greedy_verify, rejection_sample, rejection_sample_packed
 
 
@@ -46,10 +47,12 @@ def test_wrong_number_of_target_ids_is_refused():
         greedy_verify([[1, 2]], [1, 2])
 
 
+@pytest.mark.parametrize("coupled", [False, True])
 @pytest.mark.parametrize("with_draft_probs", [False, True])
-def test_packed_distributions_give_the_padded_results(with_draft_probs):
+def test_packed_distributions_give_the_padded_results(with_draft_probs, coupled):
     """rejection_sample_packed reads the same rows rejection_sample reads from padded tensors:
-    the same tokens for the same random draws (greedy, unseeded and seeded rows mixed)."""
+    the same tokens for the same random draws (greedy, unseeded and seeded rows mixed; seeded
+    rows verified by rejection sampling or by coupling)."""
     gen = torch.Generator().manual_seed(1)
     vocab = 7
     for trial in range(100):
@@ -72,8 +75,8 @@ def test_packed_distributions_give_the_padded_results(with_draft_probs):
 
         def run(sample, *args):
             torch.manual_seed(trial)
-            generators = {i: torch.Generator().manual_seed(100 + i) for i in seeded_rows}
-            return sample(*args, greedy, generators)
+            seeded = {i: SeedKey(100 + i, trial) for i in seeded_rows}
+            return sample(*args, greedy, seeded, coupled)
 
         want = run(rejection_sample, padded_ids, counts, padded_draft, padded_target)
         got = run(rejection_sample_packed, drafts, torch.cat(draft) if with_draft_probs else None, torch.cat(target))

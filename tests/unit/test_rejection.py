@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 import torch
 
+from cluster.runner.random_stream import SeedKey
 from cluster.spec import rejection
 from cluster.spec.rejection import RejectionOutput, recovered_probs, rejection_sample
 from tests.goodness_of_fit import chi2_quantile
@@ -94,17 +95,13 @@ def test_greedy_rows_exact(with_draft_probs):
         ]
     )
     draft_probs = torch.rand(4, 3, VOCAB) if with_draft_probs else None  # ignored on greedy rows
-    generator = torch.Generator().manual_seed(5)
-    generator_state = generator.get_state()
     global_state = torch.get_rng_state()
 
-    out = rejection_sample(
-        draft_token_ids, num_draft_tokens, draft_probs, target_probs, torch.ones(4, dtype=torch.bool), {0: generator}
-    )
-
-    assert out.output_token_ids == [[1, 2, 3, 4], [1, 5], [2], [3]]
-    assert out.num_accepted == [3, 1, 0, 0]
-    assert torch.equal(generator.get_state(), generator_state), "a greedy row advanced its generator"
+    for coupled in (False, True):  # a seed on a greedy row changes nothing
+        out = rejection_sample(draft_token_ids, num_draft_tokens, draft_probs, target_probs,
+                               torch.ones(4, dtype=torch.bool), {0: SeedKey(5, 0)}, coupled)
+        assert out.output_token_ids == [[1, 2, 3, 4], [1, 5], [2], [3]]
+        assert out.num_accepted == [3, 1, 0, 0]
     assert torch.equal(torch.get_rng_state(), global_state), "an all-greedy batch drew random numbers"
 
 
@@ -241,32 +238,37 @@ def padded_batch(rows: list[Row], max_k: int, pad_id: int = -1, pad_prob: float 
     return draft_token_ids, num_draft_tokens, draft_probs, target_probs, greedy
 
 
-def seeded_row_outputs(layout: list[Row | None], max_k: int, seed: int, global_seed: int) -> list[list[int]]:
-    """Run 8 steps; ``None`` in ``layout`` is the seeded row (k = 2, TARGET vs DRAFT)."""
+def seeded_row_outputs(layout: list[Row | None], max_k: int, seed: int, global_seed: int,
+                       coupled: bool) -> list[list[int]]:
+    """Run 8 steps; ``None`` in ``layout`` is the seeded row (k = 2, TARGET vs DRAFT), whose
+    output position advances by the tokens it emitted."""
     torch.manual_seed(global_seed)
-    position = layout.index(None)
+    row = layout.index(None)
     mine = Row([3, 4], torch.stack([DRAFT, DRAFT]), torch.stack([TARGET, TARGET, BONUS]))
-    rows = [mine if row is None else row for row in layout]
-    generators = {position: torch.Generator().manual_seed(seed)}
-    generators.update({i: torch.Generator().manual_seed(100 + i) for i, row in enumerate(layout) if row is not None})
-    tokens = []
+    rows = [mine if r is None else r for r in layout]
+    seeded = {i: SeedKey(100 + i, 0) for i, r in enumerate(layout) if r is not None}
+    tokens, position = [], 0
     for _ in range(8):
-        out = rejection_sample(*padded_batch(rows, max_k), generators)
-        tokens.append(out.output_token_ids[position])
+        seeded[row] = SeedKey(seed, position)
+        out = rejection_sample(*padded_batch(rows, max_k), seeded, coupled)
+        tokens.append(out.output_token_ids[row])
+        position += len(out.output_token_ids[row])
     return tokens
 
 
-def test_seeded_row_independent_of_position_and_other_rows():
+@pytest.mark.parametrize("coupled", [False, True])
+def test_seeded_row_independent_of_position_and_other_rows(coupled):
     other = Row([0], DRAFT[None], torch.stack([TARGET, BONUS]))
     long = Row([1, 2, 3, 4], torch.stack([DRAFT] * 4), torch.stack([TARGET] * 4 + [BONUS]))
     greedy = Row([0, 0], torch.stack([DRAFT] * 2), one_hots([0, 1, 2]), greedy=True)
     empty = Row([], torch.empty(0, VOCAB), BONUS[None])
     # Batch a: the seeded row first, max_k 2. Batch b: fourth, max_k 4, a greedy row, a k = 0 row.
-    tokens_a = seeded_row_outputs([None, other, other], max_k=2, seed=7, global_seed=1)
-    tokens_b = seeded_row_outputs([long, greedy, empty, None, other], max_k=4, seed=7, global_seed=2)
+    tokens_a = seeded_row_outputs([None, other, other], max_k=2, seed=7, global_seed=1, coupled=coupled)
+    tokens_b = seeded_row_outputs([long, greedy, empty, None, other], max_k=4, seed=7, global_seed=2,
+                                  coupled=coupled)
     assert tokens_a == tokens_b
-    assert len({tuple(t) for t in tokens_a}) > 1, "the generator must advance from step to step"
-    assert seeded_row_outputs([None, other], max_k=2, seed=8, global_seed=1) != tokens_a
+    assert len({tuple(t) for t in tokens_a}) > 1, "the numbers must move with the output position"
+    assert seeded_row_outputs([None, other], max_k=2, seed=8, global_seed=1, coupled=coupled) != tokens_a
 
 
 # ---------------------------------------------------------------- shapes and padding
@@ -291,23 +293,21 @@ def test_mixed_draft_counts_and_padding_ignored(pad_id, pad_prob):
         Row([0], uniform[None], torch.stack([uniform, uniform])),  # always accepted, then a random bonus
     ]
     batch = padded_batch(rows, max_k=3, pad_id=pad_id, pad_prob=pad_prob)
-    out = rejection_sample(*batch, {1: torch.Generator().manual_seed(0)})
+    out = rejection_sample(*batch, {1: SeedKey(0, 0)})
     assert out.output_token_ids[:5] == [[1, 5, 4], [2], [1, 2, 0], [5], [4, 0]]
     assert out.num_accepted == [2, 0, 2, 0, 1, 1]
     assert len(out.output_token_ids[5]) == 2 and out.output_token_ids[5][0] == 0
 
 
-def test_greedy_row_generator_untouched_in_mixed_batch():
+@pytest.mark.parametrize("coupled", [False, True])
+def test_a_greedy_row_ignores_its_seed_in_a_mixed_batch(coupled):
     rows = [
         Row([1], DRAFT[None], torch.stack([TARGET, BONUS])),
         Row([1], DRAFT[None], one_hots([1, 3]), greedy=True),
     ]
-    random_generator, greedy_generator = torch.Generator().manual_seed(1), torch.Generator().manual_seed(2)
-    random_state, greedy_state = random_generator.get_state(), greedy_generator.get_state()
-    out = rejection_sample(*padded_batch(rows, max_k=1), {0: random_generator, 1: greedy_generator})
-    assert out.output_token_ids[1] == [1, 3]
-    assert not torch.equal(random_generator.get_state(), random_state)
-    assert torch.equal(greedy_generator.get_state(), greedy_state), "a greedy row advanced its generator"
+    for seed in range(5):
+        out = rejection_sample(*padded_batch(rows, max_k=1), {0: SeedKey(1, 0), 1: SeedKey(seed, 0)}, coupled)
+        assert out.output_token_ids[1] == [1, 3]
 
 
 def test_no_drafts_at_all_and_empty_batch():
@@ -330,5 +330,5 @@ def test_bad_shapes_raise():
         rejection_sample(ids, [1, 2], None, target_probs[:, :2], no_greedy(2), {})
     with pytest.raises(ValueError, match="draft_probs"):
         rejection_sample(ids, [1, 2], target_probs, target_probs, no_greedy(2), {})
-    with pytest.raises(ValueError, match="generators"):
-        rejection_sample(ids, [1, 2], None, target_probs, no_greedy(2), {2: torch.Generator()})
+    with pytest.raises(ValueError, match="seeded"):
+        rejection_sample(ids, [1, 2], None, target_probs, no_greedy(2), {2: SeedKey(0, 0)})

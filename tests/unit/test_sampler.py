@@ -28,21 +28,19 @@ from cluster.runner.sampler import (
 CPU = torch.device("cpu")
 
 
-def build(params, vocab_size, *, prompts=None, outputs=None, generators=None, banned=None):
+def build(params, vocab_size, *, prompts=None, outputs=None, seeds=None, position=0, banned=None):
+    """``seeds`` default to each request's own; every row samples output position ``position``."""
     n = len(params)
     return SamplingMetadata.build(
         params,
         prompts if prompts is not None else [[] for _ in range(n)],
         outputs if outputs is not None else [[] for _ in range(n)],
-        generators if generators is not None else [None] * n,
+        seeds if seeds is not None else [p.seed for p in params],
+        [position] * n,
         banned if banned is not None else [[] for _ in range(n)],
         vocab_size,
         CPU,
     )
-
-
-def seeded(seed: int) -> torch.Generator:
-    return torch.Generator(device=CPU).manual_seed(seed)
 
 
 # ---------------------------------------------------------------- statistics
@@ -154,10 +152,9 @@ def test_mixed_batch_greedy_rows_are_argmax():
         SamplingParams(temperature=0.9, top_p=0.8, seed=i)
         for i in range(30)
     ]
-    generators = [seeded(i) if p.seed is not None else None for i, p in enumerate(params)]
-    metadata = build(params, vocab_size, generators=generators)
+    metadata = build(params, vocab_size)
     assert not metadata.all_greedy and not metadata.all_random
-    assert sorted(metadata.generators) == [i for i in range(30) if i % 3 == 2]
+    assert sorted(metadata.seeded) == [i for i in range(30) if i % 3 == 2]
     logits = (torch.randn(30, vocab_size) * 2).to(torch.bfloat16)
     probs = compute_probs(logits, metadata)
     assert torch.isfinite(probs).all()
@@ -266,14 +263,13 @@ def test_unseeded_samples_follow_compute_probs():
 
 
 def test_seeded_samples_follow_compute_probs():
-    """Each seeded row draws from its own generator across steps; pooled, they follow the distribution."""
+    """Seeded rows draw with their seed's number at each output position; pooled over seeds and
+    positions, they follow the distribution."""
     num_rows, num_steps = 4000, 5
     params = [SamplingParams(**DIST_PARAMS, seed=i) for i in range(num_rows)]
-    generators = [seeded(i) for i in range(num_rows)]
-    metadata = build(params, 8, generators=generators)
     logits = DIST_LOGITS.repeat(num_rows, 1)
-    probs = compute_probs(logits, metadata)
-    samples = torch.cat([sample_from_probs(probs, metadata) for _ in range(num_steps)])
+    probs = compute_probs(logits, build(params, 8))
+    samples = torch.cat([sample_from_probs(probs, build(params, 8, position=step)) for step in range(num_steps)])
     assert_matches_distribution(samples, probs[0])
 
 
@@ -283,12 +279,12 @@ def test_seeded_samples_follow_compute_probs():
 def run_steps(batch, seeded_row, seed, num_steps, vocab_size, global_seed):
     """Sample ``num_steps`` times; return the tokens of ``seeded_row`` (a request with ``seed``)."""
     torch.manual_seed(global_seed)
-    generators = [seeded(p.seed) if p.seed is not None else None for p in batch]
-    generators[seeded_row] = seeded(seed)
-    metadata = build(batch, vocab_size, generators=generators)
+    seeds = [p.seed for p in batch]
+    seeds[seeded_row] = seed
     logits = torch.zeros(len(batch), vocab_size)
     tokens = []
-    for _ in range(num_steps):
+    for step in range(num_steps):
+        metadata = build(batch, vocab_size, seeds=seeds, position=step)
         tokens.append(Sampler()(logits, metadata).sampled_token_ids[seeded_row].item())
     return tokens
 
@@ -302,7 +298,7 @@ def test_seeded_row_independent_of_position_and_other_rows():
     tokens_b = run_steps(batch_b, 3, 7, num_steps, vocab_size, global_seed=123)
     alone = run_steps([mine], 0, 7, num_steps, vocab_size, global_seed=42)
     assert tokens_a == tokens_b == alone
-    assert len(set(tokens_a)) > 1, "the generator must advance from step to step"
+    assert len(set(tokens_a)) > 1, "the numbers must move with the output position"
     assert run_steps(batch_a, 0, 8, num_steps, vocab_size, global_seed=0) != tokens_a
 
 
@@ -400,11 +396,10 @@ def test_banned_ids_are_never_sampled():
         SamplingParams(temperature=0.0) if i % 4 == 0 else SamplingParams(temperature=1.5, seed=i if i % 4 == 1 else None)
         for i in range(num_rows)
     ]
-    generators = [seeded(i) if p.seed is not None else None for i, p in enumerate(params)]
     logits = torch.randn(num_rows, vocab_size)
     logits[:, banned_ids] = 20.0  # the banned tokens would otherwise win
     banned = [banned_ids + [vocab_size + 3] for _ in range(num_rows)]  # out-of-vocab ids are ignored
-    metadata = build(params, vocab_size, generators=generators, banned=banned)
+    metadata = build(params, vocab_size, banned=banned)
     assert metadata.banned_token_ids[0] == banned_ids
     probs = compute_probs(logits, metadata)
     assert (probs[:, banned_ids] == 0).all()
@@ -460,17 +455,17 @@ def test_build_flags_and_validation():
     metadata = build(
         [SamplingParams(temperature=0.0, top_p=0.5), SamplingParams(top_k=vocab_size)],
         vocab_size,
-        generators=[seeded(1), seeded(2)],
+        seeds=[1, 2],
     )
     assert metadata.no_top_p_top_k_min_p  # greedy rows' filters and top_k >= vocab are ignored
     assert metadata.top_k.tolist() == [0, 0]
-    assert list(metadata.generators) == [1]  # a greedy row's generator is not used
+    assert list(metadata.seeded) == [1]  # a greedy row's seed is not used
     assert metadata.temperature.tolist() == [0.0, 1.0]
     assert metadata.max_num_logprobs is None and metadata.banned_token_ids == {}
     random_only = build([SamplingParams(min_p=0.1)], vocab_size)
     assert random_only.all_random and not random_only.all_greedy and not random_only.no_top_p_top_k_min_p
     with pytest.raises(ValueError, match="one entry per request"):
-        SamplingMetadata.build([SamplingParams()], [], [[]], [None], [[]], vocab_size, CPU)
+        SamplingMetadata.build([SamplingParams()], [], [[]], [None], [0], [[]], vocab_size, CPU)
 
 
 @pytest.mark.parametrize("temperature", [float("nan"), float("inf"), -0.5])

@@ -6,31 +6,12 @@ import random
 from dataclasses import dataclass
 
 import pytest
-import torch
-from transformers import AutoModelForCausalLM
 
 from cluster.engine.sampling_params import SamplingParams
-from cluster.models.tiny import save_tiny_model, save_tiny_tokenizer, tiny_llama_config
+from cluster.models.tiny import save_tiny_model, tiny_llama_config
 from tests.engine_helpers import drain, make_engine, run_to_completion
 
 GREEDY = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)
-
-
-def _noisy_copy(src, dst, scale: float, seed: int):
-    """A draft that agrees with the target often but not always."""
-    model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32)
-    torch.manual_seed(seed)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(torch.randn_like(p) * scale * p.std())
-    model.save_pretrained(dst)
-    save_tiny_tokenizer(dst)
-    return dst
-
-
-@pytest.fixture(scope="module")
-def noisy_draft_dir(tiny_llama_dir, tmp_path_factory):
-    return _noisy_copy(tiny_llama_dir, tmp_path_factory.mktemp("noisy_draft"), 0.3, seed=1)
 
 
 def _prompts(seed=0, lengths=(5, 17, 30, 3, 44, 9)):

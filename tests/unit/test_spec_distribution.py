@@ -47,10 +47,11 @@ def _reference_joint(target, temperature: float, top_p: float) -> np.ndarray:
     return np.stack([first[t] * next_probs(PROMPT + [t]) for t in range(VOCAB)])  # [VOCAB, VOCAB]
 
 
-def _sample_pairs(target, draft, temperature: float, top_p: float, method: str) -> np.ndarray:
+def _sample_pairs(target, draft, temperature: float, top_p: float, method: str, verification: str) -> np.ndarray:
     spec = dict(method="draft", draft_model=str(draft)) if method == "draft" else {}
     engine = Engine(with_overrides(TandemConfig(), model=str(target), device="cpu", num_blocks=1200,
-                                   block_size=4, max_num_seqs=512, num_speculative_tokens=2, **spec))
+                                   block_size=4, max_num_seqs=512, num_speculative_tokens=2,
+                                   verification=verification, **spec))
     for seed in range(NUM_SAMPLES):
         # The first token comes from the prefill; the second from verifying a draft.
         engine.add_request(PROMPT, SamplingParams(max_tokens=3, temperature=temperature, top_p=top_p,
@@ -67,10 +68,11 @@ def _sample_pairs(target, draft, temperature: float, top_p: float, method: str) 
     return counts
 
 
+@pytest.mark.parametrize("verification", ["auto", "rejection"])  # seeded requests: auto verifies by coupling
 @pytest.mark.parametrize("temperature, top_p", [(1.0, 1.0), (1.0, 0.7)])
-def test_speculative_samples_follow_the_target_joint_distribution(models, temperature, top_p):
+def test_speculative_samples_follow_the_target_joint_distribution(models, temperature, top_p, verification):
     target, draft = models
     joint = _reference_joint(target, temperature, top_p)
-    counts = _sample_pairs(target, draft, temperature, top_p, "draft")
+    counts = _sample_pairs(target, draft, temperature, top_p, "draft", verification)
     statistic, df = chi2_statistic(counts, joint)
     assert statistic < chi2_quantile(0.999, df), (statistic, df)
