@@ -20,6 +20,9 @@ output tokens per target step (steps without a draft count too). Speedup is tok/
 (:mod:`spec_vllm`), measured over HTTP. ``--batch-invariant both`` measures every cell
 twice, with ``model.batch_invariant`` off and on (one engine each, one after the other), and
 reports what the mode costs and whether greedy output then equals plain decoding's.
+``--temperature T`` samples instead (each request seeded with its prompt's index), and
+``--verification both`` then measures every cell with coupled verification and with rejection
+sampling (one engine each): acceptance, speed, and how many requests keep k = 0's text.
 """
 
 from __future__ import annotations
@@ -29,12 +32,12 @@ import dataclasses
 import gc
 import json
 import os
-import platform
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from cluster.bench.offline import DTYPES, concrete_dtype, _int_list, _positive_int
+from cluster.bench.spec_report import TANDEM_INVARIANT, TANDEM_REJECTION, build_result, print_tables
 from cluster.bench.spec_workload import build_prompt_ids
 
 WARMUP_LEN = 8
@@ -102,7 +105,7 @@ class SpecCell:
     acceptance_rate: float | None = None
     mean_acceptance_length: float | None = None
     accepted_per_position: list[int] = field(default_factory=list)
-    greedy_identical_to_k0: int | None = None  # requests whose tokens equal k = 0's at this batch size
+    identical_to_k0: int | None = None  # requests whose tokens equal k = 0's at this batch size
     repeat_tok_per_s: list[float] = field(default_factory=list)  # each round's tok/s (--repeats)
 
 
@@ -187,6 +190,10 @@ def add_spec_args(parser: argparse.ArgumentParser) -> None:
                         help="rounds over every k per batch size, each starting at another k; a cell pools its rounds")
     parser.add_argument("--batch-invariant", choices=("off", "on", "both"), default="off",
                         help="model.batch_invariant for Tandem's engine; both: measure each cell with it off and on")
+    parser.add_argument("--temperature", type=float, default=0.0,
+                        help="0: greedy; above: random sampling, each request seeded with its prompt's index")
+    parser.add_argument("--verification", choices=("auto", "rejection", "coupled", "both"), default="auto",
+                        help="speculative.verification; both: measure each cell coupled and by rejection sampling")
     parser.add_argument("--vllm", action="store_true", help="also measure vLLM's CPU server (n-gram) as a peer")
     parser.add_argument("--vllm-ks", type=_k_list, default=[0, 2, 4], help="vLLM's speculation lengths")
     parser.add_argument("--vllm-script", type=Path, default=DEFAULT_VLLM_SCRIPT, help="the vllm_cpu.sh anchor")
@@ -195,15 +202,17 @@ def add_spec_args(parser: argparse.ArgumentParser) -> None:
 
 def run_closed_loop(engine, prompt_ids: list[list[int]], output_len: int, concurrency: int,
                     token_ids_out: dict[int, list[int]] | None = None,
-                    steps_out: list | None = None) -> tuple[list[RequestTiming], float]:
+                    steps_out: list | None = None, temperature: float = 0.0) -> tuple[list[RequestTiming], float]:
     """Serve every prompt with at most ``concurrency`` in flight; returns timings and wall seconds.
     With ``token_ids_out``, fills it with each prompt's (by index) output token ids; with
-    ``steps_out``, appends each step's ``engine.last_step`` (:class:`~cluster.engine.engine.StepRecord`)."""
+    ``steps_out``, appends each step's ``engine.last_step`` (:class:`~cluster.engine.engine.StepRecord`).
+    Greedy, or with ``temperature`` > 0 random sampling seeded with the prompt's index."""
     from cluster.engine.sampling_params import SamplingParams
 
     if engine.has_unfinished():
         raise RuntimeError("the benchmark needs an idle engine")
-    params = SamplingParams(max_tokens=output_len, temperature=0, ignore_eos=True)
+    params = [SamplingParams(max_tokens=output_len, temperature=temperature, ignore_eos=True,
+                             seed=i if temperature > 0 else None) for i in range(len(prompt_ids))]
     added: dict[str, float] = {}
     first: dict[str, float] = {}
     steps: dict[str, int] = {}
@@ -213,7 +222,7 @@ def run_closed_loop(engine, prompt_ids: list[list[int]], output_len: int, concur
     start = time.perf_counter()
     while next_prompt < len(prompt_ids) or in_flight:
         while next_prompt < len(prompt_ids) and in_flight < concurrency:
-            rid = engine.add_request(prompt_ids[next_prompt], params)
+            rid = engine.add_request(prompt_ids[next_prompt], params[next_prompt])
             added[rid], index[rid] = time.perf_counter(), next_prompt
             next_prompt += 1
             in_flight += 1
@@ -237,16 +246,28 @@ def run_closed_loop(engine, prompt_ids: list[list[int]], output_len: int, concur
     return timings, time.perf_counter() - start
 
 
-TANDEM_INVARIANT = "tandem-batch-invariant"  # the system name of cells measured with model.batch_invariant
+def engine_variants(args) -> list[tuple[str, dict]]:
+    """(system name, engine settings) of each engine to measure, in order."""
+    if args.verification == "both":
+        if args.batch_invariant == "both":
+            raise ValueError("--verification both and --batch-invariant both: choose one comparison per run")
+        if args.temperature <= 0:
+            raise ValueError("--verification both needs --temperature > 0: greedy drafts are verified alike")
+        invariant = args.batch_invariant == "on"
+        return [("tandem", dict(batch_invariant=invariant, verification="coupled")),
+                (TANDEM_REJECTION, dict(batch_invariant=invariant, verification="rejection"))]
+    modes = {"off": [False], "on": [True], "both": [False, True]}[args.batch_invariant]
+    return [(TANDEM_INVARIANT if invariant else "tandem", dict(batch_invariant=invariant,
+                                                               verification=args.verification))
+            for invariant in modes]
 
 
-def _measure_tandem(args, source, prompt_ids, progress, task, batch_invariant: bool = False) -> list[SpecCell]:
+def _measure_tandem(args, source, prompt_ids, progress, task, system: str, variant: dict) -> list[SpecCell]:
     from cluster.engine.llm import LLM
     from cluster.spec.controller import FixedController
 
     if args.method == "draft" and not args.draft_model:
         raise ValueError("--method draft needs --draft-model (a model sharing the target's tokenizer)")
-    system = TANDEM_INVARIANT if batch_invariant else "tandem"
     progress.update(task, description=f"loading {Path(args.model).name} {args.dtype}, {args.method} drafts")
     settings = dict(quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype)
     if args.draft_quantization:
@@ -255,8 +276,7 @@ def _measure_tandem(args, source, prompt_ids, progress, task, batch_invariant: b
         settings["ngram_draft_per_match_token"] = args.ngram_draft_per_match_token
     llm = LLM(str(source.path), dtype=args.dtype, device="cpu", method=args.method, draft_model=args.draft_model,
               num_speculative_tokens=max(args.ks), enable_prefix_caching=False,
-              max_num_seqs=max(args.batch_sizes), kv_cache_memory=args.kv_cache_memory,
-              batch_invariant=batch_invariant, **settings)
+              max_num_seqs=max(args.batch_sizes), kv_cache_memory=args.kv_cache_memory, **variant, **settings)
     engine = llm.engine
     cells = []
     ks = sorted(args.ks)
@@ -268,10 +288,12 @@ def _measure_tandem(args, source, prompt_ids, progress, task, batch_invariant: b
                 progress.update(task, description=f"{system} batch {batch_size}, k={k}"
                                 + (f" (round {round_ + 1})" if args.repeats > 1 else ""))
                 engine.controller = FixedController(k)
-                run_closed_loop(engine, prompt_ids[:batch_size], min(WARMUP_LEN, args.output_len), batch_size)
+                run_closed_loop(engine, prompt_ids[:batch_size], min(WARMUP_LEN, args.output_len), batch_size,
+                                temperature=args.temperature)
                 before = SpecCounts.of(engine.stats().spec)
                 outputs: dict[int, list[int]] = {}
-                timings, seconds = run_closed_loop(engine, prompt_ids, args.output_len, batch_size, outputs)
+                timings, seconds = run_closed_loop(engine, prompt_ids, args.output_len, batch_size, outputs,
+                                                   temperature=args.temperature)
                 rounds[k].append((timings, seconds, SpecCounts.of(engine.stats().spec).minus(before), outputs))
                 progress.advance(task)
         for k in ks:
@@ -279,7 +301,7 @@ def _measure_tandem(args, source, prompt_ids, progress, task, batch_invariant: b
             cell = pool_rounds(system, args.method, batch_size, k, args.output_len, [r[:3] for r in runs])
             if 0 in rounds:  # every round's outputs against k = 0's in the same round, as many as num_requests
                 same = sum(run[3][i] == plain[3][i] for run, plain in zip(runs, rounds[0]) for i in plain[3])
-                cell = dataclasses.replace(cell, greedy_identical_to_k0=same)
+                cell = dataclasses.replace(cell, identical_to_k0=same)
             cells.append(cell)
     del llm, engine
     gc.collect()
@@ -295,6 +317,9 @@ def run_spec_bench(args: argparse.Namespace) -> dict:
     from cluster.bench.spec_vllm import VllmResult, measure_vllm
     from cluster.models.loader import load_tokenizer, resolve_model
 
+    if args.vllm and args.temperature > 0:
+        raise ValueError("the vLLM peer is measured greedy: drop --vllm or --temperature")
+    variants = engine_variants(args)
     if args.threads:
         torch.set_num_threads(args.threads)
     load_average = os.getloadavg()
@@ -307,77 +332,19 @@ def run_spec_bench(args: argparse.Namespace) -> dict:
     console = Console()
     vllm = VllmResult(enabled=False)
     num_vllm = len(args.vllm_ks) * len(args.batch_sizes) if args.vllm else 0
-    modes = {"off": [False], "on": [True], "both": [False, True]}[args.batch_invariant]
     with Progress(console=console) as progress:
-        task = progress.add_task("loading", total=len(modes) * len(args.ks) * len(args.batch_sizes) * args.repeats
+        task = progress.add_task("loading", total=len(variants) * len(args.ks) * len(args.batch_sizes) * args.repeats
                                  + num_vllm)
-        cells = [c for invariant in modes for c in _measure_tandem(args, source, prompt_ids, progress, task, invariant)]
+        cells = [c for system, variant in variants
+                 for c in _measure_tandem(args, source, prompt_ids, progress, task, system, variant)]
         if args.vllm:
             vllm = measure_vllm(args, prompt_ids, console, progress, task)
 
     load_average = {"start": list(load_average), "end": list(os.getloadavg())}
-    result = _report(args, source, load_average, prompt_ids, prompt_format, cells, vllm)
-    from cluster.bench.spec_report import print_tables
-
+    result = build_result(args, source, load_average, prompt_ids, prompt_format, cells, vllm, WORKLOAD, WARMUP_LEN)
     print_tables(console, result)
     for error in vllm.errors:
         console.print(f"[bold red]vLLM peer failed:[/] {error}")
     if args.json:
         args.json.write_text(json.dumps(result, indent=2) + "\n")
     return result
-
-
-def _with_speedups(cells: list[SpecCell]) -> list[dict]:
-    """Cells ordered by (batch size, k), each with its tok/s over k = 0 at the same batch size."""
-    base = {(c.system, c.batch_size): c.tok_per_s for c in cells if c.k == 0}
-    cells = sorted(cells, key=lambda c: (c.batch_size, c.k))
-    return [asdict(c) | {"speedup_vs_k0": (c.tok_per_s / base[(c.system, c.batch_size)]
-                                           if (c.system, c.batch_size) in base else None)} for c in cells]
-
-
-def _report(args, source, load_average, prompt_ids, prompt_format, cells, vllm) -> dict:
-    import torch
-
-    invariant = [c for c in cells if c.system == TANDEM_INVARIANT]
-    usual = [c for c in cells if c.system == "tandem"]
-    tandem = {(c.batch_size, c.k): c for c in usual or invariant}
-    comparison = [{"batch_size": v.batch_size, "k": v.k, "tandem_tok_per_s": t.tok_per_s,
-                   "vllm_tok_per_s": v.tok_per_s, "tandem_over_vllm": t.tok_per_s / v.tok_per_s,
-                   "tandem_tpot_ms": t.tpot_ms, "vllm_tpot_ms": v.tpot_ms}
-                  for v in vllm.cells for t in [tandem.get((v.batch_size, v.k))] if t is not None]
-    return {
-        "machine": {"cpu_count": os.cpu_count(), "processor": platform.processor() or platform.machine(),
-                    "torch_version": torch.__version__, "threads": torch.get_num_threads(),
-                    "load_average_1_5_15m": load_average},
-        "settings": {"model": args.model, "model_path": str(source.path), "method": args.method,
-                     "draft_model": args.draft_model, "dtype": args.dtype, "batch_sizes": args.batch_sizes,
-                     "ks": args.ks, "output_len": args.output_len, "num_prompts": args.num_prompts,
-                     "prompt_format": prompt_format, "prompt_lens": [len(p) for p in prompt_ids],
-                     "workload": WORKLOAD, "warmup_len": WARMUP_LEN, "prefix_caching": False,
-                     "sampling": "greedy, ignore_eos", "concurrency": "closed loop, = batch size",
-                     "tpot": "per request (last token time - first token time) / (output tokens - 1), mean",
-                     "quantization": args.quantization, "draft_quantization": args.draft_quantization,
-                     "kv_cache_dtype": args.kv_cache_dtype, "batch_invariant": args.batch_invariant,
-                     "repeats": args.repeats,
-                     "ngram_draft_per_match_token": args.ngram_draft_per_match_token if args.method == "ngram"
-                     else None},
-        "tandem": {"mode": "offline, in-process engine", "batch_invariant": not usual,
-                   "cells": _with_speedups(usual or invariant)},
-        "tandem_batch_invariant": {"mode": "offline, in-process engine, model.batch_invariant",
-                                   "cells": _with_speedups(invariant) if usual else []},
-        "batch_invariant_cost": _invariant_cost(usual, invariant),
-        "vllm": vllm.to_json() | {"cells": _with_speedups(vllm.cells)},
-        "tandem_vs_vllm": comparison,
-    }
-
-
-def _invariant_cost(usual: list[SpecCell], invariant: list[SpecCell]) -> list[dict]:
-    """Per (batch size, k) measured both ways: the batch-invariant engine's tok/s over the
-    usual one's, and how many requests equal plain decoding's greedy tokens in each."""
-    theirs = {(c.batch_size, c.k): c for c in invariant}
-    return [{"batch_size": u.batch_size, "k": u.k, "usual_tok_per_s": u.tok_per_s,
-             "invariant_tok_per_s": i.tok_per_s, "invariant_over_usual": i.tok_per_s / u.tok_per_s,
-             "usual_greedy_identical_to_k0": u.greedy_identical_to_k0,
-             "invariant_greedy_identical_to_k0": i.greedy_identical_to_k0, "num_requests": u.num_requests}
-            for u in sorted(usual, key=lambda c: (c.batch_size, c.k)) for i in [theirs.get((u.batch_size, u.k))]
-            if i is not None]

@@ -145,12 +145,12 @@ def test_batch_invariant_both_measures_each_cell_twice_and_keeps_greedy_output(t
     assert {c["system"] for c in usual} == {"tandem"} and {c["system"] for c in invariant} == {"tandem-batch-invariant"}
     assert [(c["batch_size"], c["k"]) for c in invariant] == [(1, 0), (1, 3), (3, 0), (3, 3)]
     # The mode's promise, at every batch size: speculation gives plain decoding's greedy tokens.
-    assert all(c["greedy_identical_to_k0"] == 6 for c in invariant)
+    assert all(c["identical_to_k0"] == 6 for c in invariant)
     cost = result["batch_invariant_cost"]
     assert [(r["batch_size"], r["k"]) for r in cost] == [(1, 0), (1, 3), (3, 0), (3, 3)]
     for row, u, i in zip(cost, usual, invariant):
         assert row["invariant_over_usual"] == pytest.approx(i["tok_per_s"] / u["tok_per_s"])
-        assert row["usual_greedy_identical_to_k0"] == u["greedy_identical_to_k0"]
+        assert row["usual_identical_to_k0"] == u["identical_to_k0"]
     assert "What model.batch_invariant costs" in capsys.readouterr().out
 
 
@@ -163,7 +163,7 @@ def test_repeats_pool_every_round_of_a_cell(tiny_folder, tmp_path):
     for cell in result["tandem"]["cells"]:
         assert cell["num_requests"] == 3 * 4 and cell["output_tokens"] == 3 * 4 * 5
         assert len(cell["repeat_tok_per_s"]) == 3
-        assert cell["greedy_identical_to_k0"] == 3 * 4  # each round against k = 0 in the same round
+        assert cell["identical_to_k0"] == 3 * 4  # each round against k = 0 in the same round
     drafted = result["tandem"]["cells"][1]
     assert drafted["num_draft_tokens"] > 0 and sum(drafted["accepted_per_position"]) == drafted["num_accepted_tokens"]
 
@@ -185,3 +185,27 @@ def test_pooled_rounds_are_all_tokens_over_all_seconds():
     assert (cell.num_requests, cell.output_tokens, cell.seconds) == (4, 20, 2.5)
     assert cell.tok_per_s == 20 / 2.5 and cell.repeat_tok_per_s == [5.0, 20.0]
     assert (cell.num_draft_tokens, cell.num_accepted_tokens, cell.accepted_per_position) == (9, 6, [3, 2, 1])
+
+
+def test_verification_both_measures_coupled_and_rejection_side_by_side(tiny_folder, tmp_path, capsys):
+    out = tmp_path / "spec.json"
+    assert main(["bench", "spec", "--model", str(tiny_folder), "--batch-sizes", "1,3", "--ks", "0,3",
+                 "--output-len", "8", "--num-prompts", "6", "--dtype", "float32", "--temperature", "0.8",
+                 "--verification", "both", "--json", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert result["settings"]["sampling"].startswith("temperature 0.8")
+    coupled, rejection = result["tandem"]["cells"], result["tandem_rejection"]["cells"]
+    assert {c["system"] for c in rejection} == {"tandem-rejection"}
+    # Seeded sampling with coupled verification: every request keeps plain decoding's tokens.
+    assert all(c["identical_to_k0"] == 6 for c in coupled)
+    cost = result["verification_cost"]
+    assert [(r["batch_size"], r["k"]) for r in cost] == [(1, 0), (1, 3), (3, 0), (3, 3)]
+    for row, c, r in zip(cost, coupled, rejection):
+        assert row["coupled_over_rejection"] == pytest.approx(c["tok_per_s"] / r["tok_per_s"])
+        assert row["rejection_acceptance_rate"] == r["acceptance_rate"]
+    assert "Coupled verification against rejection sampling" in capsys.readouterr().out
+
+
+def test_verification_both_needs_sampling(tiny_folder, capsys):
+    assert main(["bench", "spec", "--model", str(tiny_folder), "--ks", "0", "--verification", "both"]) == 2
+    assert "--temperature" in capsys.readouterr().err
