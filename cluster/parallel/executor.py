@@ -209,7 +209,7 @@ def start_tensor_parallel(config: TandemConfig, launcher: RankLauncher | None = 
         executor.wait_ready()
         num_blocks = executor.group.min_int(num_kv_blocks(config, loaded.spec, device))
         runner = TensorParallelRunner(executor, loaded.model, num_blocks, loaded.spec, device, False,
-                                      config.speculative.verification)
+                                      config.speculative.verification, config.speculative.method == "draft")
         executor.serving = True
     except BaseException:
         executor.close()

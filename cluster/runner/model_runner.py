@@ -69,13 +69,15 @@ def num_blocks_for_budget(spec: KVCacheSpec, budget_bytes: int) -> int:
 
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, num_blocks: int, spec: KVCacheSpec, device: torch.device,
-                 batch_invariant: bool = False, verification: str = "auto") -> None:
+                 batch_invariant: bool = False, verification: str = "auto", seeded_race: bool = False) -> None:
         """``batch_invariant``: every step's attention goes through the compiled kernel, one
         query row at a time (the model must have been loaded for it, see ``load_model``).
         ``verification`` (``speculative.verification``): ``auto`` verifies seeded requests'
         drafts by coupling and the others' by rejection sampling, ``rejection`` all by
         rejection sampling, ``coupled`` all by coupling (unseeded requests get a seed of their
-        own, drawn from the default generator when they first sample)."""
+        own, drawn from the default generator when they first sample). ``seeded_race``: seeded
+        requests draw by an exponential race on keyed noise instead of the inverse CDF (an engine
+        with a draft model: its drafts then couple with the target's tokens far more often)."""
         if verification not in ("auto", "rejection", "coupled"):
             raise ValueError(f"verification must be auto, rejection or coupled, got {verification!r}")
         self.model = model
@@ -94,6 +96,7 @@ class ModelRunner:
         self.sampler = Sampler()
         self.coupled = verification != "rejection"  # seeded rows are verified by coupling
         self.own_seeds: dict[str, int] | None = {} if verification == "coupled" else None
+        self.seeded_race = seeded_race
 
     def free_request(self, request_id: str) -> None:
         if self.own_seeds is not None:
@@ -122,6 +125,7 @@ class ModelRunner:
             banned_token_ids=[_banned_ids(r) for r in requests],
             vocab_size=vocab_size,
             device=self.device,
+            seeded_race=self.seeded_race,
         )
 
     @torch.inference_mode()
@@ -208,7 +212,8 @@ class ModelRunner:
         greedy = torch.tensor([r.sampling_params.greedy for r in requests], device=logits.device)
         seeded = {i: SeedKey(seed, r.num_output_tokens) for i, r in enumerate(requests)
                   if (seed := self.seed(r)) is not None}
-        out = rejection_sample_packed([d for _, d in spec], draft_probs, flat_probs, greedy, seeded, self.coupled)
+        out = rejection_sample_packed([d for _, d in spec], draft_probs, flat_probs, greedy, seeded, self.coupled,
+                                      self.seeded_race)
         return {
             r.request_id: SampledTokens(tokens, None, accepted)
             for r, tokens, accepted in zip(requests, out.output_token_ids, out.num_accepted)

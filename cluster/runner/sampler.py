@@ -22,7 +22,7 @@ import torch
 
 from cluster.engine.sampling_params import SamplingParams
 from cluster.runner.categorical import sample_categorical
-from cluster.runner.random_stream import Lane, SeedKey, row_uniforms
+from cluster.runner.random_stream import Lane, SeedKey, draw_seeded, row_uniforms
 from cluster.runner.logits_processors import (
     PenaltyState,
     apply_banned_token_ids,
@@ -64,6 +64,7 @@ class SamplingMetadata:
     penalties: PenaltyState | None  # None when no row has a penalty
     banned_token_ids: dict[int, list[int]]  # row -> ids whose logits are set to -inf
     max_num_logprobs: int | None  # None when no row asks for logprobs
+    seeded_race: bool = False  # seeded rows draw by an exponential race on keyed noise, not by the inverse CDF
 
     @classmethod
     def build(
@@ -76,6 +77,7 @@ class SamplingMetadata:
         banned_token_ids: Sequence[Sequence[int]],
         vocab_size: int,
         device: torch.device,
+        seeded_race: bool = False,
     ) -> SamplingMetadata:
         """Gather one step's per-row settings into tensors on ``device``.
 
@@ -123,6 +125,7 @@ class SamplingMetadata:
             ),
             banned_token_ids=banned,
             max_num_logprobs=max(num_logprobs) if num_logprobs else None,
+            seeded_race=seeded_race,
         )
 
     @property
@@ -199,14 +202,20 @@ def sample_from_probs(
 ) -> torch.Tensor:  # [num_reqs] int64
     """Greedy rows: argmax. Random rows: one draw from ``probs`` by the inverse of its CDF
     (``sample_categorical``), which never picks a token of probability 0. Unseeded rows share
-    one batched draw; a seeded row uses the number of its seed and position in ``lane``.
+    one batched draw; a seeded row uses the numbers of its seed and position in ``lane`` (by an
+    exponential race when ``metadata.seeded_race``).
     """
     greedy_ids = probs.argmax(dim=-1)
     if metadata.all_greedy:
         return greedy_ids
-    num_rows = probs.shape[0]
-    uniforms = row_uniforms(num_rows, 1, metadata.seeded, lane, probs.device, len(metadata.seeded) < num_rows)
+    num_rows, seeded = probs.shape[0], metadata.seeded
+    by_cdf = {} if metadata.seeded_race else seeded
+    uniforms = row_uniforms(num_rows, 1, by_cdf, lane, probs.device, len(by_cdf) < num_rows)
     random_ids = sample_categorical(probs, uniforms[:, 0])
+    if metadata.seeded_race and seeded:
+        rows = sorted(seeded)
+        index = torch.tensor(rows, device=probs.device)
+        random_ids[index] = draw_seeded(probs[index], [seeded[r] for r in rows], lane, race=True)
     if metadata.all_random:
         return random_ids
     return torch.where(metadata.greedy_mask, greedy_ids, random_ids)

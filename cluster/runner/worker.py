@@ -55,7 +55,7 @@ class Worker:
         loaded = load_model(config, device)
         num_blocks = num_kv_blocks(config, loaded.spec, device)
         runner = ModelRunner(loaded.model, num_blocks, loaded.spec, device, config.model.batch_invariant,
-                             config.speculative.verification)
+                             config.speculative.verification, config.speculative.method == "draft")
         logger.info(
             "loaded %s (%s, %s) in %.1fs; KV cache: %d blocks of %d tokens",
             config.model.model, loaded.dtype, device, time.monotonic() - started, num_blocks, loaded.spec.block_size,

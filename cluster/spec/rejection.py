@@ -37,15 +37,20 @@ plain sampling would use there, ``random_stream.Lane.SAMPLE``), accepts drafts w
 token is ``y_j``, a draw from ``target_probs[j]`` with a number no earlier position used, so
 the output follows the target exactly, and the text is the one decoding without speculation
 gives. For point-mass drafts the acceptance probability is ``t(x_j)``, as in rejection
-sampling. A draft model's drafts must have been drawn with the same numbers (inverse CDF of
-the draft's distribution, lane SAMPLE): then ``x_j == y_j`` whenever the two CDFs put the
-number in the same token, an acceptance rate at most rejection sampling's
-``sum(min(d, t))``; ``tandem bench spec`` measures the difference.
+sampling. A draft model's drafts must have been drawn with the same numbers (lane SAMPLE) by
+the same method. By the inverse CDF, ``x_j == y_j`` only where the two CDFs put the one
+number in the same token: any difference in mass ahead of a token in vocabulary order shifts
+its interval, so two nearly equal distributions with a long tail rarely agree there (an int8
+self-draft that rejection sampling accepts 95% of the time: 59%). So an engine with a draft
+model draws seeded tokens by an exponential race on per-position noise (``race``, Gumbel-max):
+the same token with probability at least ``(1 - tv) / (1 + tv)``, still at most rejection
+sampling's ``sum(min(d, t)) = 1 - tv``; ``tandem bench spec --verification both`` measures it.
 
 Randomness mirrors ``cluster.runner.sampler``: unseeded random rows share one batched draw of
 uniforms ``[num_reqs, max_k]`` and one batched draw of the final token; a seeded row's numbers
 are keyed by its seed and output position (``random_stream.py``): the acceptance test at
-position ``p`` uses lane ACCEPT, the token emitted at ``p`` lane SAMPLE. So its tokens depend
+position ``p`` uses lane ACCEPT, the token emitted at ``p`` lane SAMPLE (its uniform, or its
+noise when ``race``). So its tokens depend
 on its seed and its own inputs, never on its place in the batch or on the other rows. Greedy
 rows use no numbers, and an all-greedy batch draws nothing at all.
 
@@ -69,7 +74,7 @@ from typing import NamedTuple
 import torch
 
 from cluster.runner.categorical import sample_categorical
-from cluster.runner.random_stream import Lane, SeedKey, row_uniforms
+from cluster.runner.random_stream import Lane, SeedKey, draw_seeded, row_uniforms
 
 __all__ = ["RejectionOutput", "greedy_verify", "recovered_probs", "rejection_sample", "rejection_sample_packed"]
 
@@ -99,6 +104,7 @@ def rejection_sample(
     greedy: torch.Tensor,  # [num_reqs] bool
     seeded: dict[int, SeedKey],  # row -> (seed, output position of its first verified token)
     coupled: bool = False,  # seeded rows are verified by coupling (module docstring)
+    race: bool = False,  # seeded rows draw tokens by an exponential race on keyed noise, not the inverse CDF
 ) -> RejectionOutput:
     """Verify each row's drafts; see the module docstring for the rule and why it is exact.
 
@@ -114,7 +120,7 @@ def rejection_sample(
     draft_rows = torch.arange(num_reqs * max_k, device=device).view(num_reqs, max_k)
     return _sample_rows(draft_token_ids, num_draft_tokens,
                         None if draft_probs is None else draft_probs.reshape(-1, vocab_size), draft_rows,
-                        target_probs.reshape(-1, vocab_size), target_rows, greedy, seeded, coupled)
+                        target_probs.reshape(-1, vocab_size), target_rows, greedy, seeded, coupled, race)
 
 
 def rejection_sample_packed(
@@ -124,6 +130,7 @@ def rejection_sample_packed(
     greedy: torch.Tensor,  # [num_reqs] bool
     seeded: dict[int, SeedKey],  # row -> (seed, output position of its first verified token)
     coupled: bool = False,  # seeded rows are verified by coupling (module docstring)
+    race: bool = False,  # seeded rows draw tokens by an exponential race on keyed noise, not the inverse CDF
 ) -> RejectionOutput:
     """``rejection_sample`` on distributions packed request after request, as the target's
     verifying pass returns them: the same tokens for the same inputs and random draws,
@@ -148,7 +155,7 @@ def rejection_sample_packed(
     _check_rows(num_reqs, greedy, seeded)
     ids = torch.tensor([d + [0] * (max_k - len(d)) for d in draft_token_ids], dtype=torch.int64, device=device)
     return _sample_rows(ids.view(num_reqs, max_k), counts, draft_probs, draft_rows, target_probs, target_rows,
-                        greedy, seeded, coupled)
+                        greedy, seeded, coupled, race)
 
 
 def _sample_rows(
@@ -161,6 +168,7 @@ def _sample_rows(
     greedy: torch.Tensor,
     seeded: dict[int, SeedKey],
     coupled: bool,
+    race: bool,
 ) -> RejectionOutput:
     """The rule, reading distributions through row indices (shapes already checked)."""
     num_reqs, max_k = draft_token_ids.shape
@@ -187,7 +195,7 @@ def _sample_rows(
         target_argmax = target_probs.argmax(dim=-1)[target_rows]  # [num_reqs, max_k + 1]
         accepted = torch.where(greedy[:, None], draft_ids == target_argmax[:, :max_k], accepted)
     if coupled_rows:
-        samples = _coupled_samples(coupled_rows, num_draft, target_probs, target_rows, seeded, device)
+        samples = _coupled_samples(coupled_rows, num_draft, target_probs, target_rows, seeded, race)
         coupled_mask = torch.zeros(num_reqs, dtype=torch.bool, device=device)
         coupled_mask[torch.tensor(coupled_rows, device=device)] = True
         accepted = torch.where(coupled_mask[:, None], draft_ids == samples[:, :max_k], accepted)
@@ -209,7 +217,7 @@ def _sample_rows(
 
     if any_standard:
         final_ids = _standard_final(draft_ids, num_draft, num_accepted, draft_probs, draft_rows, target_probs,
-                                    target_rows, standard, any_unseeded_random)
+                                    target_rows, standard, any_unseeded_random, race)
     if coupled_rows:
         final_ids = torch.where(coupled_mask, samples[rows, num_accepted], final_ids)
     if any(greedy_rows):
@@ -230,19 +238,19 @@ def _coupled_samples(
     target_probs: torch.Tensor,  # [num_target_rows, vocab_size]
     target_rows: torch.Tensor,  # [num_reqs, max_k + 1]
     seeded: dict[int, SeedKey],
-    device: torch.device,
+    race: bool,
 ) -> torch.Tensor:  # [num_reqs, max_k + 1] int64: the target's draw at each verified position (0 elsewhere)
     """Coupled rows: the target's token at each of their ``k_i + 1`` positions, drawn with that
-    position's SAMPLE number; only those rows' real positions are computed."""
+    position's SAMPLE numbers; only those rows' real positions are computed."""
     num_reqs, width = target_rows.shape
-    uniforms = row_uniforms(num_reqs, width, {row: seeded[row] for row in coupled_rows}, Lane.SAMPLE, device,
-                            draw_unseeded=False)  # [num_reqs, max_k + 1]
-    in_row = torch.zeros(num_reqs, dtype=torch.bool, device=device)
-    in_row[torch.tensor(coupled_rows, device=device)] = True
-    valid = in_row[:, None] & (torch.arange(width, device=device) <= num_draft[:, None])  # [num_reqs, max_k + 1]
-    samples = torch.zeros(num_reqs, width, dtype=torch.int64, device=device)
-    samples[valid] = sample_categorical(target_probs[target_rows[valid]], uniforms[valid])
-    return samples
+    device = target_rows.device
+    counts = num_draft.tolist()
+    cells = [(row, j) for row in coupled_rows for j in range(counts[row] + 1)]  # (row, position offset)
+    keys = [SeedKey(seeded[row].seed, seeded[row].position + j) for row, j in cells]
+    flat = torch.tensor([row * width + j for row, j in cells], device=device)
+    samples = torch.zeros(num_reqs * width, dtype=torch.int64, device=device)
+    samples[flat] = draw_seeded(target_probs[target_rows.reshape(-1)[flat]], keys, Lane.SAMPLE, race)
+    return samples.view(num_reqs, width)
 
 
 def _standard_final(
@@ -255,9 +263,10 @@ def _standard_final(
     target_rows: torch.Tensor,  # [num_reqs, max_k + 1]
     standard: dict[int, SeedKey],  # seeded rows verified by rejection
     any_unseeded_random: bool,
+    race: bool,
 ) -> torch.Tensor:  # [num_reqs] int64
     """Rejection sampling's last token: recovered after a rejection, bonus after ``k_i``
-    acceptances, drawn with the SAMPLE number of the position it lands on."""
+    acceptances, drawn with the SAMPLE numbers of the position it lands on."""
     num_reqs, max_k = draft_ids.shape
     rows = torch.arange(num_reqs, device=target_probs.device)
     final_probs = target_probs[target_rows[rows, num_accepted]]  # [num_reqs, vocab_size] bonus distribution
@@ -271,8 +280,16 @@ def _standard_final(
         recovered = recovered_probs(final_probs, rejected_draft_probs)
         final_probs = torch.where(rejected[:, None], recovered, final_probs)
     # Numbers for every position a row may end on, then each row's at its final position.
-    uniforms = row_uniforms(num_reqs, max_k + 1, standard, Lane.SAMPLE, target_probs.device, any_unseeded_random)
-    return sample_categorical(final_probs, uniforms[rows, num_accepted])
+    by_cdf = {} if race else standard
+    uniforms = row_uniforms(num_reqs, max_k + 1, by_cdf, Lane.SAMPLE, target_probs.device, any_unseeded_random)
+    final_ids = sample_categorical(final_probs, uniforms[rows, num_accepted])
+    if race and standard:
+        seeded_rows = sorted(standard)
+        ends = num_accepted[seeded_rows].tolist()
+        keys = [SeedKey(standard[r].seed, standard[r].position + n) for r, n in zip(seeded_rows, ends)]
+        index = torch.tensor(seeded_rows, device=final_ids.device)
+        final_ids[index] = draw_seeded(final_probs[index], keys, Lane.SAMPLE, race=True)
+    return final_ids
 
 
 def greedy_verify(

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from cluster.runner.categorical import sample_categorical
+from cluster.runner.categorical import sample_categorical, sample_race
 from tests.goodness_of_fit import chi2_quantile, chi2_statistic
 
 
@@ -39,3 +39,14 @@ def test_a_row_depends_on_its_own_distribution_and_number_only():
     # the inverse CDF: the first token whose running sum exceeds u * total
     cdf = probs[1].cumsum(0)
     assert first == int((cdf <= 0.62 * cdf[-1]).sum())
+
+
+def test_race_draws_follow_the_distribution_and_skip_zero_mass():
+    torch.manual_seed(2)
+    probs = torch.tensor([0.0, 0.5, 0.0, 0.2, 0.25, 0.05, 0.0]) * 3.0
+    rows = probs.expand(40_000, -1).contiguous()
+    ids = sample_race(rows, torch.empty_like(rows).exponential_())
+    counts = torch.bincount(ids, minlength=probs.numel()).numpy()
+    assert counts[[0, 2, 6]].sum() == 0
+    statistic, df = chi2_statistic(counts, (probs / probs.sum()).numpy())
+    assert statistic < chi2_quantile(0.999, df)

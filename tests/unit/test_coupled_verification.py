@@ -1,11 +1,13 @@
 """Coupled verification: exact output distribution, the acceptance it should have, plain sampling's tokens.
 
 Every row has its own seed; a draft model's drafts are drawn as the engine draws them under
-coupling (inverse CDF of the draft's distribution with the SAMPLE number of their position).
-The reference for each emitted token is the target distribution at its position (chi-square
-at p = 0.001); the acceptance of the first draft is compared (z-test at p = 0.001) with its
-exact value: ``t(x)`` for a point mass, the overlap of the two distributions' CDF intervals for
-a draft model.
+coupling (the draft's distribution with the SAMPLE numbers of their position, by the inverse
+CDF or by an exponential race). The reference for each emitted token is the target
+distribution at its position (chi-square at p = 0.001); the acceptance of the first draft is
+compared (z-test at p = 0.001) with its exact value: ``t(x)`` for a point mass; for a draft
+model, the overlap of the two distributions' CDF intervals (inverse CDF), or
+``sum_i 1 / sum_j max(t_j / t_i, d_j / d_i)`` (race: both pick i when every other token's
+exponential exceeds both thresholds).
 """
 
 from __future__ import annotations
@@ -16,8 +18,7 @@ import numpy as np
 import pytest
 import torch
 
-from cluster.runner.categorical import sample_categorical
-from cluster.runner.random_stream import Lane, SeedKey, counter_uniforms
+from cluster.runner.random_stream import Lane, SeedKey, draw_seeded
 from cluster.spec.rejection import rejection_sample
 from tests.goodness_of_fit import chi2_quantile, chi2_statistic
 
@@ -35,17 +36,19 @@ def _distributions() -> tuple[torch.Tensor, torch.Tensor]:  # target [K + 1, VOC
     return target / target.sum(-1, keepdim=True), draft_logits.softmax(-1)
 
 
-def _sample_lane(num_rows: int, position: int) -> torch.Tensor:  # [num_rows] row r's SAMPLE number at position
-    return torch.from_numpy(counter_uniforms(list(range(num_rows)), [position] * num_rows, Lane.SAMPLE))
+def _draws(probs: torch.Tensor, num_rows: int, position: int, race: bool) -> torch.Tensor:  # [num_rows]
+    """Row r's draw from ``probs`` with seed r's SAMPLE numbers at ``position``."""
+    keys = [SeedKey(row, position) for row in range(num_rows)]
+    return draw_seeded(probs[None].expand(num_rows, VOCAB).contiguous(), keys, Lane.SAMPLE, race)
 
 
-def _coupled(draft_ids: torch.Tensor, draft_probs: torch.Tensor | None, target: torch.Tensor):
+def _coupled(draft_ids: torch.Tensor, draft_probs: torch.Tensor | None, target: torch.Tensor, race: bool = False):
     num_rows = draft_ids.shape[0]
     return rejection_sample(
         draft_ids, [K] * num_rows,
         None if draft_probs is None else draft_probs[None].expand(num_rows, K, VOCAB),
         target[None].expand(num_rows, K + 1, VOCAB), torch.zeros(num_rows, dtype=torch.bool),
-        {row: SeedKey(row, 0) for row in range(num_rows)}, coupled=True,
+        {row: SeedKey(row, 0) for row in range(num_rows)}, coupled=True, race=race,
     )
 
 
@@ -69,30 +72,38 @@ def _cdf_overlap(a: torch.Tensor, b: torch.Tensor) -> float:
     return (torch.minimum(a_hi, b_hi) - torch.maximum(a_lo, b_lo)).clamp(min=0).sum().item()
 
 
-@pytest.mark.parametrize("drafts", ["draft-model", "point-mass"])
+def _race_agreement(a: torch.Tensor, b: torch.Tensor) -> float:
+    """P(exponential races on a and b with the same noise pick the same token)."""
+    a, b = a.double(), b.double()
+    both = (a > 0) & (b > 0)
+    return sum(1.0 / torch.maximum(a / a[i], b / b[i]).sum().item() for i in both.nonzero().flatten().tolist())
+
+
+@pytest.mark.parametrize("drafts", ["draft-model", "draft-model-race", "point-mass", "point-mass-race"])
 def test_every_position_follows_the_target(drafts):
     target, draft = _distributions()
-    if drafts == "draft-model":
-        draft_ids = torch.stack([sample_categorical(draft[j][None].expand(NUM_ROWS, VOCAB), _sample_lane(NUM_ROWS, j))
-                                 for j in range(K)], dim=1)
-        out = _coupled(draft_ids, draft, target)
-        expected = _cdf_overlap(target[0], draft[0])
+    race = drafts.endswith("race")
+    if drafts.startswith("draft-model"):
+        draft_ids = torch.stack([_draws(draft[j], NUM_ROWS, j, race) for j in range(K)], dim=1)
+        out = _coupled(draft_ids, draft, target, race)
+        expected = (_race_agreement if race else _cdf_overlap)(target[0], draft[0])
         assert expected < torch.minimum(target[0], draft[0]).sum().item()  # below rejection sampling's
     else:
         rows = torch.arange(NUM_ROWS)
         draft_ids = torch.stack([rows % VOCAB, (rows // VOCAB + 1) % VOCAB, rows % 2], dim=1)
-        out = _coupled(draft_ids, None, target)
+        out = _coupled(draft_ids, None, target, race)
         expected = sum(target[0, x].item() for x in range(VOCAB)) / VOCAB  # x_0 cycles through the vocabulary
     for position in range(K + 1):
         _assert_fits([ids[position] for ids in out.output_token_ids if len(ids) > position], target[position])
     _assert_rate(sum(n >= 1 for n in out.num_accepted), expected)
 
 
-def test_every_emitted_token_is_plain_samplings():
-    """Whatever was drafted, position j emits the target's inverse-CDF draw with the SAMPLE number of j."""
+@pytest.mark.parametrize("race", [False, True])
+def test_every_emitted_token_is_plain_samplings(race):
+    """Whatever was drafted, position j emits the target's draw with the SAMPLE numbers of j."""
     target, draft = _distributions()
     draft_ids = torch.randint(0, VOCAB, (500, K), generator=torch.Generator().manual_seed(3))
-    out = _coupled(draft_ids, draft, target)
+    out = _coupled(draft_ids, draft, target, race)
     for position in range(K + 1):
-        plain = sample_categorical(target[position][None].expand(500, VOCAB), _sample_lane(500, position)).tolist()
+        plain = _draws(target[position], 500, position, race).tolist()
         assert all(ids[position] == plain[row] for row, ids in enumerate(out.output_token_ids) if len(ids) > position)

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from cluster.runner.random_stream import Lane, SeedKey, counter_uniforms, row_uniforms
+from cluster.runner.random_stream import Lane, SeedKey, counter_uniforms, draw_seeded, keyed_exponentials, row_uniforms
 from tests.goodness_of_fit import chi2_quantile, chi2_statistic
 
 
@@ -55,3 +55,24 @@ def test_row_uniforms_key_seeded_rows_by_position_and_leave_the_others_to_the_ge
     assert (out[0] != out[2]).all()  # the generator's draws
     zeros = row_uniforms(2, 2, {0: SeedKey(9, 10)}, Lane.ACCEPT, torch.device("cpu"), draw_unseeded=False)
     assert torch.equal(zeros[1], torch.zeros(2)) and torch.equal(zeros[0], out[1, :2])
+
+
+def test_keyed_exponentials_are_exponential_and_keyed():
+    cpu = torch.device("cpu")
+    keys = [SeedKey(5, 3), SeedKey(5, 4), SeedKey(6, 3), SeedKey(5, 3)]
+    noise = keyed_exponentials(keys, Lane.SAMPLE, 20_000, cpu)
+    assert torch.equal(noise[0], noise[3]) and not torch.equal(noise[0], noise[1])
+    assert not torch.equal(noise[0], noise[2])
+    assert not torch.equal(noise[0], keyed_exponentials(keys[:1], Lane.DRAFT, 20_000, cpu)[0])
+    # 1 - exp(-x) of an Exponential(1) number is uniform
+    cells = ((1 - torch.exp(-noise[:3].flatten())) * 50).long().numpy()
+    statistic, df = chi2_statistic(np.bincount(cells, minlength=50), np.full(50, 0.02))
+    assert statistic < chi2_quantile(0.999, df)
+
+
+def test_draw_seeded_is_a_function_of_the_key():
+    probs = torch.rand(2, 300)
+    for race in (False, True):
+        first = draw_seeded(probs, [SeedKey(1, 0), SeedKey(1, 1)], Lane.SAMPLE, race)
+        again = draw_seeded(probs.flip(0), [SeedKey(1, 1), SeedKey(1, 0)], Lane.SAMPLE, race)
+        assert first.tolist() == again.flip(0).tolist()

@@ -1,9 +1,11 @@
 """A seeded request's text does not depend on speculation.
 
-The reference is the same request decoded without speculation. With coupled verification
-(the default for seeded requests) every draft length, controller, proposer, batch partner and
-preemption must give that text token for token; rejection sampling (``verification:
-rejection``) must not, or this test could not tell the two apart. Float32 tiny models: bfloat16
+The reference is the same request decoded by the same engine without speculation (k = 0).
+With coupled verification (the default for seeded requests) every draft length, controller,
+batch partner and preemption must give that text token for token; rejection sampling
+(``verification: rejection``) must not, or this test could not tell the two apart. An n-gram
+engine samples as an engine without speculation does (inverse CDF); a draft-model engine draws
+seeded tokens by an exponential race, so its text is its own. Float32 tiny models: bfloat16
 numerics move with the batch shape.
 """
 
@@ -70,8 +72,16 @@ def _run(target, alongside: bool, controller: str | None = None, num_blocks: int
 
 
 @pytest.fixture(scope="module")
-def plain(tiny_llama_dir):
-    return _run(tiny_llama_dir, alongside=False)[0]
+def plain(tiny_llama_dir, noisy_draft_dir):
+    """Per proposer, the seeded text at k = 0."""
+    return {name: _run(tiny_llama_dir, False, num_speculative_tokens=0, **settings(tiny_llama_dir, noisy_draft_dir))[0]
+            for name, settings in PROPOSERS.items()}
+
+
+def test_plain_decoding_references(tiny_llama_dir, plain):
+    """k = 0 with n-gram lookup is decoding without speculation; both draft-model engines race alike."""
+    assert plain["ngram"] == _run(tiny_llama_dir, False)[0]
+    assert plain["noisy-draft"] == plain["self-draft"] != plain["ngram"]
 
 
 @pytest.mark.parametrize("alongside", [False, True], ids=["alone", "alongside"])
@@ -79,10 +89,10 @@ def plain(tiny_llama_dir):
 def test_every_fixed_k_gives_the_text_of_plain_decoding(tiny_llama_dir, noisy_draft_dir, plain, proposer,
                                                          alongside):
     accepted = 0
-    for k in (1, 2, 4, 8):
+    for k in (0, 1, 2, 4, 8):
         tokens, engine = _run(tiny_llama_dir, alongside, num_speculative_tokens=k,
                               **PROPOSERS[proposer](tiny_llama_dir, noisy_draft_dir))
-        assert tokens == plain, f"k={k}"
+        assert tokens == plain[proposer], f"k={k}"
         accepted += engine.stats().spec.num_accepted_tokens
     assert accepted > 0, "no draft was accepted: the coupling was not exercised"
 
@@ -93,7 +103,7 @@ def test_every_controller_gives_the_text_of_plain_decoding(tiny_llama_dir, noisy
                                                             controller):
     tokens, engine = _run(tiny_llama_dir, True, controller, num_speculative_tokens=8,
                           **PROPOSERS[proposer](tiny_llama_dir, noisy_draft_dir))
-    assert tokens == plain
+    assert tokens == plain[proposer]
     assert len(set(engine.stats().spec.k_per_step)) > 1, "the controller never changed k"
 
 
@@ -102,14 +112,14 @@ def test_preemption_keeps_the_text(tiny_llama_dir, noisy_draft_dir, plain):
     tokens, engine = _run(tiny_llama_dir, True, "cycling", num_blocks=22, max_num_seqs=6,
                           method="draft", draft_model=str(noisy_draft_dir))
     assert engine.scheduler.num_preemptions > 0
-    assert tokens == plain
+    assert tokens == plain["noisy-draft"]
 
 
 def test_rejection_sampling_depends_on_k(tiny_llama_dir, noisy_draft_dir, plain):
     """The check above can fail: verified by rejection sampling, the same seed walks another path."""
     texts = {tuple(_run(tiny_llama_dir, False, num_speculative_tokens=k, verification="rejection",
                         method="draft", draft_model=str(noisy_draft_dir))[0]) for k in (1, 2, 4)}
-    assert texts - {tuple(plain)}
+    assert texts - {tuple(plain["noisy-draft"])}
 
 
 def test_unseeded_requests_keep_rejection_sampling(tiny_llama_dir, noisy_draft_dir):
