@@ -124,10 +124,21 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if serve_overrides:
         config = config.model_copy(update={"serve": config.serve.model_copy(update=serve_overrides)})
         config = TandemConfig.model_validate(config.model_dump())
+    from cluster.planning.memory_plan import check_memory
     from deployments.local import start_local  # the only command that needs ray
 
+    check_memory(config)
     start_local(config)
     return 0
+
+
+def cmd_config_check(args: argparse.Namespace) -> int:
+    """Print each group's memory plan; exit 1 when a group cannot fit its device."""
+    from cluster.planning.memory_plan import format_plans, plan_memory
+
+    plans = plan_memory(load_config(args.config))
+    print(format_plans(plans))
+    return 1 if any(p.problem for p in plans) else 0
 
 
 def cmd_dashboards_render(args: argparse.Namespace) -> int:
@@ -292,6 +303,12 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--router", choices=["tandem", "pow2"], help="default: serve.router")
     srv.add_argument("--api-key", help="require 'Authorization: Bearer KEY'")
     srv.set_defaults(func=cmd_serve)
+
+    config_cmd = sub.add_parser("config", help="settings files").add_subparsers(dest="config_cmd", required=True)
+    check = config_cmd.add_parser("check", help="memory per group and rank (weights, KV cache, activations) "
+                                                "against the device kind; exit 1 if a group cannot fit")
+    check.add_argument("config", help="YAML settings file")
+    check.set_defaults(func=cmd_config_check)
 
     dash = sub.add_parser("dashboards", help="Tandem's Grafana dashboards").add_subparsers(dest="dashboards",
                                                                                            required=True)

@@ -45,10 +45,12 @@ class ModelConfig(_Strict):
 class CacheConfig(_Strict):
     block_size: int = Field(16, ge=1, le=1024)
     kv_cache_memory: str | int | None = Field(
-        "512MiB", description="bytes, or a size like '2GiB'; overrides kv_cache_fraction"
+        "512MiB", description="bytes, or a size like '2GiB', per rank (each tensor-parallel rank's pool; the draft's "
+        "cache comes on top, on rank 0); overrides kv_cache_fraction"
     )
     kv_cache_fraction: float = Field(
-        0.3, gt=0, le=0.95, description="share of free device memory when kv_cache_memory is unset"
+        0.3, gt=0, le=0.95, description="share of the memory free on each rank's device after the target's weights, "
+        "when kv_cache_memory is unset"
     )
     num_blocks: int | None = Field(None, ge=1, description="exact pool size; overrides both")
     enable_prefix_caching: bool = True

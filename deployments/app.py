@@ -18,6 +18,7 @@ from ray.serve.config import RequestRouterConfig
 
 from cluster.config import ConfigError, TandemConfig, config_from_dict, load_config
 from cluster.config_serve import ReplicaGroupConfig
+from cluster.planning.memory_plan import check_memory
 from deployments.ingress import OpenAIIngress
 from deployments.replica import TandemReplica
 from deployments.router import TandemRequestRouter
@@ -32,6 +33,7 @@ def build_app(config: TandemConfig | dict | str | Path) -> Application:
     elif not isinstance(config, TandemConfig):
         raise ConfigError(f"the config must be a YAML file's path or a mapping of sections, "
                           f"got {type(config).__name__}")
+    check_memory(config)  # refuse a group that cannot fit its device before Ray places it
     data = config.model_dump()
     replicas = {}
     for group in config.serve.groups:

@@ -20,6 +20,7 @@ import yaml
 
 from cluster.config import ConfigError, TandemConfig, config_from_dict
 from cluster.k8s.monitoring import pod_monitors
+from cluster.planning.memory_plan import check_memory
 from cluster.k8s.plan import plan_worker_groups
 from cluster.k8s.profile_jobs import config_map, profile_job
 from cluster.k8s.rayservice import ray_service
@@ -127,4 +128,5 @@ def write(files: dict[str, str], out_dir: str | Path) -> list[Path]:
 def render_to(config_path: str | Path, out_dir: str | Path, source: str | None = None) -> list[Path]:
     """Read, render and write; returns the stale YAML files left in ``out_dir``."""
     config, embedded = read_config(config_path)
+    check_memory(config)
     return write(render(config, embedded, source or str(config_path)), out_dir)

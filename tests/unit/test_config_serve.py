@@ -47,8 +47,8 @@ def group_of(config, name: str):
 def test_hetero_gpu_yaml_groups_get_their_own_engine_settings():
     config = load_config(HETERO)
     assert [g.name for g in config.serve.groups] == ["h100", "a10g"]
-    expected = {"h100": ("100GiB", 256, "/models/profiles/h100-tp2.json"),
-                "a10g": ("4GiB", 48, "/models/profiles/a10g-tp1.json")}
+    expected = {"h100": ("40GiB", 256, "/models/profiles/h100-tp2.json"),
+                "a10g": ("6GiB", 48, "/models/profiles/a10g-tp1.json")}
     for name, (kv_memory, max_num_seqs, profile) in expected.items():
         engine = group_engine_config(config, name)
         assert engine.cache.kv_cache_memory == kv_memory
