@@ -73,8 +73,10 @@ class ServeConfig(_Strict):
     host: str = "127.0.0.1"
     port: int = Field(8000, ge=0, le=65535)
     served_model_name: str | None = Field(None, description="the id in /v1/models; defaults to model.model")
-    api_key: str | None = Field(None, description="when set, requests need 'Authorization: Bearer <key>'")
-    api_key_env: str | None = Field(None, description="name of an environment variable holding the API key")
+    api_key: str | list[str] | None = Field(
+        None, description="when set, requests (/v1 and /debug) need 'Authorization: Bearer <key>' with one of these")
+    api_key_env: str | None = Field(
+        None, description="name of an environment variable holding the API key (several: comma-separated)")
     router: Literal["tandem", "pow2"] = Field(
         "tandem", description="tandem: predicted completion time; pow2: Ray Serve's power of two choices"
     )
@@ -85,6 +87,11 @@ class ServeConfig(_Strict):
         -1, ge=-1, description="Ray Serve's per-caller queue cap before 503 (-1: unlimited)"
     )
     ingress_num_cpus: float = Field(0.5, ge=0)
+    ingress_num_replicas: int | None = Field(
+        None, ge=1, description="ingress replicas when ingress_autoscaling is unset; default 1 with `tandem serve`, "
+        "2 on Kubernetes (`tandem k8s render` sets it, and refuses fewer: a drained node must not take the API down)")
+    ingress_autoscaling: AutoscalingConfig | None = Field(
+        None, description="Ray Serve's autoscaling of the ingress (target_ongoing_requests per ingress replica)")
     direct_ingress: bool = Field(
         True, description="`tandem serve`: the ingress replica answers HTTP on `port` itself (Ray Serve's direct "
         "ingress, throughput-optimized mode) instead of behind Serve's HTTP proxy, one Ray hop less per token; "

@@ -50,9 +50,24 @@ def build_app(config: TandemConfig | dict | str | Path) -> Application:
         replicas[group.name] = deployment.bind(data, group.name)
     ingress = OpenAIIngress.options(
         name="ingress", ray_actor_options={"num_cpus": config.serve.ingress_num_cpus},
-        max_ongoing_requests=config.serve.ingress_max_ongoing_requests,
+        max_ongoing_requests=config.serve.ingress_max_ongoing_requests, **ingress_scaling(config),
     )
     return ingress.bind(data, replicas)
+
+
+def ingress_scaling(config: TandemConfig) -> dict:
+    """The ingress's replica count or autoscaling (``serve.ingress_num_replicas`` / ``ingress_autoscaling``)."""
+    if config.serve.ingress_autoscaling is not None:
+        return {"autoscaling_config": _autoscaling(config.serve.ingress_autoscaling)}
+    return {"num_replicas": config.serve.ingress_num_replicas or 1}
+
+
+def _autoscaling(a) -> RayAutoscalingConfig:
+    return RayAutoscalingConfig(
+        min_replicas=a.min_replicas, max_replicas=a.max_replicas, initial_replicas=a.initial_replicas,
+        target_ongoing_requests=a.target_ongoing_requests, upscale_delay_s=a.upscale_delay_s,
+        downscale_delay_s=a.downscale_delay_s,
+    )
 
 
 def replica_options(config: TandemConfig, group: ReplicaGroupConfig) -> dict:
@@ -72,12 +87,7 @@ def replica_options(config: TandemConfig, group: ReplicaGroupConfig) -> dict:
         options["placement_group_bundles"] = [bundle] * group.tensor_parallel_size
         options["placement_group_strategy"] = group.placement_strategy
     if group.autoscaling is not None:
-        a = group.autoscaling
-        options["autoscaling_config"] = RayAutoscalingConfig(
-            min_replicas=a.min_replicas, max_replicas=a.max_replicas,
-            initial_replicas=a.initial_replicas, target_ongoing_requests=a.target_ongoing_requests,
-            upscale_delay_s=a.upscale_delay_s, downscale_delay_s=a.downscale_delay_s,
-        )
+        options["autoscaling_config"] = _autoscaling(group.autoscaling)
     else:
         options["num_replicas"] = group.num_replicas
     if config.serve.router == "tandem":

@@ -11,9 +11,7 @@ and tests send the same workload to each group, e.g. a native and a vLLM one); t
 router then ranks only that group's replicas.
 """
 
-
 import logging
-import os
 import time
 import uuid
 
@@ -25,6 +23,7 @@ from ray.serve.exceptions import BackPressureError
 from ray.serve.handle import DeploymentHandle
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from cluster.api.auth import ApiKeys
 from cluster.api.openai_protocol import ChatCompletionRequest, CompletionRequest, UnsupportedFieldError
 from cluster.api.openai_responses import error_body
 from cluster.config import config_from_dict, group_engine_config
@@ -73,8 +72,7 @@ class OpenAIIngress:
         serve_config = self.config.serve
         self.groups = groups
         self.model_name = serve_config.served_model_name or self.config.model.model
-        self.api_key = serve_config.api_key or (os.environ.get(serve_config.api_key_env)
-                                                if serve_config.api_key_env else None)
+        self.api_keys = ApiKeys.from_settings(serve_config.api_key, serve_config.api_key_env)
         source = resolve_model(self.config.model.model, self.config.model.cache_dir)
         self.tokenizer = load_tokenizer_if_present(source)
         self.hashing: dict[str, tuple[int, int]] = {}  # group -> (block size, hash seed)
@@ -112,20 +110,26 @@ class OpenAIIngress:
         return await self._serve(body, request, chat=True)
 
     @app.get("/debug/router")
-    async def debug_router(self) -> dict:
+    async def debug_router(self, request: Request):
+        if (denied := self._check_key(request)) is not None:
+            return denied
         return self.router.snapshot()
 
     @app.get("/debug/engines")
-    async def debug_engines(self) -> dict:
+    async def debug_engines(self, request: Request):
         """Engine counters of one replica per group (all of them when each group has one)."""
+        if (denied := self._check_key(request)) is not None:
+            return denied
         results = {}
         for name, handle in self.groups.items():
             results[name] = await handle.engine_stats.remote()
         return results
 
     @app.get("/debug/timeline")
-    async def debug_timeline(self) -> dict:
+    async def debug_timeline(self, request: Request):
         """The step timeline of one replica per group (``cluster/engine/step_timeline.py``)."""
+        if (denied := self._check_key(request)) is not None:
+            return denied
         return {name: await handle.step_timeline.remote() for name, handle in self.groups.items()}
 
     # ---- the work -----------------------------------------------------------------
@@ -154,11 +158,8 @@ class OpenAIIngress:
             return _error(503, f"the server is overloaded, retry later ({err})", "server_error")
 
     def _check_key(self, request: Request) -> JSONResponse | None:
-        if self.api_key is None:
-            return None
-        header = request.headers.get("authorization", "")
-        if header != f"Bearer {self.api_key}":
-            reason = "missing" if not header else "incorrect"
+        reason = self.api_keys.refusal(request.headers.get("authorization", ""))
+        if reason is not None:
             return _error(401, f"API key {reason}: send 'Authorization: Bearer <key>'", code="invalid_api_key")
         return None
 

@@ -94,6 +94,8 @@ class KubernetesConfig(_Strict):
         "tandem-api-key", pattern=r"^[a-z0-9]([a-z0-9.-]{0,251}[a-z0-9])?$",
         description="Secret whose key 'api-key' fills serve.api_key_env (only when that is set)")
     autoscaler_idle_timeout_s: int = Field(60, ge=0, description="Ray autoscaler: idle seconds before a pod goes")
+    pod_disruption_budget: bool = Field(
+        True, description="a PodDisruptionBudget per worker group: voluntary evictions take one pod at a time")
     model_volume: ModelVolume = Field(default_factory=ModelVolume)
     head: HeadPod = Field(default_factory=HeadPod)
     groups: dict[str, WorkerPods] = Field(

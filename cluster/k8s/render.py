@@ -4,6 +4,7 @@ Output files, relative to DIR (apply the top level with ``kubectl apply -f DIR``
 
 - ``namespace.yaml``: the namespace;
 - ``rayservice.yaml``: the RayService (Ray cluster, autoscaler, Serve application);
+- ``disruption.yaml``: a PodDisruptionBudget per worker group (unless ``kubernetes.pod_disruption_budget`` is false);
 - ``monitoring.yaml``: PodMonitors for Prometheus (unless ``kubernetes.monitoring.enabled`` is false);
 - ``profile/``: the config as a ConfigMap and one profiling Job per GPU kind (applied on purpose, once).
 
@@ -19,6 +20,7 @@ from pathlib import Path, PurePosixPath
 import yaml
 
 from cluster.config import ConfigError, TandemConfig, config_from_dict
+from cluster.k8s.disruption import disruption_budgets
 from cluster.k8s.monitoring import pod_monitors
 from cluster.planning.memory_plan import check_memory
 from cluster.k8s.plan import plan_worker_groups
@@ -61,7 +63,21 @@ def read_config(path: str | Path) -> tuple[TandemConfig, dict]:
     config = config_from_dict(data, str(path))
     embedded = {key: value for key, value in data.items() if key != "kubernetes"}
     check_paths_on_volume(config_from_dict(embedded, str(path)), [config.kubernetes.model_volume.mount_path])
-    return config, embedded
+    return config, with_ingress_replicas(config, embedded)
+
+
+def with_ingress_replicas(config: TandemConfig, embedded: dict) -> dict:
+    """The inline config with at least 2 ingress replicas (ConfigError when the file asks for
+    fewer): one ingress on a drained node would take the whole API down."""
+    serve = config.serve
+    fewest = serve.ingress_autoscaling.min_replicas if serve.ingress_autoscaling else serve.ingress_num_replicas
+    if fewest is not None and fewest < 2:
+        key = "ingress_autoscaling.min_replicas" if serve.ingress_autoscaling else "ingress_num_replicas"
+        raise ConfigError(f"serve.{key} is {fewest}: on Kubernetes the ingress needs at least 2 replicas, so that "
+                          "draining one node (an upgrade, a node pool rotation) does not take the API down")
+    if fewest is None:
+        embedded = {**embedded, "serve": {**embedded.get("serve", {}), "ingress_num_replicas": 2}}
+    return embedded
 
 
 def check_paths_on_volume(config: TandemConfig, mount_paths: list[str]) -> None:
@@ -92,6 +108,9 @@ def render(config: TandemConfig, embedded: dict, source: str) -> dict[str, str]:
         "namespace.yaml": dump_documents([namespace], header),
         "rayservice.yaml": dump_documents([ray_service(config, embedded, plans)], header),
     }
+    budgets = disruption_budgets(config, plans)
+    if budgets:
+        files["disruption.yaml"] = dump_documents(budgets, header)
     monitors = pod_monitors(k8s)
     if monitors:
         files["monitoring.yaml"] = dump_documents(monitors, header)

@@ -13,7 +13,7 @@ AUTH = {"Authorization": f"Bearer {API_KEY}"}
 
 
 def _engines(url: str) -> dict:
-    return httpx.get(f"{url}/debug/engines", timeout=30).json()
+    return httpx.get(f"{url}/debug/engines", headers=AUTH, timeout=30).json()
 
 
 def _wait_all_free(url: str, timeout: float = 60.0) -> dict:
@@ -51,12 +51,12 @@ def test_router_sends_the_larger_share_to_the_faster_group(server_url, async_cli
     async def scenario():
         for _ in range(2):  # both groups serve and publish their step times
             await asyncio.gather(*(one(i) for i in range(4)))
-        middle = httpx.get(f"{server_url}/debug/router", timeout=30).json()["decisions"]
+        middle = httpx.get(f"{server_url}/debug/router", headers=AUTH, timeout=30).json()["decisions"]
         results = await asyncio.gather(*(one(i) for i in range(24)))
         return middle, results
 
     middle, results = asyncio.run(scenario())
-    after = httpx.get(f"{server_url}/debug/router", timeout=30).json()
+    after = httpx.get(f"{server_url}/debug/router", headers=AUTH, timeout=30).json()
     assert all(r.usage.completion_tokens == 24 for r in results)
     share = {g: after["decisions"].get(g, 0) - middle.get(g, 0) for g in ("fast", "slow")}
     assert sum(share.values()) == 24

@@ -17,7 +17,7 @@ HEADERS = {"Authorization": f"Bearer {API_KEY}", "X-Tandem-Group": "slow"}
 
 
 def _slow_engine(url: str) -> dict:
-    return httpx.get(f"{url}/debug/engines", timeout=30).json()["slow"]
+    return httpx.get(f"{url}/debug/engines", headers=HEADERS, timeout=30).json()["slow"]
 
 
 def test_a_killed_engine_core_fails_its_streams_and_serve_replaces_the_replica(server_url):

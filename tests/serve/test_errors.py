@@ -67,6 +67,10 @@ def test_api_key_is_required(server_url):
     _assert_error(_post(server_url, "/v1/completions", body, headers={}), 401)
     _assert_error(_post(server_url, "/v1/completions", body, headers={"Authorization": "Bearer wrong"}), 401)
     assert httpx.get(f"{server_url}/v1/models", timeout=30).status_code == 401
+    for route in ("/debug/router", "/debug/engines", "/debug/timeline"):  # behind the key too
+        assert httpx.get(f"{server_url}{route}", timeout=30).status_code == 401
+        ok = httpx.get(f"{server_url}{route}", headers=AUTH, timeout=30)
+        assert ok.status_code == 200, route
     assert httpx.get(f"{server_url}/health", timeout=30).status_code == 200
 
 

@@ -68,7 +68,9 @@ def test_the_rayservice_embeds_the_config_without_the_kubernetes_section(directo
     assert app["args"]["config"] == embedded
     assert "kubernetes" not in app["args"]["config"]
     raw = yaml.safe_load((ROOT / RENDERED[directory]).read_text())
-    assert embedded == {k: v for k, v in raw.items() if k != "kubernetes"}
+    expected = {k: v for k, v in raw.items() if k != "kubernetes"}
+    expected["serve"] = expected["serve"] | {"ingress_num_replicas": 2}  # Kubernetes' default
+    assert embedded == expected
 
 
 @pytest.mark.parametrize("directory", sorted(RENDERED))

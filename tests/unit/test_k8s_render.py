@@ -154,6 +154,40 @@ def test_cli_renders_and_validates(tmp_path, capsys):
     assert "old.yaml was not rendered from this config" in capsys.readouterr().out
     (out / "old.yaml").unlink()
     assert main(["k8s", "validate", str(out)]) == 0
-    assert "6 manifests valid" in capsys.readouterr().out
+    assert "7 manifests valid" in capsys.readouterr().out
     assert main(["k8s", "render", str(tmp_path / "missing.yaml"), "--out", str(out)]) == 2
     assert "does not exist" in capsys.readouterr().err
+
+
+def test_each_worker_group_gets_a_disruption_budget_selecting_its_pods():
+    config, embedded = read_config(HETERO)
+    files = render(config, embedded, "configs/hetero-gpu.yaml")
+    budgets = list(yaml.safe_load_all(files["disruption.yaml"]))
+    assert [b["metadata"]["name"] for b in budgets] == ["tandem-h100", "tandem-a10g"]
+    workers = yaml.safe_load(files["rayservice.yaml"])["spec"]["rayClusterConfig"]["workerGroupSpecs"]
+    for budget, worker in zip(budgets, workers):
+        assert budget["spec"]["maxUnavailable"] == 1
+        pod_labels = worker["template"]["metadata"]["labels"]
+        assert budget["spec"]["selector"]["matchLabels"].items() <= pod_labels.items()
+    off = config.model_copy(update={"kubernetes": config.kubernetes.model_copy(update={"pod_disruption_budget": False})})
+    assert "disruption.yaml" not in render(off, embedded, "x")
+
+
+def test_the_ingress_gets_two_replicas_on_kubernetes_and_fewer_are_refused(tmp_path):
+    _, embedded = read_config(HETERO)
+    assert embedded["serve"]["ingress_num_replicas"] == 2
+    assert load_config(HETERO).serve.ingress_num_replicas is None  # `tandem serve` keeps one
+    for serve_fields, key in (({"ingress_num_replicas": 1}, "ingress_num_replicas"),
+                              ({"ingress_autoscaling": {"min_replicas": 1, "max_replicas": 4}},
+                               "ingress_autoscaling.min_replicas")):
+        data = yaml.safe_load(HETERO.read_text())
+        data["serve"].update(serve_fields)
+        path = tmp_path / "config.yaml"
+        path.write_text(yaml.safe_dump(data))
+        with pytest.raises(ConfigError, match=f"serve.{key} is 1: on Kubernetes the ingress needs at least 2"):
+            read_config(path)
+    data = yaml.safe_load(HETERO.read_text())
+    data["serve"]["ingress_autoscaling"] = {"min_replicas": 2, "max_replicas": 6, "target_ongoing_requests": 512}
+    path.write_text(yaml.safe_dump(data))
+    _, embedded = read_config(path)
+    assert "ingress_num_replicas" not in embedded["serve"]

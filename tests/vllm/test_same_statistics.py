@@ -80,7 +80,7 @@ def test_a_client_that_goes_away_leaves_the_engine_idle(server_url, group):
             assert any(next(lines).startswith("data: {") for _ in range(4))
     deadline = time.time() + 60
     while True:
-        engines = httpx.get(f"{server_url}/debug/engines", timeout=30).json()
+        engines = httpx.get(f"{server_url}/debug/engines", headers={"Authorization": f"Bearer {API_KEY}"}, timeout=30).json()
         engine = engines[group]
         if engine["num_running"] == 0 and engine["kv_cache_usage"] == 0.0 or time.time() > deadline:
             break
