@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 # A Kubernetes resource quantity as written in manifests: "4", "500m", "16Gi".
 QUANTITY = r"^[0-9]+(\.[0-9]+)?(m|k|M|G|T|P|E|Ki|Mi|Gi|Ti|Pi|Ei)?$"
@@ -72,6 +72,38 @@ class WorkerPods(_Strict):
     idle_timeout_s: int | None = Field(None, ge=0, description="autoscaler idle time before removing a pod")
 
 
+class Upgrades(_Strict):
+    """How KubeRay rolls out a change to the Ray pods (RayService ``upgradeStrategy``).
+
+    ``NewCluster`` (KubeRay's default) brings up a whole second Ray cluster and moves traffic
+    when it serves: twice the GPUs for a while. ``NewClusterWithIncrementalUpgrade`` grows the
+    new cluster in steps of ``max_surge_percent`` of capacity and shifts ``step_size_percent``
+    of the traffic every ``interval_seconds`` through a Gateway API gateway (``gateway_class_name``;
+    KubeRay's feature gate RayServiceIncrementalUpgrade on). ``None`` changes nothing until
+    you delete the RayService yourself."""
+
+    strategy: Literal["NewCluster", "NewClusterWithIncrementalUpgrade", "None"] = "NewCluster"
+    gateway_class_name: str | None = Field(None, description="a GatewayClass of your cluster (incremental only)")
+    interval_seconds: int = Field(60, ge=1)
+    step_size_percent: int = Field(10, ge=1, le=100)
+    max_surge_percent: int = Field(25, ge=1, le=100)
+
+    @model_validator(mode="after")
+    def _check(self) -> "Upgrades":
+        if self.strategy == "NewClusterWithIncrementalUpgrade" and not self.gateway_class_name:
+            raise ValueError("kubernetes.upgrades.gateway_class_name is required by NewClusterWithIncrementalUpgrade "
+                             "(traffic moves through a Gateway API gateway of that class)")
+        return self
+
+
+class HeadFaultTolerance(_Strict):
+    """GCS fault tolerance: the head keeps the cluster's state in an external Redis, so a head
+    restart neither loses the Serve application nor restarts the worker pods."""
+
+    redis_address: str = Field(..., min_length=1, description="host:port of a Redis reachable from the head")
+    password_secret: str | None = Field(None, description="Secret holding the Redis password under key 'password'")
+
+
 class Monitoring(_Strict):
     """PodMonitors (prometheus-operator) that scrape Ray's metrics port on every Ray pod."""
 
@@ -94,6 +126,9 @@ class KubernetesConfig(_Strict):
         "tandem-api-key", pattern=r"^[a-z0-9]([a-z0-9.-]{0,251}[a-z0-9])?$",
         description="Secret whose key 'api-key' fills serve.api_key_env (only when that is set)")
     autoscaler_idle_timeout_s: int = Field(60, ge=0, description="Ray autoscaler: idle seconds before a pod goes")
+    upgrades: Upgrades = Field(default_factory=Upgrades)
+    head_fault_tolerance: HeadFaultTolerance | None = Field(
+        None, description="GCS fault tolerance with an external Redis (off by default)")
     pod_disruption_budget: bool = Field(
         True, description="a PodDisruptionBudget per worker group: voluntary evictions take one pod at a time")
     model_volume: ModelVolume = Field(default_factory=ModelVolume)

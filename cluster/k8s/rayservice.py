@@ -62,6 +62,15 @@ def ray_service(config: TandemConfig, embedded: dict, plans: list[WorkerGroupPla
         group["template"] = worker_template(k8s, plan, ports, api_key_env)
         workers.append(group)
     serve_yaml = yaml.safe_dump(serve_config(config, embedded), sort_keys=False, width=100)
+    cluster = {
+        "rayVersion": k8s.ray_version,
+        "enableInTreeAutoscaling": True,
+        "autoscalerOptions": {"upscalingMode": "Default", "idleTimeoutSeconds": k8s.autoscaler_idle_timeout_s},
+        "headGroupSpec": head,
+        "workerGroupSpecs": workers,
+    }
+    if k8s.head_fault_tolerance is not None:
+        cluster["gcsFaultToleranceOptions"] = gcs_fault_tolerance(k8s.head_fault_tolerance)
     return {
         "apiVersion": "ray.io/v1",
         "kind": "RayService",
@@ -74,13 +83,26 @@ def ray_service(config: TandemConfig, embedded: dict, plans: list[WorkerGroupPla
                                     "protocol": "TCP"}]},
             },
             "serveConfigV2": serve_yaml,
-            "rayClusterConfig": {
-                "rayVersion": k8s.ray_version,
-                "enableInTreeAutoscaling": True,
-                "autoscalerOptions": {"upscalingMode": "Default",
-                                      "idleTimeoutSeconds": k8s.autoscaler_idle_timeout_s},
-                "headGroupSpec": head,
-                "workerGroupSpecs": workers,
-            },
+            "upgradeStrategy": upgrade_strategy(k8s.upgrades),
+            "rayClusterConfig": cluster,
         },
     }
+
+
+def upgrade_strategy(upgrades) -> dict:
+    """RayService ``upgradeStrategy`` from ``kubernetes.upgrades``."""
+    strategy: dict = {"type": upgrades.strategy}
+    if upgrades.strategy == "NewClusterWithIncrementalUpgrade":
+        strategy["clusterUpgradeOptions"] = {
+            "gatewayClassName": upgrades.gateway_class_name, "intervalSeconds": upgrades.interval_seconds,
+            "stepSizePercent": upgrades.step_size_percent, "maxSurgePercent": upgrades.max_surge_percent}
+    return strategy
+
+
+def gcs_fault_tolerance(options) -> dict:
+    """RayCluster ``gcsFaultToleranceOptions``: the GCS in an external Redis."""
+    result: dict = {"redisAddress": options.redis_address}
+    if options.password_secret:
+        result["redisPassword"] = {"valueFrom": {"secretKeyRef": {"name": options.password_secret,
+                                                                   "key": "password"}}}
+    return result

@@ -191,3 +191,26 @@ def test_the_ingress_gets_two_replicas_on_kubernetes_and_fewer_are_refused(tmp_p
     path.write_text(yaml.safe_dump(data))
     _, embedded = read_config(path)
     assert "ingress_num_replicas" not in embedded["serve"]
+
+
+def test_incremental_upgrades_and_head_fault_tolerance_render_valid_manifests():
+    from cluster.k8s.validate import ManifestValidator
+
+    config, embedded = read_config(HETERO)
+    assert yaml.safe_load(render(config, embedded, "x")["rayservice.yaml"])["spec"]["upgradeStrategy"] == {
+        "type": "NewCluster"}
+    k8s = config.kubernetes.model_dump()
+    k8s["upgrades"] = {"strategy": "NewClusterWithIncrementalUpgrade", "gateway_class_name": "istio",
+                       "step_size_percent": 20}
+    k8s["head_fault_tolerance"] = {"redis_address": "redis.tandem.svc:6379", "password_secret": "redis-password"}
+    changed = config_from_dict({**embedded, "kubernetes": k8s})
+    service = yaml.safe_load(render(changed, embedded, "x")["rayservice.yaml"])
+    assert service["spec"]["upgradeStrategy"] == {"type": "NewClusterWithIncrementalUpgrade", "clusterUpgradeOptions": {
+        "gatewayClassName": "istio", "intervalSeconds": 60, "stepSizePercent": 20, "maxSurgePercent": 25}}
+    assert service["spec"]["rayClusterConfig"]["gcsFaultToleranceOptions"] == {
+        "redisAddress": "redis.tandem.svc:6379",
+        "redisPassword": {"valueFrom": {"secretKeyRef": {"name": "redis-password", "key": "password"}}}}
+    ManifestValidator.from_repo().validate_document(service)
+    k8s["upgrades"] = {"strategy": "NewClusterWithIncrementalUpgrade"}
+    with pytest.raises(ConfigError, match="gateway_class_name is required"):
+        config_from_dict({**embedded, "kubernetes": k8s})
