@@ -112,6 +112,9 @@ class Monitoring(_Strict):
         default_factory=lambda: {"release": "prometheus"},
         description="labels your Prometheus selects PodMonitors by (kube-prometheus-stack: its release name)")
     interval: str = Field("15s", pattern=r"^[0-9]+(ms|s|m|h)$")
+    alerts: bool = Field(True, description="render a PrometheusRule with Tandem's alerts (alerts.yaml)")
+    ttft_p99_seconds: float = Field(5.0, gt=0, description="alert when a group's TTFT p99 stays above this")
+    error_ratio: float = Field(0.05, gt=0, lt=1, description="alert when this share of HTTP responses are 5xx")
 
 
 class KubernetesConfig(_Strict):

@@ -1,4 +1,4 @@
-"""Hand-written JSON schemas of prometheus-operator's PodMonitor and ServiceMonitor.
+"""Hand-written JSON schemas of prometheus-operator's PodMonitor, ServiceMonitor and PrometheusRule.
 
 No package on PyPI carries the CustomResourceDefinitions of ``monitoring.coreos.com/v1``
 as data (``cloudcoil-models-prometheus-operator`` has pydantic models generated from
@@ -80,5 +80,15 @@ SERVICE_MONITOR = _resource("ServiceMonitor", _closed(
              "targetLabels": _STRINGS},
     required=("selector", "endpoints")))
 
+_RULE = _closed({"alert": {"type": "string", "minLength": 1}, "record": {"type": "string", "minLength": 1},
+                 "expr": {"type": "string", "minLength": 1}, "for": _DURATION, "keep_firing_for": _DURATION,
+                 "labels": _STRING_MAP, "annotations": _STRING_MAP}, required=("expr",))
+PROMETHEUS_RULE = _resource("PrometheusRule", _closed({"groups": {"type": "array", "minItems": 1, "items": _closed(
+    {"name": {"type": "string", "minLength": 1}, "interval": _DURATION, "limit": {"type": "integer", "minimum": 0},
+     "partial_response_strategy": {"type": "string"},
+     "rules": {"type": "array", "minItems": 1, "items": _RULE}}, required=("name", "rules"))}},
+    required=("groups",)))
+
 SCHEMAS = {("monitoring.coreos.com/v1", "PodMonitor"): POD_MONITOR,
-           ("monitoring.coreos.com/v1", "ServiceMonitor"): SERVICE_MONITOR}
+           ("monitoring.coreos.com/v1", "ServiceMonitor"): SERVICE_MONITOR,
+           ("monitoring.coreos.com/v1", "PrometheusRule"): PROMETHEUS_RULE}

@@ -5,6 +5,7 @@ Output files, relative to DIR (apply the top level with ``kubectl apply -f DIR``
 - ``namespace.yaml``: the namespace;
 - ``rayservice.yaml``: the RayService (Ray cluster, autoscaler, Serve application);
 - ``disruption.yaml``: a PodDisruptionBudget per worker group (unless ``kubernetes.pod_disruption_budget`` is false);
+- ``alerts.yaml``: a PrometheusRule with Tandem's alerts (``kubernetes.monitoring.alerts``);
 - ``monitoring.yaml``: PodMonitors for Prometheus (unless ``kubernetes.monitoring.enabled`` is false);
 - ``profile/``: the config as a ConfigMap and one profiling Job per GPU kind (applied on purpose, once).
 
@@ -20,6 +21,7 @@ from pathlib import Path, PurePosixPath
 import yaml
 
 from cluster.config import ConfigError, TandemConfig, config_from_dict
+from cluster.k8s.alerts import prometheus_rule
 from cluster.k8s.disruption import disruption_budgets
 from cluster.k8s.monitoring import pod_monitors
 from cluster.planning.memory_plan import check_memory
@@ -114,6 +116,9 @@ def render(config: TandemConfig, embedded: dict, source: str) -> dict[str, str]:
     monitors = pod_monitors(k8s)
     if monitors:
         files["monitoring.yaml"] = dump_documents(monitors, header)
+    rule = prometheus_rule(k8s)
+    if rule is not None:
+        files["alerts.yaml"] = dump_documents([rule], header)
     jobs = [job for job in (profile_job(config, plan) for plan in plans) if job is not None]
     if jobs:
         files["profile/configmap.yaml"] = dump_documents([config_map(config, embedded)], header)

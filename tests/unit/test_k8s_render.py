@@ -154,7 +154,7 @@ def test_cli_renders_and_validates(tmp_path, capsys):
     assert "old.yaml was not rendered from this config" in capsys.readouterr().out
     (out / "old.yaml").unlink()
     assert main(["k8s", "validate", str(out)]) == 0
-    assert "7 manifests valid" in capsys.readouterr().out
+    assert "8 manifests valid" in capsys.readouterr().out
     assert main(["k8s", "render", str(tmp_path / "missing.yaml"), "--out", str(out)]) == 2
     assert "does not exist" in capsys.readouterr().err
 
