@@ -23,6 +23,10 @@ from collections.abc import Iterable, Mapping
 from cluster.metrics.catalog import METRICS
 
 SERVE_LABELS = frozenset({"deployment", "replica", "application"})  # Ray Serve adds these to every replica metric
+# Labels a scrape adds to every series: prometheus-operator's target labels, and the Ray
+# cluster and worker group our PodMonitors copy from the pods (cluster/k8s/monitoring.py).
+SCRAPE_LABELS = frozenset({"namespace", "pod", "container", "endpoint", "instance", "job", "ray_io_cluster",
+                           "ray_group"})
 
 # Ray Serve 2.60's own series the dashboards may query, with the labels Ray gives them
 # (ray/serve/_private/request_ingress_metrics.py and deployment_state.py).
@@ -44,10 +48,10 @@ def known_series() -> dict[str, frozenset[str]]:
     """Series name -> the labels it carries: every catalog series, then ``SERVE_METRICS``."""
     series: dict[str, frozenset[str]] = {}
     for spec in METRICS:
-        labels = frozenset(spec.all_labels) | SERVE_LABELS
+        labels = frozenset(spec.all_labels) | SERVE_LABELS | SCRAPE_LABELS
         for name in spec.prometheus_names:
             series[name] = labels | {"le"} if name.endswith("_bucket") else labels
-    return {**series, **SERVE_METRICS}
+    return {**series, **{name: labels | SCRAPE_LABELS for name, labels in SERVE_METRICS.items()}}
 
 
 def check_dashboard(dashboard: dict, known: Mapping[str, frozenset[str]] | None = None) -> list[str]:

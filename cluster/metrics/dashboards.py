@@ -45,14 +45,25 @@ def _quantiles(title: str, description: str, histogram: str, selector: str, unit
 
 # ---- cluster overview --------------------------------------------------------------------
 
-_G = '{group=~"$group"}'
-_GROUP = Variable("group", "Replica group", "label_values(ray_num_requests_running, group)")
+# Every query is scoped to one Ray cluster, namespace and Serve application (all by default), so
+# two clusters side by side (an upgrade's old and new one, two namespaces) never mix. A series
+# without one of these labels (a local `tandem serve`) still matches "All" (=~".*").
+_SCOPE = 'ray_io_cluster=~"$cluster", namespace=~"$namespace", application=~"$application"'
+_S = "{" + _SCOPE + "}"
+_G = "{" + _SCOPE + ', group=~"$group"}'
+_SCOPE_VARIABLES = (
+    Variable("cluster", "Ray cluster", "label_values(ray_num_requests_running, ray_io_cluster)"),
+    Variable("namespace", "Namespace", 'label_values(ray_num_requests_running{ray_io_cluster=~"$cluster"}, namespace)'),
+    Variable("application", "Serve application",
+             'label_values(ray_num_requests_running{ray_io_cluster=~"$cluster", namespace=~"$namespace"}, application)'),
+)
+_GROUP = Variable("group", "Replica group", f"label_values(ray_num_requests_running{_S}, group)")
 
 OVERVIEW = DashboardSpec(
     uid="tandem-overview",
     title="Tandem / Cluster overview",
     description="Requests, latency, throughput and errors of the whole Tandem cluster.",
-    variables=(_GROUP,),
+    variables=(*_SCOPE_VARIABLES, _GROUP),
     items=(
         Row("Requests"),
         Panel("Finished requests/s by finish reason",
@@ -61,7 +72,7 @@ OVERVIEW = DashboardSpec(
                      "{{finished_reason}}"),), unit="reqps"),
         Panel("HTTP requests/s by status code",
               "Every HTTP request Ray Serve's proxy answered, all routes.",
-              (Query(f"sum by (status_code) (rate(ray_serve_num_http_requests_total{RATE}))",
+              (Query(f"sum by (status_code) (rate(ray_serve_num_http_requests_total{_S}{RATE}))",
                      "{{status_code}}"),), unit="reqps"),
         Row("Latency (measured in the replicas)"),
         _quantiles("Time to first token", "From arrival at the replica to the first output token.",
@@ -74,7 +85,7 @@ OVERVIEW = DashboardSpec(
         _quantiles("Queue time", "From arrival at the replica to the request's first scheduling.",
                    "ray_request_queue_time_seconds", _G),
         _quantiles("HTTP latency at the proxy", "Ray Serve's proxy: whole request, all routes.",
-                   "ray_serve_http_request_latency_ms", "", unit="ms"),
+                   "ray_serve_http_request_latency_ms", _S, unit="ms"),
         Row("Throughput"),
         Panel("Output tokens/s by group", "Tokens generated per second (accepted draft tokens included).",
               (Query(f"sum by (group) (rate(ray_generation_tokens_total{_G}{RATE}))", "{{group}}"),
@@ -84,20 +95,20 @@ OVERVIEW = DashboardSpec(
                Query(f"sum(rate(ray_prompt_tokens_total{_G}{RATE}))", "total")), unit=TOKENS_PER_S),
         Row("Errors"),
         Panel("HTTP errors/s by code", "Responses with a 4xx or 5xx status, from Ray Serve's proxy.",
-              (Query(f"sum by (error_code) (rate(ray_serve_num_http_error_requests_total{RATE}))",
+              (Query(f"sum by (error_code) (rate(ray_serve_num_http_error_requests_total{_S}{RATE}))",
                      "{{error_code}}"),), unit="reqps", width=8),
         Panel("Aborted requests/s by group", "Requests aborted while running (e.g. the client went away).",
-              (Query(f'sum by (group) (rate(ray_request_success_total{{finished_reason="abort", group=~"$group"}}'
+              (Query(f'sum by (group) (rate(ray_request_success_total{{finished_reason="abort", {_SCOPE}, group=~"$group"}}'
                      f"{RATE}))", "{{group}}"),), unit="reqps", width=8),
         Panel("Healthy replicas by deployment", "Replicas passing Ray Serve's health check.",
-              (Query("sum by (deployment) (ray_serve_deployment_replica_healthy)", "{{deployment}}"),),
+              (Query(f"sum by (deployment) (ray_serve_deployment_replica_healthy{_S})", "{{deployment}}"),),
               width=8),
     ),
 )
 
 # ---- per replica and per GPU kind --------------------------------------------------------
 
-_R = '{group=~"$group", device_kind=~"$device_kind", replica=~"$replica"}'
+_R = "{" + _SCOPE + ', group=~"$group", device_kind=~"$device_kind", replica=~"$replica"}'
 
 
 def _by_replica(title: str, description: str, expr: str, unit: str = "short") -> Panel:
@@ -114,11 +125,12 @@ REPLICAS = DashboardSpec(
     title="Tandem / Replicas and GPU kinds",
     description="Each replica's batch, queue, KV cache, speculation and prefix cache; aggregates per GPU kind.",
     variables=(
+        *_SCOPE_VARIABLES,
         _GROUP,
-        Variable("device_kind", "GPU kind",
-                 'label_values(ray_num_requests_running{group=~"$group"}, device_kind)'),
+        Variable("device_kind", "GPU kind", f"label_values(ray_num_requests_running{_G}, device_kind)"),
         Variable("replica", "Replica",
-                 'label_values(ray_num_requests_running{group=~"$group", device_kind=~"$device_kind"}, replica)'),
+                 "label_values(ray_num_requests_running{" + _SCOPE + ', group=~"$group", device_kind=~"$device_kind"}, '
+                 "replica)"),
     ),
     items=(
         Row("Load"),
@@ -176,7 +188,7 @@ ROUTER = DashboardSpec(
     uid="tandem-router",
     title="Tandem / Router",
     description="Share of traffic the router sends each replica group against the group's share of capacity.",
-    variables=(_GROUP,),
+    variables=(*_SCOPE_VARIABLES, _GROUP),
     items=(
         Panel("Traffic share against capacity share by group",
               "Solid: the group's share of routing decisions. Dashed: its share of predicted peak output "

@@ -89,10 +89,21 @@ def test_dashboard_structure(spec):
 
 def test_replica_dashboard_filters_by_group_device_kind_and_replica():
     names = [v.name for v in REPLICAS.variables]
-    assert names == ["group", "device_kind", "replica"]
+    assert names == ["cluster", "namespace", "application", "group", "device_kind", "replica"]
+    labels = {"cluster": "ray_io_cluster"}
     for expr, _ in dashboard_queries(build_dashboard(REPLICAS)):
         if not expr.startswith("label_values"):
-            assert all(f'{label}=~"${label}"' in expr for label in names), expr
+            assert all(f'{labels.get(name, name)}=~"${name}"' in expr for name in names), expr
+
+
+@pytest.mark.parametrize("spec", DASHBOARDS, ids=lambda s: s.uid)
+def test_every_query_is_scoped_to_one_cluster_namespace_and_application(spec):
+    """Two Ray clusters side by side (an upgrade, two namespaces) never mix in one panel."""
+    assert [v.name for v in spec.variables][:3] == ["cluster", "namespace", "application"]
+    scope = ('ray_io_cluster=~"$cluster"', 'namespace=~"$namespace"', 'application=~"$application"')
+    for expr, _ in dashboard_queries(build_dashboard(spec)):
+        if not expr.startswith("label_values"):
+            assert all(part in expr for part in scope), expr
 
 
 # ---- the checker catches bad queries ---------------------------------------------------------
