@@ -25,7 +25,7 @@ import urllib.request
 import ray
 from ray import serve
 
-from cluster.config import TandemConfig
+from cluster.config import ConfigError, TandemConfig
 from deployments.app import build_app
 
 logger = logging.getLogger(__name__)
@@ -47,6 +47,10 @@ def direct_ingress_environment(config: TandemConfig) -> dict[str, str]:
     serve_config = config.serve
     if not serve_config.direct_ingress or serve_config.port == 0:
         return {}
+    if (serve_config.ingress_num_replicas or 1) > 1 or serve_config.ingress_autoscaling is not None:
+        raise ConfigError("serve.direct_ingress answers on serve.port from one ingress replica; for several "
+                          "(serve.ingress_num_replicas, ingress_autoscaling) set serve.direct_ingress: false, "
+                          "so that Serve's proxy spreads requests over them")
     return {
         "RAY_SERVE_THROUGHPUT_OPTIMIZED": "1",
         "RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT": str(serve_config.port),
