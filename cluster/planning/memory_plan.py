@@ -78,6 +78,7 @@ def _dtype_bytes(name: str, device_kind: str) -> tuple[str, int]:
         return name, _DTYPE_BYTES[name]
     if device_kind.lower() != "cpu":
         return "bfloat16", 2
+    # Only a CPU group needs torch (does oneDNN compute bfloat16 here?): checking a GPU config stays light.
     import torch
 
     from cluster.models.layers.packed_linear import onednn_packs
