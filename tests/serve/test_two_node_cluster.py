@@ -70,6 +70,14 @@ def _with_descendants(pids: list[int]) -> list[int]:
     return found
 
 
+def _command_line(pid: int) -> str:
+    """What /proc shows (a Ray worker's title, e.g. ``ray::ServeReplica:tandem:replica-fast``)."""
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+    except OSError:
+        return ""
+
+
 def _kill(pids: list[int]) -> None:
     for pid in pids:
         try:
@@ -148,6 +156,10 @@ def test_each_group_runs_on_its_node_and_the_faster_group_takes_more(cluster):
     url, gcs_port = cluster
     for group in ("fast", "slow"):  # both groups answer (pinned), each on the node of its kind
         assert _complete(url, group).status_code == 200
+        node = _with_descendants(_cluster_pids(gcs_port, f"accelerator_type:{group.upper()}"))
+        titles = [_command_line(pid) for pid in node]
+        assert any(f"replica-{group}" in t for t in titles), f"no {group} replica under the {group.upper()} node"
+        assert not any(f"replica-{other}" in t for t in titles for other in ("fast", "slow") if other != group)
     before = httpx.get(f"{url}/debug/router", timeout=30).json()["decisions"]
     with ThreadPoolExecutor(8) as pool:
         statuses = [r.status_code for r in pool.map(lambda _: _complete(url, max_tokens=24), range(48))]
