@@ -132,15 +132,6 @@ def cmd_serve(args: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_config_check(args: argparse.Namespace) -> int:
-    """Print each group's memory plan; exit 1 when a group cannot fit its device."""
-    from cluster.planning.memory_plan import format_plans, plan_memory
-
-    plans = plan_memory(load_config(args.config))
-    print(format_plans(plans))
-    return 1 if any(p.problem for p in plans) else 0
-
-
 def cmd_dashboards_render(args: argparse.Namespace) -> int:
     from pathlib import Path
 
@@ -304,12 +295,6 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--api-key", help="require 'Authorization: Bearer KEY'")
     srv.set_defaults(func=cmd_serve)
 
-    config_cmd = sub.add_parser("config", help="settings files").add_subparsers(dest="config_cmd", required=True)
-    check = config_cmd.add_parser("check", help="memory per group and rank (weights, KV cache, activations) "
-                                                "against the device kind; exit 1 if a group cannot fit")
-    check.add_argument("config", help="YAML settings file")
-    check.set_defaults(func=cmd_config_check)
-
     dash = sub.add_parser("dashboards", help="Tandem's Grafana dashboards").add_subparsers(dest="dashboards",
                                                                                            required=True)
     render = dash.add_parser("render", help="write the dashboards' JSON (and the sidecar ConfigMap)")
@@ -387,8 +372,10 @@ def build_parser() -> argparse.ArgumentParser:
     add_sim_args(sim)
     sim.set_defaults(func=cmd_sim)
     from cluster.drafts.cli import add_draft_parser
+    from cluster.planning.cli import add_config_parser
 
     add_draft_parser(sub)
+    add_config_parser(sub)
     return parser
 
 

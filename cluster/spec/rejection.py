@@ -195,7 +195,7 @@ def _sample_rows(
         target_argmax = target_probs.argmax(dim=-1)[target_rows]  # [num_reqs, max_k + 1]
         accepted = torch.where(greedy[:, None], draft_ids == target_argmax[:, :max_k], accepted)
     if coupled_rows:
-        samples = _coupled_samples(coupled_rows, num_draft, target_probs, target_rows, seeded, race)
+        samples = _coupled_samples(coupled_rows, num_draft_tokens, target_probs, target_rows, seeded, race)
         coupled_mask = torch.zeros(num_reqs, dtype=torch.bool, device=device)
         coupled_mask[torch.tensor(coupled_rows, device=device)] = True
         accepted = torch.where(coupled_mask[:, None], draft_ids == samples[:, :max_k], accepted)
@@ -234,7 +234,7 @@ def _sample_rows(
 
 def _coupled_samples(
     coupled_rows: list[int],
-    num_draft: torch.Tensor,  # [num_reqs] int64
+    num_draft_tokens: list[int],
     target_probs: torch.Tensor,  # [num_target_rows, vocab_size]
     target_rows: torch.Tensor,  # [num_reqs, max_k + 1]
     seeded: dict[int, SeedKey],
@@ -244,8 +244,7 @@ def _coupled_samples(
     position's SAMPLE numbers; only those rows' real positions are computed."""
     num_reqs, width = target_rows.shape
     device = target_rows.device
-    counts = num_draft.tolist()
-    cells = [(row, j) for row in coupled_rows for j in range(counts[row] + 1)]  # (row, position offset)
+    cells = [(row, j) for row in coupled_rows for j in range(num_draft_tokens[row] + 1)]  # (row, position offset)
     keys = [SeedKey(seeded[row].seed, seeded[row].position + j) for row, j in cells]
     flat = torch.tensor([row * width + j for row, j in cells], device=device)
     samples = torch.zeros(num_reqs * width, dtype=torch.int64, device=device)

@@ -114,17 +114,15 @@ def test_a_dead_core_fails_requests_with_503_and_the_health_check(tiny_llama_dir
     async def run():
         request = GenerateRequest("doomed", [3, 4, 5], SamplingParams(max_tokens=240, **GREEDY))
         deltas = []
-        started = None
         async for delta in backend.generate(request):
             deltas.append(delta)
             if len(deltas) == 2:
                 os.kill(backend.core_pid, signal.SIGKILL)
-                started = time.monotonic()
-        return deltas, time.monotonic() - started
+        return deltas
 
-    deltas, seconds = asyncio.run(run())
+    # The stream must end, not hang: a bound, not a measurement (wait_for raises past it).
+    deltas = asyncio.run(asyncio.wait_for(run(), timeout=30))
     assert deltas[-1].error is not None and deltas[-1].error.status == 503, deltas[-1]
-    assert seconds < 5
     with pytest.raises(EngineUnhealthyError, match="exited"):
         backend.check_health()
     after = asyncio.run(_collect(backend, GenerateRequest("late", [3], SamplingParams(max_tokens=2))))
