@@ -9,6 +9,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from cluster.structured.constraint import StructuredOutputs
+
 _GREEDY_EPS = 1e-5
 
 
@@ -29,6 +31,8 @@ class SamplingParams:
     logprobs: int | None = None  # number of top logprobs to return besides the sampled token
     min_tokens: int = 0
     skip_special_tokens: bool = True
+    # The output must match this (JSON schema, regex, choice, grammar); None: free text.
+    structured_outputs: StructuredOutputs | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -67,6 +71,8 @@ class SamplingParams:
             raise bad("stop", "a list of non-empty strings")
         if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
             raise bad("stop_token_ids", "a list of non-negative token ids")
+        if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputs):
+            raise bad("structured_outputs", "a StructuredOutputs or None")
 
     @property
     def greedy(self) -> bool:
