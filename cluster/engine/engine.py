@@ -16,6 +16,7 @@ import torch
 
 from cluster.config import TandemConfig
 from cluster.engine.detokenizer import IncrementalDetokenizer
+from cluster.engine.grammars import Grammars
 from cluster.engine.outputs import CompletionOutput, Logprob, RequestOutput, RequestTimes, TokenLogprobs, Usage
 from cluster.engine.request import Request, RequestStatus
 from cluster.engine.sampling_params import SamplingParams
@@ -71,6 +72,7 @@ class Engine:
         self._ids = itertools.count()
         self.proposer, self.controller = build_speculation(config, self.worker)
         self.spec_stats = SpecDecodeStats()
+        self.grammars = Grammars(self.tokenizer, self.vocab_size, self.eos_token_id)
         self.last_step: StepRecord | None = None
 
     # ---- requests -----------------------------------------------------------------
@@ -117,7 +119,9 @@ class Engine:
             raise ValueError(f"request id {rid!r} is already in use")
         if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt):
             raise ValueError("cache_salt must be a non-empty string when given")
-        return Request(rid, prompt_ids, params, self.eos_token_id, prompt=text, cache_salt=cache_salt)
+        request = Request(rid, prompt_ids, params, self.eos_token_id, prompt=text, cache_salt=cache_salt)
+        request.grammar = self.grammars.matcher_for(params)
+        return request
 
     def add_request(
         self,
@@ -143,6 +147,7 @@ class Engine:
         """Stop a request now and free its blocks; unknown or finished ids are ignored."""
         self.scheduler.finish_request(request_id, RequestStatus.FINISHED_ABORTED)
         self.worker.runner.free_request(request_id)
+        self.grammars.forget(request_id)
         self._states.pop(request_id, None)
 
     def has_unfinished(self) -> bool:
@@ -157,10 +162,13 @@ class Engine:
         drafts = None
         if any(s.num_draft_tokens for s in out.scheduled):
             drafts = self.proposer.propose(out.scheduled, tables)
+        drafts, masks = self.grammars.prepare(out.scheduled, drafts)
         executing = time.perf_counter()
-        sampled = self.worker.runner.execute(out.scheduled, tables, drafts)
+        sampled = self.worker.runner.execute(out.scheduled, tables, drafts, masks)
         execute_seconds = time.perf_counter() - executing
         self.scheduler.update(out, {rid: s.token_ids for rid, s in sampled.items()})
+        if masks:
+            self.grammars.advance([s.request for s in out.scheduled], self.scheduler)
         seconds = time.perf_counter() - started
         self._record_spec(k, out, drafts, sampled, seconds)
         num_prefill = sum(s.num_new_tokens for s in out.scheduled if s.num_new_tokens > 1)

@@ -6,6 +6,7 @@ import enum
 import time
 
 from cluster.engine.sampling_params import SamplingParams
+from cluster.structured.matcher import GrammarMatcher
 
 
 class RequestStatus(enum.Enum):
@@ -15,6 +16,7 @@ class RequestStatus(enum.Enum):
     FINISHED_STOPPED = "stop"
     FINISHED_LENGTH = "length"
     FINISHED_ABORTED = "abort"
+    FINISHED_DEAD_END = "grammar_dead_end"  # the output's grammar reached a state no token leaves
 
     @property
     def finished(self) -> bool:
@@ -22,6 +24,7 @@ class RequestStatus(enum.Enum):
             RequestStatus.FINISHED_STOPPED,
             RequestStatus.FINISHED_LENGTH,
             RequestStatus.FINISHED_ABORTED,
+            RequestStatus.FINISHED_DEAD_END,
         )
 
 
@@ -67,6 +70,8 @@ class Request:
         # Speculative decoding: tokens whose K/V the draft model holds (never more than
         # the target's verified ``num_computed_tokens``; 0 again after preemption).
         self.draft_num_computed_tokens = 0
+        # Structured outputs: the grammar state after the output tokens (None: unconstrained).
+        self.grammar: GrammarMatcher | None = None
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -113,8 +113,10 @@ class ModelRunner:
             self.own_seeds[request.request_id] = int(torch.randint(0, 2**62, ()).item())
         return self.own_seeds[request.request_id]
 
-    def sampling_metadata(self, requests: list, vocab_size: int, offsets: list[int] | None = None) -> SamplingMetadata:
-        """Row ``i`` samples output position ``requests[i].num_output_tokens + offsets[i]`` (offset 0 by default)."""
+    def sampling_metadata(self, requests: list, vocab_size: int, offsets: list[int] | None = None,
+                          token_bitmask: torch.Tensor | None = None) -> SamplingMetadata:
+        """Row ``i`` samples output position ``requests[i].num_output_tokens + offsets[i]`` (offset 0 by
+        default); ``token_bitmask`` ([rows, words] int32, CPU): the tokens each row may take."""
         offsets = offsets or [0] * len(requests)
         return SamplingMetadata.build(
             params=[r.sampling_params for r in requests],
@@ -126,6 +128,7 @@ class ModelRunner:
             vocab_size=vocab_size,
             device=self.device,
             seeded_race=self.seeded_race,
+            token_bitmask=token_bitmask,
         )
 
     @torch.inference_mode()
@@ -144,10 +147,12 @@ class ModelRunner:
         scheduled: list[ScheduledRequest],
         block_tables: list[list[int]],
         drafts: DraftProposal | None = None,
+        token_bitmasks: dict[str, torch.Tensor] | None = None,
     ) -> dict[str, SampledTokens]:
         """Run the step's forward pass and decide the new tokens of every request that
         reached the end of its tokens: one sampled token, or (with drafts) the accepted
-        drafts plus one recovered or bonus token."""
+        drafts plus one recovered or bonus token. ``token_bitmasks``: per constrained request,
+        the tokens allowed at each verified position ([1 + drafts, words] int32, CPU)."""
         if not scheduled:
             return {}
         draft_ids = drafts.token_ids if drafts is not None else {}
@@ -171,14 +176,18 @@ class ModelRunner:
         results: dict[str, SampledTokens] = {}
         if plain:
             index = torch.tensor([rows[r.request_id].start for r, _ in plain], device=logits.device)
-            results.update(self._sample(logits.index_select(0, index), [r for r, _ in plain]))
+            requests = [r for r, _ in plain]
+            bitmask = _bitmask_rows(token_bitmasks, requests, [1] * len(requests))
+            results.update(self._sample(logits.index_select(0, index), requests, bitmask))
         if spec:
-            results.update(self._verify(logits, rows, spec, drafts))
+            bitmask = _bitmask_rows(token_bitmasks, [r for r, _ in spec], [len(d) + 1 for _, d in spec])
+            results.update(self._verify(logits, rows, spec, drafts, bitmask))
         return results
 
-    def _sample(self, logits: torch.Tensor, requests: list) -> dict[str, SampledTokens]:
+    def _sample(self, logits: torch.Tensor, requests: list,
+                token_bitmask: torch.Tensor | None = None) -> dict[str, SampledTokens]:
         """logits: [num_reqs, vocab_size], one row per request."""
-        out = self.sampler(logits, self.sampling_metadata(requests, logits.shape[-1]))
+        out = self.sampler(logits, self.sampling_metadata(requests, logits.shape[-1], None, token_bitmask))
         token_ids = out.sampled_token_ids.tolist()
         lp = out.logprobs
         if lp is not None:
@@ -193,7 +202,8 @@ class ModelRunner:
         return results
 
     def _verify(
-        self, logits: torch.Tensor, rows: dict[str, slice], spec: list, drafts: DraftProposal
+        self, logits: torch.Tensor, rows: dict[str, slice], spec: list, drafts: DraftProposal,
+        token_bitmask: torch.Tensor | None = None,
     ) -> dict[str, SampledTokens]:
         """Verify the drafts of ``spec`` requests against the target's logits."""
         requests = [r for r, _ in spec]
@@ -202,7 +212,7 @@ class ModelRunner:
         expanded = [r for r, d in spec for _ in range(len(d) + 1)]
         offsets = [j for _, d in spec for j in range(len(d) + 1)]
         flat = torch.cat([logits[rows[r.request_id]] for r in requests])
-        metadata = self.sampling_metadata(expanded, vocab, offsets)
+        metadata = self.sampling_metadata(expanded, vocab, offsets, token_bitmask)
         if metadata.all_greedy:  # no distributions needed: compare drafts with the argmax
             out = greedy_verify([d for _, d in spec], greedy_token_ids(flat, metadata).tolist())
             return {r.request_id: SampledTokens(tokens, None, accepted)
@@ -218,6 +228,18 @@ class ModelRunner:
             r.request_id: SampledTokens(tokens, None, accepted)
             for r, tokens, accepted in zip(requests, out.output_token_ids, out.num_accepted)
         }
+
+
+def _bitmask_rows(token_bitmasks: dict[str, torch.Tensor] | None, requests: list,
+                  num_rows: list[int]) -> torch.Tensor | None:
+    """The bitmask rows of ``requests`` in order (``num_rows[i]`` each; all ones where a request is
+    unconstrained): [sum num_rows, words] int32, or None when none of them is constrained."""
+    if not token_bitmasks or not any(r.request_id in token_bitmasks for r in requests):
+        return None
+    words = next(iter(token_bitmasks.values())).shape[1]
+    parts = [token_bitmasks[r.request_id][:n] if r.request_id in token_bitmasks
+             else torch.full((n, words), -1, dtype=torch.int32) for r, n in zip(requests, num_rows)]
+    return torch.cat(parts)
 
 
 def _banned_ids(request) -> list[int]:

@@ -1,6 +1,6 @@
 """The sampler: logits in, one token per request (and optionally logprobs) out.
 
-Pipeline per row: penalties -> banned ids -> temperature -> top-k -> top-p -> min-p -> softmax,
+Pipeline per row: grammar mask -> penalties -> banned ids -> temperature -> top-k -> top-p -> min-p -> softmax,
 then one draw by the inverse of the CDF (``categorical.py``). ``compute_probs`` and ``sample_from_probs`` are exposed separately
 because the speculative rejection sampler needs the distribution itself: it calls
 ``compute_probs`` on target and draft logits and samples recovered and bonus tokens with
@@ -23,6 +23,7 @@ import torch
 from cluster.engine.sampling_params import SamplingParams
 from cluster.runner.categorical import sample_categorical
 from cluster.runner.random_stream import Lane, SeedKey, draw_seeded, row_uniforms
+from cluster.structured.bitmask import apply_token_bitmask
 from cluster.runner.logits_processors import (
     PenaltyState,
     apply_banned_token_ids,
@@ -65,6 +66,7 @@ class SamplingMetadata:
     banned_token_ids: dict[int, list[int]]  # row -> ids whose logits are set to -inf
     max_num_logprobs: int | None  # None when no row asks for logprobs
     seeded_race: bool = False  # seeded rows draw by an exponential race on keyed noise, not by the inverse CDF
+    token_bitmask: torch.Tensor | None = None  # [num_reqs, words] int32: allowed tokens (structured outputs)
 
     @classmethod
     def build(
@@ -78,6 +80,7 @@ class SamplingMetadata:
         vocab_size: int,
         device: torch.device,
         seeded_race: bool = False,
+        token_bitmask: torch.Tensor | None = None,
     ) -> SamplingMetadata:
         """Gather one step's per-row settings into tensors on ``device``.
 
@@ -126,6 +129,7 @@ class SamplingMetadata:
             banned_token_ids=banned,
             max_num_logprobs=max(num_logprobs) if num_logprobs else None,
             seeded_race=seeded_race,
+            token_bitmask=None if token_bitmask is None else token_bitmask.to(device, non_blocking=True),
         )
 
     @property
@@ -153,8 +157,11 @@ def _penalized_logits(
     logits: torch.Tensor,  # [num_reqs, vocab_size] any float dtype
     metadata: SamplingMetadata,
 ) -> torch.Tensor:  # [num_reqs, vocab_size] float32
-    """The logits greedy rows take the argmax of: float32, penalties, banned ids."""
-    return apply_banned_token_ids(apply_penalties(logits.float(), metadata), metadata)
+    """The logits greedy rows take the argmax of: float32, the grammar's mask, penalties, banned ids."""
+    logits = logits.float()
+    if metadata.token_bitmask is not None:
+        logits = apply_token_bitmask(logits, metadata.token_bitmask)
+    return apply_banned_token_ids(apply_penalties(logits, metadata), metadata)
 
 
 def greedy_token_ids(
