@@ -52,11 +52,13 @@ class GrammarMatcher:
             self._matcher.rollback(len(token_ids))
 
     def advance(self, output_token_ids: list[int]) -> int | None:
-        """Consume the outputs past ``num_consumed``. Returns the number of output tokens at which
-        the grammar stopped or died (the output should end there), else None."""
+        """Consume the outputs past ``num_consumed``. Returns the number of output tokens the output
+        should end at, else None: after the token that completed the grammar, or before the one it
+        refused (llguidance offers a placeholder token where no real one can go on, and dies on it)."""
         while self.num_consumed < len(output_token_ids):
             if self.is_stopped or self.is_dead:
                 return self.num_consumed
-            self._matcher.consume_token(output_token_ids[self.num_consumed])
+            if not self._matcher.consume_token(output_token_ids[self.num_consumed]):
+                return self.num_consumed
             self.num_consumed += 1
         return self.num_consumed if self.is_stopped or self.is_dead else None

@@ -22,7 +22,10 @@ class _TokenBytes:
         self.special_token_ids = sorted(set(tokenizer.all_special_ids))
         special = set(self.special_token_ids)
         known = len(tokenizer)
-        self.tokens = [tokenizer.decode([i]).encode("utf-8") if i < known and i not in special else b""
+        # llguidance marks special tokens with a leading 0xff byte; ids past the tokenizer's own
+        # get such a name too, so no text can ever produce them.
+        self.tokens = [tokenizer.decode([i]).encode("utf-8") if i < known and i not in special
+                       else b"\xff" + (tokenizer.convert_ids_to_tokens(i) if i < known else f"<unused{i}>").encode()
                        for i in range(vocab_size)]
         self._tokenizer = tokenizer
 
