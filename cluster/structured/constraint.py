@@ -5,9 +5,11 @@ exactly one of ``json``, ``regex``, ``choice``, ``grammar``). It is validated wh
 a schema or grammar that llguidance cannot compile raises ``ConstraintError`` naming the
 request field it came from, so the HTTP layer answers 400 before anything is queued.
 
-JSON whitespace is bounded by default: between JSON tokens only the separators ``", "``
-and ``": "`` are allowed, so a small model cannot loop on newlines. ``flexible_whitespace``
-lifts that (any run of JSON whitespace, as the JSON grammar allows).
+JSON is bounded by default, so a small model cannot loop inside a value: between JSON
+tokens only the separators ``", "`` and ``": "`` are allowed (no newlines), a number without
+``multipleOf`` has at most six decimal places, and an integer or number without bounds stays
+within +-10^15. ``flexible_whitespace`` lifts the whitespace bound (any run of JSON
+whitespace); a schema's own ``multipleOf``, ``minimum`` and ``maximum`` replace the others.
 """
 
 from __future__ import annotations
@@ -20,6 +22,8 @@ from llguidance import LLMatcher
 # The separators of bounded JSON (Python's json.dumps defaults): no other whitespace.
 BOUNDED_JSON = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 FLEXIBLE_JSON = {"whitespace_flexible": True}
+NUMBER_STEP = 1e-6  # the finest number a schema without multipleOf gets
+NUMBER_LIMIT = 10**15  # |value| for integers and numbers without bounds
 
 
 class ConstraintError(ValueError):
@@ -63,7 +67,7 @@ class StructuredOutputs:
     def grammar_text(self) -> str:
         """The llguidance grammar (what ``LLMatcher`` takes)."""
         if self.json is not None:
-            schema = {"type": "object"} if self.json is True else self.json
+            schema = bounded_numbers({"type": "object"} if self.json is True else self.json)
             options = FLEXIBLE_JSON if self.flexible_whitespace else BOUNDED_JSON
             try:
                 return LLMatcher.grammar_from_json_schema(schema, overrides=options)
@@ -81,7 +85,27 @@ def json_schema_grammar(schema: dict, flexible_whitespace: bool = False) -> str:
     """A JSON schema as a Lark rule body (``%json {...}``) with the chosen whitespace, for
     grammars that embed JSON (tool calls)."""
     options = FLEXIBLE_JSON if flexible_whitespace else BOUNDED_JSON
-    return "%json " + json.dumps({**schema, "x-guidance": options})
+    return "%json " + json.dumps({**bounded_numbers(schema), "x-guidance": options})
+
+
+def bounded_numbers(schema):
+    """A copy of ``schema`` whose number and integer nodes carry the default precision and bounds
+    where they set none (see the module's docstring)."""
+    if isinstance(schema, list):
+        return [bounded_numbers(item) for item in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {key: bounded_numbers(value) for key, value in schema.items()}
+    kinds = out.get("type")  # a name, a list of names, or (a property called "type") a schema
+    kinds = {kinds} if isinstance(kinds, str) else set(kinds) if isinstance(kinds, list) else set()
+    if kinds & {"number", "integer"}:
+        if "number" in kinds and "multipleOf" not in out:
+            out["multipleOf"] = NUMBER_STEP
+        if "minimum" not in out and "exclusiveMinimum" not in out:
+            out["minimum"] = -NUMBER_LIMIT
+        if "maximum" not in out and "exclusiveMaximum" not in out:
+            out["maximum"] = NUMBER_LIMIT
+    return out
 
 
 def _first_line(message: str) -> str:
