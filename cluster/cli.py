@@ -361,6 +361,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_compare_args(compare_bench)
     compare_bench.set_defaults(func=cmd_bench_compare)
+    from cluster.bench.structured import add_structured_parser
+
+    add_structured_parser(bench)
     router_bench = bench.add_parser("router", help="Tandem's router vs power-of-two choices on a fast+slow cluster")
     from deployments.bench_router import add_router_args
 

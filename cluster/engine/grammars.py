@@ -23,6 +23,8 @@ from it. Preemption needs nothing: the state follows output tokens, which recomp
 
 from __future__ import annotations
 
+import time
+
 import torch
 
 from cluster.engine.request import Request, RequestStatus
@@ -38,6 +40,7 @@ class Grammars:
         self._eos_token_id = eos_token_id
         self._tokenizer = None  # llguidance's vocabulary, built at the first constrained request
         self._dead: set[str] = set()  # requests whose grammar died; their token of this step is dropped
+        self.seconds = 0.0  # spent in prepare and advance (masks, draft checks, consuming tokens)
 
     def matcher_for(self, params) -> GrammarMatcher | None:
         """A new grammar state for a request with these sampling params (None: unconstrained).
@@ -59,6 +62,7 @@ class Grammars:
         constrained = [s for s in scheduled if s.request.grammar is not None and s.samples]
         if not constrained:
             return drafts, None
+        started = time.perf_counter()
         masks: dict[str, torch.Tensor] = {}
         if drafts is not None:
             drafts = drafts._replace(token_ids=dict(drafts.token_ids),
@@ -78,10 +82,12 @@ class Grammars:
             else:
                 matcher.fill_masks(bitmask, 0, proposed[:valid])
             masks[rid] = bitmask
+        self.seconds += time.perf_counter() - started
         return drafts, masks
 
     def advance(self, requests: list[Request], scheduler: Scheduler) -> None:
         """Feed each constrained request its new output tokens; end those whose grammar is done."""
+        started = time.perf_counter()
         for request in requests:
             matcher = request.grammar
             if matcher is None:
@@ -95,6 +101,7 @@ class Grammars:
                 request.truncate_output(end)
                 self._finish(request, RequestStatus.FINISHED_DEAD_END if matcher.is_dead
                              else RequestStatus.FINISHED_STOPPED, scheduler)
+        self.seconds += time.perf_counter() - started
 
     def _finish(self, request: Request, status: RequestStatus, scheduler: Scheduler) -> None:
         self._dead.discard(request.request_id)

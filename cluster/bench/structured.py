@@ -1,0 +1,123 @@
+"""``tandem bench structured``: the cost of constrained decoding against free decoding.
+
+At each batch size, the same number of requests (all at once, on one engine built from the
+config) decode the same number of tokens twice: free (EOS ignored) and constrained by a JSON
+schema that admits no end before ``--output-len`` tokens (an array of at least 64 objects), so
+both cells emit exactly ``batch x output_len`` tokens. Rounds alternate free and constrained;
+the table gives each cell's median output tok/s, the slowdown, and the share of the
+constrained cell's time spent in the grammar code (masks, draft checks, consuming tokens).
+
+Two engines: one without speculation, where every step emits one token per request whatever
+the text, so the difference is the grammar's own cost; and the config's own speculation, where
+the texts differ in how well they draft (JSON repeats its keys, which n-gram lookup drafts).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from pathlib import Path
+
+from rich.console import Console
+from rich.table import Table
+
+from cluster.config import load_config, with_overrides
+from cluster.engine.llm import LLM, apply_chat_template
+from cluster.engine.sampling_params import SamplingParams
+from cluster.structured.constraint import StructuredOutputs
+
+LONG_SCHEMA = {
+    "type": "object",
+    "properties": {"people": {"type": "array", "minItems": 64, "items": {
+        "type": "object",
+        "properties": {"name": {"type": "string", "maxLength": 12},
+                       "age": {"type": "integer", "minimum": 0, "maximum": 120},
+                       "city": {"type": "string", "maxLength": 12}},
+        "required": ["name", "age", "city"], "additionalProperties": False}}},
+    "required": ["people"],
+    "additionalProperties": False,
+}
+PROMPT = "List 64 people with their name, age and city as JSON."
+
+
+def add_structured_parser(bench) -> None:
+    parser = bench.add_parser("structured", help="constrained (JSON schema) against free decoding, per batch size")
+    parser.add_argument("config", nargs="?", default="configs/local.yaml", help="engine settings (default: local)")
+    parser.add_argument("--batch-sizes", default="1,8,32", help="comma-separated (default 1,8,32)")
+    parser.add_argument("--output-len", type=int, default=128, help="tokens per request (default 128)")
+    parser.add_argument("--temperature", type=float, default=1.0, help="sampling temperature (default 1, seeded)")
+    parser.add_argument("--repeats", type=int, default=3, help="rounds of free + constrained per batch size")
+    parser.add_argument("--json", type=Path, help="write the results here")
+    parser.set_defaults(func=lambda args: _print(run_structured_bench(args)))
+
+
+def _round(llm: LLM, prompt: str, batch: int, args, constrained: bool) -> dict:
+    constraint = StructuredOutputs(json=LONG_SCHEMA) if constrained else None
+    params = [SamplingParams(max_tokens=args.output_len, temperature=args.temperature, seed=i, ignore_eos=True,
+                             structured_outputs=constraint) for i in range(batch)]
+    grammar_before = llm.engine.grammars.seconds
+    started = time.perf_counter()
+    outputs = llm.generate([prompt] * batch, params)
+    seconds = time.perf_counter() - started
+    tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
+    if tokens != batch * args.output_len:
+        raise RuntimeError(f"a request ended early ({tokens} of {batch * args.output_len} tokens): the schema "
+                           "should admit no end before --output-len")
+    if constrained:
+        for o in outputs:
+            if not o.outputs[0].text.startswith('{"people": [{"name": "'):
+                raise RuntimeError(f"a constrained output does not follow the schema: {o.outputs[0].text[:80]!r}")
+    return {"tok_s": tokens / seconds, "seconds": seconds, "grammar_seconds": llm.engine.grammars.seconds - grammar_before}
+
+
+def run_structured_bench(args: argparse.Namespace) -> dict:
+    config = load_config(args.config)
+    cells = []
+    for speculation in dict.fromkeys(("none", config.speculative.method)):
+        cells += _cells(LLM(config=with_overrides(config, method=speculation)), speculation, args)
+    result = {"config": str(args.config), "output_len": args.output_len, "temperature": args.temperature,
+              "repeats": args.repeats, "threads": _threads(), "controller": config.speculative.controller,
+              "cells": cells}
+    if args.json:
+        args.json.write_text(json.dumps(result, indent=2) + "\n")
+    return result
+
+
+def _cells(llm: LLM, speculation: str, args) -> list[dict]:
+    prompt = apply_chat_template(llm.engine.tokenizer, [{"role": "user", "content": PROMPT}])
+    _round(llm, prompt, 2, argparse.Namespace(**{**vars(args), "output_len": 8}), True)  # warm-up, vocabulary
+    cells = []
+    for batch in (int(b) for b in args.batch_sizes.split(",")):
+        rounds = {"free": [], "constrained": []}
+        for _ in range(args.repeats):
+            for kind in ("free", "constrained"):
+                rounds[kind].append(_round(llm, prompt, batch, args, kind == "constrained"))
+        free = statistics.median(r["tok_s"] for r in rounds["free"])
+        constrained = statistics.median(r["tok_s"] for r in rounds["constrained"])
+        grammar_share = sum(r["grammar_seconds"] for r in rounds["constrained"]) / sum(
+            r["seconds"] for r in rounds["constrained"])
+        cells.append({"speculation": speculation, "batch_size": batch, "free_tok_s": free,
+                      "constrained_tok_s": constrained, "slowdown": 1 - constrained / free,
+                      "grammar_share": grammar_share, "rounds": rounds})
+    return cells
+
+
+def _threads() -> int:
+    import torch
+
+    return torch.get_num_threads()
+
+
+def _print(result: dict) -> int:
+    table = Table(title=f"constrained vs free decoding ({result['config']}, {result['output_len']} tokens, "
+                        f"temperature {result['temperature']}, {result['threads']} threads, "
+                        f"median of {result['repeats']})")
+    for column in ("speculation", "batch", "free tok/s", "constrained tok/s", "slower", "in grammar code"):
+        table.add_column(column, justify="right")
+    for c in result["cells"]:
+        table.add_row(c["speculation"], str(c["batch_size"]), f"{c['free_tok_s']:.1f}", f"{c['constrained_tok_s']:.1f}",
+                      f"{100 * c['slowdown']:.1f}%", f"{100 * c['grammar_share']:.1f}%")
+    Console().print(table)
+    return 0
