@@ -40,6 +40,7 @@ from cluster.engine.sampling_params import SamplingParams
 from cluster.routing.policy import peak_tokens_per_second
 from cluster.routing.step_times import StepTimeTracker
 from cluster.spec.latency_model import power_of_two_sizes
+from cluster.structured.constraint import vllm_fields
 
 logger = logging.getLogger(__name__)
 
@@ -176,7 +177,7 @@ class VllmBackend:
         return None
 
     def _sampling_params(self, request: GenerateRequest):
-        from vllm.sampling_params import RequestOutputKind
+        from vllm.sampling_params import RequestOutputKind, StructuredOutputsParams
 
         p: SamplingParams = request.sampling_params
         if request.max_tokens_is_default:
@@ -188,6 +189,8 @@ class VllmBackend:
             frequency_penalty=p.frequency_penalty, repetition_penalty=p.repetition_penalty, seed=p.seed,
             stop=list(p.stop) or None, stop_token_ids=list(p.stop_token_ids) or None, ignore_eos=p.ignore_eos,
             logprobs=p.logprobs, skip_special_tokens=p.skip_special_tokens, output_kind=RequestOutputKind.DELTA,
+            structured_outputs=None if p.structured_outputs is None
+            else StructuredOutputsParams(**vllm_fields(p.structured_outputs)),
         )
 
     async def abort(self, request_id: str) -> None:

@@ -66,6 +66,9 @@ def vllm_settings(config: TandemConfig, tensor_parallel_size: int, model_path: s
         "enable_chunked_prefill": s.enable_chunked_prefill,
         "tensor_parallel_size": tensor_parallel_size,
         "disable_log_stats": False,
+        # Structured outputs through llguidance, the native engine's library, so that a request's
+        # grammar (sent as the same Lark text, cluster.structured.constraint.vllm_fields) behaves alike.
+        "structured_outputs_config": {"backend": "guidance"},
     }
     if m.max_model_len:
         args["max_model_len"] = m.max_model_len

@@ -81,6 +81,20 @@ class StructuredOutputs:
         return LLMatcher.grammar_from_lark(self.grammar)
 
 
+def vllm_fields(constraint: StructuredOutputs) -> dict:
+    """The keyword arguments of vLLM's ``StructuredOutputsParams`` that give a vLLM engine with the
+    ``guidance`` backend (llguidance, the same library) the same grammar: regex and choice as vLLM
+    builds them (identically), a JSON schema as a Lark grammar embedding it with our bounds."""
+    if constraint.regex is not None:
+        return {"regex": constraint.regex}
+    if constraint.choice is not None:
+        return {"choice": list(constraint.choice)}
+    if constraint.grammar is not None:
+        return {"grammar": constraint.grammar}
+    schema = {"type": "object"} if constraint.json is True else constraint.json
+    return {"grammar": "start: " + json_schema_grammar(schema, constraint.flexible_whitespace)}
+
+
 def json_schema_grammar(schema: dict, flexible_whitespace: bool = False) -> str:
     """A JSON schema as a Lark rule body (``%json {...}``) with the chosen whitespace, for
     grammars that embed JSON (tool calls)."""

@@ -8,7 +8,7 @@ import torch
 from transformers import AutoTokenizer
 
 from cluster.structured.bitmask import allowed_tokens, apply_token_bitmask
-from cluster.structured.constraint import ConstraintError, StructuredOutputs, bounded_numbers
+from cluster.structured.constraint import ConstraintError, StructuredOutputs, bounded_numbers, vllm_fields
 from cluster.structured.matcher import GrammarMatcher, bitmask_words
 from cluster.structured.vocabulary import grammar_tokenizer
 
@@ -86,3 +86,14 @@ def test_masks_for_draft_positions_leave_the_state_alone(vocabulary):
     masked = apply_token_bitmask(logits, bitmask)
     assert torch.isinf(masked[1]).sum() == 255 and masked[1, b] == 0
     assert torch.equal(apply_token_bitmask(logits, torch.full_like(bitmask, -1)), logits)
+
+
+def test_vllm_gets_the_same_grammar():
+    from llguidance import LLMatcher
+
+    assert vllm_fields(StructuredOutputs(regex="a+")) == {"regex": "a+"}
+    assert vllm_fields(StructuredOutputs(choice=["x", "y"])) == {"choice": ["x", "y"]}
+    fields = vllm_fields(StructuredOutputs(json={"type": "object", "properties": {"n": {"type": "number"}}}))
+    lark = fields["grammar"]
+    assert lark.startswith("start: %json ") and '"whitespace_flexible": false' in lark and '"multipleOf": 1e-06' in lark
+    assert LLMatcher.validate_grammar(LLMatcher.grammar_from_lark(lark)) == ""
