@@ -103,7 +103,7 @@ class VllmBackend:
         try:
             params = self._sampling_params(request)
         except ValueError as err:
-            yield GenerateDelta(error=ErrorInfo(400, str(err), param=error_param(str(err))))
+            yield GenerateDelta(error=ErrorInfo(400, str(err), param=error_param(err)))
             return
         prompt = self._TokensPrompt(prompt_token_ids=list(request.prompt_token_ids))
         if request.cache_salt is not None:
@@ -120,7 +120,7 @@ class VllmBackend:
             return
         except (VLLMClientError, ValueError) as err:
             yield GenerateDelta(error=ErrorInfo(400, str(err), param=getattr(err, "parameter", None)
-                                                or error_param(str(err))))
+                                                or error_param(err)))
             return
         except EngineDeadError as err:
             self._failed = str(err)

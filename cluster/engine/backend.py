@@ -123,8 +123,12 @@ def build_backend(config: "TandemConfig", group: "ReplicaGroupConfig", context: 
     raise ValueError(f"unknown engine backend {backend!r}; choose native or vllm")
 
 
-def error_param(message: str) -> str | None:
-    """The OpenAI parameter an engine's ValueError message is about, when it names one."""
+def error_param(err: BaseException) -> str | None:
+    """The OpenAI parameter an engine's ValueError is about: its ``param`` field when it has one
+    (structured-output errors), else the parameter its message starts with."""
+    if isinstance(getattr(err, "param", None), str):
+        return err.param
+    message = str(err)
     for name in ("max_tokens", "temperature", "top_p", "top_k", "min_p", "presence_penalty",
                  "frequency_penalty", "repetition_penalty", "logprobs", "min_tokens", "stop_token_ids",
                  "stop", "seed", "cache_salt"):

@@ -85,7 +85,7 @@ class EngineCore:
             prepared = self.engine.make_request(request.prompt_token_ids, params, rid, request.cache_salt)
             self.engine.add_prepared(prepared)
         except ValueError as err:
-            self._out.deltas.append((rid, GenerateDelta(error=ErrorInfo(400, str(err), param=error_param(str(err))))))
+            self._out.deltas.append((rid, GenerateDelta(error=ErrorInfo(400, str(err), param=error_param(err)))))
             return
         self._out.deltas.append((rid, GenerateDelta(accepted=True, num_prompt_tokens=len(request.prompt_token_ids))))
 

@@ -47,7 +47,7 @@ class NativeBackend:
             yield GenerateDelta(error=ErrorInfo(429, str(err), "rate_limit_error"))
             return
         except ValueError as err:
-            yield GenerateDelta(error=ErrorInfo(400, str(err), param=error_param(str(err))))
+            yield GenerateDelta(error=ErrorInfo(400, str(err), param=error_param(err)))
             return
         except EngineDeadError as err:  # the engine failed before this request's first token
             self._failed = str(err)

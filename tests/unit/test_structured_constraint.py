@@ -97,3 +97,10 @@ def test_vllm_gets_the_same_grammar():
     lark = fields["grammar"]
     assert lark.startswith("start: %json ") and '"whitespace_flexible": false' in lark and '"multipleOf": 1e-06' in lark
     assert LLMatcher.validate_grammar(LLMatcher.grammar_from_lark(lark)) == ""
+
+
+def test_engine_errors_carry_the_constraints_field():
+    from cluster.engine.backend import error_param
+
+    assert error_param(ConstraintError("tool_choice", "tool_choice: bad")) == "tool_choice"
+    assert error_param(ValueError("temperature must be >= 0")) == "temperature"
