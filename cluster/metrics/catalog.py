@@ -118,7 +118,7 @@ def exported_series_names() -> set[str]:
 
 
 def markdown_table() -> str:
-    """The catalog as a Markdown table, for the README."""
+    """The catalog as a Markdown table, for docs/metrics.md."""
     rows = ["| Prometheus name | kind | unit | labels | meaning |", "|---|---|---|---|---|"]
     for m in METRICS:
         labels = ", ".join(m.all_labels)
