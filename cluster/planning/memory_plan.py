@@ -1,12 +1,15 @@
 """Memory planning: what each rank of each replica group holds, against its device's memory.
 
-Per group and per rank: the target's weights (split over tensor-parallel ranks), the draft's
-(whole, on rank 0, where the draft runs), the target's KV pool (``cache.kv_cache_memory`` is
-a budget **per rank**; ``cache.num_blocks`` is exact; else ``kv_cache_fraction`` of what is
-free on the device after the target's weights), the draft's KV pool (as many blocks as the
-target's, rank 0), an activation workspace for ``max_num_batched_tokens``, and what a GPU
-reserves before the engine allocates (``device_kinds.GPU_RESERVED_BYTES``). A group whose
-busiest rank needs more than one device of its kind offers is refused with the numbers and
+Per group and per rank, for the native engine: the target's weights (split over tensor-parallel
+ranks), the draft's (whole, on rank 0, where the draft runs), the target's KV pool
+(``cache.kv_cache_memory`` is a budget **per rank**; ``cache.num_blocks`` is exact; else
+``kv_cache_fraction`` of what is free on the device after the target's weights), the draft's KV
+pool (as many blocks as the target's, rank 0), an activation workspace for
+``max_num_batched_tokens``, and what a GPU reserves before the engine allocates
+(``device_kinds.GPU_RESERVED_BYTES``). A vLLM group (``engine.backend: vllm``) differs as
+:mod:`cluster.planning.vllm_memory` says: its weight quantization is vLLM's, the draft is split
+over the ranks, and the KV budget is one pool for the target's and the draft's layers. A group
+whose busiest rank needs more than one device of its kind offers is refused with the numbers and
 the largest KV budget that would fit.
 
 The activation figure is an estimate, not a measurement: one step's hidden states and MLP
@@ -20,6 +23,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from cluster.config import ConfigError, TandemConfig, group_engine_config
+from cluster.planning import vllm_memory
 from cluster.planning.device_kinds import device_memory_bytes, known_kinds
 from cluster.planning.model_shapes import ModelShape, model_shape
 from cluster.quant.kv_int8 import bytes_per_vector
@@ -117,11 +121,13 @@ def _host_memory(config: TandemConfig, group: str) -> int | None:
 def _plan_group(config: TandemConfig, name: str) -> GroupPlan:
     group = config.serve.groups[0]
     tp = group.tensor_parallel_size
+    vllm = config.engine.backend == "vllm"
     # On device: cpu the group's device_kind is only a label (tests and demos emulate GPU kinds).
     kind = "cpu" if config.device.device == "cpu" else group.device_kind
     dtype, dtype_bytes = _dtype_bytes(config.model.dtype, kind)
     device_bytes, reserved = device_memory_bytes(kind, _host_memory(config, name))
-    plan = GroupPlan(name, kind, device_bytes, tp, config.engine.backend, dtype, config.model.quantization)
+    quantization = vllm_memory.weight_quantization(config) if vllm else config.model.quantization
+    plan = GroupPlan(name, kind, device_bytes, tp, config.engine.backend, dtype, quantization)
     if device_bytes is None:
         plan.notes.append(f"device kind {kind!r} has no entry in the memory table "
                           f"({', '.join(known_kinds())}): not checked")
@@ -135,15 +141,23 @@ def _plan_group(config: TandemConfig, name: str) -> GroupPlan:
         draft = model_shape(spec.draft_model)
         if draft is None:
             plan.notes.append(f"the draft {spec.draft_model}: no config.json and not a known model; counted as 0")
-    draft_dtype_bytes = _DTYPE_BYTES.get(spec.draft_dtype or dtype, dtype_bytes)
-    draft_quant = spec.draft_quantization or config.model.quantization
-
-    target_weights = _weight_bytes(target, dtype_bytes, config.model.quantization, tp)
-    draft_weights = _weight_bytes(draft, draft_dtype_bytes, draft_quant, 1) if draft else 0
+    if vllm:  # see vllm_memory: the draft in the target's dtype, split over the ranks; one shared KV pool
+        plan.notes.extend(vllm_memory.notes(config, draft is not None, dtype))
+        target_weights = vllm_memory.weight_bytes(target, dtype_bytes, quantization, tp)
+        draft_weights = vllm_memory.weight_bytes(draft, dtype_bytes, "none", tp) if draft else 0
+        kv_bytes = vllm_memory.kv_element_bytes(config, dtype_bytes)
+        target_token = _kv_bytes_per_token(target, kv_bytes, "auto", tp)
+        draft_token = _kv_bytes_per_token(draft, kv_bytes, "auto", tp) if draft else 0
+    else:  # the draft whole on rank 0, in its own dtype and quantization, with a pool of its own
+        draft_dtype_bytes = _DTYPE_BYTES.get(spec.draft_dtype or dtype, dtype_bytes)
+        target_weights = _weight_bytes(target, dtype_bytes, config.model.quantization, tp)
+        draft_quant = spec.draft_quantization or config.model.quantization
+        draft_weights = _weight_bytes(draft, draft_dtype_bytes, draft_quant, 1) if draft else 0
+        target_token = _kv_bytes_per_token(target, dtype_bytes, config.cache.kv_cache_dtype, tp)
+        draft_token = _kv_bytes_per_token(draft, draft_dtype_bytes, config.cache.kv_cache_dtype, 1) if draft else 0
     block_size = config.cache.block_size
-    target_block = block_size * _kv_bytes_per_token(target, dtype_bytes, config.cache.kv_cache_dtype, tp)
-    draft_block = block_size * _kv_bytes_per_token(draft, draft_dtype_bytes, config.cache.kv_cache_dtype, 1) \
-        if draft else 0
+    target_block, draft_block = block_size * target_token, block_size * draft_token
+    budget_block = target_block + draft_block if vllm else target_block  # what cache.kv_cache_memory pays for
     k = spec.num_speculative_tokens if spec.method != "none" else 0
     activations = _activation_bytes(config, target, dtype_bytes, tp, k)
 
@@ -151,7 +165,13 @@ def _plan_group(config: TandemConfig, name: str) -> GroupPlan:
     if cache.num_blocks is not None:
         num_blocks = cache.num_blocks
     elif cache.memory_bytes() is not None:
-        num_blocks = cache.memory_bytes() // target_block
+        num_blocks = cache.memory_bytes() // budget_block
+    elif device_bytes is not None and vllm:
+        utilization = vllm_memory.gpu_memory_utilization(config)
+        free = int(device_bytes * utilization) - reserved - target_weights - draft_weights - activations
+        num_blocks = max(0, free) // budget_block
+        plan.notes.append(f"gpu_memory_utilization {utilization} of one {kind}, less weights, activations and "
+                          f"CUDA's share: {_gib(num_blocks * budget_block)} of KV cache per rank")
     elif device_bytes is not None:
         free = device_bytes - reserved - target_weights
         num_blocks = max(0, int(free * cache.kv_cache_fraction)) // target_block
@@ -162,9 +182,9 @@ def _plan_group(config: TandemConfig, name: str) -> GroupPlan:
         num_blocks = 0
     plan.kv_tokens = num_blocks * block_size
     for rank in range(tp):
-        on_driver = rank == 0
-        plan.ranks.append(RankPlan(rank, target_weights, draft_weights if on_driver else 0, num_blocks * target_block,
-                                   num_blocks * draft_block if on_driver else 0, activations, reserved))
+        has_draft = vllm or rank == 0  # vLLM splits the draft like the target; the native engine runs it on rank 0
+        plan.ranks.append(RankPlan(rank, target_weights, draft_weights if has_draft else 0, num_blocks * target_block,
+                                   num_blocks * draft_block if has_draft else 0, activations, reserved))
     if device_bytes is not None:
         busiest = max(plan.ranks, key=lambda r: r.total)
         if busiest.total > device_bytes:
@@ -185,10 +205,13 @@ def _activation_bytes(config: TandemConfig, shape: ModelShape, dtype_bytes: int,
 def _refusal(plan: GroupPlan, rank: RankPlan, bytes_per_block: int, device_bytes: int) -> str:
     others = rank.total - rank.kv_cache - rank.draft_kv_cache
     room = device_bytes - others
-    fix = (f"set engine.kv_cache_memory (a budget per rank) to at most "
-           f"{_gib(room * rank.kv_cache // max(1, rank.kv_cache + rank.draft_kv_cache))}"
+    vllm = plan.backend == "vllm"
+    # The native engine's budget pays for the target's pool, the draft's comes on top; vLLM's pays for both.
+    budget = room if vllm else room * rank.kv_cache // max(1, rank.kv_cache + rank.draft_kv_cache)
+    quantize = "engine.vllm_args.quantization: fp8" if vllm else "model.quantization: int8"
+    fix = (f"set engine.kv_cache_memory (a budget per rank) to at most {_gib(budget)}"
            if room > bytes_per_block else
-           "the weights alone do not fit: raise tensor_parallel_size, quantize (model.quantization: int8) "
+           f"the weights alone do not fit: raise tensor_parallel_size, quantize ({quantize}) "
            "or choose a smaller draft")
     return (f"serve.groups[{plan.group}] does not fit one {plan.device_kind} ({_gib(device_bytes)}): rank "
             f"{rank.rank} needs {_gib(rank.total)} = target weights {_gib(rank.target_weights)} + draft weights "

@@ -65,6 +65,23 @@ def test_hetero_gpu_yaml_groups_get_their_own_engine_settings():
     assert group_of(config, "h100").engine["max_num_seqs"] == 256
 
 
+def test_shipped_gpu_groups_run_vllm_with_settings_vllm_accepts():
+    from cluster.backends.vllm_args import vllm_settings
+
+    for path in (ROOT / "configs" / "gpu-single.yaml", HETERO):
+        config = load_config(path)
+        for group in config.serve.groups:
+            engine = group_engine_config(config, group.name)
+            assert (group.name, engine.engine.backend) == (group.name, "vllm")
+            # Tandem's own int8 schemes would be refused here (cluster/backends/vllm_args.py).
+            settings = vllm_settings(engine, group.tensor_parallel_size, engine.model.model,
+                                     engine.speculative.draft_model, None, True)
+            assert settings.engine_args["speculative_config"]["method"] == "draft_model"
+            assert settings.engine_args["kv_cache_memory_bytes"] == engine.cache.memory_bytes()
+    a10g = group_engine_config(load_config(HETERO), "a10g")
+    assert a10g.model.quantization == "none" and a10g.engine.vllm_args == {"quantization": "fp8"}
+
+
 def test_unknown_group_name_is_named():
     config = load_config(HETERO)
     with pytest.raises(ConfigError, match="'t4'"):

@@ -62,13 +62,14 @@ def _hetero(**h100_engine) -> dict:
 
 
 def test_a_group_too_big_for_its_gpu_is_refused_with_its_numbers_and_the_fix():
+    native = _hetero(kv_cache_memory="100GiB", backend="native")
     with pytest.raises(ConfigError) as err:
-        check_memory(config_from_dict(_hetero(kv_cache_memory="100GiB"), "hetero"))
+        check_memory(config_from_dict(native, "hetero"))
     message = str(err.value)
     assert "serve.groups[h100] does not fit one H100 (79.65 GiB)" in message
     assert "KV cache 100.00 GiB" in message and "draft KV cache 50.00 GiB" in message
     assert "kv_cache_memory (a budget per rank) to at most" in message
-    plans = {p.group: p for p in plan_memory(config_from_dict(_hetero(kv_cache_memory="100GiB"), "hetero"))}
+    plans = {p.group: p for p in plan_memory(config_from_dict(native, "hetero"))}
     # tensor parallel: the target is split over the ranks, the draft and its cache live on rank 0
     h100 = plans["h100"]
     assert [r.rank for r in h100.ranks] == [0, 1]
@@ -77,21 +78,69 @@ def test_a_group_too_big_for_its_gpu_is_refused_with_its_numbers_and_the_fix():
     assert plans["a10g"].problem is None
 
 
+def test_a_vllm_group_shares_its_kv_budget_with_the_draft_and_splits_the_draft_over_the_ranks():
+    with pytest.raises(ConfigError) as err:
+        check_memory(config_from_dict(_hetero(kv_cache_memory="100GiB"), "hetero"))
+    message = str(err.value)
+    assert "serve.groups[h100] does not fit one H100 (79.65 GiB)" in message
+    # One pool of 100 GiB per rank for both models' layers, 64 KiB a token for the target's half of
+    # the KV heads and 16 KiB for the draft's: 80 + 20 GiB, and the whole room left is the budget.
+    assert "KV cache 80.00 GiB" in message and "draft KV cache 20.00 GiB" in message
+    assert "kv_cache_memory (a budget per rank) to at most 66.12 GiB" in message
+    h100 = plan_memory(config_from_dict(_hetero(), "hetero"))[0]
+    assert h100.backend == "vllm"
+    assert h100.ranks[0].draft_weights == h100.ranks[1].draft_weights > 0
+    assert h100.ranks[0].draft_kv_cache == h100.ranks[1].draft_kv_cache > 0
+    whole = plan_memory(config_from_dict(_hetero(backend="native"), "hetero"))[0].ranks[0].draft_weights
+    assert 2 * h100.ranks[0].draft_weights - whole == 33 * 2048 * 2  # split in two; its 33 norms whole on each rank
+    assert h100.kv_tokens == 40 * 2**30 // ((64 + 16) * 1024 * 16) * 16
+
+
+def test_vllm_fp8_counts_one_byte_per_linear_weight_and_keeps_the_vocabulary_in_the_dtype():
+    a10g = {p.group: p for p in plan_memory(load_config(HETERO))}["a10g"]
+    assert (a10g.backend, a10g.quantization) == ("vllm", "fp8")
+    # Llama 3.1 8B: 8,030,261,248 parameters, of which two 128256 x 4096 tables (embedding and the
+    # untied head, bfloat16) and 65 norms of 4096 (bfloat16); the rest are linear, one byte each.
+    vocab, norms = 2 * 128256 * 4096, 65 * 4096
+    assert a10g.ranks[0].target_weights == (8_030_261_248 - vocab - norms) + 2 * (vocab + norms)
+    # 6 GiB for 128 KiB (target) + 32 KiB (draft) a token, in blocks of 16 tokens
+    assert a10g.kv_tokens == 6 * 2**30 // (160 * 1024 * 16) * 16 == 39_312
+    data = yaml.safe_load(HETERO.read_text())
+    data["serve"]["groups"][1]["engine"]["vllm_args"] = {"quantization": "awq"}
+    awq = plan_memory(config_from_dict(data, "hetero"))[1]
+    assert awq.ranks[0].target_weights == 2 * 8_030_261_248  # not modelled: counted in bfloat16
+    assert any("'awq' is not modelled" in note for note in awq.notes)
+
+
 def test_weights_alone_too_big_name_the_other_fixes():
     data = _hetero()
     data["serve"]["groups"][1]["engine"] = {"quantization": "none", "kv_cache_memory": "1MiB"}
     data["model"]["dtype"] = "float32"
-    with pytest.raises(ConfigError, match=r"serve.groups\[a10g\].*the weights alone do not fit"):
+    with pytest.raises(ConfigError, match=r"serve.groups\[a10g\].*the weights alone do not fit.*model.quantization"):
+        check_memory(config_from_dict(data, "hetero"))
+    data["serve"]["groups"][1]["engine"] = {"backend": "vllm", "kv_cache_memory": "1MiB"}
+    with pytest.raises(ConfigError, match=r"the weights alone do not fit.*engine.vllm_args.quantization: fp8"):
         check_memory(config_from_dict(data, "hetero"))
 
 
 def test_kv_cache_fraction_is_reported_per_rank():
-    data = _hetero()
+    data = _hetero(backend="native")
     del data["serve"]["groups"][0]["engine"]["kv_cache_memory"]
     data["cache"]["kv_cache_memory"] = None  # the shared default (512MiB) would win over the fraction
     h100 = plan_memory(config_from_dict(data, "hetero"))[0]
     assert any("kv_cache_fraction 0.3" in note and "per rank" in note for note in h100.notes)
     assert h100.kv_tokens > 0
+
+
+def test_without_a_budget_a_vllm_group_fills_its_gpu_memory_utilization():
+    data = _hetero()
+    del data["serve"]["groups"][0]["engine"]["kv_cache_memory"]
+    data["cache"]["kv_cache_memory"] = None
+    data["serve"]["groups"][0]["engine"]["vllm_args"] = {"gpu_memory_utilization": 0.8}
+    h100 = plan_memory(config_from_dict(data, "hetero"))[0]
+    assert any("gpu_memory_utilization 0.8 of one H100" in note for note in h100.notes)
+    block = (64 + 16) * 1024 * 16
+    assert 0.8 * h100.device_bytes - block < h100.ranks[0].total <= 0.8 * h100.device_bytes
 
 
 def test_unknown_kinds_and_models_are_noted_not_refused():
@@ -108,6 +157,21 @@ def test_unknown_kinds_and_models_are_noted_not_refused():
 def test_shipped_configs_fit(name):
     for plan in check_memory(load_config(ROOT / "configs" / name)):
         assert plan.problem is None
+
+
+def test_the_native_engine_is_one_line_away_in_the_shipped_gpu_configs():
+    """What the configs' comments promise: `engine: native` (and, on the A10G, Tandem's int8 in place
+    of vLLM's fp8) still fits every group."""
+    single = yaml.safe_load((ROOT / "configs" / "gpu-single.yaml").read_text())
+    assert single["serve"]["groups"][0]["engine"] == "vllm"
+    single["serve"]["groups"][0]["engine"] = "native"
+    hetero = _hetero(backend="native")
+    a10g = hetero["serve"]["groups"][1]["engine"]
+    del a10g["vllm_args"]
+    a10g.update(backend="native", quantization="int8")
+    for data in (single, hetero):
+        plans = check_memory(config_from_dict(data, "native"))
+        assert [p.backend for p in plans] == ["native"] * len(plans)
 
 
 def test_cli_check_and_k8s_render_refuse(tmp_path, capsys):
