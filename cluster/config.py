@@ -40,6 +40,12 @@ class ModelConfig(_Strict):
         False, description="compute every token the same way whatever else is in the step (CPU, float32 or "
         "bfloat16): a request's output, speculative or not, no longer depends on its batch; prefill runs slower")
     seed: int = 0
+    tool_call_format: Literal["auto", "hermes", "llama3_json", "prompt"] = Field(
+        "auto", description="how tools reach the prompt and calls come back (docs/structured-outputs.md): hermes "
+        "(the chat template takes tools=, calls are <tool_call> blocks: Qwen 2.5), llama3_json (the template takes "
+        "tools=, a call is a JSON object with name and parameters: Llama 3.1/3.2), prompt (the template knows no "
+        "tools: Tandem writes them into the system prompt, calls are <tool_call> blocks); auto picks from the "
+        "chat template's text")
 
 
 class CacheConfig(_Strict):
