@@ -5,24 +5,33 @@ a silent conversion); unknown fields are ignored, as OpenAI and vLLM do. Fields 
 OpenAI defines but Tandem does not implement are rejected with a message naming them
 rather than silently ignored. Tandem also accepts vLLM's extra sampling fields
 (``top_k``, ``min_p``, ``repetition_penalty``, ``ignore_eos``, ``min_tokens``,
-``stop_token_ids``, ``skip_special_tokens``) and ``cache_salt``.
+``stop_token_ids``, ``skip_special_tokens``), ``cache_salt`` and ``structured_outputs``.
+
+Output constraints (``response_format``, ``structured_outputs``) are mapped in
+``structured_request``; the tool fields in ``tool_request``.
 """
 
 from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, model_validator
 
+from cluster.api.errors import UnsupportedFieldError
+from cluster.api.structured_request import (
+    ResponseFormat,
+    StructuredOutputsField,
+    response_format_constraint,
+    single_constraint,
+    structured_outputs_constraint,
+)
+from cluster.api.tool_request import NO_TOOLS, ToolChoice, ToolPlan, ToolSpec, plan_tools
 from cluster.engine.sampling_params import SamplingParams
+from cluster.structured.constraint import StructuredOutputs
+
+__all__ = ["ChatCompletionRequest", "ChatMessage", "CompletionRequest", "UnsupportedFieldError"]
 
 MAX_N = 16
-
-
-class UnsupportedFieldError(ValueError):
-    def __init__(self, param: str, message: str) -> None:
-        super().__init__(message)
-        self.param = param
 
 
 class _Body(BaseModel):
@@ -56,6 +65,8 @@ class _SamplingFields(_Body):
     stop_token_ids: list[StrictInt] | None = None
     skip_special_tokens: StrictBool = True
     cache_salt: StrictStr | None = None
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsField | None = None
 
     def check_supported(self) -> None:
         if self.logit_bias:
@@ -66,7 +77,14 @@ class _SamplingFields(_Body):
     def requested_max_tokens(self) -> int | None:
         return self.max_tokens
 
-    def sampling_params(self, default_max_tokens: int, num_logprobs: int | None, choice: int) -> SamplingParams:
+    def output_constraint(self) -> StructuredOutputs | None:
+        """What ``response_format`` / ``structured_outputs`` ask the output to match (raises
+        UnsupportedFieldError or ConstraintError naming the field)."""
+        return single_constraint(("response_format", response_format_constraint(self.response_format)),
+                                 ("structured_outputs", structured_outputs_constraint(self.structured_outputs)))
+
+    def sampling_params(self, default_max_tokens: int, num_logprobs: int | None, choice: int,
+                        structured_outputs: StructuredOutputs | None = None) -> SamplingParams:
         """Raises ValueError (from SamplingParams) naming the offending field."""
         max_tokens = self.requested_max_tokens()
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
@@ -87,6 +105,7 @@ class _SamplingFields(_Body):
             logprobs=num_logprobs,
             min_tokens=self.min_tokens,
             skip_special_tokens=self.skip_special_tokens,
+            structured_outputs=structured_outputs,
         )
 
 
@@ -123,17 +142,45 @@ class TextPart(_Body):
     text: StrictStr
 
 
+class FunctionCall(_Body):
+    name: StrictStr
+    arguments: StrictStr  # JSON text, as OpenAI sends it
+
+
+class MessageToolCall(_Body):
+    id: StrictStr
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(_Body):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: StrictStr | list[TextPart] | None = None
     name: StrictStr | None = None
+    tool_calls: list[MessageToolCall] | None = None  # assistant messages
+    tool_call_id: StrictStr | None = None  # tool messages: the call this is the result of
+
+    @model_validator(mode="after")
+    def _check_tool_fields(self) -> ChatMessage:
+        if self.tool_calls and self.role != "assistant":
+            raise ValueError("only assistant messages may carry tool_calls")
+        if self.role == "tool" and not self.tool_call_id:
+            raise ValueError("a tool message needs the tool_call_id of the call it answers")
+        return self
 
     def as_template_message(self) -> dict:
+        """The message as chat templates take it: developer becomes system, content a string
+        (None: empty), tool_calls and tool_call_id kept where set."""
         content = self.content
         if isinstance(content, list):
             content = "".join(part.text for part in content)
         role = "system" if self.role == "developer" else self.role
-        return {"role": role, "content": content or ""}
+        message = {"role": role, "content": content or ""}
+        if self.tool_calls:
+            message["tool_calls"] = [call.model_dump() for call in self.tool_calls]
+        if self.tool_call_id is not None:
+            message["tool_call_id"] = self.tool_call_id
+        return message
 
 
 class ChatCompletionRequest(_SamplingFields):
@@ -141,15 +188,17 @@ class ChatCompletionRequest(_SamplingFields):
     max_completion_tokens: StrictInt | None = Field(None, ge=1)
     logprobs: StrictBool = False
     top_logprobs: StrictInt | None = Field(None, ge=0, le=20)
-    tools: list | None = None
-    response_format: dict | None = None
+    tools: list[ToolSpec] | None = None
+    tool_choice: ToolChoice | None = None
+    parallel_tool_calls: StrictBool = True
+    functions: list | None = None  # OpenAI's deprecated forms of tools
+    function_call: StrictStr | dict | None = None
 
     def check_supported(self) -> None:
         super().check_supported()
-        if self.tools:
-            raise UnsupportedFieldError("tools", "tool calling is not supported by Tandem")
-        if self.response_format and self.response_format.get("type") not in (None, "text"):
-            raise UnsupportedFieldError("response_format", "only response_format type 'text' is supported")
+        for old, new in (("functions", "tools"), ("function_call", "tool_choice")):
+            if getattr(self, old) is not None:
+                raise UnsupportedFieldError(old, f"{old} (deprecated by OpenAI) is not supported; use {new}")
         if self.top_logprobs is not None and not self.logprobs:
             raise UnsupportedFieldError("top_logprobs", "top_logprobs needs logprobs set to true")
 
@@ -159,3 +208,13 @@ class ChatCompletionRequest(_SamplingFields):
 
     def requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+    def tool_plan(self, tool_format: str) -> ToolPlan:
+        """What the tool fields ask for under the model's tool-call format (raises naming the field)."""
+        return plan_tools(self.tools, self.tool_choice, self.parallel_tool_calls, tool_format)
+
+    def chat_constraint(self, plan: ToolPlan = NO_TOOLS) -> StructuredOutputs | None:
+        """The one output constraint of the request: response_format, structured_outputs or a forced call."""
+        return single_constraint(("response_format", response_format_constraint(self.response_format)),
+                                 ("structured_outputs", structured_outputs_constraint(self.structured_outputs)),
+                                 ("tool_choice", plan.constraint))

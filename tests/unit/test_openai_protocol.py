@@ -114,7 +114,8 @@ def test_bad_completion_fields(fields):
 
 @pytest.mark.parametrize("fields", [{"messages": []}, {"messages": [{"role": "robot", "content": "x"}]},
                                     {"messages": [{"role": "user", "content": 5}]}, {"logprobs": 2},
-                                    {"top_logprobs": 21}, {"max_completion_tokens": 0}])
+                                    {"top_logprobs": 21}, {"max_completion_tokens": 0},
+                                    {"tools": [{"type": "function"}]}])
 def test_bad_chat_fields(fields):
     with pytest.raises(ValidationError):
         chat(**fields)
@@ -133,8 +134,8 @@ def test_required_fields():
     (completion, {"echo": True}, "echo"),
     (completion, {"suffix": "tail"}, "suffix"),
     (completion, {"n": 2, "best_of": 3}, "best_of"),
-    (chat, {"tools": [{"type": "function"}]}, "tools"),
-    (chat, {"response_format": {"type": "json_object"}}, "response_format"),
+    (chat, {"functions": [{"name": "f"}]}, "functions"),
+    (chat, {"function_call": "auto"}, "function_call"),
     (chat, {"top_logprobs": 2}, "top_logprobs"),
     (chat, {"stream_options": {"include_usage": True}, "stream": False}, "stream_options"),
 ])
