@@ -9,11 +9,18 @@ unknown model, 429 a replica's queue is full, 503 Serve's queue is full.
 A request may pin its replica group with the header ``X-Tandem-Group: NAME`` (benchmarks
 and tests send the same workload to each group, e.g. a native and a vLLM one); the
 router then ranks only that group's replicas.
+
+Structured outputs and tools (docs/structured-outputs.md): ``response_format``,
+``structured_outputs`` and forced tool calls become the request's one
+``SamplingParams.structured_outputs``; tools are rendered into the prompt in the model's
+tool-call format (``ModelConfig.tool_call_format``, ``auto`` read from the chat template)
+and calls are parsed out of the output.
 """
 
 import logging
 import time
 import uuid
+from functools import partial
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -26,14 +33,17 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from cluster.api.auth import ApiKeys
 from cluster.api.openai_protocol import ChatCompletionRequest, CompletionRequest, UnsupportedFieldError
 from cluster.api.openai_responses import error_body
+from cluster.api.tool_calls import ToolCallParser
+from cluster.api.tool_formats import choose_tool_format, render_chat
+from cluster.api.tool_request import NO_TOOLS, ToolPlan
 from cluster.config import config_from_dict, group_engine_config
-from cluster.engine.llm import apply_chat_template
 from cluster.engine.protocol import GenerateRequest
 from cluster.kv.prefix_cache import engine_hash_seed
 from cluster.models.loader import load_tokenizer_if_present, resolve_model
 from cluster.routing.group_router import GroupRouter
 from cluster.routing.prefix_hashes import leading_block_hashes
 from cluster.routing.stats import RoutingRequest
+from cluster.structured.constraint import StructuredOutputs
 from deployments.metrics import RaySink
 from deployments.streams import ApiError, ChoiceStream, respond
 
@@ -75,6 +85,8 @@ class OpenAIIngress:
         self.api_keys = ApiKeys.from_settings(serve_config.api_key, serve_config.api_key_env)
         source = resolve_model(self.config.model.model, self.config.model.cache_dir)
         self.tokenizer = load_tokenizer_if_present(source)
+        self.tool_format = choose_tool_format(self.config.model.tool_call_format,
+                                              getattr(self.tokenizer, "chat_template", None))
         self.hashing: dict[str, tuple[int, int]] = {}  # group -> (block size, hash seed)
         sizes = {}
         for group in serve_config.groups:
@@ -144,14 +156,19 @@ class OpenAIIngress:
             return _error(400, f"X-Tandem-Group names no replica group: {pinned!r}; groups: {', '.join(self.hashing)}")
         try:
             body.check_supported()
-            prompts = self._prompt_token_ids(body, chat)
-            streams = self._make_requests(body, prompts, chat, pinned)
-        except UnsupportedFieldError as err:
-            return _error(400, str(err), param=err.param)
-        except ValueError as err:
-            return _error(400, str(err), param=_param_of(str(err)))
+            plan = body.tool_plan(self.tool_format) if chat else NO_TOOLS
+            constraint = body.chat_constraint(plan) if chat else body.output_constraint()
+            prompts = self._prompt_token_ids(body, chat, plan)
+            streams = self._make_requests(body, prompts, chat, pinned, constraint)
+        except ValueError as err:  # UnsupportedFieldError and ConstraintError carry the field in .param
+            return _error(400, str(err), param=getattr(err, "param", None) or _param_of(str(err)))
+        # Calls are parsed when tools are offered and the output is free or forced into calls;
+        # under a response_format or structured_outputs constraint the output is that format's text.
+        make_parser = None
+        if plan.parse_calls and constraint is plan.constraint:
+            make_parser = partial(ToolCallParser, self.tool_format, plan.max_calls)
         try:
-            return await respond(streams, body, chat, self.model_name, self.router)
+            return await respond(streams, body, chat, self.model_name, self.router, make_parser)
         except ApiError as err:
             return _error(err.status, err.message, err.type, err.param)
         except BackPressureError as err:
@@ -163,10 +180,10 @@ class OpenAIIngress:
             return _error(401, f"API key {reason}: send 'Authorization: Bearer <key>'", code="invalid_api_key")
         return None
 
-    def _prompt_token_ids(self, body, chat: bool) -> list[list[int]]:
+    def _prompt_token_ids(self, body, chat: bool, plan: ToolPlan) -> list[list[int]]:
         if chat:
             messages = [m.as_template_message() for m in body.messages]
-            text = apply_chat_template(self.tokenizer, messages)
+            text = render_chat(self.tokenizer, messages, plan.tools, self.tool_format)
             return [self._encode(text, add_special_tokens=False)]
         result = []
         for prompt in body.prompts():
@@ -180,8 +197,8 @@ class OpenAIIngress:
             raise UnsupportedFieldError("prompt", "the prompt is empty; send at least one token")
         return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
 
-    def _make_requests(self, body, prompts: list[list[int]], chat: bool,
-                       pinned: str | None = None) -> list[ChoiceStream]:
+    def _make_requests(self, body, prompts: list[list[int]], chat: bool, pinned: str | None = None,
+                       constraint: StructuredOutputs | None = None) -> list[ChoiceStream]:
         num_logprobs = body.num_logprobs if chat else body.logprobs
         default = body.requested_max_tokens() is None and chat
         base_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
@@ -195,7 +212,7 @@ class OpenAIIngress:
                 routing[group] = RoutingRequest(len(token_ids), body.requested_max_tokens() or 256, hashes)
             for j in range(body.n):
                 index = p_index * body.n + j
-                params = body.sampling_params(_UNBOUNDED if default else 16, num_logprobs, j)
+                params = body.sampling_params(_UNBOUNDED if default else 16, num_logprobs, j, constraint)
                 request = GenerateRequest(f"{base_id}-{index}", token_ids, params, body.cache_salt,
                                           max_tokens_is_default=default)
                 streams.append(ChoiceStream(index, p_index, request, routing, self.groups))

@@ -6,6 +6,10 @@ Every stream is closed exactly once (``ChoiceStream.close``): that cancels the r
 call if it is still running (which aborts the request in the engine and frees its
 blocks) and tells the router the request left the group. A client that disconnects
 mid-stream cancels the response generator, whose ``finally`` closes the streams.
+
+When the request offers tools, each choice's text goes through a ``ToolCallParser``
+(``make_parser``): whole responses parse the full text, streams feed it delta by delta and
+send the calls as ``delta.tool_calls`` the moment each is complete.
 """
 
 from __future__ import annotations
@@ -15,12 +19,13 @@ import dataclasses
 import json
 import logging
 import time
-from typing import AsyncIterator
+from typing import AsyncIterator, Callable
 
 from fastapi.responses import JSONResponse, StreamingResponse
 from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
 
 from cluster.api import openai_responses as responses
+from cluster.api.tool_calls import ToolCallParser
 from cluster.engine.protocol import GenerateDelta, GenerateRequest
 from cluster.routing.group_router import GroupRouter
 from cluster.routing.stats import ReplicaStats, RoutingRequest
@@ -80,7 +85,9 @@ class ChoiceStream:
             self._router = None
 
 
-async def respond(streams: list[ChoiceStream], body, chat: bool, model: str, router: GroupRouter):
+async def respond(streams: list[ChoiceStream], body, chat: bool, model: str, router: GroupRouter,
+                  make_parser: Callable[[], ToolCallParser] | None = None):
+    """``make_parser``: chat requests whose output may hold tool calls (None: plain text)."""
     try:
         results = await asyncio.gather(*(s.start(router) for s in streams), return_exceptions=True)
         for result in results:
@@ -90,9 +97,9 @@ async def respond(streams: list[ChoiceStream], body, chat: bool, model: str, rou
         _close_all(streams)
         raise
     if body.stream:
-        return StreamingResponse(_sse(streams, body, chat, model), media_type="text/event-stream")
+        return StreamingResponse(_sse(streams, body, chat, model, make_parser), media_type="text/event-stream")
     try:
-        states = await asyncio.gather(*(_collect(s) for s in streams))
+        states = await asyncio.gather(*(_collect(s, make_parser) for s in streams))
     finally:
         _close_all(streams)
     created = int(time.time())
@@ -103,19 +110,23 @@ async def respond(streams: list[ChoiceStream], body, chat: bool, model: str, rou
     return JSONResponse(responses.completion_body(rid, created, model, states, usage, body.logprobs is not None))
 
 
-async def _collect(stream: ChoiceStream) -> responses.ChoiceState:
+async def _collect(stream: ChoiceStream, make_parser: Callable[[], ToolCallParser] | None) -> responses.ChoiceState:
     state = responses.ChoiceState(stream.index)
     async for delta in stream.deltas():
         state.add(delta)
+    if make_parser is not None:
+        state.set_parsed(make_parser().parse(state.text))
     return state
 
 
-async def _sse(streams: list[ChoiceStream], body, chat: bool, model: str) -> AsyncIterator[str]:
+async def _sse(streams: list[ChoiceStream], body, chat: bool, model: str,
+               make_parser: Callable[[], ToolCallParser] | None) -> AsyncIterator[str]:
     created = int(time.time())
     rid = streams[0].request.request_id.rsplit("-", 1)[0]
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
     num_logprobs = body.num_logprobs if chat else None
     states = [responses.ChoiceState(s.index) for s in streams]
+    parsers = [make_parser() if make_parser is not None else None for _ in streams]
     queue: asyncio.Queue = asyncio.Queue()
 
     async def pump(position: int) -> None:
@@ -130,10 +141,10 @@ async def _sse(streams: list[ChoiceStream], body, chat: bool, model: str) -> Asy
     tasks = [asyncio.create_task(pump(i)) for i in range(len(streams))]
     remaining = len(streams)
     try:
-        if chat:
+        if chat:  # with tools, no empty content: an output of only calls has content null, as in OpenAI
+            first = {"role": "assistant"} if make_parser is not None else {"role": "assistant", "content": ""}
             for s in streams:
-                yield _event(responses.chat_chunk(rid, created, model, s.index, {"role": "assistant", "content": ""},
-                                                  None, None, include_usage))
+                yield _event(responses.chat_chunk(rid, created, model, s.index, first, None, None, include_usage))
         while remaining:
             position, item = await queue.get()
             if item is None:
@@ -151,9 +162,11 @@ async def _sse(streams: list[ChoiceStream], body, chat: bool, model: str) -> Asy
             if not item.text and item.finish_reason is None and not item.logprobs:
                 continue
             if chat:
-                delta_body = {"content": item.text} if item.text else {}
+                delta_body = _chat_delta(item, parsers[position], state)
+                if not delta_body and item.finish_reason is None and not item.logprobs:
+                    continue  # held by the tool-call parser
                 yield _event(responses.chat_chunk(rid, created, model, index, delta_body, item, num_logprobs,
-                                                  include_usage))
+                                                  include_usage, made_tool_calls=bool(state.tool_calls)))
             else:
                 yield _event(responses.completion_chunk(rid, created, model, index, item, offset,
                                                         body.logprobs is not None, include_usage))
@@ -170,6 +183,23 @@ async def _sse(streams: list[ChoiceStream], body, chat: bool, model: str) -> Asy
             logger.info("request %s: the client went away with %d of %d choices unfinished; aborted, blocks freed",
                         rid, remaining, len(streams))
         _close_all(streams)
+
+
+def _chat_delta(delta: GenerateDelta, parser: ToolCallParser | None, state: responses.ChoiceState) -> dict:
+    """The chunk's ``delta`` (content and/or whole tool calls); calls sent are kept in ``state``."""
+    if parser is None:
+        return {"content": delta.text} if delta.text else {}
+    parsed = parser.feed(delta.text)
+    content, calls = parsed.content, list(parsed.calls)
+    if delta.finish_reason is not None:
+        last = parser.finish()
+        content, calls = content + last.content, calls + last.calls
+    body: dict = {"content": content} if content else {}
+    if calls:
+        first = len(state.tool_calls)
+        body["tool_calls"] = [call.delta_dict(first + k) for k, call in enumerate(calls)]
+        state.tool_calls.extend(calls)
+    return body
 
 
 def _event(data: dict) -> str:

@@ -3,13 +3,17 @@
 Shapes follow OpenAI's API reference: ``text_completion`` / ``chat.completion``
 objects, ``*.chunk`` objects for server-sent events, ``usage`` with
 ``prompt_tokens_details.cached_tokens``, and the two logprobs layouts (the legacy
-completions one with parallel lists, the chat one with ``content`` entries).
+completions one with parallel lists, the chat one with ``content`` entries). Tool calls
+(``cluster/api/tool_calls.py``) go in ``message.tool_calls`` (content None when the output
+is only calls) and streamed in ``delta.tool_calls``, each call whole in one delta; a choice
+that made calls and stopped by itself finishes with ``tool_calls``.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from cluster.api.tool_calls import Parsed, ToolCall
 from cluster.engine.outputs import TokenLogprobs
 from cluster.engine.protocol import GenerateDelta
 
@@ -31,6 +35,8 @@ class ChoiceState:
     num_prompt_tokens: int = 0
     num_output_tokens: int = 0
     num_cached_tokens: int = 0
+    tool_calls: list[ToolCall] = field(default_factory=list)
+    content: str | None = None  # set when the text was parsed for tool calls; else the text is the content
 
     def add(self, delta: GenerateDelta) -> None:
         self.text += delta.text
@@ -42,6 +48,20 @@ class ChoiceState:
         self.num_prompt_tokens = delta.num_prompt_tokens or self.num_prompt_tokens
         self.num_output_tokens = max(self.num_output_tokens, delta.num_output_tokens)
         self.num_cached_tokens = max(self.num_cached_tokens, delta.num_cached_tokens)
+
+    def set_parsed(self, parsed: Parsed) -> None:
+        """The whole text parsed for tool calls (``tool_calls.parse_tool_calls``)."""
+        self.content, self.tool_calls = parsed.content, list(parsed.calls)
+
+    def message(self) -> dict:
+        """The chat ``message``: content None when the output is only tool calls."""
+        if not self.tool_calls:
+            return {"role": "assistant", "content": self.text if self.content is None else self.content}
+        return {"role": "assistant", "content": self.content or None,
+                "tool_calls": [call.message_dict() for call in self.tool_calls]}
+
+    def chat_finish_reason(self) -> str | None:
+        return _with_tool_calls(self.finish_reason, bool(self.tool_calls))
 
 
 def usage(choices: list[ChoiceState], prompt_indices: list[int]) -> dict:
@@ -121,9 +141,9 @@ def chat_body(response_id: str, created: int, model: str, choices: list[ChoiceSt
         "model": model,
         "choices": [{
             "index": c.index,
-            "message": {"role": "assistant", "content": c.text},
+            "message": c.message(),
             "logprobs": chat_logprobs(c.logprobs, num_logprobs) if num_logprobs is not None else None,
-            "finish_reason": c.finish_reason,
+            "finish_reason": c.chat_finish_reason(),
         } for c in choices],
         "usage": usage_dict,
     }
@@ -149,7 +169,9 @@ def completion_chunk(response_id: str, created: int, model: str, index: int, del
 
 
 def chat_chunk(response_id: str, created: int, model: str, index: int, delta_body: dict,
-               delta: GenerateDelta | None, num_logprobs: int | None, include_usage: bool) -> dict:
+               delta: GenerateDelta | None, num_logprobs: int | None, include_usage: bool,
+               made_tool_calls: bool = False) -> dict:
+    """``made_tool_calls``: the choice has sent calls, so a natural stop finishes as ``tool_calls``."""
     logprobs = None
     if num_logprobs is not None and delta is not None and delta.logprobs:
         logprobs = chat_logprobs(delta.logprobs, num_logprobs)
@@ -162,7 +184,7 @@ def chat_chunk(response_id: str, created: int, model: str, index: int, delta_bod
             "index": index,
             "delta": delta_body,
             "logprobs": logprobs,
-            "finish_reason": _finish(delta) if delta is not None else None,
+            "finish_reason": _with_tool_calls(_finish(delta), made_tool_calls) if delta is not None else None,
         }],
     }
     if include_usage:
@@ -179,3 +201,7 @@ def _finish(delta: GenerateDelta) -> str | None:
     if delta.finish_reason is None:
         return None
     return "length" if delta.finish_reason == "length" else "stop"
+
+
+def _with_tool_calls(finish_reason: str | None, made_tool_calls: bool) -> str | None:
+    return "tool_calls" if made_tool_calls and finish_reason == "stop" else finish_reason
