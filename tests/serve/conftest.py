@@ -37,7 +37,8 @@ def _free_port() -> int:
 @pytest.fixture(scope="session")
 def tiny_chat_model(tmp_path_factory):
     path = tmp_path_factory.mktemp("tiny_chat_llama")
-    save_tiny_model(tiny_llama_config(), path, seed=0)
+    # 1024 positions: with a character-level tokenizer, tools written into the prompt take room.
+    save_tiny_model(tiny_llama_config(max_position_embeddings=1024), path, seed=0)
     save_tiny_tokenizer(path, chat_template=TINY_CHAT_TEMPLATE)
     return path
 
@@ -45,7 +46,7 @@ def tiny_chat_model(tmp_path_factory):
 @pytest.fixture(scope="session")
 def serve_config(tiny_chat_model):
     return config_from_dict({
-        "model": {"model": str(tiny_chat_model), "max_model_len": 256},
+        "model": {"model": str(tiny_chat_model), "max_model_len": 1024},
         "cache": {"num_blocks": 96, "block_size": 16},
         "device": {"device": "cpu", "num_threads": 1},
         # Self-speculation: every draft is accepted, so the speculation metrics have values.

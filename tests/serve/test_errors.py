@@ -37,7 +37,7 @@ def _assert_error(response: httpx.Response, status: int, param: str | None = Non
     ({"model": MODEL, "prompt": 42}, "prompt"),
     ({"model": MODEL, "prompt": ""}, "prompt"),
     ({"model": MODEL, "prompt": [1, 2, 100000]}, "prompt"),
-    ({"model": MODEL, "prompt": "x" * 400}, "prompt"),  # longer than max_model_len 256
+    ({"model": MODEL, "prompt": "x" * 1100}, "prompt"),  # longer than max_model_len 1024
     ({"model": MODEL}, "prompt"),
 ])
 def test_invalid_completion_requests_are_400(server_url, body, param):
