@@ -44,7 +44,7 @@ class ChoiceState:
         if delta.logprobs:
             self.logprobs.extend(delta.logprobs)
         if delta.finish_reason is not None:
-            self.finish_reason = "length" if delta.finish_reason == "length" else "stop"
+            self.finish_reason = _finish(delta)
         self.num_prompt_tokens = delta.num_prompt_tokens or self.num_prompt_tokens
         self.num_output_tokens = max(self.num_output_tokens, delta.num_output_tokens)
         self.num_cached_tokens = max(self.num_cached_tokens, delta.num_cached_tokens)
@@ -198,9 +198,11 @@ def usage_chunk(response_id: str, created: int, model: str, obj: str, usage_dict
 
 
 def _finish(delta: GenerateDelta) -> str | None:
+    """OpenAI's finish reasons, and ``grammar_dead_end`` where a structured output's grammar left
+    no token to go on with (the output is cut there)."""
     if delta.finish_reason is None:
         return None
-    return "length" if delta.finish_reason == "length" else "stop"
+    return delta.finish_reason if delta.finish_reason in ("length", "grammar_dead_end") else "stop"
 
 
 def _with_tool_calls(finish_reason: str | None, made_tool_calls: bool) -> str | None:

@@ -48,7 +48,7 @@ class GenerateDelta:
     text: str = ""
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[TokenLogprobs] | None = None
-    finish_reason: str | None = None  # "stop", "length" or "abort" on the last delta
+    finish_reason: str | None = None  # "stop", "length", "abort" or "grammar_dead_end" on the last delta
     stop_reason: int | str | None = None
     num_prompt_tokens: int = 0
     num_output_tokens: int = 0  # so far

@@ -85,6 +85,13 @@ def test_vllm_structured_outputs_field(client):
     assert "".join(c.choices[0].delta.content or "" for c in streamed) == regex.choices[0].message.content
 
 
+def test_a_grammar_dead_end_is_its_own_finish_reason(client):
+    # The serve model's character-level tokenizer has no token for "é": after "!" nothing can follow.
+    dead = client.completions.create(model=MODEL, prompt="x", max_tokens=10,
+                                     extra_body={"structured_outputs": {"regex": "!é"}})
+    assert dead.choices[0].finish_reason == "grammar_dead_end" and dead.choices[0].text == "!"
+
+
 # ---- tool calls ---------------------------------------------------------------------
 @pytest.mark.parametrize("tool_choice", ["required", {"type": "function", "function": {"name": "get_time"}}])
 def test_forced_calls_whole_and_streamed_agree_and_validate(client, tool_choice):
