@@ -53,6 +53,18 @@ def _check(text: str, constraint: StructuredOutputs) -> None:
         assert text in constraint.choice, text
 
 
+def _finish_all(engine) -> dict:
+    """Step until done (invariants after every step, every block free at the end): final outputs by id."""
+    results = {}
+    while engine.has_unfinished():
+        for out in engine.step():
+            if out.finished:
+                results[out.request_id] = out.outputs[0]
+        engine.check_invariants()
+    assert engine.block_manager.num_free_blocks == engine.block_manager.pool.num_blocks
+    return results
+
+
 CONSTRAINTS = [StructuredOutputs(json=SCHEMA), StructuredOutputs(regex=REGEX), StructuredOutputs(choice=CHOICES)]
 
 
@@ -67,13 +79,7 @@ def test_outputs_match_their_grammar_beside_free_requests(tiny_llama_dir, noisy_
     prompts.append("free text ")
     params.append(SamplingParams(max_tokens=24, temperature=0))
     ids = [engine.add_request(p, sp) for p, sp in zip(prompts, params)]
-    results = {}
-    while engine.has_unfinished():
-        for out in engine.step():
-            if out.finished:
-                results[out.request_id] = out.outputs[0]
-        engine.check_invariants()
-    assert engine.block_manager.num_free_blocks == engine.block_manager.pool.num_blocks
+    results = _finish_all(engine)
     for rid, sp in zip(ids[:-1], params[:-1]):
         assert results[rid].finish_reason == "stop", results[rid]
         _check(results[rid].text, sp.structured_outputs)
@@ -122,16 +128,10 @@ def test_a_grammar_dead_end_finishes_clearly_and_frees_blocks(tiny_llama_dir):
     engine = make_engine(tiny_llama_dir)
     engine.add_request("x", SamplingParams(max_tokens=20, structured_outputs=StructuredOutputs(regex="!é")))
     engine.add_request("y", SamplingParams(max_tokens=5, temperature=0))
-    finished = {}
-    while engine.has_unfinished():
-        for out in engine.step():
-            if out.finished:
-                finished[out.request_id] = out.outputs[0]
-        engine.check_invariants()
+    finished = _finish_all(engine)
     assert finished["req-0"].finish_reason == "grammar_dead_end"
     assert finished["req-0"].text == "!"
     assert finished["req-1"].finish_reason == "length"
-    assert engine.block_manager.num_free_blocks == engine.block_manager.pool.num_blocks
 
 
 def test_structured_outputs_need_a_tokenizer(tiny_llama_dir, tmp_path):
