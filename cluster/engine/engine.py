@@ -199,10 +199,10 @@ class Engine:
                     accepted = sampled[rid].num_accepted if proposed else 0
                     self.spec_stats.record_request(proposed, accepted, s.num_draft_tokens)
                     verified.append((s.num_draft_tokens, proposed, accepted))
-        observe = getattr(self.controller, "observe", None)
         # Steps with prefill chunks are not what the latency model describes.
-        if observe is not None and out.scheduled and all(s.num_new_tokens == 1 for s in out.scheduled):
-            observe(StepObservation(len(out.scheduled), k, seconds, verified, sum(p for _, p, _ in verified)))
+        if out.scheduled and all(s.num_new_tokens == 1 for s in out.scheduled):
+            self.controller.observe(StepObservation(len(out.scheduled), k, seconds, verified,
+                                                    sum(p for _, p, _ in verified)))
 
     def _output(self, request: Request, sampled: SampledTokens) -> RequestOutput:
         state = self._states[request.request_id]

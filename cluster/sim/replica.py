@@ -27,6 +27,7 @@ import numpy as np
 
 from cluster.routing.stats import ReplicaStats
 from cluster.routing.step_times import StepTimeTracker
+from cluster.sim.controllers import SimAdaptiveController
 from cluster.sim.device_model import StepModel
 from cluster.sim.requests import RequestTable
 from cluster.spec.controller import BatchState, SpeculationController, StepObservation
@@ -255,15 +256,12 @@ class SimReplica:
             return  # steps with prefill chunks are not what the latency model describes
         num_decode = len(plan.decode_slots)
         drafted = num_decode * self.model.drafted_per_request(plan.k) if self.model.coverage is not None else None
-        fast = getattr(self.controller, "observe_arrays", None)
-        if fast is not None:
-            fast(num_decode, plan.k, plan.seconds, accepted, drafted)
+        if isinstance(self.controller, SimAdaptiveController):  # numpy's fast path
+            self.controller.observe_arrays(num_decode, plan.k, plan.seconds, accepted, drafted)
             return
-        observe = getattr(self.controller, "observe", None)
-        if observe is not None:
-            drafts = [(plan.k, plan.k, a) for a in accepted.sum(axis=1).tolist()] if accepted is not None else []
-            observe(StepObservation(num_decode, plan.k, plan.seconds, drafts,
-                                    None if drafted is None else round(drafted)))
+        drafts = [(plan.k, plan.k, a) for a in accepted.sum(axis=1).tolist()] if accepted is not None else []
+        self.controller.observe(StepObservation(num_decode, plan.k, plan.seconds, drafts,
+                                                None if drafted is None else round(drafted)))
 
     # ---- what the router sees -------------------------------------------------------
     def stats(self, now: float) -> ReplicaStats:

@@ -61,6 +61,10 @@ class StepObservation:
 class SpeculationController(Protocol):
     def choose_k(self, state: BatchState) -> int: ...
 
+    def observe(self, obs: StepObservation) -> None:
+        """A decoding step that ran (steps with prefill chunks are not reported)."""
+        ...
+
     def k_table(self, batch_sizes: list[int]) -> dict[int, int]:
         """The k in force per batch size, without changing the controller's state."""
         ...
@@ -72,6 +76,9 @@ class FixedController:
 
     def choose_k(self, state: BatchState) -> int:
         return self.k
+
+    def observe(self, obs: StepObservation) -> None:
+        """A fixed k learns nothing."""
 
     def k_table(self, batch_sizes: list[int]) -> dict[int, int]:
         return {b: self.k for b in batch_sizes}
@@ -90,6 +97,9 @@ class TableController:
     def choose_k(self, state: BatchState) -> int:
         i = bisect.bisect_right(self.sizes, max(1, state.num_running)) - 1
         return self.table[self.sizes[max(i, 0)]]
+
+    def observe(self, obs: StepObservation) -> None:
+        """The profiled table stands as measured."""
 
     def k_table(self, batch_sizes: list[int]) -> dict[int, int]:
         return {b: self.choose_k(BatchState(b, 0)) for b in batch_sizes}

@@ -258,6 +258,9 @@ class RecordingController:
         self.returned.append(self.rng.randint(0, 4))
         return self.returned[-1]
 
+    def observe(self, obs: StepObservation) -> None:
+        """Learns nothing."""
+
 
 def test_engine_uses_the_k_the_controller_returns_every_step(tiny_llama_dir):
     engine = make_engine(tiny_llama_dir, num_blocks=64, method="draft", draft_model=str(tiny_llama_dir))

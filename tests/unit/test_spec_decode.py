@@ -70,6 +70,9 @@ class CyclingController:
         self.step += 1
         return self.ks[self.step % len(self.ks)]
 
+    def observe(self, obs) -> None:
+        """Learns nothing."""
+
 
 def test_k_changing_every_step_including_zero(tiny_llama_dir, noisy_draft_dir, expected_greedy):
     engine = make_engine(tiny_llama_dir, num_blocks=128, method="draft", draft_model=str(noisy_draft_dir))
