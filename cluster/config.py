@@ -213,7 +213,8 @@ def parse_size(value: str | int) -> int:
     return size
 
 
-def _format_errors(err: ValidationError, source: str) -> str:
+def format_errors(err: ValidationError, source: str) -> str:
+    """A pydantic validation error as lines naming each bad key, for ``ConfigError``."""
     lines = []
     for e in err.errors():
         key = ".".join(str(p) for p in e["loc"]) or "(top level)"
@@ -228,7 +229,7 @@ def config_from_dict(data: dict, source: str = "config") -> TandemConfig:
     try:
         return TandemConfig.model_validate(data or {})
     except ValidationError as err:
-        raise ConfigError(_format_errors(err, source)) from None
+        raise ConfigError(format_errors(err, source)) from None
 
 
 def read_yaml_mapping(path: Path, what: str = "config file") -> dict | None:
@@ -248,13 +249,14 @@ def load_config(path: str | Path) -> TandemConfig:
     path = Path(path)
     config = config_from_dict(read_yaml_mapping(path), str(path))
     # A profile named in a YAML file is found next to that file.
-    config.speculative.profile = _beside(path, config.speculative.profile)
+    config.speculative.profile = path_beside(path, config.speculative.profile)
     for group in config.serve.groups:
-        group.profile = _beside(path, group.profile)
+        group.profile = path_beside(path, group.profile)
     return config
 
 
-def _beside(config_path: Path, relative: str | None) -> str | None:
+def path_beside(config_path: Path, relative: str | None) -> str | None:
+    """A path in a settings file, relative to that file (absolute paths and None unchanged)."""
     if relative and not Path(relative).is_absolute():
         return str((config_path.parent / relative).resolve())
     return relative

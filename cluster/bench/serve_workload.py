@@ -65,7 +65,7 @@ def _words(rng: random.Random, n: int) -> str:
     return " ".join(rng.choices(VOCABULARY, k=n))
 
 
-def _length_range(length: int, range_ratio: float, low_floor: int) -> tuple[int, int]:
+def length_range(length: int, range_ratio: float, low_floor: int) -> tuple[int, int]:
     return max(low_floor, math.floor(length * (1 - range_ratio))), max(low_floor, math.ceil(length * (1 + range_ratio)))
 
 
@@ -77,8 +77,8 @@ def random_requests(num_requests: int, input_len: int, output_len: int, range_ra
     if not 0 <= range_ratio < 1:
         raise ValueError(f"--random-range-ratio must be in [0, 1), got {range_ratio}")
     rng = random.Random(seed)
-    in_lo, in_hi = _length_range(input_len, range_ratio, 1)
-    out_lo, out_hi = _length_range(output_len, range_ratio, 1)
+    in_lo, in_hi = length_range(input_len, range_ratio, 1)
+    out_lo, out_hi = length_range(output_len, range_ratio, 1)
     requests = []
     for _ in range(num_requests):
         n_in = rng.randint(in_lo, in_hi)
@@ -157,7 +157,7 @@ def parse_phases(text: str) -> tuple[Phase, ...]:
     return tuple(phases)
 
 
-def _check_process(rate: float, burstiness: float) -> None:
+def check_process(rate: float, burstiness: float) -> None:
     if not rate > 0:
         raise ValueError(f"the request rate must be > 0 requests/s (or inf), got {rate}")
     if not 0 < burstiness < math.inf:
@@ -171,7 +171,7 @@ def _gap(rng: random.Random, rate: float, burstiness: float) -> float:
 
 def arrival_times(num_requests: int, rate: float, burstiness: float, seed: int) -> tuple[float, ...]:
     """Send times in seconds from the start, ascending; the first is 0, all are 0 when rate is inf."""
-    _check_process(rate, burstiness)
+    check_process(rate, burstiness)
     if rate == math.inf:
         return (0.0,) * num_requests
     rng = random.Random(seed)
@@ -185,7 +185,7 @@ def arrival_times(num_requests: int, rate: float, burstiness: float, seed: int) 
 
 def phased_arrival_times(phases: tuple[Phase, ...], burstiness: float, seed: int) -> tuple[float, ...]:
     """Send times of the phased process, ascending; every time lies inside its phase."""
-    _check_process(1.0, burstiness)
+    check_process(1.0, burstiness)
     rng = random.Random(seed)
     times, start = [], 0.0
     for phase in phases:

@@ -16,7 +16,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from cluster.config import ConfigError, _beside, _format_errors, read_yaml_mapping
+from cluster.config import ConfigError, path_beside, format_errors, read_yaml_mapping
 from cluster.config_serve import AutoscalingConfig
 
 ROUTERS = ("tandem", "pow2", "round-robin", "prefix-affinity")
@@ -165,7 +165,7 @@ def sim_config_from_dict(data: dict, source: str = "sim config") -> SimConfig:
     try:
         return SimConfig.model_validate(data or {})
     except ValidationError as err:
-        raise ConfigError(_format_errors(err, source)) from None
+        raise ConfigError(format_errors(err, source)) from None
 
 
 def load_sim_config(path: str | Path) -> SimConfig:
@@ -173,8 +173,8 @@ def load_sim_config(path: str | Path) -> SimConfig:
     path = Path(path)
     data = read_yaml_mapping(path, "sim config")
     config = sim_config_from_dict(data, str(path))
-    config.devices = _beside(path, config.devices)
+    config.devices = path_beside(path, config.devices)
     for group in config.groups:
-        group.profile = _beside(path, group.profile)
-        group.controller_profile = _beside(path, group.controller_profile)
+        group.profile = path_beside(path, group.profile)
+        group.controller_profile = path_beside(path, group.controller_profile)
     return config

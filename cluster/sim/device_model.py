@@ -31,7 +31,7 @@ from pathlib import Path
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from cluster.config import ConfigError, _format_errors
+from cluster.config import ConfigError, format_errors
 from cluster.sim.config import GroupConfig, ModelFigures, SimConfig
 from cluster.spec.latency_model import LatencyModel, expected_drafted
 from cluster.spec.profile_data import SpeculationProfile
@@ -68,7 +68,7 @@ class DeviceTable(_Strict):
         try:
             return cls.model_validate(yaml.safe_load(path.read_text()))
         except ValidationError as err:
-            raise ConfigError(_format_errors(err, str(path))) from None
+            raise ConfigError(format_errors(err, str(path))) from None
 
 
 @dataclass(frozen=True)

@@ -2,7 +2,7 @@
 
 ``tandem bench serve`` builds its workloads request by request in Python
 (:mod:`cluster.bench.serve_workload`); a million requests need arrays. The length
-ranges (:func:`~cluster.bench.serve_workload._length_range`), the phase and process
+ranges (:func:`~cluster.bench.serve_workload.length_range`), the phase and process
 checks, the shared-prefix system prompts and the instruction set are taken from that
 module, so there is one definition of each dataset; only the random draws differ
 (numpy's generator instead of ``random.Random``), so the same seed gives the same
@@ -10,7 +10,7 @@ module, so there is one definition of each dataset; only the random draws differ
 
 * arrivals: gaps gamma distributed with shape ``burstiness`` and mean ``1 / rate``, the
   first request at 0; phases restart the process at each boundary (rate 0 is silence).
-* random: prompt and output lengths uniform on ``_length_range(len, range_ratio)``.
+* random: prompt and output lengths uniform on ``length_range(len, range_ratio)``.
 * shared-prefix: request j uses system prompt j mod num_prefixes (then shuffled); its
   prompt is the system prompt's words plus its question's; the system prompt is the
   shared part a prefix cache can reuse.
@@ -25,8 +25,8 @@ import numpy as np
 
 from cluster.bench.serve_workload import (
     Phase,
-    _check_process,
-    _length_range,
+    check_process,
+    length_range,
     load_instructions,
     shared_prefix_requests,
 )
@@ -50,7 +50,7 @@ class Workload:
 
 def gamma_arrivals(num_requests: int, rate: float, burstiness: float, rng: np.random.Generator) -> np.ndarray:
     """Send times from 0: the first at 0, then gamma gaps (shape ``burstiness``, mean 1/rate)."""
-    _check_process(rate, burstiness)
+    check_process(rate, burstiness)
     if num_requests == 0:
         return np.zeros(0)
     if rate == np.inf:
@@ -61,7 +61,7 @@ def gamma_arrivals(num_requests: int, rate: float, burstiness: float, rng: np.ra
 
 def phased_arrivals(phases: list[Phase], burstiness: float, rng: np.random.Generator) -> np.ndarray:
     """Send times of the phased process; every time lies inside its phase."""
-    _check_process(1.0, burstiness)
+    check_process(1.0, burstiness)
     pieces, start = [], 0.0
     for phase in phases:
         end = start + phase.duration_s
@@ -80,7 +80,7 @@ def phased_arrivals(phases: list[Phase], burstiness: float, rng: np.random.Gener
 
 
 def _uniform_lengths(length: int, range_ratio: float, n: int, rng: np.random.Generator) -> np.ndarray:
-    low, high = _length_range(length, range_ratio, 1)
+    low, high = length_range(length, range_ratio, 1)
     return rng.integers(low, high + 1, size=n, dtype=np.int64)
 
 
