@@ -132,14 +132,15 @@ def add_offline_args(parser: argparse.ArgumentParser) -> None:
 
 
 class _TandemRunner:
-    def __init__(self, model: str, dtype: str, max_num_seqs: int, kv_cache_memory: str, tp: int = 1) -> None:
+    def __init__(self, model: str, dtype: str, max_num_seqs: int, kv_cache_memory: str, tp: int = 1,
+                 device: str = "cpu") -> None:
         import torch
 
         from cluster.engine.llm import LLM
 
         # Each rank of a TP engine sets its own thread count; the bench keeps the one it was given.
         overrides = dict(tensor_parallel_size=tp, num_threads=torch.get_num_threads()) if tp > 1 else {}
-        self.llm = LLM(model, dtype=dtype, device="cpu", max_num_seqs=max_num_seqs,
+        self.llm = LLM(model, dtype=dtype, device=device, max_num_seqs=max_num_seqs,
                        kv_cache_memory=kv_cache_memory, **overrides)
         self.num_steps = 0  # steps of the latest generate
 
@@ -162,24 +163,29 @@ class _TandemRunner:
 
 
 class _TransformersRunner:
-    def __init__(self, path: Path, dtype: str, tokenizer) -> None:
+    def __init__(self, path: Path, dtype: str, tokenizer, device: str = "cpu") -> None:
         import torch
         from transformers import AutoModelForCausalLM
         from transformers.utils import logging as hf_logging
 
         hf_logging.disable_progress_bar()  # its tqdm bars would tear through the rich progress bar
-        self.model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype)).eval()
+        self.device = torch.device(device)
+        self.model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype)).to(self.device).eval()
         self.tokenizer = tokenizer
 
     def generate(self, prompt_ids: list[list[int]], output_len: int) -> int:
+        """Greedy, exactly ``output_len`` new tokens per prompt (EOS banned until then); returns
+        their number once the device has finished computing them."""
         import torch
 
-        batch = self.tokenizer.pad({"input_ids": prompt_ids}, padding=True, return_tensors="pt")
+        batch = self.tokenizer.pad({"input_ids": prompt_ids}, padding=True, return_tensors="pt").to(self.device)
         with torch.inference_mode():
             out = self.model.generate(
                 **batch, max_new_tokens=output_len, min_new_tokens=output_len, do_sample=False,
                 pad_token_id=self.tokenizer.pad_token_id,
             )
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
         return out.shape[0] * (out.shape[1] - batch["input_ids"].shape[1])
 
 

@@ -21,6 +21,22 @@ def tiny_llama_config(**overrides) -> LlamaConfig:
     return LlamaConfig(**values)
 
 
+def tiny_qwen2_config(**overrides):
+    """The Llama family with a QKV bias (Qwen2), an untied head and llama3 RoPE scaling."""
+    from transformers import Qwen2Config
+
+    values = dict(
+        vocab_size=TINY_VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+        tie_word_embeddings=False, bos_token_id=1, eos_token_id=2,
+        rope_parameters={"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0,
+                         "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                         "original_max_position_embeddings": 64},
+    )
+    values.update(overrides)
+    return Qwen2Config(**values)
+
+
 def tiny_opt_config(**overrides) -> OPTConfig:
     values = dict(
         vocab_size=TINY_VOCAB, hidden_size=64, ffn_dim=128, num_hidden_layers=2,
@@ -47,6 +63,20 @@ def save_tiny_model(config, path: Path, seed: int = 0) -> Path:
                 p.normal_(0, 0.15)
             elif name.endswith("bias"):
                 p.normal_(0, 0.1)
+    model.save_pretrained(path)
+    return Path(path)
+
+
+def save_noisy_draft(target_dir: Path, path: Path, seed: int = 1, noise: float = 0.3) -> Path:
+    """A draft that agrees with the target often but not always: the target's weights plus
+    Gaussian noise of ``noise`` times each tensor's standard deviation (``seed`` fixes it)."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32)
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn(p.shape, generator=generator) * noise * p.std())
     model.save_pretrained(path)
     return Path(path)
 

@@ -1,0 +1,142 @@
+"""The correctness checks of the GPU validation, run on the device they are given.
+
+Each returns a :class:`CheckResult`; none raises for a wrong answer (``failed``, with where the
+outputs part) and the caller turns an exception into ``error``. References no one here wrote:
+
+- **parity**: Tandem's batched greedy tokens equal ``transformers``' ``generate`` (one prompt at a
+  time, float32, EOS disabled on both sides), on the same device;
+- **speculative**: greedy tokens with n-gram or draft-model speculation equal plain decoding on
+  the same engine settings, and speculation did propose tokens (else the check exercised nothing);
+- **kv**: a pool too small for the batch (requests preempted and recomputed) gives the tokens of a
+  roomy one, with ``check_invariants`` after every step and every block free at the end
+  (``tests/engine_helpers.run_to_completion``), and at least one preemption.
+"""
+
+from __future__ import annotations
+
+import gc
+import importlib.util
+import random
+from pathlib import Path
+
+import torch
+
+from cluster.config import TandemConfig, with_overrides
+from cluster.engine.engine import Engine
+from cluster.engine.sampling_params import SamplingParams
+from report import CheckResult
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _engine_helpers():
+    """tests/engine_helpers.py, loaded by path (a package named ``tests`` elsewhere must not win)."""
+    spec = importlib.util.spec_from_file_location("tandem_engine_helpers", ROOT / "tests" / "engine_helpers.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+run_to_completion = _engine_helpers().run_to_completion
+
+
+def random_prompts(seed: int, lengths: tuple[int, ...], vocab_size: int = 256) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(3, vocab_size) for _ in range(n)] for n in lengths]
+
+
+def compare(expected: list[list[int]], got: list[list[int]]) -> tuple[bool, dict]:
+    """Whether the outputs are equal, and for each one that is not, where it first differs."""
+    mismatches = []
+    for index, (want, have) in enumerate(zip(expected, got)):
+        if want != have:
+            first = next((i for i, (a, b) in enumerate(zip(want, have)) if a != b), min(len(want), len(have)))
+            mismatches.append({"prompt": index, "first_mismatch": first, "expected_len": len(want),
+                               "got_len": len(have), "expected": want[first:first + 4], "got": have[first:first + 4]})
+    if len(expected) != len(got):
+        mismatches.append({"count": {"expected": len(expected), "got": len(got)}})
+    return not mismatches, {"num_outputs": len(got), "mismatches": mismatches}
+
+
+def make_engine(model: str, device: str, **overrides) -> Engine:
+    return Engine(with_overrides(TandemConfig(), model=model, device=device, dtype="float32", **overrides))
+
+
+def release(engine: Engine | None = None) -> None:
+    """Give back what an engine held before the next check loads its models."""
+    if engine is not None:
+        engine.worker.close()
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def tandem_greedy(model: str, device: str, prompts, max_tokens: int, **overrides) -> tuple[list[list[int]], Engine]:
+    engine = make_engine(model, device, **overrides)
+    params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
+    return run_to_completion(engine, prompts, params), engine
+
+
+def hf_greedy(model_dir: Path, device: str, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
+    """transformers' greedy ``generate``, one prompt at a time (no padding), float32, no EOS."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).to(device).eval()
+    model.generation_config.eos_token_id = None  # Tandem's ignore_eos keeps EOS sampleable: ban it nowhere
+    outputs = []
+    with torch.inference_mode():
+        for prompt in prompts:
+            ids = torch.tensor([prompt], device=device)
+            out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_tokens,
+                                 do_sample=False, pad_token_id=0)
+            outputs.append(out[0, len(prompt):].tolist())
+    del model
+    release()
+    return outputs
+
+
+def parity(name: str, model_dir: Path, device: str, prompts: list[list[int]], max_tokens: int,
+           **overrides) -> CheckResult:
+    expected = hf_greedy(model_dir, device, prompts, max_tokens)
+    got, engine = tandem_greedy(str(model_dir), device, prompts, max_tokens, **overrides)
+    release(engine)
+    ok, data = compare(expected, got)
+    detail = (f"{len(got)} prompts x {max_tokens} greedy tokens equal transformers' generate" if ok else
+              f"{len(data['mismatches'])} of {len(got)} outputs differ from transformers' generate")
+    return CheckResult(name, "passed" if ok else "failed", detail, data)
+
+
+def speculative(name: str, model: str, device: str, prompts: list[list[int]], max_tokens: int, spec: dict,
+                **overrides) -> CheckResult:
+    """Greedy tokens with ``spec`` (method, draft_model, num_speculative_tokens) equal plain decoding."""
+    plain, engine = tandem_greedy(model, device, prompts, max_tokens, **overrides)
+    release(engine)
+    got, engine = tandem_greedy(model, device, prompts, max_tokens, **spec, **overrides)
+    stats = engine.stats().spec
+    release(engine)
+    ok, data = compare(plain, got)
+    data.update(num_draft_tokens=stats.num_draft_tokens, num_accepted_tokens=stats.num_accepted_tokens)
+    if ok and stats.num_draft_tokens == 0:
+        return CheckResult(name, "failed", "no token was ever proposed: the check exercised nothing", data)
+    rate = stats.num_accepted_tokens / max(1, stats.num_draft_tokens)
+    detail = (f"greedy tokens equal plain decoding ({stats.num_draft_tokens} drafted, {rate:.0%} accepted)" if ok else
+              f"{len(data['mismatches'])} of {len(got)} outputs differ from plain decoding")
+    return CheckResult(name, "passed" if ok else "failed", detail, data)
+
+
+def preemption(name: str, model: str, device: str, prompts: list[list[int]], max_tokens: int, tight: dict,
+               **overrides) -> CheckResult:
+    """A pool of ``tight`` settings (few blocks) gives the tokens of a roomy one, preempting on the way."""
+    roomy, engine = tandem_greedy(model, device, prompts, max_tokens, num_blocks=128, **overrides)
+    release(engine)
+    got, engine = tandem_greedy(model, device, prompts, max_tokens, **tight, **overrides)
+    num_preemptions, num_blocks = engine.stats().num_preemptions, engine.block_manager.pool.num_blocks
+    release(engine)
+    ok, data = compare(roomy, got)
+    data.update(num_preemptions=num_preemptions, num_blocks=num_blocks)
+    if ok and num_preemptions == 0:
+        return CheckResult(name, "failed", f"{num_blocks} blocks never preempted: the check exercised nothing", data)
+    detail = (f"{num_preemptions} preemptions in {num_blocks} blocks; tokens equal a roomy pool's, invariants held "
+              "every step, every block free at the end" if ok else
+              f"{len(data['mismatches'])} of {len(got)} outputs differ from a roomy pool's")
+    return CheckResult(name, "passed" if ok else "failed", detail, data)

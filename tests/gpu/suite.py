@@ -1,0 +1,160 @@
+"""The run of ``validate.py``: the checks in order, on tiny models built here, the embedded model
+when it is available, and the throughput table. ``checks.py`` and ``throughput.py`` say what each
+measures; this file picks models, prompts and settings, and turns exceptions into reports.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+import traceback
+from pathlib import Path
+
+import carry
+from report import CheckResult
+
+EMBEDDED = "smollm2-135m-instruct"
+TINY_CHECKS = ("parity/tiny-llama", "parity/tiny-qwen2", "parity/tiny-opt", "speculative/tiny-ngram",
+               "speculative/tiny-draft", "kv/preemption", "kv/preemption-draft")
+EMBEDDED_CHECKS = ("embedded/weights", "parity/smollm2-135m", "speculative/smollm2-ngram",
+                   "speculative/smollm2-draft")
+ALL_CHECKS = (*TINY_CHECKS, *EMBEDDED_CHECKS, "throughput")
+
+
+class Run:
+    """The checks of one run, in order, each timed. An exception becomes ``error``, except an
+    AssertionError (the engine helpers' invariant checks), which is ``failed``."""
+
+    def __init__(self) -> None:
+        self.results: list[CheckResult] = []
+
+    def add(self, result: CheckResult) -> None:
+        self.results.append(result)
+        print(f"{result.status:>7}  {result.name:<28} {result.seconds:7.1f}s  {result.detail}", flush=True)
+
+    def skip_all(self, names, status: str, why: str) -> None:
+        for name in names:
+            self.add(CheckResult(name, status, why))
+
+    def check(self, name: str, fn, *args, **kwargs) -> None:
+        start = time.perf_counter()
+        try:
+            result = fn(name, *args, **kwargs)
+        except AssertionError as err:
+            result = CheckResult(name, "failed", f"an invariant did not hold: {err}",
+                                 {"traceback": traceback.format_exc().strip().splitlines()[-6:]})
+        except Exception as err:  # the report must come back whatever broke
+            result = CheckResult(name, "error", f"{type(err).__name__}: {err}",
+                                 {"traceback": traceback.format_exc().strip().splitlines()[-8:]})
+        result.seconds = round(time.perf_counter() - start, 2)
+        self.add(result)
+
+
+def tiny_models(work: Path) -> dict[str, Path]:
+    """Random-weight Llama, Qwen2 and OPT folders (as the unit tests' fixtures) and a noisy Llama draft."""
+    from cluster.models.tiny import (save_noisy_draft, save_tiny_model, save_tiny_tokenizer, tiny_llama_config,
+                                     tiny_opt_config, tiny_qwen2_config)
+
+    made = {}
+    for name, config, seed in (("llama", tiny_llama_config(), 0), ("qwen2", tiny_qwen2_config(), 1),
+                               ("opt", tiny_opt_config(), 0)):
+        made[name] = save_tiny_model(config, work / name, seed=seed)
+        save_tiny_tokenizer(made[name])
+    made["noisy-draft"] = save_noisy_draft(made["llama"], work / "noisy-draft")
+    save_tiny_tokenizer(made["noisy-draft"])
+    return made
+
+
+def run_tiny(run: Run, device: str, models: dict[str, Path]) -> None:
+    import checks
+
+    parity_prompts = checks.random_prompts(1, (5, 17, 41, 3, 64))
+    for family in ("llama", "qwen2", "opt"):
+        run.check(f"parity/tiny-{family}", checks.parity, models[family], device, parity_prompts, 24, num_blocks=128)
+    prompts, llama = checks.random_prompts(0, (5, 17, 30, 3, 44, 9)), str(models["llama"])
+    draft = dict(method="draft", draft_model=str(models["noisy-draft"]), num_speculative_tokens=3)
+    run.check("speculative/tiny-ngram", checks.speculative, llama, device, prompts, 20,
+              dict(method="ngram", num_speculative_tokens=4), num_blocks=128)
+    run.check("speculative/tiny-draft", checks.speculative, llama, device, prompts, 20, draft, num_blocks=128)
+    tight = dict(num_blocks=14, block_size=8, max_num_batched_tokens=16)
+    run.check("kv/preemption", checks.preemption, llama, device, prompts, 20, tight)
+    run.check("kv/preemption-draft", checks.preemption, llama, device, prompts, 20, tight, **draft)
+
+
+def find_embedded(quick: bool, stage: carry.StageReport) -> tuple[Path | None, str]:
+    """The embedded model's converted folder, or None and why not. Never downloads: the GPU
+    machine has no registry, and pip would wait for one."""
+    if quick:
+        return None, "--quick: tiny models only"
+    from cluster.models.loader import EMBEDDED_MODELS, default_cache_dir, resolve_model
+
+    if stage.model_file is not None:
+        os.environ["TANDEM_CACHE_DIR"] = str(stage.model_file.parents[1])  # <stash>/cache: converted there
+    elif not (default_cache_dir() / "gguf" / Path(EMBEDDED_MODELS[EMBEDDED].member).name).is_file():
+        have = f"; parts here {stage.parts_present}, missing {stage.parts_missing}" if stage.manifest else ""
+        return None, f"not carried (tests/gpu/prepare.sh packs it; docs/gpu.md says how to carry it){have}"
+    return resolve_model(EMBEDDED).path, ""
+
+
+def run_embedded(run: Run, device: str, path: Path, stage: carry.StageReport) -> None:
+    import checks
+    from cluster.bench.offline import PROMPTS
+    from cluster.models.loader import ModelSource, load_tokenizer
+
+    def same_weights(name: str) -> CheckResult:
+        packed = (stage.manifest or {}).get("model", {}).get("converted")
+        if not packed:
+            return CheckResult(name, "skipped", "the model was not carried: no packed sha256 to compare with")
+        got = carry.sha256_of(path / "model.safetensors")
+        ok = got == packed["model.safetensors"]
+        return CheckResult(name, "passed" if ok else "failed",
+                           "converted here to the model.safetensors it was packed from" if ok else
+                           "converted here to other weights than where it was packed", {"sha256": got, **packed})
+
+    run.check("embedded/weights", same_weights)
+    prompts = load_tokenizer(ModelSource(EMBEDDED, path))(PROMPTS[:6])["input_ids"]
+    kv = dict(kv_cache_memory="256MiB")
+    run.check("parity/smollm2-135m", checks.parity, path, device, prompts, 32, **kv)
+    run.check("speculative/smollm2-ngram", checks.speculative, str(path), device, prompts, 32,
+              dict(method="ngram", num_speculative_tokens=4), **kv)
+    run.check("speculative/smollm2-draft", checks.speculative, str(path), device, prompts, 32,
+              dict(method="draft", draft_model=f"{EMBEDDED}-draft", num_speculative_tokens=3), **kv)
+
+
+def throughput_model(quick: bool, models: dict[str, Path], embedded: Path | None, work: Path) -> tuple[str, Path]:
+    """The embedded model; else (not --quick) a random model of its shape, since the speed does
+    not depend on the weights' values; else the tiny Llama."""
+    if embedded is not None:
+        return EMBEDDED, embedded
+    if quick:
+        return "tiny-llama (random)", models["llama"]
+    from cluster.models.tiny import save_tiny_model, save_tiny_tokenizer, tiny_llama_config
+    from cluster.planning.model_shapes import KNOWN_SHAPES
+
+    hidden, layers, heads, kv_heads, head_dim, intermediate, vocab, tied = KNOWN_SHAPES["smollm2-135m"]
+    config = tiny_llama_config(hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads,
+                               num_key_value_heads=kv_heads, head_dim=head_dim, intermediate_size=intermediate,
+                               vocab_size=vocab, tie_word_embeddings=tied, max_position_embeddings=2048)
+    path = save_tiny_model(config, work / "smollm2-shaped")
+    save_tiny_tokenizer(path)
+    return "smollm2-135m-shaped (random)", path
+
+
+def run_throughput(run: Run, settings: dict, model: str, path: Path) -> dict | None:
+    import throughput
+    from cluster.models.loader import ModelSource, load_tokenizer
+
+    held = {}
+
+    def measure(name: str) -> CheckResult:
+        kv = "64MiB" if settings["quick"] else ("1GiB" if settings["device"] == "cpu" else "4GiB")
+        result = throughput.measure(path, load_tokenizer(ModelSource(model, path)), settings["device"],
+                                    settings["dtype"], settings["batch_sizes"], settings["output_len"],
+                                    settings["repeats"], kv)
+        result.update(model=model, device=settings["device"])
+        held["result"] = result
+        return CheckResult(name, "passed", f"{len(result['cells'])} cells, each exactly batch x output_len tokens",
+                           {"model": model})
+
+    run.check("throughput", measure)
+    return held.get("result")

@@ -1,0 +1,63 @@
+"""Decode throughput of Tandem's engine against ``transformers.generate`` on the same device.
+
+Driven by ``tandem bench offline``'s own runners and cell (``cluster.bench.offline``): the same
+prompt token ids for both (the bench's prompts through the model's tokenizer), exactly
+``output_len`` greedy tokens per request (EOS ignored), one untimed warm-up per cell, then the
+best of ``repeats`` timed runs; a cell whose system produced another number of tokens is an
+error, not a figure. Output tok/s counts only generated tokens; prefill is inside the time.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict
+from pathlib import Path
+
+from checks import release
+from cluster.bench.offline import PROMPTS, _measure, _TandemRunner, _TransformersRunner
+
+
+def prompt_ids_for(tokenizer) -> list[list[int]]:
+    return tokenizer(PROMPTS)["input_ids"]
+
+
+def measure(model_dir: Path, tokenizer, device: str, dtype: str, batch_sizes: list[int], output_len: int,
+            repeats: int, kv_cache_memory: str) -> dict:
+    """Every (system, batch size) cell, and Tandem's tok/s over transformers' per batch size."""
+    tokenizer.padding_side = "left"
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    prompt_ids = prompt_ids_for(tokenizer)
+    systems = {
+        "tandem": lambda: _TandemRunner(str(model_dir), dtype, max(batch_sizes), kv_cache_memory, device=device),
+        "transformers": lambda: _TransformersRunner(model_dir, dtype, tokenizer, device=device),
+    }
+    cells = []
+    for system, build in systems.items():
+        runner = build()
+        try:
+            for batch_size in batch_sizes:
+                batch = [prompt_ids[i % len(prompt_ids)] for i in range(batch_size)]
+                cells.append(_measure(runner, system, dtype, batch, output_len, repeats))
+        finally:
+            if hasattr(runner, "close"):
+                runner.close()
+            del runner
+            release()
+    rate = {(c.system, c.batch_size): c.tok_per_s for c in cells}
+    ratios = [{"batch_size": b, "tandem_over_transformers": rate[("tandem", b)] / rate[("transformers", b)]}
+              for b in batch_sizes]
+    return {"dtype": dtype, "output_len": output_len, "repeats": repeats, "batch_sizes": batch_sizes,
+            "prompt_lens": [len(p) for p in prompt_ids], "cells": [asdict(c) for c in cells], "ratios": ratios}
+
+
+def format_table(result: dict) -> str:
+    rate = {(c["system"], c["batch_size"]): c for c in result["cells"]}
+    ratio = {r["batch_size"]: r["tandem_over_transformers"] for r in result["ratios"]}
+    lines = [f"decode throughput, {result['model']} {result['dtype']} on {result['device']}, "
+             f"{result['output_len']} greedy tokens per request (output tok/s, best of {result['repeats']})",
+             f"{'batch':>6} {'Tandem':>10} {'HF':>10} {'Tandem/HF':>10} {'Tandem ms/step':>15}"]
+    for b in result["batch_sizes"]:
+        ours, theirs = rate[("tandem", b)], rate[("transformers", b)]
+        step = "-" if ours["mean_step_ms"] is None else f"{ours['mean_step_ms']:.2f}"
+        lines.append(f"{b:>6} {ours['tok_per_s']:>10.1f} {theirs['tok_per_s']:>10.1f} {ratio[b]:>10.2f} {step:>15}")
+    return "\n".join(lines)

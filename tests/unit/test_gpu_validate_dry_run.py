@@ -1,0 +1,160 @@
+"""tests/gpu/validate.py, the GPU validation script, dry-run on the CPU, so that it is known to work
+before a session lent a GPU runs it (docs/gpu.md).
+
+The dry run (``--device cpu --quick``: tiny models, batch 1 and 4, 8 tokens) must report every
+check, pass those it runs, and write the throughput cells; the embedded model's checks are skipped
+with the reason. The carried model's parts are staged one call at a time, as on the GPU machine,
+and a damaged part is refused rather than used.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+GPU = ROOT / "tests" / "gpu"
+SCRIPT = GPU / "validate.py"
+RUN = ["parity/tiny-llama", "parity/tiny-qwen2", "parity/tiny-opt", "speculative/tiny-ngram",
+       "speculative/tiny-draft", "kv/preemption", "kv/preemption-draft"]
+EMBEDDED = ["embedded/weights", "parity/smollm2-135m", "speculative/smollm2-ngram", "speculative/smollm2-draft"]
+
+
+@pytest.fixture(scope="module")
+def dry_run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("gpu-validate")
+    command = [sys.executable, str(SCRIPT), "--device", "cpu", "--quick", "--out", str(out),
+               "--stash", str(out / "stash"), "--carry", str(out / "nothing-carried")]
+    proc = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=900)
+    assert (out / "validate.json").is_file(), proc.stdout[-3000:] + proc.stderr[-3000:]
+    return proc, json.loads((out / "validate.json").read_text()), (out / "validate.txt").read_text()
+
+
+def test_the_dry_run_reports_every_check_and_passes_those_it_runs(dry_run):
+    proc, doc, text = dry_run
+    assert proc.returncode == 0, text
+    status = {c["name"]: (c["status"], c["detail"]) for c in doc["checks"]}
+    assert list(status) == [*RUN, *EMBEDDED, "throughput"]
+    assert all(status[name][0] == "passed" for name in [*RUN, "throughput"]), text
+    assert all(status[name] == ("skipped", "--quick: tiny models only") for name in EMBEDDED)
+    assert doc["summary"] == {"passed": 8, "failed": 0, "skipped": 4, "error": 0}
+    assert doc["settings"]["device"] == "cpu" and doc["environment"]["missing_required"] == []
+    assert "8 passed, 0 failed, 4 skipped, 0 error" in text
+
+
+def test_speculation_and_preemption_were_exercised(dry_run):
+    _, doc, _ = dry_run
+    data = {c["name"]: c["data"] for c in doc["checks"]}
+    for name in ("speculative/tiny-ngram", "speculative/tiny-draft"):
+        assert data[name]["mismatches"] == [] and data[name]["num_draft_tokens"] > 0
+    assert 0 < data["speculative/tiny-draft"]["num_accepted_tokens"] < data["speculative/tiny-draft"]["num_draft_tokens"]
+    for name in ("kv/preemption", "kv/preemption-draft"):
+        assert data[name]["mismatches"] == [] and data[name]["num_preemptions"] > 0
+    assert data["parity/tiny-llama"] == {"num_outputs": 5, "mismatches": []}
+
+
+def test_the_throughput_table_has_both_systems_at_every_batch_size(dry_run):
+    _, doc, text = dry_run
+    result = doc["throughput"]
+    assert (result["device"], result["dtype"], result["batch_sizes"], result["output_len"]) == ("cpu", "float32",
+                                                                                                [1, 4], 8)
+    cells = {(c["system"], c["batch_size"]): c for c in result["cells"]}
+    assert sorted(cells) == [("tandem", 1), ("tandem", 4), ("transformers", 1), ("transformers", 4)]
+    for (system, batch_size), cell in cells.items():
+        assert cell["output_tokens"] == batch_size * 8 and cell["tok_per_s"] > 0
+    for ratio in result["ratios"]:
+        b = ratio["batch_size"]
+        assert ratio["tandem_over_transformers"] == cells[("tandem", b)]["tok_per_s"] / cells[("transformers", b)]["tok_per_s"]
+    assert "decode throughput, tiny-llama (random) float32 on cpu" in text
+
+
+@pytest.fixture
+def gpu_modules(monkeypatch):
+    monkeypatch.syspath_prepend(str(GPU))  # the script's folder, as when it runs
+    import carry
+    import checks
+
+    yield carry, checks
+    for name in ("carry", "checks", "report", "suite", "validate"):  # plain names: leave none behind
+        sys.modules.pop(name, None)
+
+
+def test_a_different_output_is_a_failed_comparison_that_says_where(gpu_modules):
+    _, checks = gpu_modules
+    assert checks.compare([[1, 2, 3]], [[1, 2, 3]]) == (True, {"num_outputs": 1, "mismatches": []})
+    ok, data = checks.compare([[1, 2, 3], [4, 5, 6, 7]], [[1, 2, 3], [4, 5, 9, 7]])
+    assert not ok
+    assert data["mismatches"] == [{"prompt": 1, "first_mismatch": 2, "expected_len": 4, "got_len": 4,
+                                   "expected": [6, 7], "got": [9, 7]}]
+    ok, data = checks.compare([[1, 2]], [[1, 2, 3]])
+    assert not ok and data["mismatches"][0]["first_mismatch"] == 2
+
+
+def _pack(carry, tmp_path: Path, size: int, part_bytes: int) -> tuple[bytes, Path, list[dict]]:
+    source = tmp_path / "model.gguf"
+    payload = bytes((i * 7919) % 251 for i in range(size))
+    source.write_bytes(payload)
+    packed = tmp_path / "packed"
+    parts = carry.split_file(source, packed, part_bytes, "model.gguf")
+    manifest = {"model": {"file": "model.gguf", "sha256": hashlib.sha256(payload).hexdigest(), "parts": parts}}
+    for part in parts:
+        (packed / part["folder"] / carry.MANIFEST).write_text(json.dumps(manifest))
+    return payload, packed, parts
+
+
+def _call(tmp_path: Path, packed: Path, part: dict, stash: Path) -> subprocess.CompletedProcess:
+    """One device call carrying one part: the script's --stage-only, as the GPU session runs it."""
+    here = tmp_path / f"call-{part['folder']}"
+    shutil.copytree(packed / part["folder"], here / part["folder"])
+    return subprocess.run([sys.executable, str(SCRIPT), "--stage-only", "--stash", str(stash), "--carry", str(here)],
+                          cwd=ROOT, capture_output=True, text=True, timeout=120)
+
+
+def test_parts_carried_one_call_at_a_time_are_reassembled_and_checked(gpu_modules, tmp_path):
+    carry, _ = gpu_modules
+    payload, packed, parts = _pack(carry, tmp_path, 10_000, 3_000)
+    assert [p["size"] for p in parts] == [3_000, 3_000, 3_000, 1_000]
+    stash = tmp_path / "stash"
+    for number, part in enumerate(parts, start=1):
+        proc = _call(tmp_path, packed, part, stash)
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+        missing = list(range(number + 1, len(parts) + 1))
+        assert f"parts here {list(range(1, number + 1))}, missing {missing}" in proc.stdout
+    assert "model.gguf reassembled and checked" in proc.stdout
+    assert (stash / "cache" / "gguf" / "model.gguf").read_bytes() == payload
+
+
+def test_a_damaged_part_is_refused_and_the_model_not_assembled(gpu_modules, tmp_path):
+    carry, _ = gpu_modules
+    _, packed, parts = _pack(carry, tmp_path, 5_000, 2_500)
+    damaged = packed / parts[1]["folder"] / parts[1]["name"]
+    damaged.write_bytes(b"x" + damaged.read_bytes()[1:])
+    stash = tmp_path / "stash"
+    assert _call(tmp_path, packed, parts[0], stash).returncode == 0
+    proc = _call(tmp_path, packed, parts[1], stash)
+    assert proc.returncode == 1
+    assert "sha256 differs from the manifest's; not kept" in proc.stdout and "missing [2]" in proc.stdout
+    report = carry.stage(tmp_path / "nothing", stash)
+    assert (report.parts_present, report.parts_missing, report.model_file) == ([1], [2], None)
+
+
+def test_a_missing_package_is_reported_for_every_check_instead_of_a_crash(gpu_modules, tmp_path, monkeypatch, capsys):
+    import validate
+
+    monkeypatch.setitem(validate.REQUIRED, "tandem_no_such_module", "tandem-no-such-package")
+    args = ["--device", "cpu", "--quick", "--out", str(tmp_path), "--stash", str(tmp_path / "stash"),
+            "--carry", str(tmp_path / "nothing-carried")]
+    assert validate.main(args) == 1
+    doc = json.loads((tmp_path / "validate.json").read_text())
+    assert doc["environment"]["missing_required"] == ["tandem-no-such-package"]
+    assert [c["name"] for c in doc["checks"]] == [*RUN, *EMBEDDED, "throughput"]
+    assert {c["status"] for c in doc["checks"]} == {"error"}
+    assert all("cannot run without tandem-no-such-package" in c["detail"] for c in doc["checks"])
+    assert doc["throughput"] is None
+    assert "missing packages: tandem-no-such-package" in capsys.readouterr().out
