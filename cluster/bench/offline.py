@@ -131,7 +131,9 @@ def add_offline_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", type=Path, help="write the results here")
 
 
-class _TandemRunner:
+class TandemRunner:
+    """Tandem's offline engine on ``device``: one batch of prompts run to the end, greedy."""
+
     def __init__(self, model: str, dtype: str, max_num_seqs: int, kv_cache_memory: str, tp: int = 1,
                  device: str = "cpu") -> None:
         import torch
@@ -162,7 +164,9 @@ class _TandemRunner:
         self.llm.engine.worker.close()
 
 
-class _TransformersRunner:
+class TransformersRunner:
+    """Hugging Face ``generate`` on ``device``, the prompts left-padded into one batch."""
+
     def __init__(self, path: Path, dtype: str, tokenizer, device: str = "cpu") -> None:
         import torch
         from transformers import AutoModelForCausalLM
@@ -216,13 +220,13 @@ def _runner(args, system: str, source, dtype: str, tp: int, tokenizer):
     import torch
 
     if system.startswith("tandem"):
-        return _TandemRunner(str(source.path), dtype, max(args.batch_sizes), args.kv_cache_memory, tp)
+        return TandemRunner(str(source.path), dtype, max(args.batch_sizes), args.kv_cache_memory, tp)
     if system == "vllm":
         from cluster.bench.offline_vllm import DEFAULT_VLLM_PYTHON, VllmRunner
 
         return VllmRunner(args.vllm_python or DEFAULT_VLLM_PYTHON, source.path, dtype, max(args.batch_sizes),
                           torch.get_num_threads(), eager=args.vllm_eager)
-    return _TransformersRunner(source.path, dtype, tokenizer)
+    return TransformersRunner(source.path, dtype, tokenizer)
 
 
 def _timed(fn, *args):
@@ -231,7 +235,10 @@ def _timed(fn, *args):
     return result, time.perf_counter() - start
 
 
-def _measure(runner, system: str, dtype: str, prompt_ids: list[list[int]], output_len: int, repeats: int) -> Cell:
+def measure_cell(runner, system: str, dtype: str, prompt_ids: list[list[int]], output_len: int,
+                 repeats: int) -> Cell:
+    """One untimed warm-up, then the best of ``repeats`` timed runs; a run that produced other than
+    ``len(prompt_ids) x output_len`` tokens raises RuntimeError."""
     batch_size = len(prompt_ids)
     runner.generate(prompt_ids, min(WARMUP_LEN, output_len))
     runs = [_timed(runner.generate, prompt_ids, output_len) for _ in range(repeats)]
@@ -275,7 +282,7 @@ def run_offline_bench(args: argparse.Namespace) -> dict:
                 for batch_size in args.batch_sizes:
                     progress.update(task, description=f"{system} {dtype} batch {batch_size}")
                     batch = [prompt_ids[i % len(prompt_ids)] for i in range(batch_size)]
-                    cells.append(_measure(runner, system, dtype, batch, args.output_len, args.repeats))
+                    cells.append(measure_cell(runner, system, dtype, batch, args.output_len, args.repeats))
                     progress.advance(task)
                 if hasattr(runner, "close"):
                     runner.close()

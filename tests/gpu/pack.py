@@ -98,7 +98,8 @@ def pack_model(out: Path, part_bytes: int) -> dict:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=ROOT / "tests" / "gpu" / "carry")
-    parser.add_argument("--without", default="", help="comma list of packages not to carry (e.g. transformers,tokenizers)")
+    parser.add_argument("--without", default="",
+                        help="comma list of packages not to carry (e.g. transformers,tokenizers)")
     parser.add_argument("--no-model", action="store_true", help="carry no embedded model (tiny models only)")
     args = parser.parse_args(argv)
     without = {n.strip() for n in args.without.split(",") if n.strip()}

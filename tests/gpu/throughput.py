@@ -13,7 +13,7 @@ from dataclasses import asdict
 from pathlib import Path
 
 from checks import release
-from cluster.bench.offline import PROMPTS, _measure, _TandemRunner, _TransformersRunner
+from cluster.bench.offline import PROMPTS, TandemRunner, TransformersRunner, measure_cell
 
 
 def prompt_ids_for(tokenizer) -> list[list[int]]:
@@ -28,8 +28,8 @@ def measure(model_dir: Path, tokenizer, device: str, dtype: str, batch_sizes: li
         tokenizer.pad_token = tokenizer.eos_token
     prompt_ids = prompt_ids_for(tokenizer)
     systems = {
-        "tandem": lambda: _TandemRunner(str(model_dir), dtype, max(batch_sizes), kv_cache_memory, device=device),
-        "transformers": lambda: _TransformersRunner(model_dir, dtype, tokenizer, device=device),
+        "tandem": lambda: TandemRunner(str(model_dir), dtype, max(batch_sizes), kv_cache_memory, device=device),
+        "transformers": lambda: TransformersRunner(model_dir, dtype, tokenizer, device=device),
     }
     cells = []
     for system, build in systems.items():
@@ -37,7 +37,7 @@ def measure(model_dir: Path, tokenizer, device: str, dtype: str, batch_sizes: li
         try:
             for batch_size in batch_sizes:
                 batch = [prompt_ids[i % len(prompt_ids)] for i in range(batch_size)]
-                cells.append(_measure(runner, system, dtype, batch, output_len, repeats))
+                cells.append(measure_cell(runner, system, dtype, batch, output_len, repeats))
         finally:
             if hasattr(runner, "close"):
                 runner.close()

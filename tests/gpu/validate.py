@@ -5,7 +5,7 @@ no vLLM, no Ray, no registry), after ``tests/gpu/prepare.sh`` here has packed wh
 
     python3 tests/gpu/validate.py --stage-only                 # keep what this call carried (docs/gpu.md)
     python3 tests/gpu/validate.py --device cuda --out $OUT     # the checks and the throughput table
-    python tests/gpu/validate.py --device cpu --quick --out DIR   # the dry run (tests/unit/test_gpu_validate_dry_run.py)
+    python tests/gpu/validate.py --device cpu --quick --out DIR   # the dry run, as make test runs it
 
 Checks (``checks.py``): greedy parity with ``transformers.generate`` on tiny random Llama, Qwen2 and
 OPT models and on the embedded SmolLM2-135M-Instruct when it was carried; speculative decoding's

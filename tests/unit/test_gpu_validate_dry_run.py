@@ -53,7 +53,8 @@ def test_speculation_and_preemption_were_exercised(dry_run):
     data = {c["name"]: c["data"] for c in doc["checks"]}
     for name in ("speculative/tiny-ngram", "speculative/tiny-draft"):
         assert data[name]["mismatches"] == [] and data[name]["num_draft_tokens"] > 0
-    assert 0 < data["speculative/tiny-draft"]["num_accepted_tokens"] < data["speculative/tiny-draft"]["num_draft_tokens"]
+    draft = data["speculative/tiny-draft"]
+    assert 0 < draft["num_accepted_tokens"] < draft["num_draft_tokens"]
     for name in ("kv/preemption", "kv/preemption-draft"):
         assert data[name]["mismatches"] == [] and data[name]["num_preemptions"] > 0
     assert data["parity/tiny-llama"] == {"num_outputs": 5, "mismatches": []}
@@ -69,8 +70,8 @@ def test_the_throughput_table_has_both_systems_at_every_batch_size(dry_run):
     for (system, batch_size), cell in cells.items():
         assert cell["output_tokens"] == batch_size * 8 and cell["tok_per_s"] > 0
     for ratio in result["ratios"]:
-        b = ratio["batch_size"]
-        assert ratio["tandem_over_transformers"] == cells[("tandem", b)]["tok_per_s"] / cells[("transformers", b)]["tok_per_s"]
+        tandem, hf = cells[("tandem", ratio["batch_size"])], cells[("transformers", ratio["batch_size"])]
+        assert ratio["tandem_over_transformers"] == tandem["tok_per_s"] / hf["tok_per_s"]
     assert "decode throughput, tiny-llama (random) float32 on cpu" in text
 
 

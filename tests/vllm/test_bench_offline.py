@@ -21,6 +21,6 @@ def test_tandem_and_vllm_cells_and_their_ratio(tmp_path):
     cells = {(c["system"], c["batch_size"]): c for c in result["cells"]}
     assert set(cells) == {(s, b) for s in ("tandem", "vllm") for b in (1, 2)}
     for (_, batch_size), cell in cells.items():
-        assert cell["output_tokens"] == batch_size * 6  # _measure also refuses a wrong count
+        assert cell["output_tokens"] == batch_size * 6  # measure_cell also refuses a wrong count
     assert [(r["batch_size"], sorted(k for k in r if k.startswith("tandem_over"))) for r in result["ratios"]] == [
         (1, ["tandem_over_vllm"]), (2, ["tandem_over_vllm"])]
