@@ -36,6 +36,19 @@ class Run:
         for name in names:
             self.add(CheckResult(name, status, why))
 
+    def section(self, names, fn):
+        """``fn()``, which records some of ``names``; if it raises, each of ``names`` it had not
+        recorded yet becomes an error naming the exception. Returns what ``fn`` returned, or None."""
+        try:
+            return fn()
+        except Exception as err:  # the report must come back whatever broke
+            done = {r.name for r in self.results}
+            tail = traceback.format_exc().strip().splitlines()[-8:]
+            for name in names:
+                if name not in done:
+                    self.add(CheckResult(name, "error", f"{type(err).__name__}: {err}", {"traceback": tail}))
+            return None
+
     def check(self, name: str, fn, *args, **kwargs) -> None:
         start = time.perf_counter()
         try:

@@ -124,8 +124,9 @@ def run_all(args, stage: carry.StageReport, env: dict, run: suite.Run) -> tuple[
     hf_logging.disable_progress_bar()  # a bar per model saved or loaded would bury the report
     with tempfile.TemporaryDirectory(prefix="tandem-gpu-") as work:
         work = Path(work)
-        models = suite.tiny_models(work)
-        suite.run_tiny(run, args.device, models)
+        models = run.section(suite.TINY_CHECKS, lambda: suite.tiny_models(work)) or {}
+        if models:
+            run.section(suite.TINY_CHECKS, lambda: suite.run_tiny(run, args.device, models))
         try:
             embedded, why = suite.find_embedded(args.quick, stage)
         except Exception as err:  # a conversion that failed: say so, go on with the rest
@@ -133,9 +134,9 @@ def run_all(args, stage: carry.StageReport, env: dict, run: suite.Run) -> tuple[
         if embedded is None:
             run.skip_all(suite.EMBEDDED_CHECKS, "error" if why.startswith("could not") else "skipped", why)
         else:
-            suite.run_embedded(run, args.device, embedded, stage)
-        model, path = suite.throughput_model(args.quick, models, embedded, work)
-        result = suite.run_throughput(run, vars(args), model, path)
+            run.section(suite.EMBEDDED_CHECKS, lambda: suite.run_embedded(run, args.device, embedded, stage))
+        picked = run.section(["throughput"], lambda: suite.throughput_model(args.quick, models, embedded, work))
+        result = suite.run_throughput(run, vars(args), *picked) if picked else None
     if result is None:
         return None, None
     import throughput
@@ -152,7 +153,7 @@ def main(argv: list[str] | None = None) -> int:
         return stage_only(args, stage)
     env = environment()
     run = suite.Run()
-    result, table = run_all(args, stage, env, run)
+    result, table = run.section(suite.ALL_CHECKS, lambda: run_all(args, stage, env, run)) or (None, None)
     settings = {k: v for k, v in vars(args).items() if k not in ("out", "stash", "carry", "stage_only")}
     doc = report.document(settings, env, stage.to_dict(), run.results, result)
     text = report.text(doc, table)

@@ -159,3 +159,22 @@ def test_a_missing_package_is_reported_for_every_check_instead_of_a_crash(gpu_mo
     assert all("cannot run without tandem-no-such-package" in c["detail"] for c in doc["checks"])
     assert doc["throughput"] is None
     assert "missing packages: tandem-no-such-package" in capsys.readouterr().out
+
+
+def test_a_step_that_breaks_is_an_error_for_each_check_it_left_undone(gpu_modules, tmp_path, monkeypatch):
+    import suite
+    import validate
+
+    def broken(work):
+        raise OSError("disk full")
+
+    monkeypatch.setattr(suite, "tiny_models", broken)
+    args = ["--device", "cpu", "--quick", "--out", str(tmp_path), "--stash", str(tmp_path / "stash"),
+            "--carry", str(tmp_path / "nothing-carried")]
+    assert validate.main(args) == 1
+    doc = json.loads((tmp_path / "validate.json").read_text())
+    status = {c["name"]: (c["status"], c["detail"]) for c in doc["checks"]}
+    assert list(status) == [*RUN, *EMBEDDED, "throughput"]
+    assert all(status[name] == ("error", "OSError: disk full") for name in RUN)
+    assert status["throughput"][0] == "error"  # no tiny model to measure
+    assert all(status[name][0] == "skipped" for name in EMBEDDED)
