@@ -25,7 +25,8 @@ import asyncio
 import json
 from pathlib import Path
 
-from cluster.bench.offline import _positive_int
+
+from cluster.bench.args import positive_int
 from cluster.bench.serve import ServeBenchOptions, run_serve_benchmark
 from cluster.bench.serve_workload import DATASETS
 
@@ -161,14 +162,14 @@ def add_compare_args(parser: argparse.ArgumentParser) -> None:
     add("--python-native", default=None, help="interpreter for `tandem serve` in the peers form (default: this one)")
     add("--python-vllm", default=None, help="interpreter with Tandem and vLLM for the groups form")
     add("--served-model-name", default="smollm2-135m-instruct", help="the model id both servers answer to")
-    add("--num-speculative-tokens", type=_positive_int, default=6, help="vLLM's k in the peers form (Tandem: its config)")
-    add("--max-num-seqs", type=_positive_int, default=64, help="vLLM server's --max-num-seqs (peers form)")
+    add("--num-speculative-tokens", type=positive_int, default=6, help="vLLM's k in the peers form (Tandem: its config)")
+    add("--max-num-seqs", type=positive_int, default=64, help="vLLM server's --max-num-seqs (peers form)")
     add("--dataset", choices=DATASETS, default="instructions")
-    add("--num-prompts", type=_positive_int, default=16)
+    add("--num-prompts", type=positive_int, default=16)
     add("--request-rate", type=float, default=float("inf"))
-    add("--max-concurrency", type=_positive_int, default=4)
-    add("--random-input-len", type=_positive_int, default=128)
-    add("--output-len", type=_positive_int, default=64, help="max_tokens of every request (ignore_eos)")
+    add("--max-concurrency", type=positive_int, default=4)
+    add("--random-input-len", type=positive_int, default=128)
+    add("--output-len", type=positive_int, default=64, help="max_tokens of every request (ignore_eos)")
     add("--num-warmups", type=int, default=2)
     add("--seed", type=int, default=0)
     add("--json", type=Path, default=Path("bench-compare.json"))

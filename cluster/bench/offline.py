@@ -16,9 +16,10 @@ import argparse
 import gc
 import json
 import os
-import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
+
+from cluster.bench.args import int_list, positive_int, timed
 
 SYSTEMS = ("tandem", "transformers", "vllm")
 DTYPES = ("float32", "bfloat16", "float16")
@@ -88,18 +89,6 @@ def concrete_dtype(name: str, source) -> str:
     return str(resolve_dtype(name, load_hf_config(source), torch.device("cpu"))).removeprefix("torch.")
 
 
-def _positive_int(text: str) -> int:
-    if not text.strip().isdigit() or int(text) < 1:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}")
-    return int(text)
-
-
-def _int_list(text: str) -> list[int]:
-    if not all(s.strip().isdigit() and int(s) > 0 for s in text.split(",")):
-        raise argparse.ArgumentTypeError(f"expected positive integers like 1,8,32, got {text!r}")
-    return [int(s) for s in text.split(",")]
-
-
 def _name_list(allowed: tuple[str, ...]):
     def parse(text: str) -> list[str]:
         names = [s.strip() for s in text.split(",")]
@@ -111,8 +100,8 @@ def _name_list(allowed: tuple[str, ...]):
 
 def add_offline_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default="smollm2-135m-instruct", help="short name, HF folder or .gguf file")
-    parser.add_argument("--batch-sizes", type=_int_list, default=[1, 8, 32], help="comma list (default 1,8,32)")
-    parser.add_argument("--output-len", type=_positive_int, default=128, help="output tokens per request (EOS ignored)")
+    parser.add_argument("--batch-sizes", type=int_list, default=[1, 8, 32], help="comma list (default 1,8,32)")
+    parser.add_argument("--output-len", type=positive_int, default=128, help="output tokens per request (EOS ignored)")
     parser.add_argument("--dtypes", type=_name_list(DTYPES), default=["float32", "bfloat16"])
     parser.add_argument("--systems", type=_name_list(SYSTEMS), default=["tandem", "transformers"],
                         help="comma list of tandem, transformers, vllm (default: tandem,transformers; vllm "
@@ -122,10 +111,10 @@ def add_offline_args(parser: argparse.ArgumentParser) -> None:
                              "built by tests/vllm/make_env.sh)")
     parser.add_argument("--vllm-eager", action="store_true",
                         help="run vLLM with enforce_eager (starts faster; its default compiles the model)")
-    parser.add_argument("--repeats", type=_positive_int, default=1, help="timed runs per cell; the best is reported")
-    parser.add_argument("--threads", type=_positive_int, help="torch.set_num_threads (default: torch's choice)")
+    parser.add_argument("--repeats", type=positive_int, default=1, help="timed runs per cell; the best is reported")
+    parser.add_argument("--threads", type=positive_int, help="torch.set_num_threads (default: torch's choice)")
     parser.add_argument("--kv-cache-memory", default="1GiB", help="Tandem's KV cache budget")
-    parser.add_argument("--tp", type=_positive_int, default=1,
+    parser.add_argument("--tp", type=positive_int, default=1,
                         help="also run Tandem with the target split over this many ranks (system tandem-tpN, "
                              "gloo worker processes on the CPU) and compare its step latency with TP=1")
     parser.add_argument("--json", type=Path, help="write the results here")
@@ -199,7 +188,7 @@ def measure_read_bandwidth(repeats: int = 5) -> float:
 
     x = torch.ones(BANDWIDTH_BYTES // 4, dtype=torch.float32)
     x.sum()
-    best = min(_timed(x.sum)[1] for _ in range(repeats))
+    best = min(timed(x.sum)[1] for _ in range(repeats))
     del x
     return BANDWIDTH_BYTES / best / 1e9
 
@@ -229,19 +218,13 @@ def _runner(args, system: str, source, dtype: str, tp: int, tokenizer):
     return TransformersRunner(source.path, dtype, tokenizer)
 
 
-def _timed(fn, *args):
-    start = time.perf_counter()
-    result = fn(*args)
-    return result, time.perf_counter() - start
-
-
 def measure_cell(runner, system: str, dtype: str, prompt_ids: list[list[int]], output_len: int,
                  repeats: int) -> Cell:
     """One untimed warm-up, then the best of ``repeats`` timed runs; a run that produced other than
     ``len(prompt_ids) x output_len`` tokens raises RuntimeError."""
     batch_size = len(prompt_ids)
     runner.generate(prompt_ids, min(WARMUP_LEN, output_len))
-    runs = [_timed(runner.generate, prompt_ids, output_len) for _ in range(repeats)]
+    runs = [timed(runner.generate, prompt_ids, output_len) for _ in range(repeats)]
     output_tokens, seconds = min(runs, key=lambda run: run[1])
     if output_tokens != batch_size * output_len:
         raise RuntimeError(f"{system} produced {output_tokens} tokens, expected {batch_size} x {output_len}")

@@ -38,11 +38,12 @@ import time
 from dataclasses import asdict
 from pathlib import Path
 
-from cluster.bench.offline import DTYPES, concrete_dtype, _int_list, _positive_int
+from cluster.bench.args import int_list, k_list, positive_int
+from cluster.bench.offline import DTYPES, concrete_dtype
 from cluster.bench.paper_sweep import (WARMUP_LEN, add_predictions, measured_capacity, sweep, sweep_summary,
                                       with_workload_acceptance)
 from cluster.bench.paper_traffic import RunResult, Workload, phased_workload, run_open_loop, uniform_workload
-from cluster.bench.spec import WORKLOAD, _k_list, run_closed_loop
+from cluster.bench.spec import WORKLOAD, run_closed_loop
 from cluster.bench.spec_workload import build_prompt_ids
 from cluster.spec.calibration import acceptance_prompts
 
@@ -69,18 +70,18 @@ def add_paper_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default="smollm2-135m-instruct", help="short name, HF folder or .gguf file")
     parser.add_argument("--dtype", choices=(*DTYPES, "auto"), default="auto",
                         help="auto: bfloat16 where the device computes it natively, else float32")
-    parser.add_argument("--batch-sizes", type=_int_list, default=[1, 2, 4, 8, 16],
+    parser.add_argument("--batch-sizes", type=int_list, default=[1, 2, 4, 8, 16],
                         help="batch sizes of the TPOT-vs-k sweep and the profile (default 1,2,4,8,16)")
-    parser.add_argument("--ks", type=_k_list, default=list(range(7)),
+    parser.add_argument("--ks", type=k_list, default=list(range(7)),
                         help="fixed speculation lengths, swept and served as policies (default 0..6)")
-    parser.add_argument("--max-k", type=_positive_int, default=6, help="largest k of table and adaptive")
-    parser.add_argument("--output-len", type=_positive_int, default=48, help="output tokens per request (EOS ignored)")
-    parser.add_argument("--requests", type=_positive_int, default=32, help="requests per traffic run (default 32)")
-    parser.add_argument("--repeats", type=_positive_int, default=1,
+    parser.add_argument("--max-k", type=positive_int, default=6, help="largest k of table and adaptive")
+    parser.add_argument("--output-len", type=positive_int, default=48, help="output tokens per request (EOS ignored)")
+    parser.add_argument("--requests", type=positive_int, default=32, help="requests per traffic run (default 32)")
+    parser.add_argument("--repeats", type=positive_int, default=1,
                         help="traffic runs per policy and workload, in rotated order; the median run is reported")
     parser.add_argument("--rates", type=_rate_list,
                         help="uniform arrival rates in requests/s (default: fractions of a measured capacity)")
-    parser.add_argument("--max-num-seqs", type=_positive_int,
+    parser.add_argument("--max-num-seqs", type=positive_int,
                         help="the engine's batch limit (default: the largest of --batch-sizes)")
     parser.add_argument("--profile-acceptance", choices=("calibration", "workload"), default="calibration",
                         help="acceptance the table and adaptive policies start from: the profiler's calibration "
@@ -90,7 +91,7 @@ def add_paper_args(parser: argparse.ArgumentParser) -> None:
                         help="the requests of sweep and traffic: edit a given passage (lookup copies a lot) or the "
                              "calibration chat requests (mostly open-ended)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the arrival traces")
-    parser.add_argument("--threads", type=_positive_int, help="torch.set_num_threads (default: torch's choice)")
+    parser.add_argument("--threads", type=positive_int, help="torch.set_num_threads (default: torch's choice)")
     parser.add_argument("--kv-cache-memory", default="1GiB", help="Tandem's KV cache budget")
     parser.add_argument("--json", type=Path, help="write the results here")
     parser.add_argument("--plots", type=Path, help="write PNG figures into this folder")

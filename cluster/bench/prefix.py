@@ -34,7 +34,8 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from cluster.bench.offline import DTYPES, concrete_dtype, PROMPTS, _positive_int, _timed
+from cluster.bench.args import positive_int, timed
+from cluster.bench.offline import DTYPES, concrete_dtype, PROMPTS
 
 TTFT_SEED, CHAT_SEED, WARMUP_SEED = 0, 1, 2
 GOAL_COLD_OVER_WARM = 5.0
@@ -79,13 +80,13 @@ def add_prefix_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default="smollm2-135m-instruct", help="short name, HF folder or .gguf file")
     parser.add_argument("--dtype", choices=(*DTYPES, "auto"), default="auto",
                         help="auto: bfloat16 where the device computes it natively, else float32")
-    parser.add_argument("--system-tokens", type=_positive_int, default=1024, help="shared system prompt (TTFT)")
-    parser.add_argument("--warm-requests", type=_positive_int, default=5, help="timed cold and warm requests each")
-    parser.add_argument("--conversations", type=_positive_int, default=8)
-    parser.add_argument("--turns", type=_positive_int, default=4)
-    parser.add_argument("--chat-system-tokens", type=_positive_int, default=256, help="system prompt of the chats")
-    parser.add_argument("--output-len", type=_positive_int, default=32, help="tokens per chat turn (EOS ignored)")
-    parser.add_argument("--threads", type=_positive_int, help="torch.set_num_threads (default: torch's choice)")
+    parser.add_argument("--system-tokens", type=positive_int, default=1024, help="shared system prompt (TTFT)")
+    parser.add_argument("--warm-requests", type=positive_int, default=5, help="timed cold and warm requests each")
+    parser.add_argument("--conversations", type=positive_int, default=8)
+    parser.add_argument("--turns", type=positive_int, default=4)
+    parser.add_argument("--chat-system-tokens", type=positive_int, default=256, help="system prompt of the chats")
+    parser.add_argument("--output-len", type=positive_int, default=32, help="tokens per chat turn (EOS ignored)")
+    parser.add_argument("--threads", type=positive_int, help="torch.set_num_threads (default: torch's choice)")
     parser.add_argument("--kv-cache-memory", default="1GiB", help="KV cache budget of each engine")
     parser.add_argument("--json", type=Path, help="write the results here")
 
@@ -157,7 +158,7 @@ def run_chat(llm, system: str, num_conversations: int, num_turns: int, output_le
     for turn in range(num_turns):
         questions = [question(c * num_turns + turn) for c in range(num_conversations)]
         prompts = [render(llm.tokenizer, system, h, q) for h, q in zip(histories, questions)]
-        outs, took = _timed(llm.generate, prompts, params)
+        outs, took = timed(llm.generate, prompts, params)
         seconds += took
         for c, out in enumerate(outs):
             histories[c].append((questions[c], out.outputs[0].text))

@@ -27,7 +27,9 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from cluster.bench.offline import _int_list, _positive_int
+from cluster.bench.args import int_list, positive_int
+
+
 
 CONFIGS = {  # name -> engine overrides
     "float32": {},
@@ -49,14 +51,14 @@ class KernelCell:
 
 def add_quant_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default="smollm2-135m-instruct", help="short name, HF folder or .gguf file")
-    parser.add_argument("--rows", type=_int_list, default=[1, 4, 16, 64], help="kernel row counts (default 1,4,16,64)")
-    parser.add_argument("--batch-sizes", type=_int_list, default=[1, 4, 16], help="engine concurrency (default 1,4,16)")
+    parser.add_argument("--rows", type=int_list, default=[1, 4, 16, 64], help="kernel row counts (default 1,4,16,64)")
+    parser.add_argument("--batch-sizes", type=int_list, default=[1, 4, 16], help="engine concurrency (default 1,4,16)")
     parser.add_argument("--configs", type=lambda t: [c for c in t.split(",") if c], default=list(CONFIGS),
                         help=f"engine configurations (default {','.join(CONFIGS)})")
-    parser.add_argument("--output-len", type=_positive_int, default=64, help="engine: output tokens per request")
-    parser.add_argument("--continuation-len", type=_positive_int, default=32, help="quality: greedy tokens per prompt")
-    parser.add_argument("--repeats", type=_positive_int, default=30, help="kernel: timed calls per cell")
-    parser.add_argument("--threads", type=_positive_int, help="torch.set_num_threads (default: torch's choice)")
+    parser.add_argument("--output-len", type=positive_int, default=64, help="engine: output tokens per request")
+    parser.add_argument("--continuation-len", type=positive_int, default=32, help="quality: greedy tokens per prompt")
+    parser.add_argument("--repeats", type=positive_int, default=30, help="kernel: timed calls per cell")
+    parser.add_argument("--threads", type=positive_int, help="torch.set_num_threads (default: torch's choice)")
     parser.add_argument("--skip", type=lambda t: set(t.split(",")), default=set(),
                         help="parts to skip: kernels, quality, engine")
     parser.add_argument("--json", type=Path, help="write the results here")

@@ -24,7 +24,8 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from cluster.bench.offline import _positive_int
+
+from cluster.bench.args import positive_int
 from cluster.bench.serve_client import first_model_id, send_request
 from cluster.bench.serve_metrics import DEFAULT_PERCENTILES, SLO_METRICS, RequestRecord, summarize
 from cluster.bench.serve_workload import (
@@ -211,21 +212,21 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     add("--model", help="model name to send (default: the first id of GET /v1/models)")
     add("--api-key", help="sent as 'Authorization: Bearer KEY'")
     add("--dataset", choices=DATASETS, default="random")
-    add("--num-prompts", type=_positive_int, default=100, help="requests to send (ignored with --phases)")
+    add("--num-prompts", type=positive_int, default=100, help="requests to send (ignored with --phases)")
     add("--request-rate", type=float, default=math.inf, help="requests/s; inf (default) sends all at once")
     add("--burstiness", type=float, default=1.0, help="gamma shape of the inter-arrival gaps; 1 = Poisson")
     add("--phases", help="time-varying rate as rate:seconds,... (e.g. 2:30,8:60); overrides --request-rate")
-    add("--max-concurrency", type=_positive_int, help="most requests in flight at once (default: no cap)")
+    add("--max-concurrency", type=positive_int, help="most requests in flight at once (default: no cap)")
     add("--seed", type=int, default=0, help="seeds the dataset and the arrivals")
     add("--temperature", type=float, default=0.0)
     add("--ignore-eos", action="store_true", help="send ignore_eos: true (vLLM and Tandem extension)")
-    add("--random-input-len", type=_positive_int, default=1024, help="random dataset: prompt words (~tokens)")
-    add("--random-output-len", type=_positive_int, default=128, help="random dataset: max_tokens")
+    add("--random-input-len", type=positive_int, default=1024, help="random dataset: prompt words (~tokens)")
+    add("--random-output-len", type=positive_int, default=128, help="random dataset: max_tokens")
     add("--random-range-ratio", type=float, default=0.0, help="random dataset: lengths vary by +- this ratio")
-    add("--num-prefixes", type=_positive_int, default=4, help="shared-prefix: distinct system prompts")
-    add("--prefix-len", type=_positive_int, default=512, help="shared-prefix: words per system prompt")
-    add("--question-len", type=_positive_int, default=12, help="shared-prefix: random words per question")
-    add("--output-len", type=_positive_int, default=128, help="shared-prefix and instructions: max_tokens")
+    add("--num-prefixes", type=positive_int, default=4, help="shared-prefix: distinct system prompts")
+    add("--prefix-len", type=positive_int, default=512, help="shared-prefix: words per system prompt")
+    add("--question-len", type=positive_int, default=12, help="shared-prefix: random words per question")
+    add("--output-len", type=positive_int, default=128, help="shared-prefix and instructions: max_tokens")
     add("--metric-percentiles", default="50,90,99", help="comma list of percentiles to report")
     add("--goodput", nargs="+", metavar="NAME:MS", help="SLOs for goodput, e.g. ttft:500 tpot:50 e2el:5000")
     add("--num-warmups", type=int, default=0, help="untimed requests sent first, one at a time")

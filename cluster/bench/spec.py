@@ -36,12 +36,12 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from cluster.bench.offline import DTYPES, concrete_dtype, _int_list, _positive_int
+from cluster.bench.args import int_list, k_list, positive_int, ratio_or_none
+from cluster.bench.offline import DTYPES, concrete_dtype
 from cluster.bench.spec_report import TANDEM_INVARIANT, TANDEM_REJECTION, build_result, print_tables
 from cluster.bench.spec_workload import build_prompt_ids
 
 WARMUP_LEN = 8
-MAX_K = 16  # the config's bound on num_speculative_tokens
 DEFAULT_VLLM_SCRIPT = Path(__file__).resolve().parents[3] / "shared" / "anchors" / "vllm_cpu.sh"
 WORKLOAD = ("each prompt asks to rewrite, summarize, proofread or continue a short passage given in full "
             "in the prompt, so the output naturally repeats prompt text (where prompt lookup helps)")
@@ -147,46 +147,27 @@ def make_cell(system: str, method: str, batch_size: int, k: int, output_len: int
                     sum(t.ttft_s for t in timings) / len(timings) * 1e3, per_step, **spec)
 
 
-def _k_list(text: str) -> list[int]:
-    parts = [s.strip() for s in text.split(",")]
-    if not all(p.isdigit() and int(p) <= MAX_K for p in parts):
-        raise argparse.ArgumentTypeError(f"expected integers in 0..{MAX_K} like 0,2,4, got {text!r}")
-    return [int(p) for p in parts]
-
-
-def _ratio_or_none(text: str) -> float | None:
-    if text.strip().lower() == "none":
-        return None
-    try:
-        value = float(text)
-    except ValueError:
-        value = -1.0
-    if not value >= 0:
-        raise argparse.ArgumentTypeError(f"expected a number >= 0 or none, got {text!r}")
-    return value
-
-
 def add_spec_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default="smollm2-135m-instruct", help="short name, HF folder or .gguf file")
     parser.add_argument("--method", choices=("ngram", "draft"), default="ngram", help="how drafts are proposed")
     parser.add_argument("--draft-model", help="draft model for --method draft (the target itself = self-draft)")
-    parser.add_argument("--ngram-draft-per-match-token", type=_ratio_or_none, default=1.0,
+    parser.add_argument("--ngram-draft-per-match-token", type=ratio_or_none, default=1.0,
                         help="n-gram: a match shorter than 4 tokens drafts at most this many tokens per matched "
                              "token (default 1; none: every match drafts k, as vLLM)")
     parser.add_argument("--dtype", choices=(*DTYPES, "auto"), default="auto",
                         help="auto: bfloat16 where the device computes it natively, else float32")
-    parser.add_argument("--batch-sizes", type=_int_list, default=[1, 4, 16], help="concurrency (default 1,4,16)")
-    parser.add_argument("--ks", type=_k_list, default=list(range(9)), help="speculation lengths (default 0..8)")
-    parser.add_argument("--output-len", type=_positive_int, default=128, help="output tokens per request (EOS ignored)")
-    parser.add_argument("--num-prompts", type=_positive_int, default=16, help="requests per cell (default 16)")
+    parser.add_argument("--batch-sizes", type=int_list, default=[1, 4, 16], help="concurrency (default 1,4,16)")
+    parser.add_argument("--ks", type=k_list, default=list(range(9)), help="speculation lengths (default 0..8)")
+    parser.add_argument("--output-len", type=positive_int, default=128, help="output tokens per request (EOS ignored)")
+    parser.add_argument("--num-prompts", type=positive_int, default=16, help="requests per cell (default 16)")
     parser.add_argument("--quantization", choices=("none", "int8", "int8-dynamic"), default="none",
                         help="the target's weights")
     parser.add_argument("--draft-quantization", choices=("none", "int8", "int8-dynamic"),
                         help="the draft's weights (default: the target's); int8 + --draft-model TARGET = self-draft")
-    parser.add_argument("--threads", type=_positive_int, help="torch.set_num_threads (default: torch's choice)")
+    parser.add_argument("--threads", type=positive_int, help="torch.set_num_threads (default: torch's choice)")
     parser.add_argument("--kv-cache-memory", default="1GiB", help="Tandem's KV cache budget")
     parser.add_argument("--kv-cache-dtype", choices=("auto", "int8"), default="auto")
-    parser.add_argument("--repeats", type=_positive_int, default=1,
+    parser.add_argument("--repeats", type=positive_int, default=1,
                         help="rounds over every k per batch size, each starting at another k; a cell pools its rounds")
     parser.add_argument("--batch-invariant", choices=("off", "on", "both"), default="off",
                         help="model.batch_invariant for Tandem's engine; both: measure each cell with it off and on")
@@ -195,7 +176,7 @@ def add_spec_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--verification", choices=("auto", "rejection", "coupled", "both"), default="auto",
                         help="speculative.verification; both: measure each cell coupled and by rejection sampling")
     parser.add_argument("--vllm", action="store_true", help="also measure vLLM's CPU server (n-gram) as a peer")
-    parser.add_argument("--vllm-ks", type=_k_list, default=[0, 2, 4], help="vLLM's speculation lengths")
+    parser.add_argument("--vllm-ks", type=k_list, default=[0, 2, 4], help="vLLM's speculation lengths")
     parser.add_argument("--vllm-script", type=Path, default=DEFAULT_VLLM_SCRIPT, help="the vllm_cpu.sh anchor")
     parser.add_argument("--json", type=Path, help="write the results here")
 
