@@ -26,7 +26,7 @@ import logging
 import sys
 
 from cluster.config import ConfigError, TandemConfig, group_engine_config, load_config, with_overrides
-from cluster.spec.calibration import ACCEPTANCE_PROMPT_SETS
+from cluster.spec_decode.calibration import ACCEPTANCE_PROMPT_SETS
 
 
 def _engine_config(args: argparse.Namespace) -> TandemConfig:
@@ -72,7 +72,7 @@ def cmd_profile(args: argparse.Namespace) -> int:
     import json
 
     from cluster.engine.engine import Engine
-    from cluster.spec.profiler import power_of_two_sizes, run_profile
+    from cluster.spec_decode.profiler import power_of_two_sizes, run_profile
 
     config = _engine_config(args)
     if args.group:

@@ -39,7 +39,7 @@ from cluster.engine.protocol import ErrorInfo, GenerateDelta, GenerateRequest
 from cluster.engine.sampling_params import SamplingParams
 from cluster.routing.policy import peak_tokens_per_second
 from cluster.routing.step_times import StepTimeTracker
-from cluster.spec.latency_model import power_of_two_sizes
+from cluster.spec_decode.latency_model import power_of_two_sizes
 from cluster.structured.constraint import vllm_fields
 
 logger = logging.getLogger(__name__)
@@ -311,7 +311,7 @@ def group_settings(config: TandemConfig, tensor_parallel_size: int,
 def _profile(config: TandemConfig):
     if config.speculative.method == "none" or not config.speculative.profile:
         return None
-    from cluster.spec.profile_data import SpeculationProfile
+    from cluster.spec_decode.profile_data import SpeculationProfile
 
     return SpeculationProfile.load(config.speculative.profile)
 

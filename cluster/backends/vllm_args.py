@@ -26,7 +26,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from cluster.config import TandemConfig
-from cluster.spec.profile_data import batch_size_ranges
+from cluster.spec_decode.profile_data import batch_size_ranges
 
 
 @dataclass(frozen=True)

@@ -42,9 +42,9 @@ from cluster.backends.vllm import group_settings, import_vllm, stat_logger, use_
 from cluster.backends.vllm_stats import SpecCounters
 from cluster.config import TandemConfig, with_overrides
 from cluster.engine.llm import apply_chat_template
-from cluster.spec.calibration import CALIBRATION_PROMPTS
-from cluster.spec.latency_model import fit_steps
-from cluster.spec.profile_data import SpeculationProfile
+from cluster.spec_decode.calibration import CALIBRATION_PROMPTS
+from cluster.spec_decode.latency_model import fit_steps
+from cluster.spec_decode.profile_data import SpeculationProfile
 
 
 @dataclass
@@ -181,7 +181,7 @@ def run_vllm_profile(config: TandemConfig, batch_sizes: list[int], max_k: int, o
     if output_len < 8:
         raise ValueError(f"output_len={output_len}: at least 8 tokens are needed to count decoding steps")
     from cluster.engine.engine import default_device
-    from cluster.spec.profiler import device_name
+    from cluster.spec_decode.profiler import device_name
 
     use_device_threads(config)  # the children inherit OMP_NUM_THREADS
     samples: list[StepSample] = []

@@ -45,7 +45,7 @@ from cluster.bench.paper_sweep import (WARMUP_LEN, add_predictions, measured_cap
 from cluster.bench.paper_traffic import RunResult, Workload, phased_workload, run_open_loop, uniform_workload
 from cluster.bench.spec import WORKLOAD, run_closed_loop
 from cluster.bench.spec_workload import build_prompt_ids
-from cluster.spec.calibration import acceptance_prompts
+from cluster.spec_decode.calibration import acceptance_prompts
 
 PROMPT_SETS = {"edit": WORKLOAD,
                "calibration": "the profiler's calibration chat requests: a few quote text back (where prompt "
@@ -105,7 +105,7 @@ def run_paper_bench(args: argparse.Namespace) -> dict:
 
     from cluster.engine.llm import LLM
     from cluster.models.loader import load_tokenizer, resolve_model
-    from cluster.spec.profiler import run_profile
+    from cluster.spec_decode.profiler import run_profile
 
     if args.max_k > 16:
         raise ValueError(f"--max-k must be at most 16 (the engine's bound), got {args.max_k}")
@@ -185,7 +185,7 @@ def run_paper_bench(args: argparse.Namespace) -> dict:
 
 # ---- part 2: traffic ------------------------------------------------------------------
 def _controller(policy: str, profile, max_k: int):
-    from cluster.spec.controller import AdaptiveController, FixedController, TableController
+    from cluster.spec_decode.controller import AdaptiveController, FixedController, TableController
 
     if policy == "table":
         return TableController({b: min(k, max_k) for b, k in profile.table.items()})

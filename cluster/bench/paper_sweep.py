@@ -13,7 +13,7 @@ WORKLOAD_PROMPTS = "bench paper sweep"  # a profile's acceptance_prompts once th
 
 
 def sweep(engine, args, prompt_ids, progress, task) -> list[dict]:
-    from cluster.spec.controller import FixedController
+    from cluster.spec_decode.controller import FixedController
 
     cells = []
     for b in args.batch_sizes:
@@ -51,7 +51,7 @@ def add_predictions(cells: list[dict], profile) -> None:
     the controllers start from (``profile``'s), and with the cell's own measured ones; and
     its full-batch decoding step time as the fitted model and the measured grid (what the
     table and adaptive read) predict it, with the coverage the cell drafted at."""
-    from cluster.spec.profile_data import measured_model
+    from cluster.spec_decode.profile_data import measured_model
 
     model = profile.latency_model
     grid = profile.pass_grid()

@@ -143,7 +143,7 @@ def measure_quality(model: str, configs: list[str], continuation_len: int) -> di
     from cluster.engine.llm import LLM
     from cluster.engine.sampling_params import SamplingParams
     from cluster.quant.quality import PERPLEXITY_TEXT, compare, reference_of
-    from cluster.spec.calibration import CALIBRATION_PROMPTS
+    from cluster.spec_decode.calibration import CALIBRATION_PROMPTS
 
     def llm(**overrides):
         return LLM(model, dtype="float32", device="cpu", num_blocks=128, enable_prefix_caching=False, **overrides)

@@ -245,7 +245,7 @@ def engine_variants(args) -> list[tuple[str, dict]]:
 
 def _measure_tandem(args, source, prompt_ids, progress, task, system: str, variant: dict) -> list[SpecCell]:
     from cluster.engine.llm import LLM
-    from cluster.spec.controller import FixedController
+    from cluster.spec_decode.controller import FixedController
 
     if args.method == "draft" and not args.draft_model:
         raise ValueError("--method draft needs --draft-model (a model sharing the target's tokenizer)")

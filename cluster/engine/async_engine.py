@@ -26,7 +26,7 @@ from cluster.engine.request import Request
 from cluster.engine.sampling_params import SamplingParams
 from cluster.metrics.collector import EngineMetricsCollector
 from cluster.routing.step_times import StepTimeTracker
-from cluster.spec.factory import profile_step_model
+from cluster.spec_decode.factory import profile_step_model
 
 logger = logging.getLogger(__name__)
 

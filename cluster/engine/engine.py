@@ -26,9 +26,9 @@ from cluster.kv.block_manager import BlockManager, cdiv
 from cluster.kv.prefix_cache import engine_hash_seed
 from cluster.runner.model_runner import SampledTokens
 from cluster.runner.worker import Worker
-from cluster.spec.controller import BatchState, StepObservation
-from cluster.spec.factory import build_speculation
-from cluster.spec.stats import SpecDecodeStats
+from cluster.spec_decode.controller import BatchState, StepObservation
+from cluster.spec_decode.factory import build_speculation
+from cluster.spec_decode.stats import SpecDecodeStats
 
 logger = logging.getLogger(__name__)
 

@@ -35,7 +35,7 @@ from cluster.metrics.collector import EngineMetricsCollector
 from cluster.metrics.sample_buffer import BufferedSink
 from cluster.engine.step_timeline import StepTimeline, TimelineEntry
 from cluster.routing.step_times import StepTimeTracker
-from cluster.spec.factory import profile_step_model
+from cluster.spec_decode.factory import profile_step_model
 
 logger = logging.getLogger("cluster.engine.engine_core")
 

@@ -18,7 +18,7 @@ from cluster.engine.protocol import GenerateDelta, GenerateRequest
 from cluster.engine.sampling_params import SamplingParams
 from cluster.routing.policy import peak_tokens_per_second
 from cluster.routing.step_times import StepTimeTracker
-from cluster.spec.latency_model import power_of_two_sizes
+from cluster.spec_decode.latency_model import power_of_two_sizes
 
 
 def resolved_params(request: GenerateRequest, max_model_len: int) -> SamplingParams:

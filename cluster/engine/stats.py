@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from cluster.spec.stats import SpecDecodeStats
+from cluster.spec_decode.stats import SpecDecodeStats
 
 
 @dataclass(frozen=True)

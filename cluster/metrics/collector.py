@@ -21,7 +21,7 @@ from collections import defaultdict
 from typing import TYPE_CHECKING, Callable, Protocol
 
 from cluster.metrics.catalog import METRICS_BY_NAME
-from cluster.spec.latency_model import power_of_two_sizes
+from cluster.spec_decode.latency_model import power_of_two_sizes
 
 if TYPE_CHECKING:
     from cluster.engine.engine import Engine

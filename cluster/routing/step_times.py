@@ -25,7 +25,7 @@ from collections import deque
 
 import numpy as np
 
-from cluster.spec.latency_model import LatencyModel
+from cluster.spec_decode.latency_model import LatencyModel
 
 _CURVE_BATCH_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 

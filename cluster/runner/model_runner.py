@@ -17,10 +17,10 @@ from cluster.quant.kv_int8 import Int8KVCache, bytes_per_vector
 from cluster.runner.input_batch import SHORT_QUERY_MAX, SeqChunk, prepare_inputs
 from cluster.runner.random_stream import SeedKey
 from cluster.runner.sampler import Sampler, SamplingMetadata, compute_probs, greedy_token_ids
-from cluster.spec.rejection import greedy_verify, rejection_sample_packed
+from cluster.spec_decode.rejection import greedy_verify, rejection_sample_packed
 
 if TYPE_CHECKING:
-    from cluster.spec.proposer import DraftProposal
+    from cluster.spec_decode.proposer import DraftProposal
 
 
 class SampledTokens(NamedTuple):

@@ -1,6 +1,6 @@
-"""A replica's speculation controller, built as ``cluster.spec.factory`` builds it.
+"""A replica's speculation controller, built as ``cluster.spec_decode.factory`` builds it.
 
-The simulator drives the real controllers of :mod:`cluster.spec.controller`: they see a
+The simulator drives the real controllers of :mod:`cluster.spec_decode.controller`: they see a
 ``BatchState`` per step and, for the adaptive one, what ``Engine.step`` hands it per
 decoding step (the step's seconds and each request's drafted and accepted tokens).
 
@@ -25,13 +25,13 @@ import numpy as np
 from numpy.linalg import _umath_linalg
 
 from cluster.sim.config import parse_controller
-from cluster.spec.controller import (
+from cluster.spec_decode.controller import (
     AdaptiveController,
     FixedController,
     SpeculationController,
     TableController,
 )
-from cluster.spec.latency_model import LatencyModel, power_of_two_sizes
+from cluster.spec_decode.latency_model import LatencyModel, power_of_two_sizes
 
 
 class SimAdaptiveController(AdaptiveController):

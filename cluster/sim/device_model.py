@@ -2,7 +2,7 @@
 
 A step runs ``num_decode`` decoding requests with ``k`` draft tokens each, plus prefill
 chunks of ``num_prefill_tokens`` tokens from ``num_prefill_requests`` requests. Its time
-extends the profile's linear model (:mod:`cluster.spec.latency_model`) to prefill
+extends the profile's linear model (:mod:`cluster.spec_decode.latency_model`) to prefill
 tokens, which cost what verified tokens cost (the same matrix products)::
 
     T = c0 + c1 (b + p) + c2 (b (1 + D(k)) + P) + k (d0 + d1 b)      (k = 0 when b = 0)
@@ -10,7 +10,7 @@ tokens, which cost what verified tokens cost (the same matrix products)::
 with b = num_decode, p = num_prefill_requests, P = num_prefill_tokens and D(k) the draft
 tokens a request carries into the verifying pass: k for a draft model, the sum of the
 profile's first k coverages for n-gram lookup (which often proposes fewer than asked;
-:func:`cluster.spec.latency_model.expected_drafted`), in expectation.
+:func:`cluster.spec_decode.latency_model.expected_drafted`), in expectation.
 
 Derived models, for GPU kinds nobody measured here (labelled ``derived`` everywhere):
 
@@ -33,8 +33,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from cluster.config import ConfigError, format_errors
 from cluster.sim.config import GroupConfig, ModelFigures, SimConfig
-from cluster.spec.latency_model import LatencyModel, expected_drafted
-from cluster.spec.profile_data import SpeculationProfile
+from cluster.spec_decode.latency_model import LatencyModel, expected_drafted
+from cluster.spec_decode.profile_data import SpeculationProfile
 
 
 class _Strict(BaseModel):
@@ -183,7 +183,7 @@ def peak_requests_per_s(model: StepModel, max_num_seqs: int, mean_prompt: float,
     """Requests/s one replica sustains at its best fixed k: a full batch (as far as the KV
     cache holds requests halfway through their output) decoding, plus each request's
     prefill. What a workload's ``load`` is a fraction of."""
-    from cluster.spec.latency_model import expected_tokens
+    from cluster.spec_decode.latency_model import expected_tokens
 
     per_request_kv = mean_prompt + mean_output / 2
     batch = max(1, min(max_num_seqs, int(model.kv_capacity_tokens // max(per_request_kv, 1.0))))

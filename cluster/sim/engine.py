@@ -27,7 +27,7 @@ from cluster.sim.replica import ReplicaSettings, SimReplica
 from cluster.sim.requests import RequestTable
 from cluster.sim.routers import build_router
 from cluster.sim.workload import Workload
-from cluster.spec.profile_data import SpeculationProfile
+from cluster.spec_decode.profile_data import SpeculationProfile
 
 _STEP, _READY = 0, 1
 

@@ -30,7 +30,7 @@ from cluster.routing.step_times import StepTimeTracker
 from cluster.sim.controllers import SimAdaptiveController
 from cluster.sim.device_model import StepModel
 from cluster.sim.requests import RequestTable
-from cluster.spec.controller import BatchState, SpeculationController, StepObservation
+from cluster.spec_decode.controller import BatchState, SpeculationController, StepObservation
 
 _NO_REQUESTS = np.zeros(0, dtype=np.int64)
 PREFIX_CACHE_ENTRIES = 64  # shared prefixes a replica keeps cached (least recently used go first)

@@ -37,14 +37,14 @@ def paper_run(tiny_folder, tmp_path_factory):
 
 def test_every_acceptance_prompt_set_has_a_description():
     from cluster.bench.paper import PROMPT_SETS
-    from cluster.spec.calibration import ACCEPTANCE_PROMPT_SETS
+    from cluster.spec_decode.calibration import ACCEPTANCE_PROMPT_SETS
 
     assert set(PROMPT_SETS) == set(ACCEPTANCE_PROMPT_SETS)
 
 
 def test_calibration_prompts_serve_every_calibration_request_per_cell(tiny_folder, tmp_path):
     from cluster.models.loader import load_tokenizer, resolve_model
-    from cluster.spec.calibration import CALIBRATION_PROMPTS
+    from cluster.spec_decode.calibration import CALIBRATION_PROMPTS
 
     out = tmp_path / "paper.json"
     code = main(["bench", "paper", "--model", str(tiny_folder), "--dtype", "float32", "--batch-sizes", "2",
@@ -165,8 +165,8 @@ def test_bad_arguments_are_rejected(flag, value, capsys):
 
 def test_workload_acceptance_replaces_the_calibration_one_and_resolves_the_table():
     from cluster.bench.paper_sweep import add_predictions, with_workload_acceptance
-    from cluster.spec.latency_model import LatencyModel
-    from cluster.spec.profile_data import SpeculationProfile
+    from cluster.spec_decode.latency_model import LatencyModel
+    from cluster.spec_decode.profile_data import SpeculationProfile
 
     model = LatencyModel([0.01, 0.001, 0.0005], [0.0002, 0.0001])
     calibration = [0.3, 0.3, 0.3, 0.3]

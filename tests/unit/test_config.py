@@ -61,7 +61,7 @@ def test_local_yaml_profile_is_found_next_to_it():
 
 
 def test_ngram_draft_cap_reaches_the_proposer():
-    from cluster.spec.factory import build_speculation
+    from cluster.spec_decode.factory import build_speculation
 
     proposer, _ = build_speculation(with_overrides(TandemConfig(), method="ngram"), None)
     assert proposer.ngram.draft_per_match_token == 1.0  # the default caps short matches

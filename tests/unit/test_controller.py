@@ -11,15 +11,15 @@ import pytest
 from cluster.cli import main
 from cluster.engine.async_engine import AsyncEngine
 from cluster.engine.sampling_params import SamplingParams
-from cluster.spec.controller import (
+from cluster.spec_decode.controller import (
     AdaptiveController,
     BatchState,
     FixedController,
     StepObservation,
     TableController,
 )
-from cluster.spec.latency_model import LatencyModel, expected_tokens
-from cluster.spec.profile_data import SpeculationProfile
+from cluster.spec_decode.latency_model import LatencyModel, expected_tokens
+from cluster.spec_decode.profile_data import SpeculationProfile
 from tests.engine_helpers import make_engine, run_to_completion
 
 # Per-token compute dominates as the batch grows, as on the paper's GPUs: best k 3 at
@@ -297,7 +297,7 @@ def test_engine_reports_positions_asked_proposed_and_accepted_per_request(tiny_l
 def test_a_profile_names_the_draft_model_only_when_a_model_drafts():
     from types import SimpleNamespace
 
-    from cluster.spec.profiler import _draft_name
+    from cluster.spec_decode.profiler import _draft_name
 
     # configs/local.yaml names a draft model for `method: draft` while n-gram drafts.
     def speculative(method, draft_model, cap=None):
@@ -343,9 +343,9 @@ def test_table_and_adaptive_need_a_profile(tiny_llama_dir):
 
 
 def test_profile_measures_acceptance_on_the_prompt_set_asked_for(tiny_llama_dir, tmp_path, monkeypatch):
-    import cluster.spec.profiler as profiler
+    import cluster.spec_decode.profiler as profiler
     from cluster.bench.spec_workload import PASSAGES
-    from cluster.spec.calibration import CALIBRATION_PROMPTS, acceptance_prompts
+    from cluster.spec_decode.calibration import CALIBRATION_PROMPTS, acceptance_prompts
 
     seen = []
     measure = profiler.measure_drafting

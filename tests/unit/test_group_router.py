@@ -18,7 +18,7 @@ from cluster.routing import group_router
 from cluster.routing.group_router import GroupRouter
 from cluster.routing.stats import ReplicaStats, RoutingRequest
 from cluster.routing.step_times import StepTimeTracker
-from cluster.spec.latency_model import LatencyModel
+from cluster.spec_decode.latency_model import LatencyModel
 
 NOW = 1000.0
 MAX_NUM_SEQS = 64

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from cluster.spec.latency_model import LatencyModel, expected_tokens, fit_linear, target_features
+from cluster.spec_decode.latency_model import LatencyModel, expected_tokens, fit_linear, target_features
 
 GRID = [(b, n) for b in (1, 2, 4, 8, 16, 32) for n in range(1, 10)]
 ACCEPTANCE = [0.35, 0.6, 0.7, 0.8, 0.9, 0.9, 0.9, 0.9]

@@ -7,7 +7,7 @@ import random
 import numpy as np
 import pytest
 
-from cluster.spec.ngram import NgramProposer
+from cluster.spec_decode.ngram import NgramProposer
 
 
 def reference_propose(token_ids: list[int], num_draft_tokens: int, min_n: int, max_n: int,

@@ -4,10 +4,10 @@ import random
 
 import pytest
 
-from cluster.spec.controller import AdaptiveController, BatchState, StepObservation
-from cluster.spec.latency_model import LatencyModel
-from cluster.spec.pass_grid import PassGrid
-from cluster.spec.profile_data import SpeculationProfile
+from cluster.spec_decode.controller import AdaptiveController, BatchState, StepObservation
+from cluster.spec_decode.latency_model import LatencyModel
+from cluster.spec_decode.pass_grid import PassGrid
+from cluster.spec_decode.profile_data import SpeculationProfile
 
 # Made-up pass times (seconds), shaped like this CPU's (as tests/unit/test_profile_table.py):
 # an extra token per request costs 0.1 ms at batch 1, 2 ms at batch 8 and 16 ms at batch 32.

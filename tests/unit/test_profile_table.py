@@ -2,8 +2,8 @@
 
 import pytest
 
-from cluster.spec.latency_model import LatencyModel, expected_tokens
-from cluster.spec.profile_data import SpeculationProfile
+from cluster.spec_decode.latency_model import LatencyModel, expected_tokens
+from cluster.spec_decode.profile_data import SpeculationProfile
 
 # Made-up pass times (seconds), shaped like this CPU's: an extra token per request costs 0.1 ms
 # at batch 1, 2 ms at batch 8 and 16 ms at batch 32, so no single per-token cost fits them all.

@@ -5,7 +5,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from cluster.spec import profiler
+from cluster.spec_decode import profiler
 
 
 class FakeClock:

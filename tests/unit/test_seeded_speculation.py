@@ -16,8 +16,8 @@ import random
 import pytest
 
 from cluster.engine.sampling_params import SamplingParams
-from cluster.spec.controller import AdaptiveController, TableController
-from cluster.spec.latency_model import LatencyModel
+from cluster.spec_decode.controller import AdaptiveController, TableController
+from cluster.spec_decode.latency_model import LatencyModel
 from tests.engine_helpers import make_engine, run_to_completion
 
 SEEDED = SamplingParams(max_tokens=32, temperature=0.7, top_p=0.95, seed=1234, ignore_eos=True)

@@ -4,8 +4,8 @@ import numpy as np
 import pytest
 
 from cluster.sim.controllers import SimAdaptiveController, build_controller
-from cluster.spec.controller import AdaptiveController, BatchState, FixedController, StepObservation, TableController
-from cluster.spec.latency_model import LatencyModel
+from cluster.spec_decode.controller import AdaptiveController, BatchState, FixedController, StepObservation, TableController
+from cluster.spec_decode.latency_model import LatencyModel
 
 PRIOR = LatencyModel([0.02, 0.0004, 0.0002], [0.003, 0.00005])
 

@@ -10,7 +10,7 @@ from cluster.sim.config import SimConfig, sim_config_from_dict
 from cluster.sim.device_model import StepModel
 from cluster.sim.engine import SimResult, Simulation
 from cluster.sim.workload import Workload
-from cluster.spec.latency_model import LatencyModel
+from cluster.spec_decode.latency_model import LatencyModel
 
 DEVICES = str(Path(__file__).resolve().parents[2] / "configs" / "sim" / "devices.yaml")
 

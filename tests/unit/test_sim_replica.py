@@ -105,7 +105,7 @@ def test_partial_drafts_make_the_verifying_step_cheaper():
     import dataclasses
 
     from cluster.sim.device_model import StepModel
-    from cluster.spec.latency_model import LatencyModel
+    from cluster.spec_decode.latency_model import LatencyModel
 
     full = StepModel(LatencyModel([0.01, 0.001, 0.0005], [0.0, 0.0]), (0.5,), 10**6, "measured: by hand", 1.0, 8)
     partial = dataclasses.replace(full, coverage=(0.5, 0.5, 0.25))  # n-gram lookup: half, half, a quarter
@@ -120,7 +120,7 @@ def test_a_measured_groups_coverage_reaches_its_step_model_and_controller():
     from pathlib import Path
 
     from cluster.sim.device_model import DeviceTable, controller_prior, group_step_model
-    from cluster.spec.profile_data import SpeculationProfile
+    from cluster.spec_decode.profile_data import SpeculationProfile
 
     path = Path(__file__).resolve().parents[2] / "configs" / "profiles" / "cpu-2core-avx512-smollm2-135m-ngram-bf16.json"
     profile = SpeculationProfile.load(path)

@@ -8,7 +8,7 @@ from cluster.routing.step_times import StepTimeTracker
 from cluster.sim.replica import ReplicaSettings, SimReplica
 from cluster.sim.requests import RequestTable
 from cluster.sim.routers import build_router
-from cluster.spec.controller import FixedController
+from cluster.spec_decode.controller import FixedController
 
 SETTINGS = ReplicaSettings(max_num_seqs=8, max_num_batched_tokens=2048, block_size=16, prefix_affinity_blocks=8,
                            stats_period_s=0.5)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from cluster.routing.policy import expected_tokens_per_step
-from cluster.spec.stats import SpecDecodeStats
+from cluster.spec_decode.stats import SpecDecodeStats
 
 
 def test_positions_asked_for_but_not_proposed_count_as_rejected_only_in_the_effective_rate():

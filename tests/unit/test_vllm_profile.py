@@ -9,8 +9,8 @@ import pytest
 
 from cluster.backends.vllm_profile import batches_of, effective_acceptance
 from cluster.backends.vllm_stats import SpecCounters
-from cluster.spec.latency_model import expected_tokens, fit_steps
-from cluster.spec.profile_data import SpeculationProfile
+from cluster.spec_decode.latency_model import expected_tokens, fit_steps
+from cluster.spec_decode.profile_data import SpeculationProfile
 
 
 def _true_step(b: int, k: int) -> float:

@@ -11,7 +11,7 @@ import pytest
 from cluster.backends.vllm_args import vllm_settings
 from cluster.backends.vllm_stats import VllmStatsRecorder
 from cluster.config import ConfigError, config_from_dict, group_engine_config
-from cluster.spec.profile_data import batch_size_ranges
+from cluster.spec_decode.profile_data import batch_size_ranges
 from cluster.metrics.collector import MemorySink
 from cluster.routing.step_times import StepTimeTracker
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from cluster.config import with_overrides
-from cluster.spec.latency_model import expected_tokens
+from cluster.spec_decode.latency_model import expected_tokens
 
 MAX_K = 1
 BATCH_SIZES = [1, 2]

@@ -69,7 +69,7 @@ class SpecDecodeStats:
     def effective_acceptance(self) -> list[float]:
         """Per position j asked for: P(a token accepted at j | the positions before it accepted),
         a position asked for but not proposed counting as rejected. With it, E(k) of
-        :mod:`cluster.spec.latency_model` is the tokens a request really gains per step."""
+        :mod:`cluster.spec_decode.latency_model` is the tokens a request really gains per step."""
         accepted = self.accepted_per_position
         return [(accepted[j] if j < len(accepted) else 0) / reached if reached else 0.0
                 for j, reached in enumerate(self.asked_reached_per_position)]

@@ -26,7 +26,7 @@
   proposed counts as rejected) and, beside it, the coverage (the share of positions
   asked for that got a token): n-gram lookup often proposes fewer than ``k``, which makes
   both the step cheaper and the gain smaller than full drafts would
-  (:mod:`cluster.spec.latency_model`).
+  (:mod:`cluster.spec_decode.latency_model`).
 """
 
 from __future__ import annotations
@@ -38,8 +38,8 @@ from typing import Protocol
 
 import numpy as np
 
-from cluster.spec.latency_model import LatencyModel
-from cluster.spec.pass_grid import PassGrid
+from cluster.spec_decode.latency_model import LatencyModel
+from cluster.spec_decode.pass_grid import PassGrid
 
 
 @dataclass(frozen=True)
@@ -177,7 +177,7 @@ class AdaptiveController:
 
     @classmethod
     def from_profile(cls, profile, max_k: int, **kwargs) -> "AdaptiveController":
-        """Started from a :class:`~cluster.spec.profile_data.SpeculationProfile`: its acceptance,
+        """Started from a :class:`~cluster.spec_decode.profile_data.SpeculationProfile`: its acceptance,
         coverage and measured grid (its fitted line where the grid lacks a length up to max_k)."""
         return cls(profile.latency_model, profile.acceptance, max_k, coverage=profile.coverage,
                    grid=profile.pass_grid(max_k), **kwargs)

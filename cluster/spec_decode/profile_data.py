@@ -7,8 +7,8 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
-from cluster.spec.latency_model import LatencyModel
-from cluster.spec.pass_grid import PassGrid
+from cluster.spec_decode.latency_model import LatencyModel
+from cluster.spec_decode.pass_grid import PassGrid
 
 
 class SpeculationProfile(BaseModel):
@@ -29,9 +29,9 @@ class SpeculationProfile(BaseModel):
     target_grid: list[tuple[int, int, float]]  # (batch size, tokens per request, seconds per pass)
     draft_grid: list[tuple[int, float]]  # (batch size, seconds per draft pass)
     acceptance: list[float]  # per draft position, conditional on the previous ones accepted (effective: a
-    # position asked for but not proposed counts as rejected; see cluster.spec.latency_model)
+    # position asked for but not proposed counts as rejected; see cluster.spec_decode.latency_model)
     coverage: list[float] | None = None  # per draft position: share of requests proposed a token (None: all)
-    acceptance_prompts: str = "calibration"  # the prompt set acceptance was measured on (cluster.spec.calibration)
+    acceptance_prompts: str = "calibration"  # the prompt set acceptance was measured on (cluster.spec_decode.calibration)
     target_coef: list[float]
     draft_coef: list[float]
     table: dict[int, int]  # batch size -> best k

@@ -14,7 +14,7 @@ from typing import NamedTuple, Protocol
 import torch
 
 from cluster.engine.scheduler import ScheduledRequest
-from cluster.spec.ngram import NgramProposer
+from cluster.spec_decode.ngram import NgramProposer
 
 
 class DraftProposal(NamedTuple):

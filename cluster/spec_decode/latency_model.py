@@ -34,7 +34,7 @@ position ``j`` that get a token there. The verifying pass then carries
 E(k) stays the tokens a request gains per step. A draft model always proposes all ``k``:
 coverage 1 (``None``), where both readings of ``a_j`` agree.
 
-Where a profile measured the passes (:class:`~cluster.spec.pass_grid.PassGrid`), a model can
+Where a profile measured the passes (:class:`~cluster.spec_decode.pass_grid.PassGrid`), a model can
 stand on the measured times instead of the line: ``T_target(b, n) = grid(b, n) + c0 + c1 b +
 c2 b n`` and ``T_draft(b) = grid(b) + d0 + d1 b``, the coefficients then being a correction
 to the grid (0 as profiled; ``AdaptiveController`` learns them online).
@@ -46,7 +46,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from cluster.spec.pass_grid import PassGrid, read_row
+from cluster.spec_decode.pass_grid import PassGrid, read_row
 
 
 def target_features(batch_size: float, tokens_per_request: float) -> list[float]:
