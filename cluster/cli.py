@@ -48,7 +48,7 @@ def _add_engine_args(parser: argparse.ArgumentParser) -> None:
 
 def cmd_generate(args: argparse.Namespace) -> int:
     from cluster.engine.llm import LLM, apply_chat_template
-    from cluster.engine.sampling_params import SamplingParams
+    from cluster.shared.sampling_params import SamplingParams
 
     llm = LLM(config=_engine_config(args))
     prompt = args.prompt

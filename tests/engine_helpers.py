@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from cluster.config import TandemConfig, with_overrides
 from cluster.engine.engine import Engine
-from cluster.engine.sampling_params import SamplingParams
+from cluster.shared.sampling_params import SamplingParams
 
 
 def make_engine(model_path, **overrides) -> Engine:

@@ -26,7 +26,7 @@ from cluster.api.structured_request import (
     structured_outputs_constraint,
 )
 from cluster.api.tool_request import NO_TOOLS, ToolChoice, ToolPlan, ToolSpec, plan_tools
-from cluster.engine.sampling_params import SamplingParams
+from cluster.shared.sampling_params import SamplingParams
 from cluster.structured.constraint import StructuredOutputs
 
 __all__ = ["ChatCompletionRequest", "ChatMessage", "CompletionRequest", "UnsupportedFieldError"]

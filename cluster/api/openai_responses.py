@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from cluster.api.tool_calls import Parsed, ToolCall
-from cluster.engine.outputs import TokenLogprobs
+from cluster.shared.outputs import TokenLogprobs
 from cluster.engine.protocol import GenerateDelta
 
 

@@ -34,9 +34,9 @@ from cluster.backends.vllm_stats import VllmStatsRecorder
 from cluster.config import TandemConfig
 from cluster.config_serve import ReplicaGroupConfig
 from cluster.engine.backend import BackendContext, EngineLoad, EngineUnhealthyError, SpecState, error_param
-from cluster.engine.outputs import Logprob
+from cluster.shared.outputs import Logprob
 from cluster.engine.protocol import ErrorInfo, GenerateDelta, GenerateRequest
-from cluster.engine.sampling_params import SamplingParams
+from cluster.shared.sampling_params import SamplingParams
 from cluster.routing.policy import peak_tokens_per_second
 from cluster.routing.step_times import StepTimeTracker
 from cluster.spec_decode.latency_model import power_of_two_sizes

@@ -180,7 +180,7 @@ def run_vllm_profile(config: TandemConfig, batch_sizes: list[int], max_k: int, o
         raise ValueError("profiling needs speculation on: set speculative.method to 'draft' or 'ngram'")
     if output_len < 8:
         raise ValueError(f"output_len={output_len}: at least 8 tokens are needed to count decoding steps")
-    from cluster.engine.engine import default_device
+    from cluster.shared.device import default_device
     from cluster.spec_decode.profiler import device_name
 
     use_device_threads(config)  # the children inherit OMP_NUM_THREADS

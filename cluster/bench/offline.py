@@ -137,7 +137,7 @@ class TandemRunner:
 
     def generate(self, prompt_ids: list[list[int]], output_len: int) -> int:
         """Greedy, EOS ignored; returns the number of output tokens produced."""
-        from cluster.engine.sampling_params import SamplingParams
+        from cluster.shared.sampling_params import SamplingParams
 
         engine = self.llm.engine
         params = SamplingParams(max_tokens=output_len, temperature=0, ignore_eos=True)

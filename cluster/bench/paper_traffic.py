@@ -103,7 +103,7 @@ def run_open_loop(engine, workload: Workload, prompt_ids: list[list[int]], outpu
                   policy: str) -> RunResult:
     """Serve ``workload`` (request ``i`` gets prompt ``i % len(prompt_ids)``) with the
     engine's current controller. Raises RuntimeError if a request's token count is wrong."""
-    from cluster.engine.sampling_params import SamplingParams
+    from cluster.shared.sampling_params import SamplingParams
 
     if engine.has_unfinished():
         raise RuntimeError("the traffic run needs an idle engine")

@@ -130,7 +130,7 @@ def question(i: int) -> str:
 
 def time_to_first_token(engine, prompt: str, kind: str) -> TTFTSample:
     """Run ``prompt`` alone on an idle engine for one token."""
-    from cluster.engine.sampling_params import SamplingParams
+    from cluster.shared.sampling_params import SamplingParams
 
     if engine.has_unfinished():
         raise RuntimeError("TTFT needs an idle engine")
@@ -147,7 +147,7 @@ def time_to_first_token(engine, prompt: str, kind: str) -> TTFTSample:
 
 def run_chat(llm, system: str, num_conversations: int, num_turns: int, output_len: int):
     """Returns the ChatRun and every turn's output token ids, ``[conversation][turn]``."""
-    from cluster.engine.sampling_params import SamplingParams
+    from cluster.shared.sampling_params import SamplingParams
 
     params = SamplingParams(max_tokens=output_len, temperature=0, ignore_eos=True)
     histories: list[list[tuple[str, str]]] = [[] for _ in range(num_conversations)]
@@ -181,7 +181,7 @@ def run_prefix_bench(args: argparse.Namespace) -> dict:
     from rich.progress import Progress
 
     from cluster.engine.llm import LLM
-    from cluster.engine.sampling_params import SamplingParams
+    from cluster.shared.sampling_params import SamplingParams
     from cluster.models.loader import resolve_model
 
     if args.threads:

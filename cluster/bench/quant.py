@@ -141,7 +141,7 @@ def decode_step_totals(cells: list[KernelCell], hf_config) -> list[dict]:
 
 def measure_quality(model: str, configs: list[str], continuation_len: int) -> dict[str, dict]:
     from cluster.engine.llm import LLM
-    from cluster.engine.sampling_params import SamplingParams
+    from cluster.shared.sampling_params import SamplingParams
     from cluster.quant.quality import PERPLEXITY_TEXT, compare, reference_of
     from cluster.spec_decode.calibration import CALIBRATION_PROMPTS
 

@@ -21,7 +21,7 @@ def offline_output_throughput(config_path: str | Path, dataset: str, num_prompts
                               output_len: int, seed: int) -> dict:
     from cluster.engine.engine import Engine
     from cluster.engine.llm import apply_chat_template
-    from cluster.engine.sampling_params import SamplingParams
+    from cluster.shared.sampling_params import SamplingParams
 
     config = load_config(config_path)
     group = config.serve.groups[0]

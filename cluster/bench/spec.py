@@ -188,7 +188,7 @@ def run_closed_loop(engine, prompt_ids: list[list[int]], output_len: int, concur
     With ``token_ids_out``, fills it with each prompt's (by index) output token ids; with
     ``steps_out``, appends each step's ``engine.last_step`` (:class:`~cluster.engine.engine.StepRecord`).
     Greedy, or with ``temperature`` > 0 random sampling seeded with the prompt's index."""
-    from cluster.engine.sampling_params import SamplingParams
+    from cluster.shared.sampling_params import SamplingParams
 
     if engine.has_unfinished():
         raise RuntimeError("the benchmark needs an idle engine")

@@ -25,7 +25,7 @@ from rich.table import Table
 
 from cluster.config import load_config, with_overrides
 from cluster.engine.llm import LLM, apply_chat_template
-from cluster.engine.sampling_params import SamplingParams
+from cluster.shared.sampling_params import SamplingParams
 from cluster.structured.constraint import StructuredOutputs
 
 LONG_SCHEMA = {

@@ -68,7 +68,7 @@ def load_instruction_prompts(path: Path = INSTRUCTIONS_PATH) -> list[str]:
 def generate_samples(target: str, prompts: list[str], settings: SampleSettings, **engine_overrides) -> list[Sample]:
     """Sample ``settings.num_samples`` answers from the target, batched, seeded per request."""
     from cluster.engine.llm import LLM
-    from cluster.engine.sampling_params import SamplingParams
+    from cluster.shared.sampling_params import SamplingParams
 
     if not prompts:
         raise ValueError("distillation needs at least one prompt")

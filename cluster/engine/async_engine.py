@@ -20,10 +20,10 @@ from typing import AsyncIterator
 
 from cluster.config import TandemConfig
 from cluster.engine.engine import Engine
-from cluster.engine.outputs import RequestOutput
+from cluster.shared.outputs import RequestOutput
 from cluster.engine.protocol import QueueFullError
-from cluster.engine.request import Request
-from cluster.engine.sampling_params import SamplingParams
+from cluster.shared.request import Request
+from cluster.shared.sampling_params import SamplingParams
 from cluster.metrics.collector import EngineMetricsCollector
 from cluster.routing.step_times import StepTimeTracker
 from cluster.spec_decode.factory import profile_step_model

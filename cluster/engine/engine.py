@@ -12,14 +12,13 @@ import logging
 import time
 from dataclasses import dataclass
 
-import torch
 
 from cluster.config import TandemConfig
 from cluster.engine.detokenizer import IncrementalDetokenizer
 from cluster.engine.grammars import Grammars
-from cluster.engine.outputs import CompletionOutput, Logprob, RequestOutput, RequestTimes, TokenLogprobs, Usage
-from cluster.engine.request import Request, RequestStatus
-from cluster.engine.sampling_params import SamplingParams
+from cluster.shared.outputs import CompletionOutput, Logprob, RequestOutput, RequestTimes, TokenLogprobs, Usage
+from cluster.shared.request import Request, RequestStatus
+from cluster.shared.sampling_params import SamplingParams
 from cluster.engine.stats import EngineStats
 from cluster.engine.scheduler import Scheduler
 from cluster.kv.block_manager import BlockManager, cdiv
@@ -277,9 +276,3 @@ class Engine:
 
 def _hash_seed(config: TandemConfig) -> int:
     return engine_hash_seed(config.model.model, config.model.dtype, config.model.seed)
-
-
-def default_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(name)

@@ -13,9 +13,9 @@ from typing import Callable
 from cluster.config import TandemConfig
 from cluster.engine.backend import EngineLoad, SpecState
 from cluster.engine.engine import Engine
-from cluster.engine.outputs import RequestOutput
+from cluster.shared.outputs import RequestOutput
 from cluster.engine.protocol import GenerateDelta, GenerateRequest
-from cluster.engine.sampling_params import SamplingParams
+from cluster.shared.sampling_params import SamplingParams
 from cluster.routing.policy import peak_tokens_per_second
 from cluster.routing.step_times import StepTimeTracker
 from cluster.spec_decode.latency_model import power_of_two_sizes

@@ -27,8 +27,9 @@ import time
 
 import torch
 
-from cluster.engine.request import Request, RequestStatus
-from cluster.engine.scheduler import ScheduledRequest, Scheduler
+from cluster.shared.request import Request, RequestStatus
+from cluster.engine.scheduler import Scheduler
+from cluster.shared.scheduled import ScheduledRequest
 from cluster.structured.matcher import GrammarMatcher, bitmask_words
 from cluster.structured.vocabulary import grammar_tokenizer
 

@@ -6,8 +6,8 @@ from typing import Sequence
 
 from cluster.config import TandemConfig, with_overrides
 from cluster.engine.engine import Engine
-from cluster.engine.outputs import RequestOutput
-from cluster.engine.sampling_params import SamplingParams
+from cluster.shared.outputs import RequestOutput
+from cluster.shared.sampling_params import SamplingParams
 
 
 class LLM:

@@ -17,7 +17,7 @@ from cluster.engine.async_engine import AsyncEngine, EngineDeadError
 from cluster.engine.backend import BackendContext, EngineLoad, EngineUnhealthyError, SpecState, error_param
 from cluster.engine.engine import Engine
 from cluster.engine.engine_view import EngineView, output_delta, resolved_params
-from cluster.engine.outputs import RequestOutput
+from cluster.shared.outputs import RequestOutput
 from cluster.engine.protocol import ErrorInfo, GenerateDelta, GenerateRequest, QueueFullError
 from cluster.metrics.collector import EngineMetricsCollector
 from cluster.parallel.executor import TensorParallelError

@@ -12,8 +12,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from cluster.engine.outputs import TokenLogprobs
-from cluster.engine.sampling_params import SamplingParams
+from cluster.shared.outputs import TokenLogprobs
+from cluster.shared.sampling_params import SamplingParams
 
 
 class QueueFullError(RuntimeError):

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-from cluster.engine.request import Request
+from cluster.shared.request import Request
 from cluster.kv.block_pool import BlockPool
 from cluster.kv.prefix_cache import ROOT_HASH, BlockHasher, HashFunction, xxh3_block_hash
 

@@ -25,7 +25,7 @@ from cluster.spec_decode.latency_model import power_of_two_sizes
 
 if TYPE_CHECKING:
     from cluster.engine.engine import Engine
-    from cluster.engine.outputs import RequestOutput
+    from cluster.shared.outputs import RequestOutput
 
 Labels = tuple[tuple[str, str], ...]
 

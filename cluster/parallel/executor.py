@@ -51,7 +51,7 @@ class StepMessage(NamedTuple):
 def rank_device(config: TandemConfig, rank: int, isolated: bool) -> torch.device:
     """CPU ranks share the CPU. CUDA rank ``r`` uses the ``r``-th GPU after the configured
     one, or, when each rank sees only its own GPU (``isolated``, under Ray), cuda:0."""
-    from cluster.engine.engine import default_device
+    from cluster.shared.device import default_device
 
     device = default_device(config.device.device)
     if device.type != "cuda":

@@ -20,7 +20,7 @@ from typing import NamedTuple
 
 import torch
 
-from cluster.engine.sampling_params import SamplingParams
+from cluster.shared.sampling_params import SamplingParams
 from cluster.runner.categorical import sample_categorical
 from cluster.runner.random_stream import Lane, SeedKey, draw_seeded, row_uniforms
 from cluster.structured.bitmask import apply_token_bitmask

@@ -46,7 +46,7 @@ class Worker:
             from cluster.parallel.executor import start_tensor_parallel
 
             return start_tensor_parallel(config)
-        from cluster.engine.engine import default_device
+        from cluster.shared.device import default_device
 
         if config.device.num_threads:
             torch.set_num_threads(config.device.num_threads)

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from cluster.engine.scheduler import ScheduledRequest
+from cluster.shared.scheduled import ScheduledRequest
 from cluster.runner.input_batch import SeqChunk
 from cluster.runner.model_runner import ModelRunner
 from cluster.runner.random_stream import Lane

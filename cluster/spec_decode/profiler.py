@@ -23,7 +23,7 @@ from tqdm import tqdm
 
 from cluster.engine.engine import Engine
 from cluster.engine.llm import apply_chat_template
-from cluster.engine.sampling_params import SamplingParams
+from cluster.shared.sampling_params import SamplingParams
 from cluster.kv.block_manager import cdiv
 from cluster.runner.input_batch import SeqChunk
 from cluster.spec_decode.calibration import CALIBRATION_PROMPTS, acceptance_prompts

@@ -13,7 +13,7 @@ from typing import NamedTuple, Protocol
 
 import torch
 
-from cluster.engine.scheduler import ScheduledRequest
+from cluster.shared.scheduled import ScheduledRequest
 from cluster.spec_decode.ngram import NgramProposer
 
 

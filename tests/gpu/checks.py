@@ -23,7 +23,7 @@ import torch
 
 from cluster.config import TandemConfig, with_overrides
 from cluster.engine.engine import Engine
-from cluster.engine.sampling_params import SamplingParams
+from cluster.shared.sampling_params import SamplingParams
 from report import CheckResult
 
 ROOT = Path(__file__).resolve().parents[2]

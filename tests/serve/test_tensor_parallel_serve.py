@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from cluster.engine.llm import LLM
-from cluster.engine.sampling_params import SamplingParams
+from cluster.shared.sampling_params import SamplingParams
 from tests.serve.tp_serve_probe import MAX_TOKENS, PROMPT
 
 ROOT = Path(__file__).resolve().parents[2]

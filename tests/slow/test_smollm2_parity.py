@@ -13,7 +13,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from cluster.engine.llm import LLM
-from cluster.engine.sampling_params import SamplingParams
+from cluster.shared.sampling_params import SamplingParams
 from cluster.models.loader import EMBEDDED_MODELS, default_cache_dir, resolve_model
 
 pytestmark = pytest.mark.slow

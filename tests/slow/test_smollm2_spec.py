@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from cluster.engine.llm import LLM
-from cluster.engine.sampling_params import SamplingParams
+from cluster.shared.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.slow
 

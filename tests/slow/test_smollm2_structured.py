@@ -11,7 +11,7 @@ import pytest
 
 from cluster.bench.json_schemas import random_schemas
 from cluster.engine.llm import LLM, apply_chat_template
-from cluster.engine.sampling_params import SamplingParams
+from cluster.shared.sampling_params import SamplingParams
 from cluster.structured.constraint import StructuredOutputs
 
 pytestmark = pytest.mark.slow

@@ -10,7 +10,7 @@ from cluster.config import TandemConfig, with_overrides
 from cluster.engine.async_engine import AsyncEngine
 from cluster.engine.llm import LLM
 from cluster.engine.protocol import QueueFullError
-from cluster.engine.sampling_params import SamplingParams
+from cluster.shared.sampling_params import SamplingParams
 
 GREEDY = dict(temperature=0, ignore_eos=True)
 

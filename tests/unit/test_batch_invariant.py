@@ -10,7 +10,7 @@ from torch import nn
 
 from cluster.backends.vllm_args import vllm_settings
 from cluster.config import ConfigError, TandemConfig, with_overrides
-from cluster.engine.sampling_params import SamplingParams
+from cluster.shared.sampling_params import SamplingParams
 from cluster.kernels import build
 from cluster.models.layers.packed_linear import PackedLinear
 from cluster.models.tiny import save_tiny_model, tiny_llama_config

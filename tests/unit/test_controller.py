@@ -10,7 +10,7 @@ import pytest
 
 from cluster.cli import main
 from cluster.engine.async_engine import AsyncEngine
-from cluster.engine.sampling_params import SamplingParams
+from cluster.shared.sampling_params import SamplingParams
 from cluster.spec_decode.controller import (
     AdaptiveController,
     BatchState,

@@ -111,7 +111,7 @@ def test_the_engine_decodes_in_the_kernels_and_keeps_transformers_outputs(ops, t
     from transformers import AutoModelForCausalLM
 
     from cluster.engine.llm import LLM
-    from cluster.engine.sampling_params import SamplingParams
+    from cluster.shared.sampling_params import SamplingParams
 
     prompt = torch.randint(3, 256, (11,), generator=torch.Generator().manual_seed(4)).tolist()
     hf = AutoModelForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.float32).eval()
@@ -174,7 +174,7 @@ def test_speculation_at_batch_1_keeps_greedy_output_bit_for_bit(ops, tiny_llama_
     different kernel's rounding flips near-ties of a random model) n-gram speculation
     reproduces plain greedy decoding exactly."""
     from cluster.engine.llm import LLM
-    from cluster.engine.sampling_params import SamplingParams
+    from cluster.shared.sampling_params import SamplingParams
 
     gen = torch.Generator().manual_seed(5)
     phrase = torch.randint(3, 256, (6,), generator=gen).tolist()

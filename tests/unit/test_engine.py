@@ -7,7 +7,7 @@ import random
 import pytest
 
 from cluster.engine.llm import LLM
-from cluster.engine.sampling_params import SamplingParams
+from cluster.shared.sampling_params import SamplingParams
 from tests.engine_helpers import drain, make_engine
 
 

@@ -11,7 +11,7 @@ import asyncio
 import pytest
 
 from cluster.engine.async_engine import AsyncEngine
-from cluster.engine.sampling_params import SamplingParams
+from cluster.shared.sampling_params import SamplingParams
 from cluster.metrics.catalog import METRICS, METRICS_BY_NAME, exported_series_names, markdown_table
 from cluster.metrics.collector import EngineMetricsCollector, MemorySink
 from tests.engine_helpers import make_engine

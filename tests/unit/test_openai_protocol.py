@@ -25,7 +25,7 @@ from cluster.api.openai_responses import (
     usage,
     usage_chunk,
 )
-from cluster.engine.outputs import Logprob
+from cluster.shared.outputs import Logprob
 from cluster.engine.protocol import GenerateDelta
 
 MESSAGES = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]

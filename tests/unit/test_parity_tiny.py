@@ -7,7 +7,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from cluster.engine.llm import LLM
-from cluster.engine.sampling_params import SamplingParams
+from cluster.shared.sampling_params import SamplingParams
 
 MAX_TOKENS = 24
 

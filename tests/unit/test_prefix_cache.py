@@ -6,8 +6,8 @@ import random
 
 import pytest
 
-from cluster.engine.request import Request
-from cluster.engine.sampling_params import SamplingParams
+from cluster.shared.request import Request
+from cluster.shared.sampling_params import SamplingParams
 from cluster.kv.block_manager import BlockManager
 from cluster.models.tiny import save_tiny_model, tiny_llama_config
 from tests.engine_helpers import drain, make_engine, run_to_completion

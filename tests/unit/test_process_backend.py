@@ -19,7 +19,7 @@ from cluster.engine.backend import BackendContext, EngineUnhealthyError
 from cluster.engine.llm import LLM
 from cluster.engine.process_backend import ProcessBackend
 from cluster.engine.protocol import GenerateDelta, GenerateRequest, merge_deltas
-from cluster.engine.sampling_params import SamplingParams
+from cluster.shared.sampling_params import SamplingParams
 from cluster.metrics.collector import MemorySink
 
 GREEDY = dict(temperature=0, ignore_eos=True)

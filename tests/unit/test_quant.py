@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from cluster.config import TandemConfig, with_overrides
-from cluster.engine.sampling_params import SamplingParams
+from cluster.shared.sampling_params import SamplingParams
 from cluster.quant.checkpoint import write_int8_folder
 from cluster.quant.int8_linear import Int8Linear, dequantize_weight, fbgemm_available, quantize_weight
 from cluster.quant.kv_int8 import quantize_vectors

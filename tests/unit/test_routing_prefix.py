@@ -3,7 +3,7 @@ publishes its cached names by depth in the prefix tree."""
 
 from __future__ import annotations
 
-from cluster.engine.sampling_params import SamplingParams
+from cluster.shared.sampling_params import SamplingParams
 from cluster.kv.block_manager import BlockManager
 from cluster.kv.prefix_cache import ROOT_HASH, BlockHash
 from cluster.routing.prefix_hashes import leading_block_hashes

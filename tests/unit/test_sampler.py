@@ -15,7 +15,7 @@ import pytest
 import torch
 from transformers import RepetitionPenaltyLogitsProcessor
 
-from cluster.engine.sampling_params import SamplingParams
+from cluster.shared.sampling_params import SamplingParams
 from tests.goodness_of_fit import chi2_quantile
 from cluster.runner.sampler import (
     Sampler,

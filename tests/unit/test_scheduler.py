@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from cluster.config import SchedulerConfig
-from cluster.engine.request import Request, RequestStatus
-from cluster.engine.sampling_params import SamplingParams
+from cluster.shared.request import Request, RequestStatus
+from cluster.shared.sampling_params import SamplingParams
 from cluster.engine.scheduler import Scheduler
 from cluster.kv.block_manager import BlockManager
 

@@ -15,7 +15,7 @@ import random
 
 import pytest
 
-from cluster.engine.sampling_params import SamplingParams
+from cluster.shared.sampling_params import SamplingParams
 from cluster.spec_decode.controller import AdaptiveController, TableController
 from cluster.spec_decode.latency_model import LatencyModel
 from tests.engine_helpers import make_engine, run_to_completion

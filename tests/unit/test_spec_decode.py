@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import pytest
 
-from cluster.engine.sampling_params import SamplingParams
+from cluster.shared.sampling_params import SamplingParams
 from cluster.models.tiny import save_tiny_model, tiny_llama_config
 from tests.engine_helpers import drain, make_engine, run_to_completion
 

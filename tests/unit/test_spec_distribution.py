@@ -15,7 +15,7 @@ from transformers.generation.logits_process import TemperatureLogitsWarper, TopP
 
 from cluster.config import TandemConfig, with_overrides
 from cluster.engine.engine import Engine
-from cluster.engine.sampling_params import SamplingParams
+from cluster.shared.sampling_params import SamplingParams
 from cluster.models.tiny import save_tiny_model, tiny_llama_config
 from tests.goodness_of_fit import chi2_quantile, chi2_statistic
 

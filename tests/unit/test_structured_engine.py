@@ -17,7 +17,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from cluster.engine.sampling_params import SamplingParams
+from cluster.shared.sampling_params import SamplingParams
 from cluster.models.tiny import save_tiny_model, save_tiny_tokenizer, tiny_llama_config
 from cluster.structured.constraint import StructuredOutputs
 from tests.engine_helpers import make_engine, run_to_completion

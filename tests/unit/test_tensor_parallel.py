@@ -11,7 +11,7 @@ import random
 import pytest
 import torch
 
-from cluster.engine.sampling_params import SamplingParams
+from cluster.shared.sampling_params import SamplingParams
 from cluster.models.tiny import save_tiny_model, save_tiny_tokenizer, tiny_llama_config
 from cluster.runner.input_batch import SeqChunk
 from tests.engine_helpers import make_engine, run_to_completion

@@ -5,7 +5,7 @@ from __future__ import annotations
 import enum
 import time
 
-from cluster.engine.sampling_params import SamplingParams
+from cluster.shared.sampling_params import SamplingParams
 from cluster.structured.matcher import GrammarMatcher
 
 
