@@ -22,7 +22,7 @@ def sample_categorical(
     """Token ``i`` of a row with probability ``probs[i] / probs.sum()`` when its uniform is
     uniform: the first token whose running sum exceeds ``u * total``. A token of probability 0
     is never drawn. The same row and number always give the same token, which is what lets a
-    draft and its verifier share a position's number (``cluster.spec_decode.rejection``)."""
+    draft and its verifier share a position's number (``cluster.runner.rejection``)."""
     cdf = probs.cumsum(dim=-1)  # [num_rows, vocab_size]
     total = cdf[:, -1:]  # [num_rows, 1]
     # u * total may round up to total; keep it below, so the search lands on a token of mass > 0

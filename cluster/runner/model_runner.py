@@ -8,19 +8,16 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, NamedTuple
+from typing import NamedTuple
 
 import torch
 
-from cluster.shared.scheduled import ScheduledRequest
 from cluster.quant.kv_int8 import Int8KVCache, bytes_per_vector
 from cluster.runner.input_batch import SHORT_QUERY_MAX, SeqChunk, prepare_inputs
 from cluster.runner.random_stream import SeedKey
 from cluster.runner.sampler import Sampler, SamplingMetadata, compute_probs, greedy_token_ids
-from cluster.spec_decode.rejection import greedy_verify, rejection_sample_packed
-
-if TYPE_CHECKING:
-    from cluster.spec_decode.proposer import DraftProposal
+from cluster.runner.rejection import greedy_verify, rejection_sample_packed
+from cluster.shared.scheduled import DraftProposal, ScheduledRequest
 
 
 class SampledTokens(NamedTuple):

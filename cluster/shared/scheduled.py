@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import NamedTuple
+
+import torch
 
 from cluster.shared.request import Request
 
@@ -32,3 +35,8 @@ class SchedulerOutput:
     @property
     def is_empty(self) -> bool:
         return not self.scheduled
+
+
+class DraftProposal(NamedTuple):
+    token_ids: dict[str, list[int]]  # request id -> draft tokens
+    probs: dict[str, torch.Tensor] | None  # request id -> [num_drafts, vocab_size] float32

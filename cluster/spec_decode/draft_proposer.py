@@ -18,7 +18,7 @@ from cluster.runner.input_batch import SeqChunk
 from cluster.runner.model_runner import ModelRunner
 from cluster.runner.random_stream import Lane
 from cluster.runner.sampler import compute_probs, sample_from_probs
-from cluster.spec_decode.proposer import DraftProposal
+from cluster.shared.scheduled import DraftProposal
 
 
 def check_vocab_compatible(target_tokenizer, draft_tokenizer, target_vocab: int, draft_vocab: int) -> None:
@@ -38,7 +38,7 @@ class DraftModelProposer:
         self.runner = runner
         # Sampling settings and seeds are the target runner's. A seeded draft token for output
         # position p uses p's SAMPLE number when the target couples (then draft and target share
-        # it, see cluster.spec_decode.rejection), else its own DRAFT number.
+        # it, see cluster.runner.rejection), else its own DRAFT number.
         self.target = target
         self.lane = Lane.SAMPLE if target.coupled else Lane.DRAFT
 

@@ -9,17 +9,11 @@ deterministic (n-gram lookup): the rejection sampler then treats them as one-hot
 
 from __future__ import annotations
 
-from typing import NamedTuple, Protocol
+from typing import Protocol
 
-import torch
 
-from cluster.shared.scheduled import ScheduledRequest
+from cluster.shared.scheduled import DraftProposal, ScheduledRequest
 from cluster.spec_decode.ngram import NgramProposer
-
-
-class DraftProposal(NamedTuple):
-    token_ids: dict[str, list[int]]  # request id -> draft tokens
-    probs: dict[str, torch.Tensor] | None  # request id -> [num_drafts, vocab_size] float32
 
 
 class Proposer(Protocol):

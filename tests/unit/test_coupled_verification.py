@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from cluster.runner.random_stream import Lane, SeedKey, draw_seeded
-from cluster.spec_decode.rejection import rejection_sample
+from cluster.runner.rejection import rejection_sample
 from tests.goodness_of_fit import chi2_quantile, chi2_statistic
 
 VOCAB = 6

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from cluster.runner.random_stream import SeedKey
-from cluster.spec_decode.rejection import greedy_verify, rejection_sample, rejection_sample_packed
+from cluster.runner.rejection import greedy_verify, rejection_sample, rejection_sample_packed
 
 
 def test_hand_cases():

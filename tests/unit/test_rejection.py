@@ -15,8 +15,8 @@ import pytest
 import torch
 
 from cluster.runner.random_stream import SeedKey
-from cluster.spec_decode import rejection
-from cluster.spec_decode.rejection import RejectionOutput, recovered_probs, rejection_sample
+from cluster.runner import rejection
+from cluster.runner.rejection import RejectionOutput, recovered_probs, rejection_sample
 from tests.goodness_of_fit import chi2_quantile
 
 VOCAB = 6
