@@ -26,7 +26,7 @@ import logging
 import sys
 
 from cluster.config import ConfigError, TandemConfig, group_engine_config, load_config, with_overrides
-from cluster.spec_decode.calibration import ACCEPTANCE_PROMPT_SETS
+from cluster.profiling.calibration import ACCEPTANCE_PROMPT_SETS
 
 
 def _engine_config(args: argparse.Namespace) -> TandemConfig:
@@ -72,7 +72,7 @@ def cmd_profile(args: argparse.Namespace) -> int:
     import json
 
     from cluster.engine.engine import Engine
-    from cluster.spec_decode.profiler import power_of_two_sizes, run_profile
+    from cluster.profiling.profiler import power_of_two_sizes, run_profile
 
     config = _engine_config(args)
     if args.group:
@@ -85,7 +85,7 @@ def cmd_profile(args: argparse.Namespace) -> int:
         config = with_overrides(config, method="ngram")
     max_batch = args.max_batch or config.scheduler.max_num_seqs
     if config.engine.backend == "vllm":
-        from cluster.backends.vllm_profile import print_grid, run_vllm_profile
+        from cluster.profiling.vllm_profile import print_grid, run_vllm_profile
 
         if args.acceptance_prompts != "calibration":
             raise ConfigError(f"--acceptance-prompts {args.acceptance_prompts}: the vLLM profile measures "

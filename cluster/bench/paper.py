@@ -19,7 +19,7 @@ Decoding and Batching") on our engine, in one run on one loaded model.
    ``adaptive``) serves the same arrival trace; adaptive starts afresh from the profile
    in every run. Goals are checked on mean TPOT against the best fixed k.
 
-Prompts (``--prompts``): ``edit`` is :mod:`spec_workload`'s rewrite / summarize / proofread /
+Prompts (``--prompts``): ``edit`` is :mod:`cluster.profiling.edit_prompts`'s rewrite / summarize / proofread /
 continue requests (n-gram prompt lookup pays on them at every batch size here);
 ``calibration`` is the profiler's chat requests, most of them open-ended, where lookup
 drafts less (the default profile's model has k fall from 8 to 0 at batch 8 on them).
@@ -44,8 +44,8 @@ from cluster.bench.paper_sweep import (WARMUP_LEN, add_predictions, measured_cap
                                       with_workload_acceptance)
 from cluster.bench.paper_traffic import RunResult, Workload, phased_workload, run_open_loop, uniform_workload
 from cluster.bench.spec import WORKLOAD, run_closed_loop
-from cluster.bench.spec_workload import build_prompt_ids
-from cluster.spec_decode.calibration import acceptance_prompts
+from cluster.profiling.edit_prompts import build_prompt_ids
+from cluster.profiling.calibration import acceptance_prompts
 
 PROMPT_SETS = {"edit": WORKLOAD,
                "calibration": "the profiler's calibration chat requests: a few quote text back (where prompt "
@@ -105,7 +105,7 @@ def run_paper_bench(args: argparse.Namespace) -> dict:
 
     from cluster.engine.llm import LLM
     from cluster.models.loader import load_tokenizer, resolve_model
-    from cluster.spec_decode.profiler import run_profile
+    from cluster.profiling.profiler import run_profile
 
     if args.max_k > 16:
         raise ValueError(f"--max-k must be at most 16 (the engine's bound), got {args.max_k}")

@@ -143,7 +143,7 @@ def measure_quality(model: str, configs: list[str], continuation_len: int) -> di
     from cluster.engine.llm import LLM
     from cluster.shared.sampling_params import SamplingParams
     from cluster.quant.quality import PERPLEXITY_TEXT, compare, reference_of
-    from cluster.spec_decode.calibration import CALIBRATION_PROMPTS
+    from cluster.profiling.calibration import CALIBRATION_PROMPTS
 
     def llm(**overrides):
         return LLM(model, dtype="float32", device="cpu", num_blocks=128, enable_prefix_caching=False, **overrides)
@@ -174,7 +174,7 @@ def measure_quality(model: str, configs: list[str], continuation_len: int) -> di
 
 def measure_engine(model: str, configs: list[str], batch_sizes: list[int], output_len: int) -> list[dict]:
     from cluster.bench.spec import run_closed_loop
-    from cluster.bench.spec_workload import build_prompt_ids
+    from cluster.profiling.edit_prompts import build_prompt_ids
     from cluster.engine.llm import LLM
 
     rows = []

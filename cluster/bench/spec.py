@@ -2,7 +2,7 @@
 
 The target is loaded once (with its n-gram proposer or draft model) and ``k`` is switched
 between cells by swapping in a ``FixedController(k)``; ``k = 0`` is plain decoding on the
-same engine. Every (batch size, k) cell serves the same prompts (:mod:`spec_workload`:
+same engine. Every (batch size, k) cell serves the same prompts (:mod:`cluster.profiling.edit_prompts`:
 rewrite / summarize / proofread / continue a passage given in the prompt, where prompt
 lookup is natural) closed-loop at concurrency = batch size: a finished request is replaced
 at once by the next prompt. Greedy, ``output_len`` tokens, EOS ignored, prefix caching off
@@ -39,7 +39,7 @@ from pathlib import Path
 from cluster.bench.args import int_list, k_list, positive_int, ratio_or_none
 from cluster.bench.offline import DTYPES, concrete_dtype
 from cluster.bench.spec_report import TANDEM_INVARIANT, TANDEM_REJECTION, build_result, print_tables
-from cluster.bench.spec_workload import build_prompt_ids
+from cluster.profiling.edit_prompts import build_prompt_ids
 
 WARMUP_LEN = 8
 DEFAULT_VLLM_SCRIPT = Path(__file__).resolve().parents[3] / "shared" / "anchors" / "vllm_cpu.sh"

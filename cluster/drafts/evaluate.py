@@ -9,7 +9,7 @@
   interleaved and the median kept, and the ratio is the figure to read (absolute times
   on a shared machine move a lot);
 - acceptance per position: the conditional acceptance of draft position 1..k on the
-  calibration prompts (:func:`cluster.spec_decode.profiler.measure_acceptance`, greedy).
+  calibration prompts (:func:`cluster.profiling.profiler.measure_acceptance`, greedy).
 
 Prints a table and writes JSON.
 """
@@ -27,7 +27,7 @@ from cluster.config import TandemConfig, with_overrides
 from cluster.engine.engine import Engine
 from cluster.models.loader import iter_weights, resolve_model
 from cluster.runner.input_batch import SeqChunk
-from cluster.spec_decode.profiler import measure_acceptance
+from cluster.profiling.profiler import measure_acceptance
 
 
 def draft_size(draft: str) -> dict:

@@ -15,7 +15,7 @@ class SpeculationProfile(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     # "native": target_grid times the target's verifying pass alone and draft_grid the draft's
-    # pass. "vllm" (cluster/backends/vllm_profile.py): vLLM runs drafting inside its step, so
+    # pass. "vllm" (cluster/profiling/vllm_profile.py): vLLM runs drafting inside its step, so
     # target_grid holds whole steps (b, k + 1, seconds of drafting + verifying) and
     # draft_grid is empty; the coefficients are fitted with LatencyModel.fit_steps.
     engine: Literal["native", "vllm"] = "native"
@@ -31,7 +31,7 @@ class SpeculationProfile(BaseModel):
     acceptance: list[float]  # per draft position, conditional on the previous ones accepted (effective: a
     # position asked for but not proposed counts as rejected; see cluster.spec_decode.latency_model)
     coverage: list[float] | None = None  # per draft position: share of requests proposed a token (None: all)
-    acceptance_prompts: str = "calibration"  # the prompt set acceptance was measured on (cluster.spec_decode.calibration)
+    acceptance_prompts: str = "calibration"  # the prompt set acceptance was measured on (cluster.profiling.calibration)
     target_coef: list[float]
     draft_coef: list[float]
     table: dict[int, int]  # batch size -> best k

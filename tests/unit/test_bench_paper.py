@@ -37,14 +37,14 @@ def paper_run(tiny_folder, tmp_path_factory):
 
 def test_every_acceptance_prompt_set_has_a_description():
     from cluster.bench.paper import PROMPT_SETS
-    from cluster.spec_decode.calibration import ACCEPTANCE_PROMPT_SETS
+    from cluster.profiling.calibration import ACCEPTANCE_PROMPT_SETS
 
     assert set(PROMPT_SETS) == set(ACCEPTANCE_PROMPT_SETS)
 
 
 def test_calibration_prompts_serve_every_calibration_request_per_cell(tiny_folder, tmp_path):
     from cluster.models.loader import load_tokenizer, resolve_model
-    from cluster.spec_decode.calibration import CALIBRATION_PROMPTS
+    from cluster.profiling.calibration import CALIBRATION_PROMPTS
 
     out = tmp_path / "paper.json"
     code = main(["bench", "paper", "--model", str(tiny_folder), "--dtype", "float32", "--batch-sizes", "2",

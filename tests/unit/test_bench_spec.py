@@ -8,7 +8,7 @@ import pytest
 
 from cluster.bench.spec import RequestTiming, SpecCounts, pool_rounds
 from cluster.bench.spec_vllm import VllmResult, free_port, parse_spec_counts
-from cluster.bench.spec_workload import PASSAGES, TASKS, build_prompt_ids
+from cluster.profiling.edit_prompts import PASSAGES, TASKS, build_prompt_ids
 from cluster.cli import main
 from cluster.models.tiny import save_tiny_model, save_tiny_tokenizer, tiny_llama_config
 

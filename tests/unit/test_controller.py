@@ -297,7 +297,7 @@ def test_engine_reports_positions_asked_proposed_and_accepted_per_request(tiny_l
 def test_a_profile_names_the_draft_model_only_when_a_model_drafts():
     from types import SimpleNamespace
 
-    from cluster.spec_decode.profiler import _draft_name
+    from cluster.profiling.profiler import _draft_name
 
     # configs/local.yaml names a draft model for `method: draft` while n-gram drafts.
     def speculative(method, draft_model, cap=None):
@@ -343,9 +343,9 @@ def test_table_and_adaptive_need_a_profile(tiny_llama_dir):
 
 
 def test_profile_measures_acceptance_on_the_prompt_set_asked_for(tiny_llama_dir, tmp_path, monkeypatch):
-    import cluster.spec_decode.profiler as profiler
-    from cluster.bench.spec_workload import PASSAGES
-    from cluster.spec_decode.calibration import CALIBRATION_PROMPTS, acceptance_prompts
+    import cluster.profiling.profiler as profiler
+    from cluster.profiling.edit_prompts import PASSAGES
+    from cluster.profiling.calibration import CALIBRATION_PROMPTS, acceptance_prompts
 
     seen = []
     measure = profiler.measure_drafting

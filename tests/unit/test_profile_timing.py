@@ -5,7 +5,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from cluster.spec_decode import profiler
+from cluster.profiling import profiler
 
 
 class FakeClock:

@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from cluster.backends.vllm_profile import batches_of, effective_acceptance
+from cluster.profiling.vllm_profile import batches_of, effective_acceptance
 from cluster.backends.vllm_stats import SpecCounters
 from cluster.spec_decode.latency_model import expected_tokens, fit_steps
 from cluster.spec_decode.profile_data import SpeculationProfile

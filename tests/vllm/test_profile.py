@@ -15,7 +15,7 @@ BATCH_SIZES = [1, 2]
 
 @pytest.fixture(scope="module")
 def measured(serve_config, tmp_path_factory):
-    from cluster.backends.vllm_profile import run_vllm_profile
+    from cluster.profiling.vllm_profile import run_vllm_profile
 
     config = with_overrides(serve_config, backend="vllm")
     profile, grid = run_vllm_profile(config, BATCH_SIZES, MAX_K, output_len=12)

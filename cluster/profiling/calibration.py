@@ -35,7 +35,7 @@ def acceptance_prompts(name: str) -> list[str]:
     if name == "calibration":
         return list(CALIBRATION_PROMPTS)
     if name == "edit":
-        from cluster.bench.spec_workload import PASSAGES, prompt_messages
+        from cluster.profiling.edit_prompts import PASSAGES, prompt_messages
 
         return [prompt_messages(i)[0]["content"] for i in range(len(PASSAGES))]
     raise ValueError(f"unknown acceptance prompt set {name!r}; choose one of {', '.join(ACCEPTANCE_PROMPT_SETS)}")

@@ -7,7 +7,7 @@ Step times are measured on synthetic batches through the engine's own runners:
 cache holds: attention costs the same), each computing ``k + 1`` new tokens with logits
 at every one of them, exactly as a verification pass does. Acceptance is measured by
 generating a prompt set (the calibration prompts, or ``--acceptance-prompts edit``:
-:mod:`cluster.spec_decode.calibration`) with speculation at the largest ``k``, over the
+:mod:`cluster.profiling.calibration`) with speculation at the largest ``k``, over the
 positions asked for (effective acceptance), with the coverage beside it (the share of
 positions asked for that got a draft token: below 1 for n-gram lookup).
 """
@@ -26,7 +26,7 @@ from cluster.engine.llm import apply_chat_template
 from cluster.shared.sampling_params import SamplingParams
 from cluster.kv.block_manager import cdiv
 from cluster.runner.input_batch import SeqChunk
-from cluster.spec_decode.calibration import CALIBRATION_PROMPTS, acceptance_prompts
+from cluster.profiling.calibration import CALIBRATION_PROMPTS, acceptance_prompts
 from cluster.spec_decode.controller import FixedController
 from cluster.spec_decode.draft_proposer import DraftModelProposer
 from cluster.spec_decode.latency_model import LatencyModel, power_of_two_sizes  # noqa: F401 (re-exported)

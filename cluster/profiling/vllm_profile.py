@@ -42,7 +42,7 @@ from cluster.backends.vllm import group_settings, import_vllm, stat_logger, use_
 from cluster.backends.vllm_stats import SpecCounters
 from cluster.config import TandemConfig, with_overrides
 from cluster.engine.llm import apply_chat_template
-from cluster.spec_decode.calibration import CALIBRATION_PROMPTS
+from cluster.profiling.calibration import CALIBRATION_PROMPTS
 from cluster.spec_decode.latency_model import fit_steps
 from cluster.spec_decode.profile_data import SpeculationProfile
 
@@ -181,7 +181,7 @@ def run_vllm_profile(config: TandemConfig, batch_sizes: list[int], max_k: int, o
     if output_len < 8:
         raise ValueError(f"output_len={output_len}: at least 8 tokens are needed to count decoding steps")
     from cluster.shared.device import default_device
-    from cluster.spec_decode.profiler import device_name
+    from cluster.profiling.profiler import device_name
 
     use_device_threads(config)  # the children inherit OMP_NUM_THREADS
     samples: list[StepSample] = []
