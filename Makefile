@@ -23,6 +23,7 @@ $(STAMP): pyproject.toml
 install: $(STAMP)
 
 test: $(STAMP)
+	$(BIN)/lint-imports
 	$(BIN)/python -m pytest -q tests --ignore=tests/vllm
 	$(MAKE) --no-print-directory test-vllm
 	$(MAKE) --no-print-directory check-vllm-resolution

@@ -13,7 +13,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from cluster.config_serve import ServeConfig
-from cluster.k8s.config import KubernetesConfig
+from cluster.config_k8s import KubernetesConfig
 
 
 class ConfigError(ValueError):

@@ -18,7 +18,8 @@ import torch
 from ray import serve
 
 from cluster.config import TandemConfig, config_from_dict, group_engine_config, with_overrides
-from cluster.engine.backend import BackendContext, EngineUnhealthyError, build_backend
+from cluster.backends.factory import build_backend
+from cluster.engine.backend import BackendContext, EngineUnhealthyError
 from cluster.engine.protocol import GenerateDelta, GenerateRequest
 from cluster.routing.stats import ReplicaStats
 from deployments.metrics import RaySink

@@ -3,7 +3,7 @@
 A replica group with ``tensor_parallel_size`` N gets a placement group of N bundles
 (``deployments/app.py``); Serve puts the replica itself (rank 0, the driver) in bundle
 0, and :class:`RayLauncher` puts rank ``r`` in bundle ``r`` with the same resources.
-Each actor runs :func:`cluster.parallel.executor.run_worker` as one long call; the
+Each actor runs :func:`cluster.runner.tp_executor.run_worker` as one long call; the
 driver's liveness check asks Ray whether that call has ended (the actor died or the
 rank stopped), without a round trip to the actor.
 """
@@ -26,13 +26,13 @@ RANK_NAME_PREFIX = "tandem-tp-rank"
 @ray.remote
 class TensorParallelRank:
     def run(self, config: TandemConfig, rank: int, address: StoreAddress, device: str) -> None:
-        from cluster.parallel.executor import run_worker
+        from cluster.runner.tp_executor import run_worker
 
         run_worker(config, rank, address, device)
 
 
 class ActorRank:
-    """A :class:`cluster.parallel.launcher.RankProcess` backed by an actor's running call."""
+    """A :class:`cluster.runner.tp_launcher.RankProcess` backed by an actor's running call."""
 
     def __init__(self, actor, running: ray.ObjectRef) -> None:
         self.actor = actor

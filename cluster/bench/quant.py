@@ -7,7 +7,7 @@ Three parts, one process, one model at a time:
    warm-up): float32 ``F.linear``, the oneDNN-packed float32 layer the engine uses, and
    each int8 kernel (``int8pack`` fed bfloat16, widened weights, fbgemm's dynamic W8A8).
    A "decode step" row adds the shapes up as one forward pass uses them.
-2. **Quality** against the float32 model (:mod:`cluster.quant.quality`): top-1
+2. **Quality** against the float32 model (:mod:`cluster.bench.quant_quality`): top-1
    agreement on the calibration prompts' greedy continuations, perplexity change on
    the shipped text, for int8 weights, int8-dynamic, the int8 KV cache, and int8
    weights with the int8 KV cache.
@@ -78,7 +78,7 @@ def _kernel_fns(in_features: int, out_features: int):
     import torch
     import torch.nn.functional as F
 
-    from cluster.models.layers.packed_linear import PackedLinear, can_pack
+    from cluster.kernels.packed_linear import PackedLinear, can_pack
     from cluster.quant.int8_linear import Int8Linear, fbgemm_available, int8pack_dtype, quantize_weight
 
     weight = torch.randn(out_features, in_features) * 0.02
@@ -142,7 +142,7 @@ def decode_step_totals(cells: list[KernelCell], hf_config) -> list[dict]:
 def measure_quality(model: str, configs: list[str], continuation_len: int) -> dict[str, dict]:
     from cluster.engine.llm import LLM
     from cluster.shared.sampling_params import SamplingParams
-    from cluster.quant.quality import PERPLEXITY_TEXT, compare, reference_of
+    from cluster.bench.quant_quality import PERPLEXITY_TEXT, compare, reference_of
     from cluster.profiling.calibration import CALIBRATION_PROMPTS
 
     def llm(**overrides):

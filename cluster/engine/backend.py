@@ -1,6 +1,6 @@
 """The one interface a replica hosts an engine through (Tandem's own, or vLLM).
 
-A replica (``deployments/replica.py``) builds its backend with :func:`build_backend`
+A replica (``deployments/replica.py``) builds its backend with ``cluster.backends.factory.build_backend``
 from the group's engine settings and then only talks to :class:`EngineBackend`:
 
 - ``generate(request)`` streams ``GenerateDelta``s: first exactly one acknowledgement
@@ -28,8 +28,6 @@ from typing import TYPE_CHECKING, AsyncIterator, Callable, Protocol
 from cluster.engine.protocol import GenerateDelta, GenerateRequest
 
 if TYPE_CHECKING:
-    from cluster.config import TandemConfig
-    from cluster.config_serve import ReplicaGroupConfig
     from cluster.metrics.collector import MetricsSink
 
 
@@ -102,25 +100,6 @@ class EngineBackend(Protocol):
     def check_health(self) -> None: ...
 
     async def shutdown(self) -> None: ...
-
-
-def build_backend(config: "TandemConfig", group: "ReplicaGroupConfig", context: BackendContext) -> EngineBackend:
-    """The backend ``config.engine.backend`` names, built from one group's engine settings
-    (``group_engine_config``); vLLM is imported only when a group asks for it."""
-    backend = config.engine.backend
-    if backend == "native" and config.engine.core_process and group.tensor_parallel_size == 1:
-        from cluster.engine.process_backend import ProcessBackend
-
-        return ProcessBackend(config, group, context)
-    if backend == "native":
-        from cluster.engine.native_backend import NativeBackend
-
-        return NativeBackend(config, group, context)
-    if backend == "vllm":
-        from cluster.backends.vllm import VllmBackend
-
-        return VllmBackend(config, group, context)
-    raise ValueError(f"unknown engine backend {backend!r}; choose native or vllm")
 
 
 def error_param(err: BaseException) -> str | None:

@@ -20,7 +20,7 @@ from cluster.engine.engine_view import EngineView, output_delta, resolved_params
 from cluster.shared.outputs import RequestOutput
 from cluster.engine.protocol import ErrorInfo, GenerateDelta, GenerateRequest, QueueFullError
 from cluster.metrics.collector import EngineMetricsCollector
-from cluster.parallel.executor import TensorParallelError
+from cluster.runner.tp_executor import TensorParallelError
 
 logger = logging.getLogger(__name__)
 
@@ -104,7 +104,7 @@ class NativeBackend:
 def _build_engine(config: TandemConfig, group: ReplicaGroupConfig, context: BackendContext) -> Engine:
     if group.tensor_parallel_size == 1:
         return Engine(config)
-    from cluster.parallel.executor import start_tensor_parallel
+    from cluster.runner.tp_executor import start_tensor_parallel
 
     config = with_overrides(config, tensor_parallel_size=group.tensor_parallel_size)
     launcher = context.tp_launcher() if context.tp_launcher is not None else None

@@ -16,7 +16,7 @@ export); Ray Serve's from ``dashboard_check.SERVE_METRICS``. ``promtool check ru
 
 from __future__ import annotations
 
-from cluster.k8s.config import KubernetesConfig
+from cluster.config_k8s import KubernetesConfig
 from cluster.k8s.pods import labels
 from cluster.metrics.catalog import METRICS
 

@@ -9,7 +9,7 @@ filter by) and the worker series ``ray_group`` (the serve group, i.e. the GPU ki
 
 from __future__ import annotations
 
-from cluster.k8s.config import KubernetesConfig
+from cluster.config_k8s import KubernetesConfig
 from cluster.k8s.pods import labels
 
 

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 from cluster.config import ConfigError, TandemConfig
 from cluster.config_serve import ReplicaGroupConfig
-from cluster.k8s.config import WorkerPods
+from cluster.config_k8s import WorkerPods
 
 GPU_PRODUCT_LABEL = "nvidia.com/gpu.product"  # set by NVIDIA GPU Feature Discovery
 GPU_TAINT = "nvidia.com/gpu"

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from cluster.k8s.config import KubernetesConfig
+from cluster.config_k8s import KubernetesConfig
 from cluster.k8s.plan import WorkerGroupPlan, toleration_dict
 
 API_KEY_SECRET_KEY = "api-key"

@@ -23,6 +23,8 @@ from types import ModuleType
 
 import torch
 
+from cluster.shared.cache_dir import default_cache_dir
+
 logger = logging.getLogger(__name__)
 
 _SOURCE_DIR = Path(__file__).resolve().parent
@@ -50,8 +52,6 @@ def kernels_enabled() -> bool:
 
 
 def _build_dir(name: str, source: Path) -> tuple[str, Path]:
-    from cluster.models.loader import default_cache_dir
-
     digest = hashlib.sha256()
     headers = [h.read_bytes() for h in sorted(_SOURCE_DIR.glob("*.h"))]
     for part in (source.read_bytes(), *headers, torch.__version__.encode(), _cpu_flags().encode()):

@@ -18,16 +18,28 @@ from __future__ import annotations
 
 import time
 from collections import defaultdict
-from typing import TYPE_CHECKING, Callable, Protocol
+from typing import TYPE_CHECKING, Any, Callable, Protocol
 
 from cluster.metrics.catalog import METRICS_BY_NAME
 from cluster.spec_decode.latency_model import power_of_two_sizes
 
 if TYPE_CHECKING:
-    from cluster.engine.engine import Engine
     from cluster.shared.outputs import RequestOutput
 
 Labels = tuple[tuple[str, str], ...]
+
+
+class EngineReadings(Protocol):
+    """What the collector reads of an engine (``cluster.engine.engine.Engine`` has it): its config,
+    its latest step's record (``k``), its controller (None without speculation), its speculation
+    counters and ``stats()``."""
+
+    config: Any
+    last_step: Any
+    controller: Any
+    spec_stats: Any
+
+    def stats(self) -> Any: ...
 
 
 class MetricsSink(Protocol):
@@ -77,7 +89,7 @@ def _labels(**values: object) -> Labels:
 
 
 class EngineMetricsCollector:
-    def __init__(self, engine: Engine, sink: MetricsSink, poll_interval_s: float = 1.0,
+    def __init__(self, engine: EngineReadings, sink: MetricsSink, poll_interval_s: float = 1.0,
                  capacity: Callable[[], float] | None = None) -> None:
         self.engine = engine
         self.sink = sink

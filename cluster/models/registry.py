@@ -6,7 +6,7 @@ import logging
 
 import torch
 
-from cluster.models.layers.packed_linear import onednn_packs
+from cluster.kernels.packed_linear import onednn_packs
 from cluster.models.llama import LlamaForCausalLM
 from cluster.models.opt import OPTForCausalLM
 from cluster.parallel.group import TPGroup

@@ -26,6 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from cluster.kernels.packed_linear import PackedLinear, fast_cpu_linear
 from cluster.parallel.group import TPGroup
 
 
@@ -124,8 +125,6 @@ def pack_parallel_linears(model: nn.Module, device: torch.device, dtype: torch.d
     """Give every parallel linear layer a CPU-packed copy of its shard where
     ``pack_linears`` would pack a plain layer; call after loading. A row-parallel layer's
     bias stays outside (it is added after the all-reduce). Returns the layers packed."""
-    from cluster.models.layers.packed_linear import PackedLinear, fast_cpu_linear
-
     if not fast_cpu_linear(device, dtype):
         return 0
     packed = 0

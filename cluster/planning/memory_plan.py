@@ -85,7 +85,7 @@ def _dtype_bytes(name: str, device_kind: str) -> tuple[str, int]:
     # Only a CPU group needs torch (does oneDNN compute bfloat16 here?): checking a GPU config stays light.
     import torch
 
-    from cluster.models.layers.packed_linear import onednn_packs
+    from cluster.kernels.packed_linear import onednn_packs
 
     return ("bfloat16", 2) if onednn_packs(torch.bfloat16) else ("float32", 4)
 

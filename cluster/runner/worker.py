@@ -13,7 +13,7 @@ from cluster.models.loader import (
     iter_lazy_weights, iter_weights, load_hf_config, load_tokenizer_if_present, resolve_model,
 )
 from cluster.models.layers.cpu_ops import attach_decode_ops
-from cluster.models.layers.packed_linear import pack_linears
+from cluster.kernels.packed_linear import pack_linears
 from cluster.models.registry import build_model, context_length, resolve_dtype
 from cluster.parallel.group import TPGroup
 from cluster.parallel.layers import pack_parallel_linears
@@ -43,7 +43,7 @@ class Worker:
         """Load the model of ``config``; with ``parallel.tensor_parallel_size`` > 1 this starts
         the other ranks' processes and returns the driver rank's worker."""
         if config.parallel.tensor_parallel_size > 1:
-            from cluster.parallel.executor import start_tensor_parallel
+            from cluster.runner.tp_executor import start_tensor_parallel
 
             return start_tensor_parallel(config)
         from cluster.shared.device import default_device

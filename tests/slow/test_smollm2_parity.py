@@ -14,7 +14,8 @@ from transformers import AutoModelForCausalLM
 
 from cluster.engine.llm import LLM
 from cluster.shared.sampling_params import SamplingParams
-from cluster.models.loader import EMBEDDED_MODELS, default_cache_dir, resolve_model
+from cluster.models.loader import EMBEDDED_MODELS, resolve_model
+from cluster.shared.cache_dir import default_cache_dir
 
 pytestmark = pytest.mark.slow
 

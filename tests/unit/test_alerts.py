@@ -11,7 +11,7 @@ import pytest
 import yaml
 
 from cluster.k8s.alerts import prometheus_rule, rule_groups
-from cluster.k8s.config import KubernetesConfig
+from cluster.config_k8s import KubernetesConfig
 from cluster.k8s.render import read_config, render
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -12,7 +12,7 @@ from cluster.backends.vllm_args import vllm_settings
 from cluster.config import ConfigError, TandemConfig, with_overrides
 from cluster.shared.sampling_params import SamplingParams
 from cluster.kernels import build
-from cluster.models.layers.packed_linear import PackedLinear
+from cluster.kernels.packed_linear import PackedLinear
 from cluster.models.tiny import save_tiny_model, tiny_llama_config
 from cluster.runner.input_batch import SeqChunk, prepare_inputs
 from tests.engine_helpers import make_engine, run_to_completion

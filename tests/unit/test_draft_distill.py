@@ -124,7 +124,7 @@ def test_speculation_with_the_distilled_draft_keeps_greedy_output(distilled, tar
 
 
 def test_shipped_draft_materializes_from_own_tensors(distilled, target_dir, tmp_path, monkeypatch):
-    from cluster.drafts import shipped
+    from cluster.models import shipped_drafts as shipped
 
     size = shipped.export_own_tensors(distilled, tmp_path / "weights" / "tiny.safetensors", str(target_dir))
     own = {n: t for n, t in iter_weights(resolve_model(str(distilled))) if n != "model.embed_tokens.weight"}

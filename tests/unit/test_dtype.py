@@ -7,7 +7,7 @@ import types
 import pytest
 import torch
 
-from cluster.models.layers.packed_linear import can_pack, onednn_packs
+from cluster.kernels.packed_linear import can_pack, onednn_packs
 from cluster.models.registry import resolve_dtype
 
 CPU = torch.device("cpu")

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from cluster.k8s.config import KubernetesConfig
+from cluster.config_k8s import KubernetesConfig
 from cluster.k8s.render import read_config, render
 from cluster.k8s.validate import ManifestValidator
 

@@ -14,7 +14,7 @@ from cluster.shared.sampling_params import SamplingParams
 from cluster.quant.checkpoint import write_int8_folder
 from cluster.quant.int8_linear import Int8Linear, dequantize_weight, fbgemm_available, quantize_weight
 from cluster.quant.kv_int8 import quantize_vectors
-from cluster.quant.quality import compare, reference_of, sequence_logits
+from cluster.bench.quant_quality import compare, reference_of, sequence_logits
 from cluster.runner.worker import Worker
 from cluster.models.loader import iter_weights, resolve_model
 from tests.engine_helpers import make_engine, run_to_completion

@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from cluster.kernels import build
-from cluster.models.layers.packed_linear import SMALL_GEMM_MAX_ROWS, PackedLinear
+from cluster.kernels.packed_linear import SMALL_GEMM_MAX_ROWS, PackedLinear
 
 
 @pytest.fixture(scope="module")

@@ -13,7 +13,7 @@ import torch
 from cluster.config import ConfigError
 from cluster.engine.async_engine import AsyncEngine, EngineDeadError
 from cluster.shared.sampling_params import SamplingParams
-from cluster.parallel.executor import TensorParallelError
+from cluster.runner.tp_executor import TensorParallelError
 from cluster.parallel.layers import HeadShard, head_shard
 from tests.engine_helpers import make_engine, run_to_completion
 

@@ -2,7 +2,7 @@
 
 A distilled draft shares its tied embedding/head with its target, so what is its own
 (the decoder layers it kept and its final norm) is small. The package carries those
-tensors in ``cluster/drafts/weights/<name>.safetensors`` (float16 storage), with the
+tensors in ``cluster/models/shipped_weights/<name>.safetensors`` (float16 storage), with the
 draft's ``config.json`` in the file's metadata. :func:`materialize_draft` builds the
 full Hugging Face folder once, from those tensors plus the target's converted weights
 and tokenizer, under ``<cache_dir>/drafts/<name>-<key>/`` where ``key`` hashes the
@@ -20,7 +20,7 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-WEIGHTS_DIR = Path(__file__).resolve().parent / "weights"
+WEIGHTS_DIR = Path(__file__).resolve().parent / "shipped_weights"
 FORMAT = "tandem-draft-own-tensors-1"
 _SHARED = ("model.embed_tokens.weight",)
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",

@@ -4,7 +4,7 @@ The engine's process is rank 0, the *driver*: it schedules, runs the draft model
 samples, and holds a :class:`TensorParallelRunner`, which is a ``ModelRunner`` whose
 forward pass first broadcasts the step's batch description (token ids, positions and
 block tables: a few kilobytes) to the other ranks. Ranks 1..tp-1 are started by a
-launcher (local ``spawn`` processes, or Ray actors: :mod:`cluster.parallel.launcher`);
+launcher (local ``spawn`` processes, or Ray actors: :mod:`cluster.runner.tp_launcher`);
 each loads its shard, allocates its part of the KV cache (the same number of blocks
 on every rank), then runs the same forward on every batch it receives until the
 driver sends ``None``.
@@ -27,7 +27,7 @@ import torch
 
 from cluster.config import TandemConfig
 from cluster.parallel.group import StoreAddress, TPGroup, connect_store, init_group, open_store
-from cluster.parallel.launcher import RankLauncher, RankProcess, SpawnLauncher
+from cluster.runner.tp_launcher import RankLauncher, RankProcess, SpawnLauncher
 from cluster.runner.input_batch import SeqChunk
 from cluster.runner.model_runner import ModelRunner
 from cluster.runner.worker import Worker, load_model, num_kv_blocks

@@ -1,6 +1,6 @@
 """Starting the worker ranks of a tensor-parallel engine.
 
-A launcher starts ranks 1..tp-1, each running :func:`cluster.parallel.executor.run_worker`,
+A launcher starts ranks 1..tp-1, each running :func:`cluster.runner.tp_executor.run_worker`,
 and hands back a :class:`RankProcess` per rank that the driver polls before every step.
 Outside Ray (the offline ``LLM``, tests) :class:`SpawnLauncher` starts local processes
 with the ``spawn`` context; inside a Ray Serve replica, ``deployments/tp_ranks.py``
@@ -66,7 +66,7 @@ class SpawnLauncher:
     isolates_devices = False
 
     def launch(self, config: TandemConfig, rank: int, address: StoreAddress, device: str) -> SpawnedRank:
-        from cluster.parallel.executor import run_worker
+        from cluster.runner.tp_executor import run_worker
 
         context = multiprocessing.get_context("spawn")
         process = context.Process(target=run_worker, args=(config, rank, address, device), daemon=True,

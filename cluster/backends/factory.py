@@ -1,0 +1,25 @@
+"""The engine a replica group names: Tandem's (in its own process, or in the replica's for
+tensor-parallel groups and ``engine.core_process: false``) or vLLM's."""
+
+from __future__ import annotations
+
+from cluster.config import TandemConfig
+from cluster.config_serve import ReplicaGroupConfig
+from cluster.engine.backend import BackendContext, EngineBackend
+from cluster.engine.native_backend import NativeBackend
+from cluster.engine.process_backend import ProcessBackend
+
+
+def build_backend(config: TandemConfig, group: ReplicaGroupConfig, context: BackendContext) -> EngineBackend:
+    """The backend ``config.engine.backend`` names, built from one group's engine settings
+    (``group_engine_config``); vLLM is imported only when a group asks for it."""
+    backend = config.engine.backend
+    if backend == "native" and config.engine.core_process and group.tensor_parallel_size == 1:
+        return ProcessBackend(config, group, context)
+    if backend == "native":
+        return NativeBackend(config, group, context)
+    if backend == "vllm":
+        from cluster.backends.vllm import VllmBackend  # optional: vLLM is imported only where a group runs it
+
+        return VllmBackend(config, group, context)
+    raise ValueError(f"unknown engine backend {backend!r}; choose native or vllm")
