@@ -6,6 +6,8 @@ values of the wrong type are errors that name the key (``ConfigError``).
 
 from __future__ import annotations
 
+import argparse
+
 from pathlib import Path
 from typing import Literal
 
@@ -294,3 +296,23 @@ def group_engine_config(config: TandemConfig, group_name: str) -> TandemConfig:
     if group.profile:
         result.speculative.profile = group.profile
     return result
+
+
+# ---- the settings a command line gives (tandem generate, tandem profile) -----------------------
+def add_engine_args(parser: argparse.ArgumentParser) -> None:
+    """--config and the flat overrides every engine command takes."""
+    parser.add_argument("--config", help="YAML settings file (e.g. configs/local.yaml)")
+    parser.add_argument("--model", help="short name, Hugging Face folder or .gguf file")
+    parser.add_argument("--dtype", choices=["float32", "bfloat16", "float16", "auto"])
+    parser.add_argument("--device", help="auto, cpu, cuda or cuda:N")
+    parser.add_argument("--tensor-parallel-size", type=int,
+                        help="split the target over this many ranks (processes; GPUs on CUDA)")
+
+
+def engine_config_from_args(args: argparse.Namespace) -> TandemConfig:
+    """The settings of ``--config`` (or the defaults) with the command line's overrides."""
+    config = load_config(args.config) if args.config else TandemConfig()
+    pairs = (("model", args.model), ("dtype", args.dtype), ("device", args.device),
+             ("tensor_parallel_size", getattr(args, "tensor_parallel_size", None)))
+    overrides = {k: v for k, v in pairs if v is not None}
+    return with_overrides(config, **overrides)

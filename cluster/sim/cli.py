@@ -59,3 +59,14 @@ def add_sim_args(parser: argparse.ArgumentParser) -> None:
     add("--measured", type=Path, help="a `tandem bench router --json` file of the same cluster: print the error "
         "of each simulated percentile against it")
     add("--disable-tqdm", action="store_true")
+
+
+def add_sim_parser(sub) -> None:
+    sim = sub.add_parser("sim", help="simulate a large heterogeneous cluster: router and controller policies")
+    add_sim_args(sim)
+    sim.set_defaults(func=_run)
+
+
+def _run(args: argparse.Namespace) -> int:
+    run_sim(args)
+    return 0
