@@ -33,7 +33,8 @@ from cluster.backends.vllm_args import SpecPlan, VllmSettings, vllm_settings
 from cluster.backends.vllm_stats import VllmStatsRecorder
 from cluster.config import TandemConfig
 from cluster.config_serve import ReplicaGroupConfig
-from cluster.engine.backend import BackendContext, EngineLoad, EngineUnhealthyError, SpecState, error_param
+from cluster.engine.backend import BackendContext, EngineUnhealthyError, SpecState, error_param
+from cluster.routing.stats import EngineLoad
 from cluster.shared.outputs import Logprob
 from cluster.engine.protocol import ErrorInfo, GenerateDelta, GenerateRequest
 from cluster.shared.sampling_params import SamplingParams

@@ -22,10 +22,11 @@ engine steps in an engine-core process of its own (``ProcessBackend``) unless
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, AsyncIterator, Callable, Protocol
 
 from cluster.engine.protocol import GenerateDelta, GenerateRequest
+from cluster.routing.stats import EngineLoad
 
 if TYPE_CHECKING:
     from cluster.metrics.collector import MetricsSink
@@ -33,23 +34,6 @@ if TYPE_CHECKING:
 
 class EngineUnhealthyError(RuntimeError):
     """The engine cannot serve any more (a failed step, a dead rank or process)."""
-
-
-@dataclass(frozen=True)
-class EngineLoad:
-    """The engine's half of ``ReplicaStats`` (the replica adds who and when)."""
-
-    num_running: int
-    num_waiting: int
-    max_num_seqs: int
-    kv_cache_usage: float  # fraction of KV blocks held by requests, [0, 1]
-    current_k: int
-    acceptance: float
-    step_time_curve: tuple[tuple[int, float], ...] = ()
-    prefill_seconds_per_token: float = 0.0
-    speed_factor: float = 1.0
-    cached_prefix_hashes: frozenset[int] = field(default_factory=frozenset)
-    block_size: int = 16
 
 
 @dataclass(frozen=True)

@@ -13,7 +13,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from cluster.engine.backend import EngineLoad, SpecState
+from cluster.engine.backend import SpecState
+from cluster.routing.stats import EngineLoad
 from cluster.engine.protocol import GenerateDelta, GenerateRequest
 from cluster.metrics.sample_buffer import SampleBatch
 

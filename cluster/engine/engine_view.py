@@ -11,7 +11,8 @@ import dataclasses
 from typing import Callable
 
 from cluster.config import TandemConfig
-from cluster.engine.backend import EngineLoad, SpecState
+from cluster.engine.backend import SpecState
+from cluster.routing.stats import EngineLoad
 from cluster.engine.engine import Engine
 from cluster.shared.outputs import RequestOutput
 from cluster.engine.protocol import GenerateDelta, GenerateRequest

@@ -14,7 +14,8 @@ from typing import AsyncIterator
 from cluster.config import TandemConfig, with_overrides
 from cluster.config_serve import ReplicaGroupConfig
 from cluster.engine.async_engine import AsyncEngine, EngineDeadError
-from cluster.engine.backend import BackendContext, EngineLoad, EngineUnhealthyError, SpecState, error_param
+from cluster.engine.backend import BackendContext, EngineUnhealthyError, SpecState, error_param
+from cluster.routing.stats import EngineLoad
 from cluster.engine.engine import Engine
 from cluster.engine.engine_view import EngineView, output_delta, resolved_params
 from cluster.shared.outputs import RequestOutput

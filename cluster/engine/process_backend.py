@@ -28,7 +28,8 @@ from typing import AsyncIterator
 
 from cluster.config import TandemConfig
 from cluster.config_serve import ReplicaGroupConfig
-from cluster.engine.backend import BackendContext, EngineLoad, EngineUnhealthyError, SpecState
+from cluster.engine.backend import BackendContext, EngineUnhealthyError, SpecState
+from cluster.routing.stats import EngineLoad
 from cluster.engine.core_messages import (AbortRequest, AddRequest, CallRequest, CallResult, CoreMessage, CoreReady,
                                           CoreSnapshot, CoreStart, Shutdown)
 from cluster.engine.protocol import ErrorInfo, GenerateDelta, GenerateRequest, merge_deltas

@@ -13,11 +13,10 @@ from typing import NamedTuple
 
 
 @dataclass(frozen=True)
-class ReplicaStats:
-    replica_id: str
-    group: str  # the replica group (one Serve deployment per group)
-    device_kind: str  # e.g. "cpu", "H100", "A10G"
-    timestamp: float  # time.time() when measured, seconds
+class EngineLoad:
+    """What an engine says of its load: the engine face's ``load()`` and the router's view of a
+    replica (``ReplicaStats`` adds who and when)."""
+
     num_running: int
     num_waiting: int
     max_num_seqs: int
@@ -38,6 +37,16 @@ class ReplicaStats:
     # of some prompt; the router matches a request's leading block hashes against them.
     cached_prefix_hashes: frozenset[int] = field(default_factory=frozenset)
     block_size: int = 16
+
+
+@dataclass(frozen=True, kw_only=True)
+class ReplicaStats(EngineLoad):
+    """A replica's load as the router sees it: the engine's ``EngineLoad`` and who and when."""
+
+    replica_id: str
+    group: str  # the replica group (one Serve deployment per group)
+    device_kind: str  # e.g. "cpu", "H100", "A10G"
+    timestamp: float  # time.time() when measured, seconds
 
     def to_dict(self) -> dict:
         data = asdict(self)
