@@ -37,6 +37,7 @@ from cluster.api.tool_calls import ToolCallParser
 from cluster.api.tool_formats import choose_tool_format, render_chat
 from cluster.api.tool_request import NO_TOOLS, ToolPlan
 from cluster.config import config_from_dict, group_engine_config
+from cluster.engine.backend import error_param
 from cluster.engine.protocol import GenerateRequest
 from cluster.kv.prefix_cache import engine_hash_seed
 from cluster.models.loader import load_tokenizer_if_present, resolve_model
@@ -160,8 +161,8 @@ class OpenAIIngress:
             constraint = body.chat_constraint(plan) if chat else body.output_constraint()
             prompts = self._prompt_token_ids(body, chat, plan)
             streams = self._make_requests(body, prompts, chat, pinned, constraint)
-        except ValueError as err:  # UnsupportedFieldError and ConstraintError carry the field in .param
-            return _error(400, str(err), param=getattr(err, "param", None) or _param_of(str(err)))
+        except ValueError as err:  # a ParamError (most) names its field; error_param reads it
+            return _error(400, str(err), param=error_param(err))
         # Calls are parsed when tools are offered and the output is free or forced into calls;
         # under a response_format or structured_outputs constraint the output is that format's text.
         make_parser = None
@@ -220,8 +221,3 @@ class OpenAIIngress:
 
 
 _UNBOUNDED = 1 << 30  # placeholder max_tokens; the replica fills in the room left in the context
-
-
-def _param_of(message: str) -> str | None:
-    head = message.split(" ", 1)[0]
-    return head if head.isidentifier() else None

@@ -4,10 +4,8 @@ a 400 before anything is queued."""
 
 from __future__ import annotations
 
+from cluster.errors import ParamError
 
-class UnsupportedFieldError(ValueError):
+
+class UnsupportedFieldError(ParamError):
     """A request field that is wrong or that Tandem does not implement; ``param`` names it."""
-
-    def __init__(self, param: str, message: str) -> None:
-        super().__init__(message)
-        self.param = param

@@ -162,7 +162,8 @@ def add_compare_args(parser: argparse.ArgumentParser) -> None:
     add("--python-native", default=None, help="interpreter for `tandem serve` in the peers form (default: this one)")
     add("--python-vllm", default=None, help="interpreter with Tandem and vLLM for the groups form")
     add("--served-model-name", default="smollm2-135m-instruct", help="the model id both servers answer to")
-    add("--num-speculative-tokens", type=positive_int, default=6, help="vLLM's k in the peers form (Tandem: its config)")
+    add("--num-speculative-tokens", type=positive_int, default=6,
+        help="vLLM's k in the peers form (Tandem: its config)")
     add("--max-num-seqs", type=positive_int, default=64, help="vLLM server's --max-num-seqs (peers form)")
     add("--dataset", choices=DATASETS, default="instructions")
     add("--num-prompts", type=positive_int, default=16)

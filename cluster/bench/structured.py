@@ -69,7 +69,8 @@ def _round(llm: LLM, prompt: str, batch: int, args, constrained: bool) -> dict:
         for o in outputs:
             if not o.outputs[0].text.startswith('{"people": [{"name": "'):
                 raise RuntimeError(f"a constrained output does not follow the schema: {o.outputs[0].text[:80]!r}")
-    return {"tok_s": tokens / seconds, "seconds": seconds, "grammar_seconds": llm.engine.grammars.seconds - grammar_before}
+    return {"tok_s": tokens / seconds, "seconds": seconds,
+            "grammar_seconds": llm.engine.grammars.seconds - grammar_before}
 
 
 def run_structured_bench(args: argparse.Namespace) -> dict:

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, AsyncIterator, Callable, Protocol
 
 from cluster.engine.protocol import GenerateDelta, GenerateRequest
+from cluster.errors import ParamError
 from cluster.routing.stats import EngineLoad
 
 if TYPE_CHECKING:
@@ -87,9 +88,9 @@ class EngineBackend(Protocol):
 
 
 def error_param(err: BaseException) -> str | None:
-    """The OpenAI parameter an engine's ValueError is about: its ``param`` field when it has one
-    (structured-output errors), else the parameter its message starts with."""
-    if isinstance(getattr(err, "param", None), str):
+    """The OpenAI parameter an engine's ValueError is about: a ``ParamError``'s field (Tandem's own
+    errors), else (vLLM's) the parameter its message starts with or mentions."""
+    if isinstance(err, ParamError):
         return err.param
     message = str(err)
     for name in ("max_tokens", "temperature", "top_p", "top_k", "min_p", "presence_penalty",

@@ -20,6 +20,7 @@ from cluster.shared.outputs import CompletionOutput, Logprob, RequestOutput, Req
 from cluster.shared.request import Request, RequestStatus
 from cluster.shared.sampling_params import SamplingParams
 from cluster.engine.stats import EngineStats
+from cluster.errors import ParamError
 from cluster.engine.scheduler import Scheduler
 from cluster.kv.block_manager import BlockManager, cdiv
 from cluster.kv.prefix_cache import engine_hash_seed
@@ -86,38 +87,39 @@ class Engine:
         params = sampling_params or SamplingParams()
         if isinstance(prompt, str):
             if not prompt:
-                raise ValueError("the prompt is empty; send at least one token")
+                raise ParamError("prompt", "the prompt is empty; send at least one token")
             if self.tokenizer is None:
-                raise ValueError("this model has no tokenizer; send prompt token ids")
+                raise ParamError("prompt", "this model has no tokenizer; send prompt token ids")
             prompt_ids = self.tokenizer.encode(prompt)
             text = prompt
         else:
             prompt_ids, text = list(prompt), None
             bad = [t for t in prompt_ids if not isinstance(t, int) or not 0 <= t < self.vocab_size]
             if bad:
-                raise ValueError(f"prompt token ids must be integers in [0, {self.vocab_size}), got {bad[:3]}")
+                raise ParamError("prompt",
+                                 f"prompt token ids must be integers in [0, {self.vocab_size}), got {bad[:3]}")
         if not prompt_ids:
-            raise ValueError("the prompt is empty; send at least one token")
+            raise ParamError("prompt", "the prompt is empty; send at least one token")
         if len(prompt_ids) >= self.max_model_len:
-            raise ValueError(
-                f"the prompt has {len(prompt_ids)} tokens; max_model_len is {self.max_model_len}, "
+            raise ParamError(
+                "prompt", f"the prompt has {len(prompt_ids)} tokens; max_model_len is {self.max_model_len}, "
                 "so prompts may have at most max_model_len - 1 tokens"
             )
         block_size = self.block_manager.block_size
         if cdiv(len(prompt_ids) + 1, block_size) > self.block_manager.pool.num_blocks:
-            raise ValueError(
-                f"the prompt has {len(prompt_ids)} tokens and cannot fit in the KV cache "
+            raise ParamError(
+                "prompt", f"the prompt has {len(prompt_ids)} tokens and cannot fit in the KV cache "
                 f"({self.block_manager.pool.num_blocks} blocks of {block_size})"
             )
         if params.stop and self.tokenizer is None:
-            raise ValueError("stop strings need a tokenizer; this model has none (use stop_token_ids)")
+            raise ParamError("stop", "stop strings need a tokenizer; this model has none (use stop_token_ids)")
         if any(t >= self.vocab_size for t in params.stop_token_ids):
-            raise ValueError(f"stop_token_ids must be below the vocabulary size {self.vocab_size}")
+            raise ParamError("stop_token_ids", f"stop_token_ids must be below the vocabulary size {self.vocab_size}")
         rid = request_id if request_id is not None else f"req-{next(self._ids)}"
         if rid in self.scheduler.requests:
             raise ValueError(f"request id {rid!r} is already in use")
         if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt):
-            raise ValueError("cache_salt must be a non-empty string when given")
+            raise ParamError("cache_salt", "cache_salt must be a non-empty string when given")
         request = Request(rid, prompt_ids, params, self.eos_token_id, prompt=text, cache_salt=cache_salt)
         request.grammar = self.grammars.matcher_for(params)
         return request

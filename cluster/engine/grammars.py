@@ -29,7 +29,7 @@ import torch
 
 from cluster.shared.request import Request, RequestStatus
 from cluster.engine.scheduler import Scheduler
-from cluster.shared.scheduled import ScheduledRequest
+from cluster.shared.scheduled import DraftProposal, ScheduledRequest
 from cluster.structured.matcher import GrammarMatcher, bitmask_words
 from cluster.structured.vocabulary import grammar_tokenizer
 
@@ -56,7 +56,8 @@ class Grammars:
             self._tokenizer = grammar_tokenizer(self._hf_tokenizer, self._vocab_size, self._eos_token_id)
         return GrammarMatcher(self._tokenizer, constraint)
 
-    def prepare(self, scheduled: list[ScheduledRequest], drafts):
+    def prepare(self, scheduled: list[ScheduledRequest], drafts: DraftProposal | None
+                ) -> tuple[DraftProposal | None, dict[str, torch.Tensor] | None]:
         """The step's drafts with forbidden tokens cut, and ``{request id: [positions, words]
         int32 bitmask}`` for the constrained requests that sample (rows: the draft positions, then
         the bonus position); ``(drafts, None)`` when no request in the step is constrained."""

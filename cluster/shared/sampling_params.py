@@ -1,6 +1,6 @@
 """Per-request sampling settings, validated on construction.
 
-Invalid values raise ``ValueError`` naming the field, the value and what is allowed;
+Invalid values raise ``ParamError`` (a ``ValueError``) naming the field, the value and what is allowed;
 the engine never sees an invalid ``SamplingParams``.
 """
 
@@ -9,6 +9,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from cluster.errors import ParamError
 from cluster.structured.constraint import StructuredOutputs
 
 _GREEDY_EPS = 1e-5
@@ -44,8 +45,8 @@ class SamplingParams:
         self._validate()
 
     def _validate(self) -> None:
-        def bad(name: str, allowed: str) -> ValueError:
-            return ValueError(f"{name} must be {allowed}, got {getattr(self, name)!r}")
+        def bad(name: str, allowed: str) -> ParamError:
+            return ParamError(name, f"{name} must be {allowed}, got {getattr(self, name)!r}")
 
         if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
             raise bad("max_tokens", "an integer >= 1")

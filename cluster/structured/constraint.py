@@ -19,6 +19,8 @@ from dataclasses import dataclass
 
 from llguidance import LLMatcher
 
+from cluster.errors import ParamError
+
 # The separators of bounded JSON (Python's json.dumps defaults): no other whitespace.
 BOUNDED_JSON = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 FLEXIBLE_JSON = {"whitespace_flexible": True}
@@ -26,12 +28,8 @@ NUMBER_STEP = 1e-6  # the finest number a schema without multipleOf gets
 NUMBER_LIMIT = 10**15  # |value| for integers and numbers without bounds
 
 
-class ConstraintError(ValueError):
+class ConstraintError(ParamError):
     """A structured-output setting that cannot be compiled; ``param`` is the request field."""
-
-    def __init__(self, param: str, message: str) -> None:
-        super().__init__(message)
-        self.param = param
 
 
 @dataclass(frozen=True)

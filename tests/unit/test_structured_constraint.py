@@ -99,8 +99,14 @@ def test_vllm_gets_the_same_grammar():
     assert LLMatcher.validate_grammar(LLMatcher.grammar_from_lark(lark)) == ""
 
 
-def test_engine_errors_carry_the_constraints_field():
+def test_errors_carry_their_request_field():
     from cluster.engine.backend import error_param
+    from cluster.errors import ParamError
+    from cluster.shared.sampling_params import SamplingParams
 
     assert error_param(ConstraintError("tool_choice", "tool_choice: bad")) == "tool_choice"
-    assert error_param(ValueError("temperature must be >= 0")) == "temperature"
+    with pytest.raises(ParamError) as err:
+        SamplingParams(top_p=0.0)
+    assert err.value.param == "top_p" and error_param(err.value) == "top_p"
+    assert error_param(ValueError("temperature must be >= 0")) == "temperature"  # vLLM's, by its message
+    assert error_param(ValueError("something else")) is None
