@@ -12,20 +12,19 @@ import logging
 import time
 from dataclasses import dataclass
 
-
 from cluster.config import TandemConfig
 from cluster.engine.detokenizer import IncrementalDetokenizer
 from cluster.engine.grammars import Grammars
-from cluster.shared.outputs import CompletionOutput, Logprob, RequestOutput, RequestTimes, TokenLogprobs, Usage
-from cluster.shared.request import Request, RequestStatus
-from cluster.shared.sampling_params import SamplingParams
+from cluster.engine.scheduler import Scheduler
 from cluster.engine.stats import EngineStats
 from cluster.errors import ParamError
-from cluster.engine.scheduler import Scheduler
 from cluster.kv.block_manager import BlockManager, cdiv
 from cluster.kv.prefix_cache import engine_hash_seed
 from cluster.runner.model_runner import SampledTokens
 from cluster.runner.worker import Worker
+from cluster.shared.outputs import CompletionOutput, Logprob, RequestOutput, RequestTimes, TokenLogprobs, Usage
+from cluster.shared.request import Request, RequestStatus
+from cluster.shared.sampling_params import SamplingParams
 from cluster.spec_decode.controller import BatchState, StepObservation
 from cluster.spec_decode.factory import build_speculation
 from cluster.spec_decode.stats import SpecDecodeStats
@@ -148,7 +147,6 @@ class Engine:
         """Stop a request now and free its blocks; unknown or finished ids are ignored."""
         self.scheduler.finish_request(request_id, RequestStatus.FINISHED_ABORTED)
         self.worker.runner.free_request(request_id)
-        self.grammars.forget(request_id)
         self._states.pop(request_id, None)
 
     def has_unfinished(self) -> bool:

@@ -40,7 +40,6 @@ class Grammars:
         self._vocab_size = vocab_size
         self._eos_token_id = eos_token_id
         self._tokenizer = None  # llguidance's vocabulary, built at the first constrained request
-        self._dead: set[str] = set()  # requests whose grammar died; their token of this step is dropped
         self.seconds = 0.0  # spent in prepare and advance (masks, draft checks, consuming tokens)
 
     def matcher_for(self, params) -> GrammarMatcher | None:
@@ -79,9 +78,7 @@ class Grammars:
                 if drafts.probs is not None and rid in drafts.probs:
                     drafts.probs[rid] = drafts.probs[rid][:keep]
             bitmask = torch.full((keep + 1, bitmask_words(self._vocab_size)), -1, dtype=torch.int32)
-            if matcher.is_dead:  # sample anything; the token is dropped and the request ends
-                self._dead.add(rid)
-            else:
+            if not matcher.is_dead:  # a dead grammar samples anything: advance drops the token and ends it
                 matcher.fill_masks(bitmask, 0, proposed[:valid])
             masks[rid] = bitmask
         self.seconds += time.perf_counter() - started
@@ -94,10 +91,6 @@ class Grammars:
             matcher = request.grammar
             if matcher is None:
                 continue
-            if request.request_id in self._dead:
-                request.truncate_output(matcher.num_consumed)
-                self._finish(request, RequestStatus.FINISHED_DEAD_END, scheduler)
-                continue
             end = matcher.advance(request.output_token_ids)
             if end is not None:
                 request.truncate_output(end)
@@ -106,12 +99,7 @@ class Grammars:
         self.seconds += time.perf_counter() - started
 
     def _finish(self, request: Request, status: RequestStatus, scheduler: Scheduler) -> None:
-        self._dead.discard(request.request_id)
         if request.is_finished:
             request.status = status
         else:
             scheduler.finish_request(request.request_id, status)
-
-    def forget(self, request_id: str) -> None:
-        """An aborted request."""
-        self._dead.discard(request_id)
