@@ -31,6 +31,7 @@ from ray.serve.handle import DeploymentHandle
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from cluster.api.auth import ApiKeys
+from cluster.api.engine_requests import GroupShape, choice_requests
 from cluster.api.openai_protocol import ChatCompletionRequest, CompletionRequest, UnsupportedFieldError
 from cluster.api.openai_responses import error_body
 from cluster.api.tool_calls import ToolCallParser
@@ -38,12 +39,10 @@ from cluster.api.tool_formats import choose_tool_format, render_chat
 from cluster.api.tool_request import NO_TOOLS, ToolPlan
 from cluster.config import config_from_dict, group_engine_config
 from cluster.engine.backend import error_param
-from cluster.engine.protocol import GenerateRequest
 from cluster.kv.prefix_cache import engine_hash_seed
-from cluster.models.loader import load_tokenizer_if_present, resolve_model
+from cluster.models.loader import load_hf_config, load_tokenizer_if_present, resolve_model
+from cluster.models.registry import engine_max_model_len
 from cluster.routing.group_router import GroupRouter
-from cluster.routing.prefix_hashes import leading_block_hashes
-from cluster.routing.stats import RoutingRequest
 from cluster.structured.constraint import StructuredOutputs
 from deployments.metrics import RaySink
 from deployments.streams import ApiError, ChoiceStream, respond
@@ -88,12 +87,15 @@ class OpenAIIngress:
         self.tokenizer = load_tokenizer_if_present(source)
         self.tool_format = choose_tool_format(self.config.model.tool_call_format,
                                               getattr(self.tokenizer, "chat_template", None))
-        self.hashing: dict[str, tuple[int, int]] = {}  # group -> (block size, hash seed)
+        self.shapes: dict[str, GroupShape] = {}
         sizes = {}
         for group in serve_config.groups:
             engine_config = group_engine_config(self.config, group.name)
-            seed = engine_hash_seed(engine_config.model.model, engine_config.model.dtype, engine_config.model.seed)
-            self.hashing[group.name] = (engine_config.cache.block_size, seed)
+            model = engine_config.model
+            hf_config = load_hf_config(resolve_model(model.model, model.cache_dir))
+            self.shapes[group.name] = GroupShape(engine_config.cache.block_size,
+                                                 engine_hash_seed(model.model, model.dtype, model.seed),
+                                                 engine_max_model_len(model.max_model_len, hf_config))
             sizes[group.name] = group.autoscaling.min_replicas if group.autoscaling else group.num_replicas
         decisions = RaySink("ingress")
         self.router = GroupRouter(sizes, serve_config.router, staleness_seconds=60.0,
@@ -153,8 +155,8 @@ class OpenAIIngress:
             return _error(404, f"the model {body.model!r} does not exist; this server serves {self.model_name!r}",
                           "not_found_error", "model", "model_not_found")
         pinned = request.headers.get("x-tandem-group")
-        if pinned is not None and pinned not in self.hashing:
-            return _error(400, f"X-Tandem-Group names no replica group: {pinned!r}; groups: {', '.join(self.hashing)}")
+        if pinned is not None and pinned not in self.shapes:
+            return _error(400, f"X-Tandem-Group names no replica group: {pinned!r}; groups: {', '.join(self.shapes)}")
         try:
             body.check_supported()
             plan = body.tool_plan(self.tool_format) if chat else NO_TOOLS
@@ -201,23 +203,13 @@ class OpenAIIngress:
     def _make_requests(self, body, prompts: list[list[int]], chat: bool, pinned: str | None = None,
                        constraint: StructuredOutputs | None = None) -> list[ChoiceStream]:
         num_logprobs = body.num_logprobs if chat else body.logprobs
-        default = body.requested_max_tokens() is None and chat
+        shapes = self.shapes if pinned is None else {pinned: self.shapes[pinned]}
         base_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         streams = []
         for p_index, token_ids in enumerate(prompts):
-            routing = {}
-            for group, (block_size, seed) in self.hashing.items():
-                if pinned is not None and group != pinned:
-                    continue
-                hashes = leading_block_hashes(token_ids, block_size, seed, self.prefix_blocks, body.cache_salt)
-                routing[group] = RoutingRequest(len(token_ids), body.requested_max_tokens() or 256, hashes)
             for j in range(body.n):
                 index = p_index * body.n + j
-                params = body.sampling_params(_UNBOUNDED if default else 16, num_logprobs, j, constraint)
-                request = GenerateRequest(f"{base_id}-{index}", token_ids, params, body.cache_salt,
-                                          max_tokens_is_default=default)
-                streams.append(ChoiceStream(index, p_index, request, routing, self.groups))
+                requests = choice_requests(body, chat, f"{base_id}-{index}", token_ids, j, shapes,
+                                           self.prefix_blocks, num_logprobs, constraint)
+                streams.append(ChoiceStream(index, p_index, requests, self.groups))
         return streams
-
-
-_UNBOUNDED = 1 << 30  # placeholder max_tokens; the replica fills in the room left in the context

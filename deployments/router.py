@@ -57,10 +57,4 @@ def _routing_request(pending_request: Optional[PendingRequest]) -> RoutingReques
     if pending_request is None or not pending_request.args:
         return None
     request = pending_request.args[0]
-    if not isinstance(request, GenerateRequest):
-        return None
-    max_tokens = _NOMINAL_MAX_TOKENS if request.max_tokens_is_default else request.sampling_params.max_tokens
-    return RoutingRequest(len(request.prompt_token_ids), max_tokens, request.prefix_hashes)
-
-
-_NOMINAL_MAX_TOKENS = 256  # what an unbounded request is assumed to generate, for ranking
+    return request.routing if isinstance(request, GenerateRequest) else None

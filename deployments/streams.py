@@ -15,7 +15,6 @@ send the calls as ``delta.tool_calls`` the moment each is complete.
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import json
 import logging
 import time
@@ -28,7 +27,7 @@ from cluster.api import openai_responses as responses
 from cluster.api.tool_calls import ToolCallParser
 from cluster.engine.protocol import GenerateDelta, GenerateRequest
 from cluster.routing.group_router import GroupRouter
-from cluster.routing.stats import ReplicaStats, RoutingRequest
+from cluster.routing.stats import ReplicaStats
 
 logger = logging.getLogger("ray.serve")
 
@@ -40,12 +39,15 @@ class ApiError(Exception):
 
 
 class ChoiceStream:
-    def __init__(self, index: int, prompt_index: int, request: GenerateRequest,
-                 routing: dict[str, RoutingRequest], groups: dict[str, DeploymentHandle]) -> None:
+    """One choice of a request: its engine request for each group it may go to
+    (``cluster.api.engine_requests.choice_requests``), of which ``start`` sends one."""
+
+    def __init__(self, index: int, prompt_index: int, requests: dict[str, GenerateRequest],
+                 groups: dict[str, DeploymentHandle]) -> None:
         self.index = index
         self.prompt_index = prompt_index
-        self.request = request
-        self.routing = routing
+        self.requests = requests
+        self.request_id = next(iter(requests.values())).request_id
         self.groups = groups
         self.group: str | None = None
         self._call: DeploymentResponseGenerator | None = None
@@ -55,10 +57,8 @@ class ChoiceStream:
     async def start(self, router: GroupRouter) -> None:
         """Route, call the replica and wait for its acknowledgement (raises ApiError)."""
         self._router = router
-        self.group = router.choose(self.routing, time.time())
-        # The deployment's own router matches these against its replicas' caches.
-        self.request = dataclasses.replace(self.request, prefix_hashes=self.routing[self.group].prefix_hashes)
-        self._call = self.groups[self.group].options(stream=True).generate.remote(self.request)
+        self.group = router.choose({group: r.routing for group, r in self.requests.items()}, time.time())
+        self._call = self.groups[self.group].options(stream=True).generate.remote(self.requests[self.group])
         ack: GenerateDelta = await self._call.__anext__()
         if ack.error is not None:
             self._done = True
@@ -104,7 +104,7 @@ async def respond(streams: list[ChoiceStream], body, chat: bool, model: str, rou
         _close_all(streams)
     created = int(time.time())
     usage = responses.usage(states, [s.prompt_index for s in streams])
-    rid = streams[0].request.request_id.rsplit("-", 1)[0]
+    rid = streams[0].request_id.rsplit("-", 1)[0]
     if chat:
         return JSONResponse(responses.chat_body(rid, created, model, states, usage, body.num_logprobs))
     return JSONResponse(responses.completion_body(rid, created, model, states, usage, body.logprobs is not None))
@@ -122,7 +122,7 @@ async def _collect(stream: ChoiceStream, make_parser: Callable[[], ToolCallParse
 async def _sse(streams: list[ChoiceStream], body, chat: bool, model: str,
                make_parser: Callable[[], ToolCallParser] | None) -> AsyncIterator[str]:
     created = int(time.time())
-    rid = streams[0].request.request_id.rsplit("-", 1)[0]
+    rid = streams[0].request_id.rsplit("-", 1)[0]
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
     num_logprobs = body.num_logprobs if chat else None
     states = [responses.ChoiceState(s.index) for s in streams]

@@ -83,14 +83,16 @@ class _SamplingFields(_Body):
         return single_constraint(("response_format", response_format_constraint(self.response_format)),
                                  ("structured_outputs", structured_outputs_constraint(self.structured_outputs)))
 
-    def sampling_params(self, default_max_tokens: int, num_logprobs: int | None, choice: int,
+    def sampling_params(self, max_tokens: int, num_logprobs: int | None, choice: int,
                         structured_outputs: StructuredOutputs | None = None) -> SamplingParams:
-        """Raises ValueError (from SamplingParams) naming the offending field."""
-        max_tokens = self.requested_max_tokens()
+        """``max_tokens``: resolved (``engine_requests.resolved_max_tokens``); a default one
+        caps ``min_tokens`` instead of making it invalid. Raises ValueError (from
+        SamplingParams) naming the offending field."""
+        defaulted = self.requested_max_tokens() is None
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         seed = None if self.seed is None else self.seed + choice
         return SamplingParams(
-            max_tokens=max_tokens if max_tokens is not None else default_max_tokens,
+            max_tokens=max_tokens,
             temperature=1.0 if self.temperature is None else self.temperature,
             top_p=1.0 if self.top_p is None else self.top_p,
             top_k=self.top_k or 0,
@@ -103,7 +105,7 @@ class _SamplingFields(_Body):
             stop_token_ids=list(self.stop_token_ids or []),
             ignore_eos=self.ignore_eos,
             logprobs=num_logprobs,
-            min_tokens=self.min_tokens,
+            min_tokens=min(self.min_tokens, max_tokens) if defaulted else self.min_tokens,
             skip_special_tokens=self.skip_special_tokens,
             structured_outputs=structured_outputs,
         )

@@ -24,7 +24,6 @@ request in vLLM and frees its blocks.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import os
 from typing import AsyncIterator
@@ -181,9 +180,6 @@ class VllmBackend:
         from vllm.sampling_params import RequestOutputKind, StructuredOutputsParams
 
         p: SamplingParams = request.sampling_params
-        if request.max_tokens_is_default:
-            room = max(1, self.max_model_len - len(request.prompt_token_ids))
-            p = dataclasses.replace(p, max_tokens=room, min_tokens=min(p.min_tokens, room))
         return self._SamplingParams(
             n=1, max_tokens=p.max_tokens, min_tokens=p.min_tokens, temperature=p.temperature, top_p=p.top_p,
             top_k=p.top_k if p.top_k > 0 else 0, min_p=p.min_p, presence_penalty=p.presence_penalty,

@@ -29,7 +29,7 @@ from cluster.engine.backend import error_param
 from cluster.engine.core_messages import (AbortRequest, AddRequest, CallRequest, CallResult, CoreMessage, CoreReady,
                                           CoreSnapshot, CoreStart, Shutdown)
 from cluster.engine.engine import Engine
-from cluster.engine.engine_view import EngineView, output_delta, resolved_params
+from cluster.engine.engine_view import EngineView, output_delta
 from cluster.engine.protocol import ErrorInfo, GenerateDelta
 from cluster.metrics.collector import EngineMetricsCollector
 from cluster.metrics.sample_buffer import BufferedSink
@@ -81,8 +81,8 @@ class EngineCore:
             self._out.deltas.append((rid, GenerateDelta(error=ErrorInfo(429, text, "rate_limit_error"))))
             return
         try:
-            params = resolved_params(request, self.engine.max_model_len)
-            prepared = self.engine.make_request(request.prompt_token_ids, params, rid, request.cache_salt)
+            prepared = self.engine.make_request(request.prompt_token_ids, request.sampling_params, rid,
+                                                request.cache_salt)
             self.engine.add_prepared(prepared)
         except ValueError as err:
             self._out.deltas.append((rid, GenerateDelta(error=ErrorInfo(400, str(err), param=error_param(err)))))

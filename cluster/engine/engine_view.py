@@ -7,29 +7,17 @@ sends these readings to the replica with its step outputs.
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Callable
 
 from cluster.config import TandemConfig
 from cluster.engine.backend import SpecState
-from cluster.routing.stats import EngineLoad
 from cluster.engine.engine import Engine
-from cluster.shared.outputs import RequestOutput
-from cluster.engine.protocol import GenerateDelta, GenerateRequest
-from cluster.shared.sampling_params import SamplingParams
+from cluster.engine.protocol import GenerateDelta
 from cluster.routing.policy import peak_tokens_per_second
+from cluster.routing.stats import EngineLoad
 from cluster.routing.step_times import StepTimeTracker
+from cluster.shared.outputs import RequestOutput
 from cluster.spec_decode.latency_model import power_of_two_sizes
-
-
-def resolved_params(request: GenerateRequest, max_model_len: int) -> SamplingParams:
-    """The request's sampling parameters with a default ``max_tokens`` (the caller gave
-    none) resolved to the room left in the model's context."""
-    params = request.sampling_params
-    if not request.max_tokens_is_default:
-        return params
-    room = max(1, max_model_len - len(request.prompt_token_ids))
-    return dataclasses.replace(params, max_tokens=room, min_tokens=min(params.min_tokens, room))
 
 
 def output_delta(out: RequestOutput) -> GenerateDelta:

@@ -17,7 +17,7 @@ from cluster.engine.async_engine import AsyncEngine, EngineDeadError
 from cluster.engine.backend import BackendContext, EngineUnhealthyError, SpecState, error_param
 from cluster.routing.stats import EngineLoad
 from cluster.engine.engine import Engine
-from cluster.engine.engine_view import EngineView, output_delta, resolved_params
+from cluster.engine.engine_view import EngineView, output_delta
 from cluster.shared.outputs import RequestOutput
 from cluster.engine.protocol import ErrorInfo, GenerateDelta, GenerateRequest, QueueFullError
 from cluster.metrics.collector import EngineMetricsCollector
@@ -40,9 +40,9 @@ class NativeBackend:
         self._failed: str | None = None
 
     async def generate(self, request: GenerateRequest) -> AsyncIterator[GenerateDelta]:
-        params = resolved_params(request, self.max_model_len)
         try:
-            stream = self.engine.generate(request.prompt_token_ids, params, request.request_id, request.cache_salt)
+            stream = self.engine.generate(request.prompt_token_ids, request.sampling_params, request.request_id,
+                                          request.cache_salt)
             first = await _first_or_error(stream)
         except QueueFullError as err:
             yield GenerateDelta(error=ErrorInfo(429, str(err), "rate_limit_error"))

@@ -1,7 +1,8 @@
 """The engine face a replica talks to: one generate request in, a stream of deltas out.
 
 These types cross process boundaries (Ray pickles them), so they are plain
-dataclasses of plain values. The ingress validates and tokenizes; the replica hands
+dataclasses of plain values. The ingress validates, tokenizes and settles every
+parameter (``max_tokens`` included, against the group's context); the replica hands
 the request to its engine and streams ``GenerateDelta``s back. The first delta of
 every stream is an *acknowledgement* (``accepted`` set, no tokens): it arrives once the
 engine has validated and queued the request, so the caller can still answer with a
@@ -12,6 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from cluster.routing.stats import RoutingRequest
 from cluster.shared.outputs import TokenLogprobs
 from cluster.shared.sampling_params import SamplingParams
 
@@ -26,10 +28,8 @@ class GenerateRequest:
     prompt_token_ids: list[int]
     sampling_params: SamplingParams
     cache_salt: str | None = None
-    # Engine block hashes of the prompt's leading full blocks (for prefix-affinity routing).
-    prefix_hashes: tuple[int, ...] = ()
-    # The caller gave no max_tokens: generate up to the model's context length.
-    max_tokens_is_default: bool = False
+    # What the routers rank it by (built with the request at the ingress; None: not routed).
+    routing: RoutingRequest | None = None
 
 
 @dataclass(frozen=True)

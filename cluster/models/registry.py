@@ -34,6 +34,15 @@ def context_length(hf_config) -> int:
     return int(getattr(hf_config, "max_position_embeddings", 2048))
 
 
+def engine_max_model_len(max_model_len: int | None, hf_config) -> int:
+    """The context an engine serves: ``model.max_model_len`` when set, else the model's own.
+    Raises ValueError when the setting exceeds the model's context."""
+    model_len = context_length(hf_config)
+    if max_model_len is not None and max_model_len > model_len:
+        raise ValueError(f"max_model_len {max_model_len} exceeds the model's context length {model_len}")
+    return max_model_len or model_len
+
+
 def resolve_dtype(name: str, hf_config, device: torch.device) -> torch.dtype:
     """The compute dtype for ``name``; float16 is refused on the CPU.
 

@@ -140,15 +140,15 @@ def predict_completion_seconds(request: RoutingRequest, stats: ReplicaStats, num
       the replica's profile at its current k, already scaled by its speed factor.
     * E = 1 + k * a tokens per step for the accepted fraction a of the draft positions
       asked for (what replicas report) and k = current_k (:func:`expected_tokens_per_step`);
-      decode = max_tokens / E * s(b).
+      decode = n / E * s(b) for the request's expected_output_tokens n.
     * prefill = (num_prompt_tokens - matched) * prefill_seconds_per_token, where
       matched is the cached prefix (:func:`matched_prefix_tokens`);
       affinity_seconds_saved = matched * prefill_seconds_per_token.
     * queue: when L + 1 > max_num_seqs the request waits for excess = L + 1 - max_num_seqs
       slots to free up. Assuming the requests ahead are like this one (its prompt, its
-      prefix hit, its max_tokens), a full replica spends on each of them its prefill
+      prefix hit, its n), a full replica spends on each of them its prefill
       (which runs serially, chunked into the steps) plus its share of the decoding steps,
-      T / max_num_seqs with T = max_tokens / E * s(max_num_seqs); a slot frees every
+      T / max_num_seqs with T = n / E * s(max_num_seqs); a slot frees every
       prefill + T / max_num_seqs seconds, so
       queue = excess * (prefill + T / max_num_seqs).
     * total = queue + prefill + decode.
@@ -158,7 +158,7 @@ def predict_completion_seconds(request: RoutingRequest, stats: ReplicaStats, num
       directly also makes each of the L take s(b) - s(b - 1) longer per step for about
       half of this request's decode steps (the requests ahead are assumed like this one,
       halfway done); a queued request keeps the batch at max_num_seqs. So
-      delay = L * (prefill + (s(b) - s(b - 1)) * max_tokens / E / 2) when it joins, and
+      delay = L * (prefill + (s(b) - s(b - 1)) * n / E / 2) when it joins, and
       (max_num_seqs - 1) * prefill when it queues.
     * cost = total + delay to others. Ranking by the request's own time alone piles
       requests onto the fastest replica until its queue explodes under heavy load (each
@@ -175,7 +175,7 @@ def predict_completion_seconds(request: RoutingRequest, stats: ReplicaStats, num
     batch_size = min(load + 1, max_num_seqs)
     step_seconds = interpolate_step_time(curve, batch_size)
     tokens_per_step = expected_tokens_per_step(stats.acceptance, stats.current_k)
-    decode_steps = request.max_tokens / tokens_per_step
+    decode_steps = request.expected_output_tokens / tokens_per_step
     decode_seconds = decode_steps * step_seconds
 
     matched = matched_prefix_tokens(request, stats)

@@ -66,7 +66,9 @@ class ReplicaStats(EngineLoad):
 @dataclass(frozen=True)
 class RoutingRequest:
     num_prompt_tokens: int
-    max_tokens: int
+    # The decode length the cost model assumes: the request's max_tokens, or a nominal length
+    # when the caller set none (``cluster.api.engine_requests``).
+    expected_output_tokens: int
     # Engine block hashes of the prompt's leading full blocks, in order (block 0 first).
     prefix_hashes: tuple[int, ...] = ()
 

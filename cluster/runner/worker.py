@@ -14,7 +14,7 @@ from cluster.models.loader import (
 )
 from cluster.models.layers.cpu_ops import attach_decode_ops
 from cluster.kernels.packed_linear import pack_linears
-from cluster.models.registry import build_model, context_length, resolve_dtype
+from cluster.models.registry import build_model, engine_max_model_len, resolve_dtype
 from cluster.parallel.group import TPGroup
 from cluster.parallel.layers import pack_parallel_linears
 from cluster.quant.apply import quantize_linears
@@ -82,11 +82,7 @@ def load_model(config: TandemConfig, device: torch.device, tp: TPGroup | None = 
     hf_config = load_hf_config(source)
     tokenizer = load_tokenizer_if_present(source)
     dtype = resolve_dtype(config.model.dtype, hf_config, device)
-    max_model_len = config.model.max_model_len or context_length(hf_config)
-    if max_model_len > context_length(hf_config):
-        raise ValueError(
-            f"max_model_len {max_model_len} exceeds the model's context length {context_length(hf_config)}"
-        )
+    max_model_len = engine_max_model_len(config.model.max_model_len, hf_config)
     model = build_model(hf_config, dtype, device, max_model_len, tp)
     stored_scheme = folder_scheme(hf_config)
     if stored_scheme is not None and tp is not None:

@@ -66,6 +66,16 @@ def test_chat_completion_uses_the_models_template(client, reference):
     assert "".join(c.choices[0].delta.content or "" for c in chunks) == response.choices[0].message.content
 
 
+def test_without_max_tokens_chat_fills_the_context_and_completions_stop_at_16(client, serve_config):
+    chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Count"}],
+                                          temperature=0, extra_body={"ignore_eos": True})
+    assert chat.choices[0].finish_reason == "length"
+    max_model_len = serve_config.model.max_model_len
+    assert chat.usage.prompt_tokens + chat.usage.completion_tokens == max_model_len
+    text = client.completions.create(model=MODEL, prompt=PROMPT, temperature=0, extra_body={"ignore_eos": True})
+    assert (text.choices[0].finish_reason, text.usage.completion_tokens) == ("length", 16)
+
+
 def test_stop_string_ends_the_output_before_it(client, reference):
     full = _greedy(reference, PROMPT, 24)
     stop = full[6:8]

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 from cluster.kernels import build
 from cluster.models.layers.rotary import apply_rotary

@@ -24,7 +24,7 @@ NOW = 1000.0
 MAX_NUM_SEQS = 64
 # Decoding at k = 0 takes 10 ms + 2 ms per sequence in the batch.
 PROFILE = LatencyModel(target_coef=[0.010, 0.002, 0.0], draft_coef=[0.0, 0.0])
-REQUEST = RoutingRequest(num_prompt_tokens=32, max_tokens=64)
+REQUEST = RoutingRequest(num_prompt_tokens=32, expected_output_tokens=64)
 
 
 def tracker_at_speed(factor: float) -> StepTimeTracker:

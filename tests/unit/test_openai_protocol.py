@@ -151,7 +151,7 @@ def test_sampling_params_map_every_field():
     for body in both(max_tokens=12, temperature=0.3, top_p=0.8, stop="END", seed=100, presence_penalty=0.4,
                      frequency_penalty=-0.2, top_k=5, min_p=0.1, repetition_penalty=1.2, ignore_eos=True,
                      min_tokens=2, stop_token_ids=[3, 4], skip_special_tokens=False):
-        params = body.sampling_params(default_max_tokens=99, num_logprobs=4, choice=0)
+        params = body.sampling_params(body.requested_max_tokens(), num_logprobs=4, choice=0)
         assert (params.max_tokens, params.temperature, params.top_p, params.top_k, params.min_p) == \
             (12, 0.3, 0.8, 5, 0.1)
         assert (params.presence_penalty, params.frequency_penalty, params.repetition_penalty) == (0.4, -0.2, 1.2)
@@ -162,7 +162,7 @@ def test_sampling_params_map_every_field():
 
 def test_sampling_params_defaults():
     for body in both():
-        params = body.sampling_params(default_max_tokens=16, num_logprobs=None, choice=0)
+        params = body.sampling_params(16, num_logprobs=None, choice=0)
         assert (params.max_tokens, params.temperature, params.top_p, params.top_k) == (16, 1.0, 1.0, 0)
         assert (params.presence_penalty, params.frequency_penalty, params.repetition_penalty) == (0.0, 0.0, 1.0)
         assert params.stop == [] and params.seed is None and params.logprobs is None
@@ -179,14 +179,14 @@ def test_each_choice_gets_its_own_seed():
 
 
 def test_chat_max_completion_tokens_wins_over_max_tokens():
-    assert chat(max_tokens=5, max_completion_tokens=7).sampling_params(16, None, 0).max_tokens == 7
-    assert chat(max_tokens=5).sampling_params(16, None, 0).max_tokens == 5
+    assert chat(max_tokens=5, max_completion_tokens=7).requested_max_tokens() == 7
+    assert chat(max_tokens=5).requested_max_tokens() == 5
     assert chat().requested_max_tokens() is None
 
 
 def test_values_the_engine_rejects_raise_value_error_naming_the_field():
     with pytest.raises(ValueError, match="min_tokens"):
-        completion(max_tokens=2, min_tokens=5).sampling_params(16, None, 0)
+        completion(max_tokens=2, min_tokens=5).sampling_params(2, None, 0)
     with pytest.raises(ValueError, match="stop"):
         completion(stop=[""]).sampling_params(16, None, 0)
     with pytest.raises(ValueError, match="top_k"):

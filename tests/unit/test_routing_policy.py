@@ -21,7 +21,7 @@ NOW = 1000.0
 # Seconds per step = 0.009 + 0.001 * b on [1, 16] (slope 0.001 on both segments).
 FAST_CURVE = ((1, 0.010), (8, 0.017), (16, 0.025))
 SLOW_CURVE = tuple((b, 3 * t) for b, t in FAST_CURVE)  # 0.027 + 0.003 * b
-REQUEST = RoutingRequest(num_prompt_tokens=50, max_tokens=100)
+REQUEST = RoutingRequest(num_prompt_tokens=50, expected_output_tokens=100)
 
 
 def _stats(replica_id: str, curve=FAST_CURVE, num_running: int = 0, num_waiting: int = 0, **kw) -> ReplicaStats:
@@ -133,7 +133,7 @@ def test_queue_counts_the_prefill_of_the_requests_ahead():
 
 
 def test_prefix_affinity_wins_and_saves_matched_prefill():
-    request = RoutingRequest(num_prompt_tokens=50, max_tokens=100, prefix_hashes=(11, 12, 13))
+    request = RoutingRequest(num_prompt_tokens=50, expected_output_tokens=100, prefix_hashes=(11, 12, 13))
     cold = _stats("cold", num_running=2, cached_prefix_hashes=frozenset({99}))
     warm = _stats("warm", num_running=2, cached_prefix_hashes=frozenset({11, 12, 99}))
     result = rank_replicas(request, [Candidate("cold", cold), Candidate("warm", warm)], NOW, random.Random(0))
@@ -147,7 +147,7 @@ def test_prefix_affinity_wins_and_saves_matched_prefill():
 
 
 def test_prefix_match_takes_the_deepest_hash_and_leaves_the_last_token():
-    request = RoutingRequest(num_prompt_tokens=50, max_tokens=10, prefix_hashes=(11, 12, 13))
+    request = RoutingRequest(num_prompt_tokens=50, expected_output_tokens=10, prefix_hashes=(11, 12, 13))
     # Names are chained: a hit on block 1 means blocks 0..1 are cached, even unpublished.
     only_deep = _stats("a", cached_prefix_hashes=frozenset({12}))
     assert predict_completion_seconds(request, only_deep, 0).matched_tokens == 32
@@ -155,7 +155,7 @@ def test_prefix_match_takes_the_deepest_hash_and_leaves_the_last_token():
     assert predict_completion_seconds(request, skipping, 0).matched_tokens == 48
     # A 48-token prompt whose 3 blocks are all cached: like the engine, the last block is
     # recomputed so its last token gets logits ((48 - 1) // 16 = 2 blocks count).
-    exact = RoutingRequest(num_prompt_tokens=48, max_tokens=10, prefix_hashes=(11, 12, 13))
+    exact = RoutingRequest(num_prompt_tokens=48, expected_output_tokens=10, prefix_hashes=(11, 12, 13))
     full = _stats("a", cached_prefix_hashes=frozenset({11, 12, 13}))
     cost = predict_completion_seconds(exact, full, 0)
     assert cost.matched_tokens == 32

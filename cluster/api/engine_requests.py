@@ -1,0 +1,60 @@
+"""From one parsed OpenAI request to the engine requests of each choice, one per replica group.
+
+Everything a request needs is settled here, once, at the ingress: its ``max_tokens``
+(OpenAI's defaults: 16 on ``/v1/completions``; on chat, the room left in the group's
+context) and what the routers rank it by (:class:`RoutingRequest`: the prompt's leading
+block hashes as that group's engines name them, and the output length the cost model
+assumes). Groups may differ in context length, block size and hash seed, so each choice
+gets one ``GenerateRequest`` per group it may go to; the router picks one of them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from cluster.engine.protocol import GenerateRequest
+from cluster.routing.prefix_hashes import leading_block_hashes
+from cluster.routing.stats import RoutingRequest
+from cluster.structured.constraint import StructuredOutputs
+
+COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default on /v1/completions
+# What the router's cost model assumes a chat request without max_tokens generates: its bound
+# (the whole context left) would make every such request look like thousands of decode steps.
+ROUTING_DEFAULT_OUTPUT_TOKENS = 256
+
+
+@dataclass(frozen=True)
+class GroupShape:
+    """What the ingress knows of a replica group's engines to build requests for them."""
+
+    block_size: int
+    hash_seed: int  # the engines' prefix-cache hash seed (``engine_hash_seed``)
+    max_model_len: int
+
+
+def resolved_max_tokens(requested: int | None, chat: bool, num_prompt_tokens: int, max_model_len: int) -> int:
+    """The request's ``max_tokens``: the caller's, else 16 for completions and, for chat, the
+    room left in the context (at least 1: a prompt too long is the engine's error to report)."""
+    if requested is not None:
+        return requested
+    if not chat:
+        return COMPLETION_DEFAULT_MAX_TOKENS
+    return max(1, max_model_len - num_prompt_tokens)
+
+
+def choice_requests(body, chat: bool, request_id: str, prompt_ids: list[int], choice: int,
+                    shapes: dict[str, GroupShape], prefix_blocks: int, num_logprobs: int | None,
+                    constraint: StructuredOutputs | None = None) -> dict[str, GenerateRequest]:
+    """One choice's ``GenerateRequest`` per group of ``shapes`` (``choice`` offsets the seed).
+
+    Raises ValueError (a ParamError from SamplingParams) naming the offending field."""
+    requested = body.requested_max_tokens()
+    requests = {}
+    for group, shape in shapes.items():
+        max_tokens = resolved_max_tokens(requested, chat, len(prompt_ids), shape.max_model_len)
+        params = body.sampling_params(max_tokens, num_logprobs, choice, constraint)
+        expected = ROUTING_DEFAULT_OUTPUT_TOKENS if requested is None and chat else max_tokens
+        hashes = leading_block_hashes(prompt_ids, shape.block_size, shape.hash_seed, prefix_blocks, body.cache_salt)
+        routing = RoutingRequest(len(prompt_ids), min(expected, max_tokens), hashes)
+        requests[group] = GenerateRequest(request_id, prompt_ids, params, body.cache_salt, routing)
+    return requests
