@@ -42,6 +42,11 @@ class ModelConfig(_Strict):
         False, description="compute every token the same way whatever else is in the step (CPU, float32 or "
         "bfloat16): a request's output, speculative or not, no longer depends on its batch; prefill runs slower")
     seed: int = 0
+    attention: Literal["auto", "gather", "flex"] = Field(
+        "auto", description="how attention reads the paged KV cache: gather (copy each sequence's context out, "
+        "plus the compiled CPU kernel for decode steps), flex (in place through the block table with torch's "
+        "flex_attention, compiled on CUDA; on the CPU only torch's slow reference, for tests); auto: flex on "
+        "CUDA with a plain KV cache, gather otherwise")
     tool_call_format: Literal["auto", "hermes", "llama3_json", "prompt"] = Field(
         "auto", description="how tools reach the prompt and calls come back (docs/structured-outputs.md): hermes "
         "(the chat template takes tools=, calls are <tool_call> blocks: Qwen 2.5), llama3_json (the template takes "
@@ -170,6 +175,13 @@ class TandemConfig(_Strict):
                 if clash:
                     raise ValueError(f"model.batch_invariant runs the full-precision model on one device with a "
                                      f"plain KV cache; {key} must stay at its default")
+        if self.model.attention == "flex":
+            clashes = {"cache.kv_cache_dtype": self.cache.kv_cache_dtype != "auto",
+                       "model.batch_invariant": self.model.batch_invariant}
+            for key, clash in clashes.items():
+                if clash:
+                    raise ValueError(f"model.attention flex reads a plain KV cache in place and has no "
+                                     f"batch-invariant mode; {key} must stay at its default")
         limit = self.scheduler.max_num_batched_tokens
         if not self.scheduler.enable_chunked_prefill and self.model.max_model_len:
             if limit < self.model.max_model_len:

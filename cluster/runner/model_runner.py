@@ -66,7 +66,8 @@ def num_blocks_for_budget(spec: KVCacheSpec, budget_bytes: int) -> int:
 
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, num_blocks: int, spec: KVCacheSpec, device: torch.device,
-                 batch_invariant: bool = False, verification: str = "auto", seeded_race: bool = False) -> None:
+                 batch_invariant: bool = False, verification: str = "auto", seeded_race: bool = False,
+                 attention: str = "gather") -> None:
         """``batch_invariant``: every step's attention goes through the compiled kernel, one
         query row at a time (the model must have been loaded for it, see ``load_model``).
         ``verification`` (``speculative.verification``): ``auto`` verifies seeded requests'
@@ -74,7 +75,9 @@ class ModelRunner:
         rejection sampling, ``coupled`` all by coupling (unseeded requests get a seed of their
         own, drawn from the default generator when they first sample). ``seeded_race``: seeded
         requests draw by an exponential race on keyed noise instead of the inverse CDF (an engine
-        with a draft model: its drafts then couple with the target's tokens far more often)."""
+        with a draft model: its drafts then couple with the target's tokens far more often).
+        ``attention`` (``choose_attention``): ``gather`` copies each sequence's context out of
+        the cache (plus the CPU kernel), ``flex`` reads it in place through the block table."""
         if verification not in ("auto", "rejection", "coupled"):
             raise ValueError(f"verification must be auto, rejection or coupled, got {verification!r}")
         self.model = model
@@ -82,6 +85,9 @@ class ModelRunner:
         self.spec = spec
         self.device = device
         self.num_blocks = num_blocks
+        if attention not in ("gather", "flex"):
+            raise ValueError(f"attention must be gather or flex, got {attention!r}")
+        self.attention = attention
         num_slots = num_blocks * spec.block_size
         if spec.cache_dtype == torch.int8:
             self.kv_caches = Int8KVCache(spec.num_layers, num_slots, spec.num_kv_heads, spec.head_dim,
@@ -132,7 +138,8 @@ class ModelRunner:
     def forward_logits(self, chunks: list[SeqChunk], block_tables: list[list[int]]) -> torch.Tensor:
         """One forward pass; logits at each chunk's last ``num_logits`` positions, in order:
         [total num_logits, vocab_size] float32."""
-        inputs = prepare_inputs(chunks, block_tables, self.spec.block_size, self.device, self.short_query_max)
+        inputs = prepare_inputs(chunks, block_tables, self.spec.block_size, self.device, self.short_query_max,
+                                self.num_blocks if self.attention == "flex" else None)
         hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.attn)
         if inputs.logits_indices.numel() == 0:
             return hidden.new_empty(0, self.model.vocab_size, dtype=torch.float32)

@@ -14,7 +14,8 @@ import carry
 from report import CheckResult
 
 EMBEDDED = "smollm2-135m-instruct"
-TINY_CHECKS = ("parity/tiny-llama", "parity/tiny-qwen2", "parity/tiny-opt", "speculative/tiny-ngram",
+TINY_CHECKS = ("parity/tiny-llama", "parity/tiny-qwen2", "parity/tiny-opt", "parity/tiny-llama-gather",
+               "parity/tiny-llama-flex", "speculative/tiny-ngram",
                "speculative/tiny-draft", "kv/preemption", "kv/preemption-draft")
 EMBEDDED_CHECKS = ("embedded/weights", "parity/smollm2-135m", "speculative/smollm2-ngram",
                    "speculative/smollm2-draft")
@@ -84,6 +85,10 @@ def run_tiny(run: Run, device: str, models: dict[str, Path]) -> None:
     parity_prompts = checks.random_prompts(1, (5, 17, 41, 3, 64))
     for family in ("llama", "qwen2", "opt"):
         run.check(f"parity/tiny-{family}", checks.parity, models[family], device, parity_prompts, 24, num_blocks=128)
+    # model.attention auto is flex on CUDA and gather on the CPU: each path named, on every device.
+    for attention in ("gather", "flex"):
+        run.check(f"parity/tiny-llama-{attention}", checks.parity, models["llama"], device, parity_prompts, 24,
+                  num_blocks=128, attention=attention)
     prompts, llama = checks.random_prompts(0, (5, 17, 30, 3, 44, 9)), str(models["llama"])
     draft = dict(method="draft", draft_model=str(models["noisy-draft"]), num_speculative_tokens=3)
     run.check("speculative/tiny-ngram", checks.speculative, llama, device, prompts, 20,

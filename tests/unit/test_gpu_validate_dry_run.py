@@ -21,7 +21,8 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 GPU = ROOT / "tests" / "gpu"
 SCRIPT = GPU / "validate.py"
-RUN = ["parity/tiny-llama", "parity/tiny-qwen2", "parity/tiny-opt", "speculative/tiny-ngram",
+RUN = ["parity/tiny-llama", "parity/tiny-qwen2", "parity/tiny-opt", "parity/tiny-llama-gather",
+       "parity/tiny-llama-flex", "speculative/tiny-ngram",
        "speculative/tiny-draft", "kv/preemption", "kv/preemption-draft"]
 EMBEDDED = ["embedded/weights", "parity/smollm2-135m", "speculative/smollm2-ngram", "speculative/smollm2-draft"]
 
@@ -43,9 +44,9 @@ def test_the_dry_run_reports_every_check_and_passes_those_it_runs(dry_run):
     assert list(status) == [*RUN, *EMBEDDED, "throughput"]
     assert all(status[name][0] == "passed" for name in [*RUN, "throughput"]), text
     assert all(status[name] == ("skipped", "--quick: tiny models only") for name in EMBEDDED)
-    assert doc["summary"] == {"passed": 8, "failed": 0, "skipped": 4, "error": 0}
+    assert doc["summary"] == {"passed": 10, "failed": 0, "skipped": 4, "error": 0}
     assert doc["settings"]["device"] == "cpu" and doc["environment"]["missing_required"] == []
-    assert "8 passed, 0 failed, 4 skipped, 0 error" in text
+    assert "10 passed, 0 failed, 4 skipped, 0 error" in text
 
 
 def test_speculation_and_preemption_were_exercised(dry_run):

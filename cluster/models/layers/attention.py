@@ -12,6 +12,8 @@ verification of draft tokens on every device. On the CPU, steps of up to
 (see :meth:`PagedAttention.decodes_in_kernel`), one query row at a time through the slot table.
 A step mixing such short queries with longer ones (decodes beside a prompt's prefill)
 attends in two parts (``AttentionMetadata.parts``), so decodes are never padded to a prompt.
+With ``model.attention: flex`` (CUDA's default) a step instead reads the cache in place
+through the block table (``AttentionMetadata.flex``, :mod:`cluster.models.layers.flex_paged`).
 """
 
 from __future__ import annotations
@@ -20,6 +22,8 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+
+from cluster.models.layers.flex_paged import FlexPagedMetadata, flex_paged_attention
 
 
 @dataclass
@@ -39,6 +43,8 @@ class AttentionMetadata:
     # step's tokens, the part's own metadata) per part; the fields above other than slot_mapping,
     # num_seqs and max_query_len are then unused (context_slots None).
     parts: tuple[tuple[torch.Tensor, "AttentionMetadata"], ...] | None = None
+    # The flex path (context_slots, attn_mask and the row fields then None): the step's block mask.
+    flex: FlexPagedMetadata | None = None
 
 
 class PagedAttention(torch.nn.Module):
@@ -72,6 +78,12 @@ class PagedAttention(torch.nn.Module):
                 meta.row_context_slots, meta.row_context_lens, self.num_heads, self.scale)
         new_k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
         new_v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
+        if meta.flex is not None:
+            kv_cache[0].index_copy_(0, meta.slot_mapping, new_k)
+            kv_cache[1].index_copy_(0, meta.slot_mapping, new_v)
+            out = flex_paged_attention(q.view(num_tokens, self.num_heads, self.head_dim), kv_cache, meta.flex,
+                                       self.scale)
+            return out.reshape(num_tokens, self.num_heads * self.head_dim)
         flat_slots = meta.context_slots.view(-1)
         if isinstance(kv_cache, torch.Tensor):
             kv_cache[0].index_copy_(0, meta.slot_mapping, new_k)

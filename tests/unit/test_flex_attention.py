@@ -1,0 +1,112 @@
+"""The flex path reads the KV cache in place through the block table and attends exactly like
+the gathering path: on steps mixing prefill, chunked prefill, decodes and draft verification,
+over scattered blocks and blocks shared by prefix caching. On the CPU it runs torch's
+reference flex attention; on CUDA the same metadata goes to the compiled kernels
+(tests/gpu/validate.py checks that on a GPU)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from cluster.config import ConfigError, TandemConfig, config_from_dict
+from cluster.engine.llm import LLM
+from cluster.models.layers.attention import PagedAttention
+from cluster.runner.attention_choice import choose_attention
+from cluster.runner.input_batch import SeqChunk, prepare_inputs
+from cluster.shared.sampling_params import SamplingParams
+
+BLOCK = 4
+NUM_BLOCKS = 40
+HEADS, KV_HEADS, HEAD_DIM = 4, 2, 8
+CPU = torch.device("cpu")
+
+
+def _step():
+    """A 21-token prompt, a decode, a 3-token verification and a 9-token prefill chunk, over
+    scattered blocks; sequences 0 and 3 share their first two blocks (a cached prefix)."""
+    chunks = [SeqChunk(list(range(3, 24)), 0, 1), SeqChunk([7], 9, 1), SeqChunk([8, 9, 10], 5, 3),
+              SeqChunk(list(range(50, 59)), 8, 1)]
+    tables = [[31, 5, 17, 2, 38, 11], [0, 22, 9], [14, 27], [31, 5, 36, 19, 8]]
+    return chunks, tables
+
+
+def _attend(chunks, tables, flex: bool, cache: torch.Tensor):
+    gen = torch.Generator().manual_seed(1)
+    num_tokens = sum(len(c.token_ids) for c in chunks)
+    q = torch.randn(num_tokens, HEADS * HEAD_DIM, generator=gen)
+    k = torch.randn(num_tokens, KV_HEADS * HEAD_DIM, generator=gen)
+    v = torch.randn(num_tokens, KV_HEADS * HEAD_DIM, generator=gen)
+    inputs = prepare_inputs(chunks, tables, BLOCK, CPU, flex_num_blocks=NUM_BLOCKS if flex else None)
+    return PagedAttention(HEADS, KV_HEADS, HEAD_DIM, HEAD_DIM ** -0.5)(q, k, v, cache, inputs.attn)
+
+
+@pytest.mark.parametrize("select", [slice(None), slice(1, 3), slice(0, 1), [1]],
+                         ids=["mixed", "short-only", "prefill-only", "one-decode"])
+def test_flex_attends_like_the_gathering_path(select):
+    chunks, tables = _step()
+    chunks = [chunks[i] for i in range(4)][select] if isinstance(select, slice) else [chunks[i] for i in select]
+    tables = [tables[i] for i in range(4)][select] if isinstance(select, slice) else [tables[i] for i in select]
+    cache = torch.randn(2, NUM_BLOCKS * BLOCK, KV_HEADS, HEAD_DIM, generator=torch.Generator().manual_seed(0))
+    flex_cache, gather_cache = cache.clone(), cache.clone()
+    flex = _attend(chunks, tables, True, flex_cache)
+    gathered = _attend(chunks, tables, False, gather_cache)
+    assert torch.equal(flex_cache, gather_cache)  # the new K/V written in their slots, once
+    torch.testing.assert_close(flex, gathered, rtol=1e-5, atol=1e-5)
+
+
+def test_the_mask_visits_only_each_sequences_own_blocks_in_table_order():
+    chunks, tables = _step()
+    attn = prepare_inputs(chunks, tables, BLOCK, CPU, flex_num_blocks=NUM_BLOCKS).attn
+    (_, short), (_, long) = attn.parts  # queries of up to 16 tokens apart from the prompt, as on the other path
+    for part, seqs in ((short, [1, 2, 3]), (long, [0])):
+        mask = part.flex.block_mask
+        for row, s in enumerate(seqs):
+            context = chunks[s].start + len(chunks[s].token_ids)
+            used = -(-context // BLOCK)
+            assert mask.kv_num_blocks[row, 0, 0].item() == used
+            assert mask.kv_indices[row, 0, 0, :used].tolist() == tables[s][:used]
+
+
+def test_a_changed_slot_outside_a_sequences_blocks_changes_nothing():
+    """In place means in place: K/V in blocks no sequence of the step holds are never read."""
+    chunks, tables = _step()
+    cache = torch.randn(2, NUM_BLOCKS * BLOCK, KV_HEADS, HEAD_DIM, generator=torch.Generator().manual_seed(0))
+    other = cache.clone()
+    held = {b for t in tables for b in t}
+    for block in set(range(NUM_BLOCKS)) - held:
+        other[:, block * BLOCK:(block + 1) * BLOCK] = 1e4
+    torch.testing.assert_close(_attend(chunks, tables, True, cache), _attend(chunks, tables, True, other))
+
+
+def test_engine_greedy_and_speculative_outputs_are_the_same_with_flex(tiny_llama_dir):
+    g = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(3, 256, (n,), generator=g).tolist() for n in (5, 17, 41, 30)]
+    params = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)
+    outputs = {}
+    for attention in ("gather", "flex"):
+        for spec in ({}, {"method": "draft", "draft_model": str(tiny_llama_dir),
+                          "num_speculative_tokens": 3}):
+            llm = LLM(str(tiny_llama_dir), device="cpu", dtype="float32", num_blocks=64, block_size=8,
+                      max_num_batched_tokens=32, attention=attention, **spec)
+            assert llm.engine.worker.runner.attention == attention
+            outs = llm.generate(prompts, params)
+            llm.engine.check_invariants()
+            outputs[attention, bool(spec)] = [o.outputs[0].token_ids for o in outs]
+    assert outputs["flex", False] == outputs["gather", False] == outputs["flex", True]
+
+
+def test_flex_is_refused_where_it_cannot_serve():
+    with pytest.raises(ValueError, match="kv_cache_dtype"):
+        config_from_dict({"model": {"attention": "flex"}, "cache": {"kv_cache_dtype": "int8"}})
+    with pytest.raises((ValueError, ConfigError), match="batch_invariant"):
+        config_from_dict({"model": {"attention": "flex", "batch_invariant": True}})
+    with pytest.raises(ValueError, match="needs CUDA or the CPU, not meta"):
+        choose_attention(TandemConfig(model={"attention": "flex"}), torch.device("meta"))
+
+
+def test_auto_takes_flex_on_cuda_only_with_a_plain_cache():
+    assert choose_attention(TandemConfig(), CPU) == "gather"
+    assert choose_attention(TandemConfig(model={"attention": "flex"}), CPU) == "flex"
+    int8 = config_from_dict({"cache": {"kv_cache_dtype": "int8"}})
+    assert choose_attention(int8, torch.device("cuda")) == "gather"  # no CUDA needed to decide that
