@@ -47,6 +47,9 @@ class ModelConfig(_Strict):
         "plus the compiled CPU kernel for decode steps), flex (in place through the block table with torch's "
         "flex_attention, compiled on CUDA; on the CPU only torch's slow reference, for tests); auto: flex on "
         "CUDA with a plain KV cache, gather otherwise")
+    enforce_eager: bool = Field(
+        False, description="CUDA, flex attention: run decode steps eagerly instead of replaying the CUDA graph "
+        "captured for their batch-size bucket at start-up (tensor-parallel ranks always run eagerly)")
     tool_call_format: Literal["auto", "hermes", "llama3_json", "prompt"] = Field(
         "auto", description="how tools reach the prompt and calls come back (docs/structured-outputs.md): hermes "
         "(the chat template takes tools=, calls are <tool_call> blocks: Qwen 2.5), llama3_json (the template takes "

@@ -12,6 +12,7 @@ What maps:
 | ``speculative.ngram_draft_per_match_token`` | nothing: vLLM's lookup drafts ``k`` tokens after every match, however short |
 | ``speculative.controller: table`` / ``adaptive`` with a profile | the profile's batch-size -> k table as ``num_speculative_tokens_per_batch_size`` (inclusive ranges ``[start, end, k]``), when the installed vLLM has that option; otherwise a fixed k (see :class:`SpecPlan`) |
 | a group's ``tensor_parallel_size`` | ``tensor_parallel_size`` |
+| ``model.enforce_eager`` | ``enforce_eager`` |
 | ``engine.vllm_args`` | passed through last (e.g. ``enforce_eager``, ``quantization``) |
 
 Quantization: vLLM's methods (``awq``, ``gptq``, ``fp8``, ...) are named in
@@ -72,6 +73,8 @@ def vllm_settings(config: TandemConfig, tensor_parallel_size: int, model_path: s
     }
     if m.max_model_len:
         args["max_model_len"] = m.max_model_len
+    if m.enforce_eager:
+        args["enforce_eager"] = True
     memory = c.memory_bytes()
     if memory is not None and c.num_blocks is None:
         args["kv_cache_memory_bytes"] = memory
@@ -116,6 +119,9 @@ def _refuse_native_quantization(config: TandemConfig) -> None:
     own = {"model.quantization": (getattr(config.model, "quantization", "none"), "none"),
            "cache.kv_cache_dtype": (getattr(config.cache, "kv_cache_dtype", "auto"), "auto"),
            "speculative.draft_quantization": (getattr(config.speculative, "draft_quantization", None), None)}
+    if getattr(config.model, "attention", "auto") != "auto":
+        raise ValueError(f"model.attention={config.model.attention!r} picks a path of Tandem's own engine; vLLM "
+                         "chooses its attention itself (the environment variable VLLM_ATTENTION_BACKEND)")
     if getattr(config.model, "batch_invariant", False):
         raise ValueError("model.batch_invariant is Tandem's own CPU mode, which vLLM does not run; for a vLLM group "
                          "leave it unset (vLLM has its own: the environment variable VLLM_BATCH_INVARIANT=1)")

@@ -9,7 +9,7 @@ from typing import NamedTuple
 import torch
 
 from cluster.models.layers.attention import AttentionMetadata
-from cluster.models.layers.flex_paged import build_flex_metadata
+from cluster.models.layers.flex_paged import FlexLayout, build_flex_metadata
 
 # Up to this many query tokens per sequence (decode, draft verification, small prefill chunks)
 # every query row also gets its own context (see AttentionMetadata.row_context_lens).
@@ -38,7 +38,7 @@ def prepare_inputs(
     block_size: int,
     device: torch.device,
     short_query_max: int | None = SHORT_QUERY_MAX,
-    flex_num_blocks: int | None = None,
+    flex: FlexLayout | None = None,
 ) -> ModelInputs:
     """Flat token ids and positions, cache slots, and the attention mask of one pass.
 
@@ -49,8 +49,8 @@ def prepare_inputs(
     ``num_tokens x max_context_len`` slot indices). A step that mixes short chunks (decodes,
     draft verification) with longer ones (prefill) attends in two parts, each padded only to
     its own longest query: 24 decodes beside a 72-token prompt took a pass 205 ms padded
-    to the prompt and 47 ms split (SmolLM2-135M, 2-core CPU). ``flex_num_blocks`` (the cache's
-    block count) gives the flex path's metadata instead of gathered contexts (the parts stay).
+    to the prompt and 47 ms split (SmolLM2-135M, 2-core CPU). ``flex`` gives the flex path's
+    metadata (its fixed shapes) instead of gathered contexts; the parts stay.
     """
     input_ids: list[int] = []
     positions: list[int] = []
@@ -68,7 +68,7 @@ def prepare_inputs(
     num_seqs = len(chunks)
     max_blocks = max(len(t) for t in block_tables)
     # Padding: -1 for the flex mask (no block), 0 for the gathering path (masked out).
-    table = torch.full((num_seqs, max_blocks), -1 if flex_num_blocks else 0, dtype=torch.int64)
+    table = torch.full((num_seqs, max_blocks), -1 if flex is not None else 0, dtype=torch.int64)
     for s, blocks in enumerate(block_tables):
         table[s, : len(blocks)] = torch.tensor(blocks, dtype=torch.int64)
     positions_t = torch.tensor(positions, dtype=torch.int64)
@@ -81,7 +81,7 @@ def prepare_inputs(
     short = [s for s, n in enumerate(query_lens) if short_query_max is not None and n <= short_query_max]
     if not short or len(short) == num_seqs:
         attn = _attention_metadata(query_lens, context_lens, table, positions_t, slot_mapping, block_size,
-                                   short_query_max, to, flex_num_blocks)
+                                   short_query_max, to, flex)
     else:
         long = sorted(set(range(num_seqs)) - set(short))
         starts = [0, *itertools.accumulate(query_lens)]  # sequence s holds tokens starts[s] .. starts[s + 1] - 1
@@ -90,7 +90,7 @@ def prepare_inputs(
             tokens = torch.tensor([i for s in seqs for i in range(starts[s], starts[s + 1])], dtype=torch.int64)
             part = _attention_metadata([query_lens[s] for s in seqs], [context_lens[s] for s in seqs], table[seqs],
                                        positions_t[tokens], slot_mapping[tokens], block_size, short_query_max, to,
-                                       flex_num_blocks)
+                                       flex)
             parts.append((to(tokens), part))
         attn = AttentionMetadata(slot_mapping=to(slot_mapping), context_slots=None, attn_mask=None,
                                  query_pad_index=None, num_seqs=num_seqs, max_query_len=max(query_lens),
@@ -112,7 +112,7 @@ def _attention_metadata(
     block_size: int,
     short_query_max: int | None,
     to,  # moves a tensor (or None) to the step's device
-    flex_num_blocks: int | None = None,
+    flex: FlexLayout | None = None,
 ) -> AttentionMetadata:
     """The attention inputs of the sequences whose rows of the block table ``table`` holds."""
     num_seqs = len(query_lens)
@@ -121,13 +121,12 @@ def _attention_metadata(
     query_lens_t = torch.tensor(query_lens, dtype=torch.int64)
     context_lens_t = torch.tensor(context_lens, dtype=torch.int64)
     seq_of_token = torch.repeat_interleave(torch.arange(num_seqs), query_lens_t)
-    if flex_num_blocks:
+    if flex is not None:
         starts = torch.cumsum(query_lens_t, 0) - query_lens_t
         query_pad_index = seq_of_token * max_query_len + torch.arange(len(positions_t)) - starts[seq_of_token]
-        flex = build_flex_metadata(table, query_lens_t, context_lens_t, to(query_pad_index), block_size,
-                                   flex_num_blocks, to)
+        meta = build_flex_metadata(table, query_lens_t, context_lens_t, to(query_pad_index), block_size, flex, to)
         return AttentionMetadata(slot_mapping=to(slot_mapping), context_slots=None, attn_mask=None,
-                                 query_pad_index=None, num_seqs=num_seqs, max_query_len=max_query_len, flex=flex)
+                                 query_pad_index=None, num_seqs=num_seqs, max_query_len=max_query_len, flex=meta)
 
     context_pos = torch.arange(max_context_len)
     context_slots = table.gather(1, (context_pos // block_size).expand(num_seqs, -1)) * block_size

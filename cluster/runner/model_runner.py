@@ -12,7 +12,10 @@ from typing import NamedTuple
 
 import torch
 
+from cluster.models.layers.flex_paged import FlexLayout
 from cluster.quant.kv_int8 import Int8KVCache, bytes_per_vector
+from cluster.runner.attention_choice import AttentionPlan
+from cluster.runner.decode_graphs import DecodeGraphs
 from cluster.runner.input_batch import SHORT_QUERY_MAX, SeqChunk, prepare_inputs
 from cluster.runner.random_stream import SeedKey
 from cluster.runner.sampler import Sampler, SamplingMetadata, compute_probs, greedy_token_ids
@@ -67,7 +70,7 @@ def num_blocks_for_budget(spec: KVCacheSpec, budget_bytes: int) -> int:
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, num_blocks: int, spec: KVCacheSpec, device: torch.device,
                  batch_invariant: bool = False, verification: str = "auto", seeded_race: bool = False,
-                 attention: str = "gather") -> None:
+                 attention: AttentionPlan = AttentionPlan()) -> None:
         """``batch_invariant``: every step's attention goes through the compiled kernel, one
         query row at a time (the model must have been loaded for it, see ``load_model``).
         ``verification`` (``speculative.verification``): ``auto`` verifies seeded requests'
@@ -76,8 +79,9 @@ class ModelRunner:
         own, drawn from the default generator when they first sample). ``seeded_race``: seeded
         requests draw by an exponential race on keyed noise instead of the inverse CDF (an engine
         with a draft model: its drafts then couple with the target's tokens far more often).
-        ``attention`` (``choose_attention``): ``gather`` copies each sequence's context out of
-        the cache (plus the CPU kernel), ``flex`` reads it in place through the block table."""
+        ``attention`` (``choose_attention``): the path ``gather`` copies each sequence's context
+        out of the cache (plus the CPU kernel), ``flex`` reads it in place through the block
+        table, with its decode steps bucketed and (CUDA) replayed from graphs."""
         if verification not in ("auto", "rejection", "coupled"):
             raise ValueError(f"verification must be auto, rejection or coupled, got {verification!r}")
         self.model = model
@@ -85,10 +89,14 @@ class ModelRunner:
         self.spec = spec
         self.device = device
         self.num_blocks = num_blocks
-        if attention not in ("gather", "flex"):
-            raise ValueError(f"attention must be gather or flex, got {attention!r}")
-        self.attention = attention
-        num_slots = num_blocks * spec.block_size
+        if attention.path not in ("gather", "flex"):
+            raise ValueError(f"attention must be gather or flex, got {attention.path!r}")
+        self.attention = attention.path
+        # CUDA graphs pad decode steps with rows whose K/V go to a scratch block past the pool's.
+        cache_blocks = num_blocks + 1 if attention.cuda_graphs else num_blocks
+        self.flex = None if attention.path == "gather" else FlexLayout(cache_blocks, attention.table_width,
+                                                                       attention.decode_buckets)
+        num_slots = cache_blocks * spec.block_size
         if spec.cache_dtype == torch.int8:
             self.kv_caches = Int8KVCache(spec.num_layers, num_slots, spec.num_kv_heads, spec.head_dim,
                                          spec.dtype, device)
@@ -100,6 +108,10 @@ class ModelRunner:
         self.coupled = verification != "rejection"  # seeded rows are verified by coupling
         self.own_seeds: dict[str, int] | None = {} if verification == "coupled" else None
         self.seeded_race = seeded_race
+        self.graphs = None
+        if attention.cuda_graphs:
+            self.graphs = DecodeGraphs(model, self.kv_caches, self.flex, spec.block_size,
+                                       num_blocks * spec.block_size, device, capture=True)
 
     def free_request(self, request_id: str) -> None:
         if self.own_seeds is not None:
@@ -139,7 +151,9 @@ class ModelRunner:
         """One forward pass; logits at each chunk's last ``num_logits`` positions, in order:
         [total num_logits, vocab_size] float32."""
         inputs = prepare_inputs(chunks, block_tables, self.spec.block_size, self.device, self.short_query_max,
-                                self.num_blocks if self.attention == "flex" else None)
+                                self.flex)
+        if self.graphs is not None and self.graphs.covers(inputs, len(chunks)):
+            return self.model.compute_logits(self.graphs.forward(inputs, len(chunks))).float()
         hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.attn)
         if inputs.logits_indices.numel() == 0:
             return hidden.new_empty(0, self.model.vocab_size, dtype=torch.float32)

@@ -26,11 +26,15 @@ from typing import NamedTuple
 import torch
 
 from cluster.config import TandemConfig
+from cluster.models.loader import load_hf_config, resolve_model
 from cluster.parallel.group import StoreAddress, TPGroup, connect_store, init_group, open_store
-from cluster.runner.tp_launcher import RankLauncher, RankProcess, SpawnLauncher
+from cluster.parallel.layers import divide, head_shard
+from cluster.runner.attention_choice import choose_attention
 from cluster.runner.input_batch import SeqChunk
 from cluster.runner.model_runner import ModelRunner
+from cluster.runner.tp_launcher import RankLauncher, RankProcess, SpawnLauncher
 from cluster.runner.worker import Worker, load_model, num_kv_blocks
+from cluster.shared.device import default_device
 
 logger = logging.getLogger(__name__)
 
@@ -51,8 +55,6 @@ class StepMessage(NamedTuple):
 def rank_device(config: TandemConfig, rank: int, isolated: bool) -> torch.device:
     """CPU ranks share the CPU. CUDA rank ``r`` uses the ``r``-th GPU after the configured
     one, or, when each rank sees only its own GPU (``isolated``, under Ray), cuda:0."""
-    from cluster.shared.device import default_device
-
     device = default_device(config.device.device)
     if device.type != "cuda":
         return device
@@ -67,8 +69,6 @@ def gloo_host(address: StoreAddress) -> str | None:
 
 def check_model_splits(hf_config, tp_size: int) -> None:
     """Raise ValueError, before any process starts, if the model does not split ``tp_size`` ways."""
-    from cluster.parallel.layers import divide, head_shard
-
     heads = hf_config.num_attention_heads
     head_shard(heads, getattr(hf_config, "num_key_value_heads", None) or heads, tp_size, 0)
     ffn = getattr(hf_config, "intermediate_size", None) or getattr(hf_config, "ffn_dim", None)
@@ -190,8 +190,6 @@ class TensorParallelWorker(Worker):
 def start_tensor_parallel(config: TandemConfig, launcher: RankLauncher | None = None) -> TensorParallelWorker:
     """Start ranks 1..tp-1 (local processes unless ``launcher`` says otherwise), load the
     driver's shard, and return the driver's worker."""
-    from cluster.models.loader import load_hf_config, resolve_model
-
     tp_size = config.parallel.tensor_parallel_size
     check_model_splits(load_hf_config(resolve_model(config.model.model, config.model.cache_dir)), tp_size)
     launcher = launcher or SpawnLauncher()
@@ -209,7 +207,8 @@ def start_tensor_parallel(config: TandemConfig, launcher: RankLauncher | None = 
         executor.wait_ready()
         num_blocks = executor.group.min_int(num_kv_blocks(config, loaded.spec, device))
         runner = TensorParallelRunner(executor, loaded.model, num_blocks, loaded.spec, device, False,
-                                      config.speculative.verification, config.speculative.method == "draft")
+                                      config.speculative.verification, config.speculative.method == "draft",
+                                      choose_attention(config, device, loaded.max_model_len, True))
         executor.serving = True
     except BaseException:
         executor.close()
@@ -237,7 +236,8 @@ def run_worker(config: TandemConfig, rank: int, address: StoreAddress, device: s
         raise
     store.set(f"ready/{rank}", "1")
     num_blocks = group.min_int(num_kv_blocks(config, loaded.spec, group.device))
-    runner = ModelRunner(loaded.model, num_blocks, loaded.spec, group.device)
+    runner = ModelRunner(loaded.model, num_blocks, loaded.spec, group.device,
+                         attention=choose_attention(config, group.device, loaded.max_model_len, True))
     _follow(group, runner)
 
 

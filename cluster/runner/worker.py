@@ -9,17 +9,19 @@ from typing import NamedTuple
 import torch
 
 from cluster.config import TandemConfig
+from cluster.kernels.packed_linear import pack_linears
+from cluster.models.layers.cpu_ops import attach_decode_ops
 from cluster.models.loader import (
     iter_lazy_weights, iter_weights, load_hf_config, load_tokenizer_if_present, resolve_model,
 )
-from cluster.models.layers.cpu_ops import attach_decode_ops
-from cluster.kernels.packed_linear import pack_linears
 from cluster.models.registry import build_model, engine_max_model_len, resolve_dtype
 from cluster.parallel.group import TPGroup
 from cluster.parallel.layers import pack_parallel_linears
 from cluster.quant.apply import quantize_linears
 from cluster.quant.checkpoint import dequantized, folder_scheme
+from cluster.runner.attention_choice import choose_attention
 from cluster.runner.model_runner import KVCacheSpec, ModelRunner, free_device_memory, num_blocks_for_budget
+from cluster.shared.device import default_device
 
 logger = logging.getLogger(__name__)
 
@@ -43,11 +45,10 @@ class Worker:
         """Load the model of ``config``; with ``parallel.tensor_parallel_size`` > 1 this starts
         the other ranks' processes and returns the driver rank's worker."""
         if config.parallel.tensor_parallel_size > 1:
+            # here, not at the top: a cycle (tp_executor imports this module)
             from cluster.runner.tp_executor import start_tensor_parallel
 
             return start_tensor_parallel(config)
-        from cluster.shared.device import default_device
-
         if config.device.num_threads:
             torch.set_num_threads(config.device.num_threads)
         device = default_device(config.device.device)
@@ -55,7 +56,8 @@ class Worker:
         loaded = load_model(config, device)
         num_blocks = num_kv_blocks(config, loaded.spec, device)
         runner = ModelRunner(loaded.model, num_blocks, loaded.spec, device, config.model.batch_invariant,
-                             config.speculative.verification, config.speculative.method == "draft")
+                             config.speculative.verification, config.speculative.method == "draft",
+                             choose_attention(config, device, loaded.max_model_len))
         logger.info(
             "loaded %s (%s, %s) in %.1fs; KV cache: %d blocks of %d tokens",
             config.model.model, loaded.dtype, device, time.monotonic() - started, num_blocks, loaded.spec.block_size,

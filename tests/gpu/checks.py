@@ -9,7 +9,8 @@ outputs part) and the caller turns an exception into ``error``. References no on
   the same engine settings, and speculation did propose tokens (else the check exercised nothing);
 - **kv**: a pool too small for the batch (requests preempted and recomputed) gives the tokens of a
   roomy one, with ``check_invariants`` after every step and every block free at the end
-  (``tests/engine_helpers.run_to_completion``), and at least one preemption.
+  (``tests/engine_helpers.run_to_completion``), and at least one preemption;
+- **sync**: no model forward (or CUDA-graph replay) synchronises with the host (CUDA only).
 """
 
 from __future__ import annotations
@@ -140,3 +141,36 @@ def preemption(name: str, model: str, device: str, prompts: list[list[int]], max
               "every step, every block free at the end" if ok else
               f"{len(data['mismatches'])} of {len(got)} outputs differ from a roomy pool's")
     return CheckResult(name, "passed" if ok else "failed", detail, data)
+
+
+def no_host_sync(name: str, model: str, device: str, prompts: list[list[int]], max_tokens: int,
+                 **overrides) -> CheckResult:
+    """No forward pass waits on the host: every model forward (and CUDA-graph replay) of a
+    greedy run happens under ``torch.cuda.set_sync_debug_mode("error")``, which raises on any
+    synchronising CUDA call (``.item()``, a blocking copy, ``nonzero``...)."""
+    if not device.startswith("cuda"):
+        return CheckResult(name, "skipped", "CUDA only: synchronisation is a CUDA notion")
+    engine = make_engine(model, device, **overrides)
+    params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
+    run_to_completion(engine, prompts, params)  # warm-up: compiling the kernels may synchronise
+    runner = engine.worker.runner
+    counts = {"forwards": 0}
+
+    def guarded(fn):
+        def call(*args, **kwargs):
+            torch.cuda.set_sync_debug_mode("error")
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+                counts["forwards"] += 1
+        return call
+
+    runner.model.forward = guarded(runner.model.forward)
+    if runner.graphs is not None:
+        runner.graphs.forward = guarded(runner.graphs.forward)
+    run_to_completion(engine, prompts, params)
+    data = {"forwards": counts["forwards"], "attention": runner.attention, "cuda_graphs": runner.graphs is not None}
+    release(engine)
+    return CheckResult(name, "passed", f"{counts['forwards']} forward passes without a host synchronisation "
+                       f"(attention {data['attention']}, CUDA graphs {'on' if data['cuda_graphs'] else 'off'})", data)

@@ -9,10 +9,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from cluster.config import ConfigError, TandemConfig, config_from_dict
+from cluster.config import ConfigError, TandemConfig, config_from_dict, with_overrides
 from cluster.engine.llm import LLM
 from cluster.models.layers.attention import PagedAttention
-from cluster.runner.attention_choice import choose_attention
+from cluster.models.layers.flex_paged import FlexLayout
+from cluster.runner import attention_choice
+from cluster.runner.attention_choice import AttentionPlan, choose_attention
 from cluster.runner.input_batch import SeqChunk, prepare_inputs
 from cluster.shared.sampling_params import SamplingParams
 
@@ -20,6 +22,8 @@ BLOCK = 4
 NUM_BLOCKS = 40
 HEADS, KV_HEADS, HEAD_DIM = 4, 2, 8
 CPU = torch.device("cpu")
+LAYOUT = FlexLayout(NUM_BLOCKS, table_width=8)
+BUCKETED = FlexLayout(NUM_BLOCKS, table_width=8, decode_buckets=(1, 4, 8))  # decode steps padded, as on CUDA
 
 
 def _step():
@@ -31,33 +35,38 @@ def _step():
     return chunks, tables
 
 
-def _attend(chunks, tables, flex: bool, cache: torch.Tensor):
+def _attend(chunks, tables, flex: FlexLayout | None, cache: torch.Tensor):
     gen = torch.Generator().manual_seed(1)
     num_tokens = sum(len(c.token_ids) for c in chunks)
     q = torch.randn(num_tokens, HEADS * HEAD_DIM, generator=gen)
     k = torch.randn(num_tokens, KV_HEADS * HEAD_DIM, generator=gen)
     v = torch.randn(num_tokens, KV_HEADS * HEAD_DIM, generator=gen)
-    inputs = prepare_inputs(chunks, tables, BLOCK, CPU, flex_num_blocks=NUM_BLOCKS if flex else None)
+    inputs = prepare_inputs(chunks, tables, BLOCK, CPU, flex=flex)
     return PagedAttention(HEADS, KV_HEADS, HEAD_DIM, HEAD_DIM ** -0.5)(q, k, v, cache, inputs.attn)
 
 
-@pytest.mark.parametrize("select", [slice(None), slice(1, 3), slice(0, 1), [1]],
-                         ids=["mixed", "short-only", "prefill-only", "one-decode"])
-def test_flex_attends_like_the_gathering_path(select):
+def _steps() -> dict:
     chunks, tables = _step()
-    chunks = [chunks[i] for i in range(4)][select] if isinstance(select, slice) else [chunks[i] for i in select]
-    tables = [tables[i] for i in range(4)][select] if isinstance(select, slice) else [tables[i] for i in select]
+    decodes = [SeqChunk([7], 9 - s, 1) for s in range(3)], [[0, 22, 9], [0, 22, 9], [3, 22, 1]]
+    return {"mixed": (chunks, tables), "short-only": (chunks[1:], tables[1:]), "prefill-only": (chunks[:1], tables[:1]),
+            "one-decode": (chunks[1:2], tables[1:2]), "three-decodes": decodes}
+
+
+@pytest.mark.parametrize("layout", [LAYOUT, BUCKETED], ids=["exact", "bucketed"])
+@pytest.mark.parametrize("step", list(_steps()))
+def test_flex_attends_like_the_gathering_path(step, layout):
+    chunks, tables = _steps()[step]
     cache = torch.randn(2, NUM_BLOCKS * BLOCK, KV_HEADS, HEAD_DIM, generator=torch.Generator().manual_seed(0))
     flex_cache, gather_cache = cache.clone(), cache.clone()
-    flex = _attend(chunks, tables, True, flex_cache)
-    gathered = _attend(chunks, tables, False, gather_cache)
+    flex = _attend(chunks, tables, layout, flex_cache)
+    gathered = _attend(chunks, tables, None, gather_cache)
     assert torch.equal(flex_cache, gather_cache)  # the new K/V written in their slots, once
     torch.testing.assert_close(flex, gathered, rtol=1e-5, atol=1e-5)
 
 
 def test_the_mask_visits_only_each_sequences_own_blocks_in_table_order():
     chunks, tables = _step()
-    attn = prepare_inputs(chunks, tables, BLOCK, CPU, flex_num_blocks=NUM_BLOCKS).attn
+    attn = prepare_inputs(chunks, tables, BLOCK, CPU, flex=LAYOUT).attn
     (_, short), (_, long) = attn.parts  # queries of up to 16 tokens apart from the prompt, as on the other path
     for part, seqs in ((short, [1, 2, 3]), (long, [0])):
         mask = part.flex.block_mask
@@ -76,7 +85,7 @@ def test_a_changed_slot_outside_a_sequences_blocks_changes_nothing():
     held = {b for t in tables for b in t}
     for block in set(range(NUM_BLOCKS)) - held:
         other[:, block * BLOCK:(block + 1) * BLOCK] = 1e4
-    torch.testing.assert_close(_attend(chunks, tables, True, cache), _attend(chunks, tables, True, other))
+    torch.testing.assert_close(_attend(chunks, tables, LAYOUT, cache), _attend(chunks, tables, LAYOUT, other))
 
 
 def test_engine_greedy_and_speculative_outputs_are_the_same_with_flex(tiny_llama_dir):
@@ -102,11 +111,20 @@ def test_flex_is_refused_where_it_cannot_serve():
     with pytest.raises((ValueError, ConfigError), match="batch_invariant"):
         config_from_dict({"model": {"attention": "flex", "batch_invariant": True}})
     with pytest.raises(ValueError, match="needs CUDA or the CPU, not meta"):
-        choose_attention(TandemConfig(model={"attention": "flex"}), torch.device("meta"))
+        choose_attention(TandemConfig(model={"attention": "flex"}), torch.device("meta"), 64)
 
 
-def test_auto_takes_flex_on_cuda_only_with_a_plain_cache():
-    assert choose_attention(TandemConfig(), CPU) == "gather"
-    assert choose_attention(TandemConfig(model={"attention": "flex"}), CPU) == "flex"
+def test_auto_takes_flex_on_cuda_only_with_a_plain_cache(monkeypatch):
+    assert choose_attention(TandemConfig(), CPU, 64) == AttentionPlan()
+    assert choose_attention(TandemConfig(model={"attention": "flex"}), CPU, 64) == AttentionPlan("flex", 4)
     int8 = config_from_dict({"cache": {"kv_cache_dtype": "int8"}})
-    assert choose_attention(int8, torch.device("cuda")) == "gather"  # no CUDA needed to decide that
+    assert choose_attention(int8, torch.device("cuda"), 64).path == "gather"  # no CUDA needed to decide that
+    with pytest.raises(ValueError, match="block_size a power of two"):
+        choose_attention(config_from_dict({"cache": {"block_size": 8}}), torch.device("cuda"), 64)
+    # What a CUDA machine with Triton gets (this one has neither: the check is stood in for).
+    monkeypatch.setattr(attention_choice, "flex_unavailable", lambda device, block_size: None)
+    cuda, config = torch.device("cuda"), config_from_dict({"scheduler": {"max_num_seqs": 40}})
+    plan = choose_attention(config, cuda, 100)
+    assert plan == AttentionPlan("flex", 7, (1, 2, 4, 8, 16, 24, 32, 40), cuda_graphs=True)
+    assert not choose_attention(config, cuda, 100, tensor_parallel=True).cuda_graphs
+    assert not choose_attention(with_overrides(config, enforce_eager=True), cuda, 100).cuda_graphs

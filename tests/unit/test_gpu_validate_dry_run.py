@@ -24,6 +24,7 @@ SCRIPT = GPU / "validate.py"
 RUN = ["parity/tiny-llama", "parity/tiny-qwen2", "parity/tiny-opt", "parity/tiny-llama-gather",
        "parity/tiny-llama-flex", "speculative/tiny-ngram",
        "speculative/tiny-draft", "kv/preemption", "kv/preemption-draft"]
+SYNC = "sync/tiny-llama"  # CUDA only: skipped in the dry run
 EMBEDDED = ["embedded/weights", "parity/smollm2-135m", "speculative/smollm2-ngram", "speculative/smollm2-draft"]
 
 
@@ -41,12 +42,13 @@ def test_the_dry_run_reports_every_check_and_passes_those_it_runs(dry_run):
     proc, doc, text = dry_run
     assert proc.returncode == 0, text
     status = {c["name"]: (c["status"], c["detail"]) for c in doc["checks"]}
-    assert list(status) == [*RUN, *EMBEDDED, "throughput"]
+    assert list(status) == [*RUN, SYNC, *EMBEDDED, "throughput"]
     assert all(status[name][0] == "passed" for name in [*RUN, "throughput"]), text
     assert all(status[name] == ("skipped", "--quick: tiny models only") for name in EMBEDDED)
-    assert doc["summary"] == {"passed": 10, "failed": 0, "skipped": 4, "error": 0}
+    assert status[SYNC] == ("skipped", "CUDA only: synchronisation is a CUDA notion")
+    assert doc["summary"] == {"passed": 10, "failed": 0, "skipped": 5, "error": 0}
     assert doc["settings"]["device"] == "cpu" and doc["environment"]["missing_required"] == []
-    assert "10 passed, 0 failed, 4 skipped, 0 error" in text
+    assert "10 passed, 0 failed, 5 skipped, 0 error" in text
 
 
 def test_speculation_and_preemption_were_exercised(dry_run):
@@ -155,7 +157,7 @@ def test_a_missing_package_is_reported_for_every_check_instead_of_a_crash(gpu_mo
     assert validate.main(args) == 1
     doc = json.loads((tmp_path / "validate.json").read_text())
     assert doc["environment"]["missing_required"] == ["tandem-no-such-package"]
-    assert [c["name"] for c in doc["checks"]] == [*RUN, *EMBEDDED, "throughput"]
+    assert [c["name"] for c in doc["checks"]] == [*RUN, SYNC, *EMBEDDED, "throughput"]
     assert {c["status"] for c in doc["checks"]} == {"error"}
     assert all("cannot run without tandem-no-such-package" in c["detail"] for c in doc["checks"])
     assert doc["throughput"] is None
@@ -175,7 +177,7 @@ def test_a_step_that_breaks_is_an_error_for_each_check_it_left_undone(gpu_module
     assert validate.main(args) == 1
     doc = json.loads((tmp_path / "validate.json").read_text())
     status = {c["name"]: (c["status"], c["detail"]) for c in doc["checks"]}
-    assert list(status) == [*RUN, *EMBEDDED, "throughput"]
+    assert list(status) == [*RUN, SYNC, *EMBEDDED, "throughput"]
     assert all(status[name] == ("error", "OSError: disk full") for name in RUN)
     assert status["throughput"][0] == "error"  # no tiny model to measure
     assert all(status[name][0] == "skipped" for name in EMBEDDED)

@@ -14,11 +14,16 @@ index in the block table is a property of the block. ``block_position[b]`` (one 
 block of the cache, -1 for blocks no sequence of the step holds) carries it, and
 ``table[s, block_position[b]] == b`` checks that block ``b`` is sequence ``s``'s own.
 
-On CUDA the attention is compiled (``torch.compile``: Triton's flex decoding and flex
-attention kernels). torch's uncompiled flex attention is a dense reference over every
-slot of the cache; it runs on the CPU, where the tests check this path against the
-gathering one, and is refused on CUDA, where it would hold ``num_seqs x num_slots``
-scores per head.
+Shapes (:class:`FlexLayout`): the block table is always ``table_width`` wide, and a decode
+step's sequences are padded up to a bucket (rows without blocks, whose output is zero and
+dropped), so decode steps come in a few fixed shapes: the compiled decoding kernel is built
+once per bucket and a CUDA graph can replay it (``cluster/runner/decode_graphs.py``).
+
+On CUDA the attention is compiled (``torch.compile``: Triton's flex decoding kernel for the
+bucketed decode shapes, flex attention with dynamic shapes for the rest). torch's
+uncompiled flex attention is a dense reference over every slot of the cache: it runs on
+the CPU, where the tests check this path against the gathering one, and never on CUDA,
+where it would hold ``num_seqs x num_slots`` scores per head.
 """
 
 from __future__ import annotations
@@ -32,54 +37,88 @@ from torch.nn.attention.flex_attention import BlockMask, flex_attention
 Q_BLOCK = 128  # query rows per block of the mask (flex's default tile)
 
 
+@dataclass(frozen=True)
+class FlexLayout:
+    """The fixed shapes of a runner's flex steps."""
+
+    num_blocks: int  # blocks of the cache tensor (the block manager's, plus any scratch block)
+    table_width: int  # block-table columns of every step: ceil(max_model_len / block_size)
+    decode_buckets: tuple[int, ...] = ()  # a decode step's sequence count is padded up to one of these
+
+    def decode_rows(self, num_seqs: int) -> int:
+        """Rows of a decode step of ``num_seqs`` sequences: the smallest bucket that holds them
+        (the count itself past the largest bucket, or without buckets)."""
+        return next((b for b in sorted(self.decode_buckets) if b >= num_seqs), num_seqs)
+
+
 @dataclass
 class FlexPagedMetadata:
-    """What the flex path needs for a step (or a part of one), shared by every layer."""
+    """What the flex path needs for a step (or a part of one), shared by every layer. The
+    tensors the mask reads are kept, so a CUDA graph's static copy can be refreshed."""
 
     block_mask: BlockMask
-    query_pad_index: torch.Tensor  # [num_tokens] int64 into num_seqs * max_query_len
-    num_seqs: int
+    query_pad_index: torch.Tensor  # [num_tokens] int64 into num_rows * max_query_len
+    num_rows: int  # sequences, plus padding rows
     max_query_len: int
+    table: torch.Tensor  # [num_rows, table_width] int64, -1 past each sequence's blocks
+    block_position: torch.Tensor  # [num_blocks] int64
+    query_pos: torch.Tensor  # [num_rows, max_query_len] int64
+    static_shape: bool  # a bucketed decode shape (compiled without dynamic shapes)
 
 
 def build_flex_metadata(
     table: torch.Tensor,  # [num_seqs, max_blocks] int64, rows padded with -1
     query_lens: torch.Tensor,  # [num_seqs] int64
     context_lens: torch.Tensor,  # [num_seqs] int64
-    query_pad_index: torch.Tensor,  # [num_tokens] int64
+    query_pad_index: torch.Tensor,  # [num_tokens] int64, on the step's device
     block_size: int,
-    num_blocks: int,  # blocks in the cache
+    layout: FlexLayout,
     to,  # moves a tensor to the step's device
 ) -> FlexPagedMetadata:
     """The step's block mask, from host tensors (built on the host, moved once)."""
     num_seqs, max_blocks = table.shape
     max_query_len = int(query_lens.max())
-    blocks_used = (context_lens + block_size - 1) // block_size
-    block_position = torch.full((num_blocks,), -1, dtype=torch.int64)
-    logical = torch.arange(max_blocks).expand(num_seqs, -1)
+    static_shape = max_query_len == 1 and bool(layout.decode_buckets)
+    rows = layout.decode_rows(num_seqs) if static_shape else num_seqs
+    width = max(layout.table_width, max_blocks)
+    padded_table = torch.full((rows, width), -1, dtype=torch.int64)
+    padded_table[:num_seqs, :max_blocks] = table
+    blocks_used = torch.zeros(rows, dtype=torch.int64)
+    blocks_used[:num_seqs] = (context_lens + block_size - 1) // block_size
+    block_position = torch.full((layout.num_blocks,), -1, dtype=torch.int64)
+    logical = torch.arange(width).expand(rows, -1)
     held = logical < blocks_used[:, None]
-    block_position[table[held]] = logical[held]
+    block_position[padded_table[held]] = logical[held]
     # Query row i of sequence s sits at position context_len - query_len + i; padding rows
     # repeat the last position (never an empty row) and are dropped after the attention.
-    rows = torch.arange(max_query_len)[None, :].minimum(query_lens[:, None] - 1)
-    query_pos = context_lens[:, None] - query_lens[:, None] + rows
+    query_pos = torch.zeros(rows, max_query_len, dtype=torch.int64)
+    steps = torch.arange(max_query_len)[None, :].minimum(query_lens[:, None] - 1)
+    query_pos[:num_seqs] = context_lens[:, None] - query_lens[:, None] + steps
 
-    device_table, device_position, device_query_pos = to(table), to(block_position), to(query_pos)
+    device_table, device_position, device_query_pos = to(padded_table), to(block_position), to(query_pos)
+    q_rows = (max_query_len + Q_BLOCK - 1) // Q_BLOCK
+    kv_num_blocks = blocks_used.to(torch.int32).view(rows, 1, 1).expand(-1, -1, q_rows).contiguous()
+    kv_indices = padded_table.clamp(min=0).to(torch.int32).view(rows, 1, 1, width).expand(-1, -1, q_rows, -1)
+    block_mask = paged_block_mask(to(kv_num_blocks), to(kv_indices.contiguous()), device_table, device_position,
+                                  device_query_pos, block_size, max_query_len, layout.num_blocks)
+    return FlexPagedMetadata(block_mask, query_pad_index, rows, max_query_len, device_table, device_position,
+                             device_query_pos, static_shape)
+
+
+def paged_block_mask(kv_num_blocks: torch.Tensor, kv_indices: torch.Tensor, table: torch.Tensor,
+                     block_position: torch.Tensor, query_pos: torch.Tensor, block_size: int, max_query_len: int,
+                     num_blocks: int) -> BlockMask:
+    """The block mask over the cache's slots that these tensors describe (they are read, not
+    copied, whenever the mask is applied)."""
 
     def mask_mod(b, h, q_idx, kv_idx):
         block = kv_idx // block_size
-        index = device_position[block]
-        own = device_table[b, index.clamp(min=0)] == block
-        return (index >= 0) & own & (index * block_size + kv_idx % block_size <= device_query_pos[b, q_idx])
+        index = block_position[block]
+        own = table[b, index.clamp(min=0)] == block
+        return (index >= 0) & own & (index * block_size + kv_idx % block_size <= query_pos[b, q_idx])
 
-    q_rows = (max_query_len + Q_BLOCK - 1) // Q_BLOCK
-    kv_num_blocks = blocks_used.to(torch.int32).view(num_seqs, 1, 1).expand(-1, -1, q_rows).contiguous()
-    kv_indices = table.clamp(min=0).to(torch.int32).view(num_seqs, 1, 1, max_blocks)
-    kv_indices = kv_indices.expand(-1, -1, q_rows, -1).contiguous()
-    block_mask = BlockMask.from_kv_blocks(
-        to(kv_num_blocks), to(kv_indices), BLOCK_SIZE=(Q_BLOCK, block_size), mask_mod=mask_mod,
-        seq_lengths=(max_query_len, num_blocks * block_size), compute_q_blocks=False)
-    return FlexPagedMetadata(block_mask, query_pad_index, num_seqs, max_query_len)
+    return BlockMask.from_kv_blocks(kv_num_blocks, kv_indices, BLOCK_SIZE=(Q_BLOCK, block_size), mask_mod=mask_mod,
+                                    seq_lengths=(max_query_len, num_blocks * block_size), compute_q_blocks=False)
 
 
 def flex_paged_attention(
@@ -89,33 +128,45 @@ def flex_paged_attention(
     scale: float,
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
     num_tokens, num_heads, head_dim = q.shape
-    padded = q.new_zeros(meta.num_seqs * meta.max_query_len, num_heads, head_dim)
+    padded = q.new_zeros(meta.num_rows * meta.max_query_len, num_heads, head_dim)
     padded.index_copy_(0, meta.query_pad_index, q)
-    queries = padded.view(meta.num_seqs, meta.max_query_len, num_heads, head_dim).transpose(1, 2)
+    queries = padded.view(meta.num_rows, meta.max_query_len, num_heads, head_dim).transpose(1, 2)
     keys = kv_cache[0].permute(1, 0, 2).unsqueeze(0)  # [1, num_kv_heads, num_slots, head_dim], a view
     values = kv_cache[1].permute(1, 0, 2).unsqueeze(0)
-    out = _attend(q.device.type)(queries, keys, values, block_mask=meta.block_mask, scale=scale,
-                                 enable_gqa=num_heads != keys.shape[1])
+    block_size = meta.block_mask.BLOCK_SIZE[1]
+    attend, options = _attend(q.device.type, meta.static_shape), _kernel_options(q.device.type, block_size)
+    out = attend(queries, keys, values, block_mask=meta.block_mask, scale=scale,
+                 enable_gqa=num_heads != keys.shape[1], kernel_options=options)
     out = out.transpose(1, 2).reshape(-1, num_heads, head_dim)
     return out.index_select(0, meta.query_pad_index)
 
 
 @lru_cache(maxsize=None)
-def _attend(device_type: str):
+def _attend(device_type: str, static_shape: bool):
     """The flex attention a device runs: compiled on CUDA, torch's reference on the CPU."""
     if device_type == "cuda":
-        return torch.compile(flex_attention, dynamic=True)
+        # Each decode bucket is one compiled shape, the other steps a few dynamic ones; past
+        # the default limit of 8 dynamo would run the dense reference instead.
+        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
+        return torch.compile(flex_attention, dynamic=not static_shape, fullgraph=True)
     if device_type == "cpu":
         return flex_attention
     raise ValueError(f"model.attention flex runs on cuda (compiled) or the cpu (reference), not {device_type}")
 
 
-def flex_unavailable(device: torch.device) -> str | None:
+def _kernel_options(device_type: str, block_size: int) -> dict | None:
+    """Triton's key tile must divide the cache block: blocks under 64 tokens set it to the block."""
+    return {"BLOCK_N": block_size} if device_type == "cuda" and block_size < 64 else None
+
+
+def flex_unavailable(device: torch.device, block_size: int) -> str | None:
     """Why the flex path cannot run on ``device`` (None: it can)."""
     if device.type == "cpu":
         return None
     if device.type != "cuda":
         return f"model.attention flex needs CUDA or the CPU, not {device.type}"
+    if block_size < 16 or block_size & (block_size - 1):
+        return f"model.attention flex on CUDA needs cache.block_size a power of two of at least 16, got {block_size}"
     from torch.utils._triton import has_triton  # here, not at the top: a private helper only CUDA needs
 
     if not has_triton():
