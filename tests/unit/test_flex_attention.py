@@ -128,3 +128,25 @@ def test_auto_takes_flex_on_cuda_only_with_a_plain_cache(monkeypatch):
     assert plan == AttentionPlan("flex", 7, (1, 2, 4, 8, 16, 24, 32, 40), cuda_graphs=True)
     assert not choose_attention(config, cuda, 100, tensor_parallel=True).cuda_graphs
     assert not choose_attention(with_overrides(config, enforce_eager=True), cuda, 100).cuda_graphs
+
+
+@pytest.mark.parametrize("layout", [LAYOUT, BUCKETED], ids=["dynamic", "static"])
+def test_the_attention_traces_as_one_graph_as_cuda_compiles_it(layout, monkeypatch):
+    """CUDA compiles flex attention with fullgraph=True: the block mask and its mask_mod must
+    trace without a graph break. Here through dynamo and AOT autograd (``aot_eager``: no
+    Triton on this machine), on decode and verification steps, equal to the reference."""
+    from cluster.models.layers import flex_paged
+
+    chunks, tables = _steps()["three-decodes"]
+    steps = [(chunks, tables), ([SeqChunk([8, 9, 10], 5, 3)], [[14, 27]])]
+    for step_chunks, step_tables in steps:
+        meta = prepare_inputs(step_chunks, step_tables, BLOCK, CPU, flex=layout).attn.flex
+        q = torch.randn(sum(len(c.token_ids) for c in step_chunks), HEADS, HEAD_DIM)
+        cache = torch.randn(2, NUM_BLOCKS * BLOCK, KV_HEADS, HEAD_DIM)
+        reference = flex_paged.flex_paged_attention(q, cache, meta, 0.3)
+        torch._dynamo.reset()
+        compiled = flex_paged.compiled_flex(meta.static_shape, backend="aot_eager")
+        monkeypatch.setattr(flex_paged, "_attend", lambda device_type, static_shape: compiled)
+        torch.testing.assert_close(flex_paged.flex_paged_attention(q, cache, meta, 0.3), reference)
+        monkeypatch.undo()
+    torch._dynamo.reset()

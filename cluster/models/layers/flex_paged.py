@@ -145,13 +145,18 @@ def flex_paged_attention(
 def _attend(device_type: str, static_shape: bool):
     """The flex attention a device runs: compiled on CUDA, torch's reference on the CPU."""
     if device_type == "cuda":
-        # Each decode bucket is one compiled shape, the other steps a few dynamic ones; past
-        # the default limit of 8 dynamo would run the dense reference instead.
-        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
-        return torch.compile(flex_attention, dynamic=not static_shape, fullgraph=True)
+        return compiled_flex(static_shape)
     if device_type == "cpu":
         return flex_attention
     raise ValueError(f"model.attention flex runs on cuda (compiled) or the cpu (reference), not {device_type}")
+
+
+def compiled_flex(static_shape: bool, backend: str = "inductor"):
+    """flex_attention compiled as one graph: for fixed shapes (the decode buckets) or dynamic ones."""
+    # Each decode bucket is one compiled shape, the other steps a few dynamic ones; past the
+    # default limit of 8 dynamo would run the dense reference instead.
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
+    return torch.compile(flex_attention, dynamic=not static_shape, fullgraph=True, backend=backend)
 
 
 def _kernel_options(device_type: str, block_size: int) -> dict | None:
