@@ -28,17 +28,18 @@ import sys
 from cluster.bench.cli import add_bench_parser
 from cluster.config import ConfigError, TandemConfig, add_engine_args, engine_config_from_args, load_config
 from cluster.drafts.cli import add_draft_parser
+from cluster.engine.llm import LLM, apply_chat_template
 from cluster.k8s.cli import add_k8s_parser
 from cluster.metrics.cli import add_dashboards_parser
 from cluster.planning.cli import add_config_parser
+from cluster.planning.memory_plan import check_memory
 from cluster.profiling.cli import add_profile_parser
+from cluster.shared.sampling_params import SamplingParams
 from cluster.sim.cli import add_sim_parser
+from deployments.bench_router import add_router_args, run_router_bench
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    from cluster.engine.llm import LLM, apply_chat_template
-    from cluster.shared.sampling_params import SamplingParams
-
     llm = LLM(config=engine_config_from_args(args))
     prompt = args.prompt
     if args.chat:
@@ -64,8 +65,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if serve_overrides:
         config = config.model_copy(update={"serve": config.serve.model_copy(update=serve_overrides)})
         config = TandemConfig.model_validate(config.model_dump())
-    from cluster.planning.memory_plan import check_memory
-    from deployments.local import start_local  # the only command that needs ray
+    from deployments.local import start_local  # here, not at the top: the only command that loads Ray
 
     check_memory(config)
     start_local(config)
@@ -73,8 +73,6 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 
 def cmd_bench_router(args: argparse.Namespace) -> int:
-    from deployments.bench_router import run_router_bench  # needs ray
-
     run_router_bench(args)
     return 0
 
@@ -107,8 +105,6 @@ def build_parser() -> argparse.ArgumentParser:
     add_profile_parser(sub)
     bench = add_bench_parser(sub)
     router_bench = bench.add_parser("router", help="Tandem's router vs power-of-two choices on a fast+slow cluster")
-    from deployments.bench_router import add_router_args
-
     add_router_args(router_bench)
     router_bench.set_defaults(func=cmd_bench_router)
     add_sim_parser(sub)

@@ -59,6 +59,7 @@ def _get_json(url: str) -> dict:
 
 def run_policy(config: TandemConfig, options: ServeBenchOptions) -> dict:
     """Deploy ``config``, replay the workload, return the summary and the routing decisions."""
+    # here, not at the top: the tandem command builds its parser from this module and must not load Ray
     from ray import serve
 
     from deployments.local import start_local
@@ -98,7 +99,7 @@ def traffic_share(router_snapshot: dict) -> dict[str, float]:
 
 
 def run_router_bench(args: argparse.Namespace) -> dict:
-    import ray
+    import ray  # here, not at the top: the tandem command imports this module and must not load Ray
     from rich import box
     from rich.console import Console
     from rich.table import Table

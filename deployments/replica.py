@@ -17,12 +17,13 @@ from typing import AsyncIterator
 import torch
 from ray import serve
 
-from cluster.config import TandemConfig, config_from_dict, group_engine_config, with_overrides
 from cluster.backends.factory import build_backend
+from cluster.config import TandemConfig, config_from_dict, group_engine_config, with_overrides
 from cluster.engine.backend import BackendContext, EngineUnhealthyError
 from cluster.engine.protocol import GenerateDelta, GenerateRequest
 from cluster.routing.stats import ReplicaStats
 from deployments.metrics import RaySink
+from deployments.tp_ranks import RayLauncher
 
 logger = logging.getLogger(__name__)
 
@@ -48,8 +49,6 @@ class TandemReplica:
 
     def _tp_launcher(self):
         """Further tensor-parallel ranks run as Ray actors in this replica's placement group."""
-        from deployments.tp_ranks import RayLauncher
-
         return RayLauncher(self.group.num_cpus, self.group.num_gpus)
 
     async def generate(self, request: GenerateRequest) -> AsyncIterator[GenerateDelta]:

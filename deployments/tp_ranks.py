@@ -18,7 +18,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from cluster.config import TandemConfig
 from cluster.parallel.group import StoreAddress
-
+from cluster.runner.tp_executor import run_worker
 
 RANK_NAME_PREFIX = "tandem-tp-rank"
 
@@ -26,8 +26,6 @@ RANK_NAME_PREFIX = "tandem-tp-rank"
 @ray.remote
 class TensorParallelRank:
     def run(self, config: TandemConfig, rank: int, address: StoreAddress, device: str) -> None:
-        from cluster.runner.tp_executor import run_worker
-
         run_worker(config, rank, address, device)
 
 

@@ -3,6 +3,7 @@ tensor-parallel groups and ``engine.core_process: false``) or vLLM's."""
 
 from __future__ import annotations
 
+from cluster.backends.vllm import VllmBackend
 from cluster.config import TandemConfig
 from cluster.config_serve import ReplicaGroupConfig
 from cluster.engine.backend import BackendContext, EngineBackend
@@ -19,7 +20,5 @@ def build_backend(config: TandemConfig, group: ReplicaGroupConfig, context: Back
     if backend == "native":
         return NativeBackend(config, group, context)
     if backend == "vllm":
-        from cluster.backends.vllm import VllmBackend  # optional: vLLM is imported only where a group runs it
-
         return VllmBackend(config, group, context)
     raise ValueError(f"unknown engine backend {backend!r}; choose native or vllm")

@@ -33,13 +33,15 @@ from cluster.backends.vllm_stats import VllmStatsRecorder
 from cluster.config import TandemConfig
 from cluster.config_serve import ReplicaGroupConfig
 from cluster.engine.backend import BackendContext, EngineUnhealthyError, SpecState, error_param
-from cluster.routing.stats import EngineLoad
-from cluster.shared.outputs import Logprob
 from cluster.engine.protocol import ErrorInfo, GenerateDelta, GenerateRequest
-from cluster.shared.sampling_params import SamplingParams
+from cluster.models.loader import load_hf_config, resolve_model
 from cluster.routing.policy import peak_tokens_per_second
+from cluster.routing.stats import EngineLoad
 from cluster.routing.step_times import StepTimeTracker
+from cluster.shared.outputs import Logprob
+from cluster.shared.sampling_params import SamplingParams
 from cluster.spec_decode.latency_model import power_of_two_sizes
+from cluster.spec_decode.profile_data import SpeculationProfile
 from cluster.structured.constraint import vllm_fields
 
 logger = logging.getLogger(__name__)
@@ -291,8 +293,6 @@ def group_settings(config: TandemConfig, tensor_parallel_size: int,
     _, _, SpeculativeConfig, *_ = import_vllm()
     from vllm.platforms import current_platform
 
-    from cluster.models.loader import load_hf_config, resolve_model
-
     source = resolve_model(config.model.model, config.model.cache_dir)
     draft = None
     if config.speculative.method == "draft":
@@ -308,8 +308,6 @@ def group_settings(config: TandemConfig, tensor_parallel_size: int,
 def _profile(config: TandemConfig):
     if config.speculative.method == "none" or not config.speculative.profile:
         return None
-    from cluster.spec_decode.profile_data import SpeculationProfile
-
     return SpeculationProfile.load(config.speculative.profile)
 
 

@@ -25,10 +25,11 @@ import asyncio
 import json
 from pathlib import Path
 
-
 from cluster.bench.args import positive_int
+from cluster.bench.compare_servers import python_with_vllm, start_or_report, start_tandem, start_vllm_anchor
 from cluster.bench.serve import ServeBenchOptions, run_serve_benchmark
 from cluster.bench.serve_workload import DATASETS
+from cluster.bench.spec_vllm import VLLM_ALL_CORES
 
 NGRAM = {"method": "ngram", "prompt_lookup_min": 1, "prompt_lookup_max": 4}
 LATENCY_KEYS = [f"{stat}_{name}_ms" for name in ("ttft", "tpot", "itl", "e2el") for stat in ("mean", "median", "p90", "p99")]
@@ -61,9 +62,6 @@ def _measure(args, server, headers: tuple = ()) -> dict:
 
 
 def _run_peers(args, console) -> dict:
-    from cluster.bench.compare_servers import start_tandem, start_vllm_anchor
-    from cluster.bench.spec_vllm import VLLM_ALL_CORES
-
     systems = {}
     for speculation in (True, False):
         tag = "spec" if speculation else "nospec"
@@ -78,8 +76,6 @@ def _run_peers(args, console) -> dict:
 
 
 def _run_groups(args, console) -> dict:
-    from cluster.bench.compare_servers import python_with_vllm, start_tandem
-
     python = args.python_vllm or python_with_vllm()
     if python is None:
         raise ValueError("the groups form needs an interpreter with vLLM: pass --python-vllm, or build the "
@@ -100,8 +96,6 @@ def _run_groups(args, console) -> dict:
 
 
 def _one(console, name: str, start, args) -> dict:
-    from cluster.bench.compare_servers import start_or_report
-
     server = start_or_report(console, name, start)
     if isinstance(server, dict):
         return server

@@ -19,7 +19,18 @@ import os
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+import torch
+from rich import box
+from rich.console import Console
+from rich.progress import Progress
+from rich.table import Table
+
 from cluster.bench.args import int_list, positive_int, timed
+from cluster.bench.offline_vllm import DEFAULT_VLLM_PYTHON, VllmRunner
+from cluster.engine.llm import LLM
+from cluster.models.loader import iter_weights, load_hf_config, load_tokenizer, resolve_model
+from cluster.models.registry import resolve_dtype
+from cluster.shared.sampling_params import SamplingParams
 
 SYSTEMS = ("tandem", "transformers", "vllm")
 DTYPES = ("float32", "bfloat16", "float16")
@@ -81,11 +92,6 @@ class Cell:
 def concrete_dtype(name: str, source) -> str:
     """``name`` with 'auto' made concrete for the CPU these benchmarks run on, so results
     name the dtype they measured."""
-    import torch
-
-    from cluster.models.loader import load_hf_config
-    from cluster.models.registry import resolve_dtype
-
     return str(resolve_dtype(name, load_hf_config(source), torch.device("cpu"))).removeprefix("torch.")
 
 
@@ -125,10 +131,6 @@ class TandemRunner:
 
     def __init__(self, model: str, dtype: str, max_num_seqs: int, kv_cache_memory: str, tp: int = 1,
                  device: str = "cpu") -> None:
-        import torch
-
-        from cluster.engine.llm import LLM
-
         # Each rank of a TP engine sets its own thread count; the bench keeps the one it was given.
         overrides = dict(tensor_parallel_size=tp, num_threads=torch.get_num_threads()) if tp > 1 else {}
         self.llm = LLM(model, dtype=dtype, device=device, max_num_seqs=max_num_seqs,
@@ -137,8 +139,6 @@ class TandemRunner:
 
     def generate(self, prompt_ids: list[list[int]], output_len: int) -> int:
         """Greedy, EOS ignored; returns the number of output tokens produced."""
-        from cluster.shared.sampling_params import SamplingParams
-
         engine = self.llm.engine
         params = SamplingParams(max_tokens=output_len, temperature=0, ignore_eos=True)
         for ids in prompt_ids:
@@ -157,7 +157,7 @@ class TransformersRunner:
     """Hugging Face ``generate`` on ``device``, the prompts left-padded into one batch."""
 
     def __init__(self, path: Path, dtype: str, tokenizer, device: str = "cpu") -> None:
-        import torch
+        # here, not at the top: transformers' model classes take a second or more to import, for this baseline only
         from transformers import AutoModelForCausalLM
         from transformers.utils import logging as hf_logging
 
@@ -169,8 +169,6 @@ class TransformersRunner:
     def generate(self, prompt_ids: list[list[int]], output_len: int) -> int:
         """Greedy, exactly ``output_len`` new tokens per prompt (EOS banned until then); returns
         their number once the device has finished computing them."""
-        import torch
-
         batch = self.tokenizer.pad({"input_ids": prompt_ids}, padding=True, return_tensors="pt").to(self.device)
         with torch.inference_mode():
             out = self.model.generate(
@@ -184,8 +182,6 @@ class TransformersRunner:
 
 def measure_read_bandwidth(repeats: int = 5) -> float:
     """GB/s of ``tensor.sum()`` over a 512 MiB float32 tensor, best of ``repeats``."""
-    import torch
-
     x = torch.ones(BANDWIDTH_BYTES // 4, dtype=torch.float32)
     x.sum()
     best = min(timed(x.sum)[1] for _ in range(repeats))
@@ -196,8 +192,6 @@ def measure_read_bandwidth(repeats: int = 5) -> float:
 def params_read_per_token(source) -> int:
     """Parameters read to decode one token: all stored weights (a tied head counts once),
     less the input embedding of an untied model (only one row of it is read)."""
-    from cluster.models.loader import iter_weights, load_hf_config
-
     num_params = sum(t.numel() for _, t in iter_weights(source))
     config = load_hf_config(source)
     if not getattr(config, "tie_word_embeddings", True):
@@ -206,13 +200,9 @@ def params_read_per_token(source) -> int:
 
 
 def _runner(args, system: str, source, dtype: str, tp: int, tokenizer):
-    import torch
-
     if system.startswith("tandem"):
         return TandemRunner(str(source.path), dtype, max(args.batch_sizes), args.kv_cache_memory, tp)
     if system == "vllm":
-        from cluster.bench.offline_vllm import DEFAULT_VLLM_PYTHON, VllmRunner
-
         return VllmRunner(args.vllm_python or DEFAULT_VLLM_PYTHON, source.path, dtype, max(args.batch_sizes),
                           torch.get_num_threads(), eager=args.vllm_eager)
     return TransformersRunner(source.path, dtype, tokenizer)
@@ -235,12 +225,6 @@ def measure_cell(runner, system: str, dtype: str, prompt_ids: list[list[int]], o
 
 def run_offline_bench(args: argparse.Namespace) -> dict:
     """Measure every cell, print the table, write ``args.json`` if set; returns the JSON dict."""
-    import torch
-    from rich.console import Console
-    from rich.progress import Progress
-
-    from cluster.models.loader import load_tokenizer, resolve_model
-
     if args.threads:
         torch.set_num_threads(args.threads)
     source = resolve_model(args.model)
@@ -282,8 +266,6 @@ def run_offline_bench(args: argparse.Namespace) -> dict:
 
 
 def _report(args, source, cells: list[Cell], bandwidth: float, num_params: int, prompt_ids) -> dict:
-    import torch
-
     rate = {(c.system, c.dtype, c.batch_size): c.tok_per_s for c in cells}
     ratios = []
     for d in args.dtypes:
@@ -333,9 +315,6 @@ def _tp_ratios(args, cells: list[Cell]) -> list[dict]:
 
 
 def _print_tp_table(console, result: dict, tp: int) -> None:
-    from rich import box
-    from rich.table import Table
-
     table = Table(title=f"mean step latency, TP={tp} vs TP=1 (same run)", box=box.SIMPLE_HEAD, show_edge=False)
     for header in ("dtype", "batch", "TP=1 ms", f"TP={tp} ms", f"TP={tp}/TP=1"):
         table.add_column(header, justify="left" if header == "dtype" else "right")
@@ -346,9 +325,6 @@ def _print_tp_table(console, result: dict, tp: int) -> None:
 
 
 def _print_table(console, result: dict) -> None:
-    from rich import box
-    from rich.table import Table
-
     def fmt(value: float | None, spec: str) -> str:
         return "-" if value is None else format(value, spec)
 

@@ -38,14 +38,25 @@ import time
 from dataclasses import asdict
 from pathlib import Path
 
+import torch
+from rich.console import Console
+from rich.progress import Progress
+
 from cluster.bench.args import int_list, k_list, positive_int
 from cluster.bench.offline import DTYPES, concrete_dtype
-from cluster.bench.paper_sweep import (WARMUP_LEN, add_predictions, measured_capacity, sweep, sweep_summary,
-                                      with_workload_acceptance)
+from cluster.bench.paper_plots import write_plots
+from cluster.bench.paper_report import print_tables
+from cluster.bench.paper_sweep import (
+    WARMUP_LEN, add_predictions, measured_capacity, sweep, sweep_summary, with_workload_acceptance,
+)
 from cluster.bench.paper_traffic import RunResult, Workload, phased_workload, run_open_loop, uniform_workload
 from cluster.bench.spec import WORKLOAD, run_closed_loop
-from cluster.profiling.edit_prompts import build_prompt_ids
+from cluster.engine.llm import LLM
+from cluster.models.loader import load_tokenizer, resolve_model
 from cluster.profiling.calibration import acceptance_prompts
+from cluster.profiling.edit_prompts import build_prompt_ids
+from cluster.profiling.profiler import run_profile
+from cluster.spec_decode.controller import AdaptiveController, FixedController, TableController
 
 PROMPT_SETS = {"edit": WORKLOAD,
                "calibration": "the profiler's calibration chat requests: a few quote text back (where prompt "
@@ -99,14 +110,6 @@ def add_paper_args(parser: argparse.ArgumentParser) -> None:
 
 def run_paper_bench(args: argparse.Namespace) -> dict:
     """Profile, sweep, serve the traffic; print the tables, write JSON and plots if asked."""
-    import torch
-    from rich.console import Console
-    from rich.progress import Progress
-
-    from cluster.engine.llm import LLM
-    from cluster.models.loader import load_tokenizer, resolve_model
-    from cluster.profiling.profiler import run_profile
-
     if args.max_k > 16:
         raise ValueError(f"--max-k must be at most 16 (the engine's bound), got {args.max_k}")
     if args.threads:
@@ -170,14 +173,10 @@ def run_paper_bench(args: argparse.Namespace) -> dict:
         "goals": _goals(traffic),
         "wall_s": time.perf_counter() - started,
     }
-    from cluster.bench.paper_report import print_tables
-
     print_tables(console, result)
     if args.json:
         args.json.write_text(json.dumps(result, indent=2) + "\n")
     if args.plots:
-        from cluster.bench.paper_plots import write_plots
-
         for path in write_plots(result, args.plots):
             console.print(f"wrote {path}")
     return result
@@ -185,8 +184,6 @@ def run_paper_bench(args: argparse.Namespace) -> dict:
 
 # ---- part 2: traffic ------------------------------------------------------------------
 def _controller(policy: str, profile, max_k: int):
-    from cluster.spec_decode.controller import AdaptiveController, FixedController, TableController
-
     if policy == "table":
         return TableController({b: min(k, max_k) for b, k in profile.table.items()})
     if policy == "adaptive":

@@ -7,14 +7,14 @@ from __future__ import annotations
 from dataclasses import asdict
 
 from cluster.bench.spec import SpecCounts, make_cell, run_closed_loop
+from cluster.spec_decode.controller import FixedController
+from cluster.spec_decode.profile_data import measured_model
 
 WARMUP_LEN = 8
 WORKLOAD_PROMPTS = "bench paper sweep"  # a profile's acceptance_prompts once the sweep's acceptance replaced it
 
 
 def sweep(engine, args, prompt_ids, progress, task) -> list[dict]:
-    from cluster.spec_decode.controller import FixedController
-
     cells = []
     for b in args.batch_sizes:
         engine.controller = FixedController(max(args.ks))
@@ -51,8 +51,6 @@ def add_predictions(cells: list[dict], profile) -> None:
     the controllers start from (``profile``'s), and with the cell's own measured ones; and
     its full-batch decoding step time as the fitted model and the measured grid (what the
     table and adaptive read) predict it, with the coverage the cell drafted at."""
-    from cluster.spec_decode.profile_data import measured_model
-
     model = profile.latency_model
     grid = profile.pass_grid()
     step_models = (("fit", model), ("grid", measured_model(grid) if grid is not None else None))

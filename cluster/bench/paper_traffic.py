@@ -22,6 +22,8 @@ import time
 from collections import Counter
 from dataclasses import dataclass, field
 
+from cluster.shared.sampling_params import SamplingParams
+
 
 @dataclass(frozen=True)
 class Phase:
@@ -103,8 +105,6 @@ def run_open_loop(engine, workload: Workload, prompt_ids: list[list[int]], outpu
                   policy: str) -> RunResult:
     """Serve ``workload`` (request ``i`` gets prompt ``i % len(prompt_ids)``) with the
     engine's current controller. Raises RuntimeError if a request's token count is wrong."""
-    from cluster.shared.sampling_params import SamplingParams
-
     if engine.has_unfinished():
         raise RuntimeError("the traffic run needs an idle engine")
     engine.spec_stats = type(engine.spec_stats)()

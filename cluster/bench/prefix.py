@@ -34,8 +34,17 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+import torch
+from rich import box
+from rich.console import Console
+from rich.progress import Progress
+from rich.table import Table
+
 from cluster.bench.args import positive_int, timed
-from cluster.bench.offline import DTYPES, concrete_dtype, PROMPTS
+from cluster.bench.offline import DTYPES, PROMPTS, concrete_dtype
+from cluster.engine.llm import LLM
+from cluster.models.loader import resolve_model
+from cluster.shared.sampling_params import SamplingParams
 
 TTFT_SEED, CHAT_SEED, WARMUP_SEED = 0, 1, 2
 GOAL_COLD_OVER_WARM = 5.0
@@ -130,8 +139,6 @@ def question(i: int) -> str:
 
 def time_to_first_token(engine, prompt: str, kind: str) -> TTFTSample:
     """Run ``prompt`` alone on an idle engine for one token."""
-    from cluster.shared.sampling_params import SamplingParams
-
     if engine.has_unfinished():
         raise RuntimeError("TTFT needs an idle engine")
     start = time.perf_counter()
@@ -147,8 +154,6 @@ def time_to_first_token(engine, prompt: str, kind: str) -> TTFTSample:
 
 def run_chat(llm, system: str, num_conversations: int, num_turns: int, output_len: int):
     """Returns the ChatRun and every turn's output token ids, ``[conversation][turn]``."""
-    from cluster.shared.sampling_params import SamplingParams
-
     params = SamplingParams(max_tokens=output_len, temperature=0, ignore_eos=True)
     histories: list[list[tuple[str, str]]] = [[] for _ in range(num_conversations)]
     output_ids: list[list[list[int]]] = [[] for _ in range(num_conversations)]
@@ -176,14 +181,6 @@ def run_chat(llm, system: str, num_conversations: int, num_turns: int, output_le
 
 def run_prefix_bench(args: argparse.Namespace) -> dict:
     """Measure, print the tables, write ``args.json`` if set; returns the JSON dict."""
-    import torch
-    from rich.console import Console
-    from rich.progress import Progress
-
-    from cluster.engine.llm import LLM
-    from cluster.shared.sampling_params import SamplingParams
-    from cluster.models.loader import resolve_model
-
     if args.threads:
         torch.set_num_threads(args.threads)
     load_average = os.getloadavg()
@@ -240,8 +237,6 @@ def run_prefix_bench(args: argparse.Namespace) -> dict:
 
 
 def _report(args, source, load_average, samples, runs, outputs, engine) -> dict:
-    import torch
-
     def median(kind: str) -> float:
         return statistics.median(s.ttft_s for s in samples if s.kind == kind)
 
@@ -278,9 +273,6 @@ def _first_diff(a: list[int], b: list[int]) -> int:
 
 
 def _print_tables(console, result: dict) -> None:
-    from rich import box
-    from rich.table import Table
-
     settings, ttft, chat = result["settings"], result["ttft"], result["multi_turn"]
     model = Path(settings["model"]).name
     table = Table(title=f"time to first token, {model} {settings['dtype']}, "

@@ -27,9 +27,22 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+import torch
+import torch.nn.functional as F
+from rich.console import Console
+from rich.progress import Progress
+from rich.table import Table
+
 from cluster.bench.args import int_list, positive_int
-
-
+from cluster.bench.quant_quality import PERPLEXITY_TEXT, compare, reference_of
+from cluster.bench.spec import run_closed_loop
+from cluster.engine.llm import LLM
+from cluster.kernels.packed_linear import PackedLinear, can_pack
+from cluster.models.loader import load_hf_config, resolve_model
+from cluster.profiling.calibration import CALIBRATION_PROMPTS
+from cluster.profiling.edit_prompts import build_prompt_ids
+from cluster.quant.int8_linear import Int8Linear, fbgemm_available, int8pack_dtype, quantize_weight
+from cluster.shared.sampling_params import SamplingParams
 
 CONFIGS = {  # name -> engine overrides
     "float32": {},
@@ -75,12 +88,6 @@ def model_shapes(hf_config) -> dict[str, tuple[int, int]]:
 
 def _kernel_fns(in_features: int, out_features: int):
     """kernel name -> (rows -> callable), or None where the kernel cannot run."""
-    import torch
-    import torch.nn.functional as F
-
-    from cluster.kernels.packed_linear import PackedLinear, can_pack
-    from cluster.quant.int8_linear import Int8Linear, fbgemm_available, int8pack_dtype, quantize_weight
-
     weight = torch.randn(out_features, in_features) * 0.02
     q = quantize_weight(weight)
     widened = Int8Linear(weight, None, "int8")
@@ -97,8 +104,6 @@ def _kernel_fns(in_features: int, out_features: int):
 
 
 def measure_kernels(hf_config, rows: list[int], repeats: int, progress=None, task=None) -> list[KernelCell]:
-    import torch
-
     cells = []
     for name, (fan_in, fan_out) in model_shapes(hf_config).items():
         fns = _kernel_fns(fan_in, fan_out)
@@ -140,11 +145,6 @@ def decode_step_totals(cells: list[KernelCell], hf_config) -> list[dict]:
 
 
 def measure_quality(model: str, configs: list[str], continuation_len: int) -> dict[str, dict]:
-    from cluster.engine.llm import LLM
-    from cluster.shared.sampling_params import SamplingParams
-    from cluster.bench.quant_quality import PERPLEXITY_TEXT, compare, reference_of
-    from cluster.profiling.calibration import CALIBRATION_PROMPTS
-
     def llm(**overrides):
         return LLM(model, dtype="float32", device="cpu", num_blocks=128, enable_prefix_caching=False, **overrides)
 
@@ -173,10 +173,6 @@ def measure_quality(model: str, configs: list[str], continuation_len: int) -> di
 
 
 def measure_engine(model: str, configs: list[str], batch_sizes: list[int], output_len: int) -> list[dict]:
-    from cluster.bench.spec import run_closed_loop
-    from cluster.profiling.edit_prompts import build_prompt_ids
-    from cluster.engine.llm import LLM
-
     rows = []
     prompt_ids = None
     for name in configs:
@@ -199,12 +195,6 @@ def measure_engine(model: str, configs: list[str], batch_sizes: list[int], outpu
 
 
 def run_quant_bench(args: argparse.Namespace) -> dict:
-    import torch
-    from rich.console import Console
-    from rich.progress import Progress
-
-    from cluster.models.loader import load_hf_config, resolve_model
-
     unknown = [c for c in args.configs if c not in CONFIGS]
     if unknown:
         raise ValueError(f"unknown configurations {unknown}; known: {', '.join(CONFIGS)}")
@@ -234,8 +224,6 @@ def run_quant_bench(args: argparse.Namespace) -> dict:
 
 
 def _print(console, result: dict, rows: list[int]) -> None:
-    from rich.table import Table
-
     if "decode_step_linear_ms" in result:
         table = Table(title="linear layers of one forward pass (ms; sum of per-shape medians)")
         table.add_column("kernel")

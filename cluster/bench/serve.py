@@ -24,12 +24,16 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from rich.console import Console
 
 from cluster.bench.args import positive_int
 from cluster.bench.serve_client import first_model_id, send_request
-from cluster.bench.serve_metrics import DEFAULT_PERCENTILES, SLO_METRICS, RequestRecord, summarize
+from cluster.bench.serve_metrics import (
+    DEFAULT_PERCENTILES, SLO_METRICS, RequestRecord, parse_goodput, parse_percentiles, summarize,
+)
+from cluster.bench.serve_report import print_summary, write_plots
 from cluster.bench.serve_workload import (
-    DATASETS, BenchRequest, Phase, arrival_times, instruction_requests, phased_arrival_times,
+    DATASETS, BenchRequest, Phase, arrival_times, instruction_requests, parse_phases, phased_arrival_times,
     random_requests, shared_prefix_requests,
 )
 
@@ -189,9 +193,6 @@ async def run_serve_benchmark(options: ServeBenchOptions) -> ServeBenchResult:
 
 
 def options_from_args(args: argparse.Namespace) -> ServeBenchOptions:
-    from cluster.bench.serve_metrics import parse_goodput, parse_percentiles
-    from cluster.bench.serve_workload import parse_phases
-
     return ServeBenchOptions(
         url=args.url, endpoint=args.endpoint, model=args.model, api_key=args.api_key, dataset=args.dataset,
         num_prompts=args.num_prompts, request_rate=args.request_rate, burstiness=args.burstiness,
@@ -238,10 +239,6 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
 
 def run_serve_bench(args: argparse.Namespace) -> dict:
     """The CLI: run, print the table, write the JSON (and plots); returns the JSON dict."""
-    from rich.console import Console
-
-    from cluster.bench.serve_report import print_summary, write_plots
-
     result = asyncio.run(run_serve_benchmark(options_from_args(args)))
     data = result.to_json()
     console = Console()

@@ -15,14 +15,13 @@ import time
 from pathlib import Path
 
 from cluster.config import group_engine_config, load_config, with_overrides
+from cluster.engine.engine import Engine
+from cluster.engine.llm import apply_chat_template
+from cluster.shared.sampling_params import SamplingParams
 
 
 def offline_output_throughput(config_path: str | Path, dataset: str, num_prompts: int, input_len: int,
                               output_len: int, seed: int) -> dict:
-    from cluster.engine.engine import Engine
-    from cluster.engine.llm import apply_chat_template
-    from cluster.shared.sampling_params import SamplingParams
-
     config = load_config(config_path)
     group = config.serve.groups[0]
     config = group_engine_config(config, group.name)

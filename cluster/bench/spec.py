@@ -36,10 +36,18 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import torch
+from rich.console import Console
+from rich.progress import Progress
+
 from cluster.bench.args import int_list, k_list, positive_int, ratio_or_none
 from cluster.bench.offline import DTYPES, concrete_dtype
 from cluster.bench.spec_report import TANDEM_INVARIANT, TANDEM_REJECTION, build_result, print_tables
+from cluster.engine.llm import LLM
+from cluster.models.loader import load_tokenizer, resolve_model
 from cluster.profiling.edit_prompts import build_prompt_ids
+from cluster.shared.sampling_params import SamplingParams
+from cluster.spec_decode.controller import FixedController
 
 WARMUP_LEN = 8
 DEFAULT_VLLM_SCRIPT = Path(__file__).resolve().parents[3] / "shared" / "anchors" / "vllm_cpu.sh"
@@ -188,8 +196,6 @@ def run_closed_loop(engine, prompt_ids: list[list[int]], output_len: int, concur
     With ``token_ids_out``, fills it with each prompt's (by index) output token ids; with
     ``steps_out``, appends each step's ``engine.last_step`` (:class:`~cluster.engine.engine.StepRecord`).
     Greedy, or with ``temperature`` > 0 random sampling seeded with the prompt's index."""
-    from cluster.shared.sampling_params import SamplingParams
-
     if engine.has_unfinished():
         raise RuntimeError("the benchmark needs an idle engine")
     params = [SamplingParams(max_tokens=output_len, temperature=temperature, ignore_eos=True,
@@ -244,9 +250,6 @@ def engine_variants(args) -> list[tuple[str, dict]]:
 
 
 def _measure_tandem(args, source, prompt_ids, progress, task, system: str, variant: dict) -> list[SpecCell]:
-    from cluster.engine.llm import LLM
-    from cluster.spec_decode.controller import FixedController
-
     if args.method == "draft" and not args.draft_model:
         raise ValueError("--method draft needs --draft-model (a model sharing the target's tokenizer)")
     progress.update(task, description=f"loading {Path(args.model).name} {args.dtype}, {args.method} drafts")
@@ -291,12 +294,8 @@ def _measure_tandem(args, source, prompt_ids, progress, task, system: str, varia
 
 def run_spec_bench(args: argparse.Namespace) -> dict:
     """Measure every cell, print the tables, write ``args.json`` if set; returns the JSON dict."""
-    import torch
-    from rich.console import Console
-    from rich.progress import Progress
-
+    # here, not at the top: a cycle (spec_vllm imports this module)
     from cluster.bench.spec_vllm import VllmResult, measure_vllm
-    from cluster.models.loader import load_tokenizer, resolve_model
 
     if args.vllm and args.temperature > 0:
         raise ValueError("the vLLM peer is measured greedy: drop --vllm or --temperature")

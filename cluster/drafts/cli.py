@@ -3,14 +3,14 @@
 from __future__ import annotations
 
 import argparse
+import json
+from pathlib import Path
+
+from cluster.drafts.distill import DistillSettings, distill
+from cluster.drafts.quantize import quantize_draft
 
 
 def cmd_draft_distill(args: argparse.Namespace) -> int:
-    import json
-    from pathlib import Path
-
-    from cluster.drafts.distill import DistillSettings, distill
-
     settings = DistillSettings(
         layers=args.layers, steps=args.steps, batch_size=args.batch_size, seq_len=args.seq_len, lr=args.lr,
         seed=args.seed, num_samples=args.num_samples, max_new_tokens=args.max_new_tokens,
@@ -24,10 +24,6 @@ def cmd_draft_distill(args: argparse.Namespace) -> int:
 
 
 def cmd_draft_quantize(args: argparse.Namespace) -> int:
-    from pathlib import Path
-
-    from cluster.drafts.quantize import quantize_draft
-
     summary = quantize_draft(args.target, Path(args.out), args.scheme)
     print(f"wrote {summary['out']}: {summary['num_quantized']} matrices in {summary['scheme']}, weights "
           f"{summary['bytes_before'] / 1e6:.1f} MB -> {summary['bytes_after'] / 1e6:.1f} MB")

@@ -31,8 +31,8 @@ import torch
 
 from cluster.drafts.checkpoint import load_state, save_state
 from cluster.drafts.distill_data import Rows, SampleSettings, load_instruction_prompts, load_or_generate, split_rows
-from cluster.drafts.prune import (LAYER_CHOICES, heldout_kl, kl_from_target_hidden, load_target, prune, select_layers,
-                                  target_hidden_states)
+from cluster.drafts.prune import (LAYER_CHOICES, heldout_kl, kl_from_target_hidden, load_target, own_state_dict, prune,
+                                  select_layers, target_hidden_states)
 from cluster.models.loader import resolve_model
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
@@ -211,8 +211,6 @@ def _check_same_settings(saved: dict, settings: DistillSettings, ckpt_dir: Path)
 
 
 def _own(student) -> dict[str, torch.Tensor]:
-    from cluster.drafts.prune import own_state_dict
-
     return {k: v.clone() for k, v in own_state_dict(student).items()}
 
 

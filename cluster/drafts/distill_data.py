@@ -20,6 +20,9 @@ from pathlib import Path
 
 import torch
 
+from cluster.engine.llm import LLM, apply_chat_template
+from cluster.shared.sampling_params import SamplingParams
+
 INSTRUCTIONS_PATH = Path(__file__).resolve().parent.parent / "bench" / "data" / "instructions.jsonl"
 HOLDOUT_EVERY = 8  # prompt 0, 8, 16, ... are held out
 
@@ -67,9 +70,6 @@ def load_instruction_prompts(path: Path = INSTRUCTIONS_PATH) -> list[str]:
 
 def generate_samples(target: str, prompts: list[str], settings: SampleSettings, **engine_overrides) -> list[Sample]:
     """Sample ``settings.num_samples`` answers from the target, batched, seeded per request."""
-    from cluster.engine.llm import LLM
-    from cluster.shared.sampling_params import SamplingParams
-
     if not prompts:
         raise ValueError("distillation needs at least one prompt")
     llm = LLM(model=target, **engine_overrides)
@@ -129,7 +129,5 @@ def _rows(samples: list[Sample], seq_len: int, pad_id: int) -> Rows:
 
 def _format(tokenizer, prompt: str) -> str:
     if tokenizer is not None and getattr(tokenizer, "chat_template", None):
-        from cluster.engine.llm import apply_chat_template
-
         return apply_chat_template(tokenizer, [{"role": "user", "content": prompt}])
     return prompt

@@ -15,13 +15,13 @@ from cluster.config import TandemConfig, with_overrides
 from cluster.config_serve import ReplicaGroupConfig
 from cluster.engine.async_engine import AsyncEngine, EngineDeadError
 from cluster.engine.backend import BackendContext, EngineUnhealthyError, SpecState, error_param
-from cluster.routing.stats import EngineLoad
 from cluster.engine.engine import Engine
 from cluster.engine.engine_view import EngineView, output_delta
-from cluster.shared.outputs import RequestOutput
 from cluster.engine.protocol import ErrorInfo, GenerateDelta, GenerateRequest, QueueFullError
 from cluster.metrics.collector import EngineMetricsCollector
-from cluster.runner.tp_executor import TensorParallelError
+from cluster.routing.stats import EngineLoad
+from cluster.runner.tp_executor import TensorParallelError, start_tensor_parallel
+from cluster.shared.outputs import RequestOutput
 
 logger = logging.getLogger(__name__)
 
@@ -105,8 +105,6 @@ class NativeBackend:
 def _build_engine(config: TandemConfig, group: ReplicaGroupConfig, context: BackendContext) -> Engine:
     if group.tensor_parallel_size == 1:
         return Engine(config)
-    from cluster.runner.tp_executor import start_tensor_parallel
-
     config = with_overrides(config, tensor_parallel_size=group.tensor_parallel_size)
     launcher = context.tp_launcher() if context.tp_launcher is not None else None
     return Engine(config, start_tensor_parallel(config, launcher))

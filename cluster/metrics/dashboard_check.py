@@ -21,6 +21,7 @@ import re
 from collections.abc import Iterable, Mapping
 
 from cluster.metrics.catalog import METRICS
+from cluster.metrics.grafana_model import dashboard_queries
 
 SERVE_LABELS = frozenset({"deployment", "replica", "application"})  # Ray Serve adds these to every replica metric
 # Labels a scrape adds to every series: prometheus-operator's target labels, and the Ray
@@ -56,8 +57,6 @@ def known_series() -> dict[str, frozenset[str]]:
 
 def check_dashboard(dashboard: dict, known: Mapping[str, frozenset[str]] | None = None) -> list[str]:
     """Problems in every query of a rendered dashboard (an empty list when it is sound)."""
-    from cluster.metrics.grafana_model import dashboard_queries
-
     known = known_series() if known is None else known
     return [f"{dashboard.get('uid')}: {problem}"
             for expr, legend in dashboard_queries(dashboard) for problem in check_query(expr, legend, known)]

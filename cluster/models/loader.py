@@ -100,6 +100,7 @@ def resolve_model(name_or_path: str, cache_dir: Path | None = None) -> ModelSour
     if name_or_path in EMBEDDED_MODELS:
         gguf_path = _fetch_embedded(EMBEDDED_MODELS[name_or_path], cache_dir)
         return ModelSource(name=name_or_path, path=_convert(gguf_path, cache_dir))
+    # here, not at the top: a cycle (shipped_drafts imports this module)
     from cluster.models.shipped_drafts import SHIPPED_DRAFTS, materialize_draft  # a draft shipped as its own tensors
 
     if name_or_path in SHIPPED_DRAFTS:  # built once from the shipped tensors + its target's embedding
@@ -254,6 +255,7 @@ def _weight_files(path: Path) -> list[Path]:
 
 
 def _convert(gguf_path: Path, cache_dir: Path) -> Path:
+    # here, not at the top: a cycle (gguf_convert imports this module), and it loads torch and gguf
     from cluster.models.gguf_convert import convert_gguf
 
     return convert_gguf(gguf_path, cache_dir)

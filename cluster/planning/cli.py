@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import argparse
 
+from cluster.config import load_config
+from cluster.planning.memory_plan import format_plans, plan_memory
+
 
 def cmd_config_check(args: argparse.Namespace) -> int:
     """Print each group's memory plan; exit 1 when a group cannot fit its device."""
-    from cluster.config import load_config
-    from cluster.planning.memory_plan import format_plans, plan_memory
-
     plans = plan_memory(load_config(args.config))
     print(format_plans(plans))
     return 1 if any(p.problem for p in plans) else 0

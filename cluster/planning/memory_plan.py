@@ -22,7 +22,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import torch
+
 from cluster.config import ConfigError, TandemConfig, group_engine_config
+from cluster.kernels.packed_linear import onednn_packs
 from cluster.planning import vllm_memory
 from cluster.planning.device_kinds import device_memory_bytes, known_kinds
 from cluster.planning.model_shapes import ModelShape, model_shape
@@ -82,11 +85,7 @@ def _dtype_bytes(name: str, device_kind: str) -> tuple[str, int]:
         return name, _DTYPE_BYTES[name]
     if device_kind.lower() != "cpu":
         return "bfloat16", 2
-    # Only a CPU group needs torch (does oneDNN compute bfloat16 here?): checking a GPU config stays light.
-    import torch
-
-    from cluster.kernels.packed_linear import onednn_packs
-
+    # does oneDNN compute bfloat16 on this CPU?
     return ("bfloat16", 2) if onednn_packs(torch.bfloat16) else ("float32", 4)
 
 

@@ -9,6 +9,8 @@ paper profiled per dataset; a profile records which set it was measured on.
 
 from __future__ import annotations
 
+from cluster.profiling.edit_prompts import PASSAGES, prompt_messages
+
 CALIBRATION_PROMPTS = [
     "Summarize this in one sentence: The library opens at nine in the morning and closes at six in the "
     "evening. On Saturdays it closes at noon, and on Sundays it is closed all day.",
@@ -35,7 +37,5 @@ def acceptance_prompts(name: str) -> list[str]:
     if name == "calibration":
         return list(CALIBRATION_PROMPTS)
     if name == "edit":
-        from cluster.profiling.edit_prompts import PASSAGES, prompt_messages
-
         return [prompt_messages(i)[0]["content"] for i in range(len(PASSAGES))]
     raise ValueError(f"unknown acceptance prompt set {name!r}; choose one of {', '.join(ACCEPTANCE_PROMPT_SETS)}")

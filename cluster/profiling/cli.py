@@ -10,6 +10,7 @@ from cluster.config import ConfigError, engine_config_from_args, group_engine_co
 from cluster.engine.engine import Engine
 from cluster.profiling.calibration import ACCEPTANCE_PROMPT_SETS
 from cluster.profiling.profiler import power_of_two_sizes, run_profile
+from cluster.profiling.vllm_profile import print_grid, run_vllm_profile
 
 
 def cmd_profile(args: argparse.Namespace) -> int:
@@ -24,8 +25,6 @@ def cmd_profile(args: argparse.Namespace) -> int:
         config = with_overrides(config, method="ngram")
     max_batch = args.max_batch or config.scheduler.max_num_seqs
     if config.engine.backend == "vllm":
-        from cluster.profiling.vllm_profile import print_grid, run_vllm_profile
-
         if args.acceptance_prompts != "calibration":
             raise ConfigError(f"--acceptance-prompts {args.acceptance_prompts}: the vLLM profile measures "
                               "acceptance on the calibration prompts only")

@@ -42,7 +42,10 @@ from cluster.backends.vllm import group_settings, import_vllm, stat_logger, use_
 from cluster.backends.vllm_stats import SpecCounters
 from cluster.config import TandemConfig, with_overrides
 from cluster.engine.llm import apply_chat_template
+from cluster.models.loader import load_tokenizer, resolve_model
 from cluster.profiling.calibration import CALIBRATION_PROMPTS
+from cluster.profiling.profiler import device_name
+from cluster.shared.device import default_device
 from cluster.spec_decode.latency_model import fit_steps
 from cluster.spec_decode.profile_data import SpeculationProfile
 
@@ -148,8 +151,6 @@ class _Engine:
 def _measure_k(config: TandemConfig, k: int, batch_sizes: list[int], output_len: int, repeats: int,
                count_acceptance: bool) -> tuple[list[StepSample], SpecCounters, int]:
     """In a child process: vLLM's engine at a fixed k over every batch size."""
-    from cluster.models.loader import load_tokenizer, resolve_model
-
     use_device_threads(config)
     tokenizer = load_tokenizer(resolve_model(config.model.model, config.model.cache_dir))
     engine = _Engine(with_overrides(config, controller="fixed", num_speculative_tokens=k))
@@ -180,9 +181,6 @@ def run_vllm_profile(config: TandemConfig, batch_sizes: list[int], max_k: int, o
         raise ValueError("profiling needs speculation on: set speculative.method to 'draft' or 'ngram'")
     if output_len < 8:
         raise ValueError(f"output_len={output_len}: at least 8 tokens are needed to count decoding steps")
-    from cluster.shared.device import default_device
-    from cluster.profiling.profiler import device_name
-
     use_device_threads(config)  # the children inherit OMP_NUM_THREADS
     samples: list[StepSample] = []
     spec, request_steps = SpecCounters(), 0

@@ -66,6 +66,7 @@ class SpawnLauncher:
     isolates_devices = False
 
     def launch(self, config: TandemConfig, rank: int, address: StoreAddress, device: str) -> SpawnedRank:
+        # here, not at the top: a cycle (tp_executor imports this module)
         from cluster.runner.tp_executor import run_worker
 
         context = multiprocessing.get_context("spawn")

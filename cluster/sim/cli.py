@@ -10,12 +10,12 @@ import argparse
 from pathlib import Path
 
 from cluster.sim.config import load_sim_config, sim_config_from_dict
+from cluster.sim.report import print_report, write_json, write_plots
+from cluster.sim.runner import prepare, run_cells
+from cluster.sim.validation import compare, print_comparison
 
 
 def run_sim(args: argparse.Namespace) -> list[dict]:
-    from cluster.sim.report import print_report, write_json, write_plots
-    from cluster.sim.runner import prepare, run_cells
-
     config = load_sim_config(args.config)
     if args.num_requests or args.seed is not None or args.routers or args.controllers:
         data = config.model_dump()
@@ -33,8 +33,6 @@ def run_sim(args: argparse.Namespace) -> list[dict]:
     print_report(config, prepared.models, prepared.capacity_rps, summaries)
     comparison = None
     if args.measured:
-        from cluster.sim.validation import compare, print_comparison
-
         comparison = compare(args.measured, summaries)
         print_comparison(comparison)
     json_path = args.json or Path(f"sim-{config.name}.json")

@@ -33,7 +33,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from cluster.config import ConfigError, format_errors
 from cluster.sim.config import GroupConfig, ModelFigures, SimConfig
-from cluster.spec_decode.latency_model import LatencyModel, expected_drafted
+from cluster.spec_decode.latency_model import LatencyModel, expected_drafted, expected_tokens
 from cluster.spec_decode.profile_data import SpeculationProfile
 
 
@@ -183,8 +183,6 @@ def peak_requests_per_s(model: StepModel, max_num_seqs: int, mean_prompt: float,
     """Requests/s one replica sustains at its best fixed k: a full batch (as far as the KV
     cache holds requests halfway through their output) decoding, plus each request's
     prefill. What a workload's ``load`` is a fraction of."""
-    from cluster.spec_decode.latency_model import expected_tokens
-
     per_request_kv = mean_prompt + mean_output / 2
     batch = max(1, min(max_num_seqs, int(model.kv_capacity_tokens // max(per_request_kv, 1.0))))
     c0, c1, c2 = model.latency.target_coef

@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 from cluster.config import ConfigError, TandemConfig, with_overrides
+from cluster.runner.worker import Worker
 from cluster.spec_decode.controller import AdaptiveController, FixedController, SpeculationController, TableController
+from cluster.spec_decode.draft_proposer import DraftModelProposer, check_vocab_compatible
 from cluster.spec_decode.latency_model import LatencyModel
+from cluster.spec_decode.profile_data import SpeculationProfile
 from cluster.spec_decode.proposer import NgramStepProposer, Proposer
 
 
@@ -17,9 +20,6 @@ def build_speculation(config: TandemConfig, target_worker) -> tuple[Proposer | N
     controller = build_controller(config)
     if spec.method == "ngram":
         return NgramStepProposer(spec.ngram_min, spec.ngram_max, spec.ngram_draft_per_match_token), controller
-
-    from cluster.runner.worker import Worker
-    from cluster.spec_decode.draft_proposer import DraftModelProposer, check_vocab_compatible
 
     draft_config = with_overrides(
         config,
@@ -43,8 +43,6 @@ def profile_step_model(config: TandemConfig) -> tuple[LatencyModel | None, list[
     routed alike."""
     if config.speculative.method == "none" or not config.speculative.profile:
         return None, None
-    from cluster.spec_decode.profile_data import SpeculationProfile
-
     profile = SpeculationProfile.load(config.speculative.profile)
     return profile.latency_model, profile.coverage
 
@@ -53,8 +51,6 @@ def build_controller(config: TandemConfig) -> SpeculationController:
     spec = config.speculative
     if spec.controller == "fixed":
         return FixedController(spec.num_speculative_tokens)
-    from cluster.spec_decode.profile_data import SpeculationProfile
-
     if not spec.profile:
         raise ConfigError(f"the {spec.controller!r} controller needs speculative.profile "
                           "(or run a replica group that has its own profile)")
