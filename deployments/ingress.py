@@ -92,10 +92,11 @@ class OpenAIIngress:
         for group in serve_config.groups:
             engine_config = group_engine_config(self.config, group.name)
             model = engine_config.model
-            hf_config = load_hf_config(resolve_model(model.model, model.cache_dir))
+            # A group that sets max_model_len needs no model files here (its replicas check it).
+            max_model_len = model.max_model_len or engine_max_model_len(
+                None, load_hf_config(resolve_model(model.model, model.cache_dir)))
             self.shapes[group.name] = GroupShape(engine_config.cache.block_size,
-                                                 engine_hash_seed(model.model, model.dtype, model.seed),
-                                                 engine_max_model_len(model.max_model_len, hf_config))
+                                                 engine_hash_seed(model.model, model.dtype, model.seed), max_model_len)
             sizes[group.name] = group.autoscaling.min_replicas if group.autoscaling else group.num_replicas
         decisions = RaySink("ingress")
         self.router = GroupRouter(sizes, serve_config.router, staleness_seconds=60.0,
