@@ -25,6 +25,10 @@ import socket
 import urllib.request
 from pathlib import Path
 
+from rich import box
+from rich.console import Console
+from rich.table import Table
+
 from cluster.bench.serve import ServeBenchOptions, run_serve_benchmark
 from cluster.bench.serve_metrics import percentile_key
 from cluster.config import TandemConfig, config_from_dict, load_config
@@ -100,9 +104,6 @@ def traffic_share(router_snapshot: dict) -> dict[str, float]:
 
 def run_router_bench(args: argparse.Namespace) -> dict:
     import ray  # here, not at the top: the tandem command imports this module and must not load Ray
-    from rich import box
-    from rich.console import Console
-    from rich.table import Table
 
     base = load_config(args.config)
     options = ServeBenchOptions(

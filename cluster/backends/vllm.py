@@ -28,6 +28,8 @@ import logging
 import os
 from typing import AsyncIterator
 
+import torch
+
 from cluster.backends.vllm_args import SpecPlan, VllmSettings, vllm_settings
 from cluster.backends.vllm_stats import VllmStatsRecorder
 from cluster.config import TandemConfig
@@ -49,6 +51,7 @@ logger = logging.getLogger(__name__)
 
 def import_vllm():
     """vLLM's modules, or an ImportError that says how to install it."""
+    # here, not at the top: vLLM is optional (the vllm extra)
     try:
         import vllm  # noqa: F401
         from vllm import SamplingParams as VllmSamplingParams
@@ -95,6 +98,7 @@ class VllmBackend:
 
     # ---- requests ---------------------------------------------------------------------------
     async def generate(self, request: GenerateRequest) -> AsyncIterator[GenerateDelta]:
+        # here, not at the top: vLLM is optional (the vllm extra)
         from vllm.exceptions import GracefulHTTPError, VLLMClientError
         from vllm.v1.engine.exceptions import EngineDeadError
 
@@ -179,6 +183,7 @@ class VllmBackend:
         return None
 
     def _sampling_params(self, request: GenerateRequest):
+        # here, not at the top: vLLM is optional (the vllm extra)
         from vllm.sampling_params import RequestOutputKind, StructuredOutputsParams
 
         p: SamplingParams = request.sampling_params
@@ -260,6 +265,7 @@ class VllmBackend:
 def stat_logger(record) -> type:
     """A vLLM stat-logger class that hands each step's ``(scheduler_stats, iteration_stats)``
     to ``record``."""
+    # here, not at the top: vLLM is optional (the vllm extra)
     from vllm.v1.metrics.loggers import StatLoggerBase
 
     class _Hook(StatLoggerBase):
@@ -280,8 +286,6 @@ def use_device_threads(config: TandemConfig) -> None:
     ``device.num_threads``, when set, is passed on, so a replica runs vLLM with the threads
     its profile was measured with."""
     if config.device.num_threads:
-        import torch
-
         os.environ["OMP_NUM_THREADS"] = str(config.device.num_threads)
         torch.set_num_threads(config.device.num_threads)  # an in-process vLLM core keeps torch's count
 
@@ -291,6 +295,7 @@ def group_settings(config: TandemConfig, tensor_parallel_size: int,
     """vLLM's engine arguments for a group (model paths resolved, vLLM's CPU block size
     kept on a CPU) and the target's vocabulary size. Imports vLLM."""
     _, _, SpeculativeConfig, *_ = import_vllm()
+    # here, not at the top: vLLM is optional (the vllm extra)
     from vllm.platforms import current_platform
 
     source = resolve_model(config.model.model, config.model.cache_dir)

@@ -23,7 +23,12 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import sys
 from pathlib import Path
+
+from rich import box
+from rich.console import Console
+from rich.table import Table
 
 from cluster.bench.args import positive_int
 from cluster.bench.compare_servers import python_with_vllm, start_or_report, start_tandem, start_vllm_anchor
@@ -116,9 +121,6 @@ def _pair_ratios(systems: dict, pairs: dict) -> dict:
 
 
 def print_report(console, report: dict) -> None:
-    from rich import box
-    from rich.table import Table
-
     for form in ("peers", "groups"):
         part = report.get(form)
         if not part:
@@ -172,10 +174,6 @@ def add_compare_args(parser: argparse.ArgumentParser) -> None:
 
 
 def run_compare(args: argparse.Namespace) -> dict:
-    import sys
-
-    from rich.console import Console
-
     console = Console()
     args.python_native = args.python_native or sys.executable
     if args.form in ("peers", "both") and not Path(args.vllm_script).is_file():

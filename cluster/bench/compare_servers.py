@@ -149,6 +149,7 @@ def start_vllm_anchor(name: str, script: str | Path, speculation_config: dict | 
 
 def python_with_vllm() -> str | None:
     """An interpreter that has both Tandem and vLLM: this one, or the vLLM tier's environment."""
+    # here, not at the top: vLLM is optional (the vllm extra); this asks whether it is installed
     try:
         import vllm
 

@@ -4,6 +4,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from rich import box
+from rich.table import Table
+
 
 def _fmt(value, spec: str) -> str:
     return "-" if value is None else format(value, spec)
@@ -20,9 +23,6 @@ def print_tables(console, result: dict) -> None:
 
 
 def _print_sweep(console, result: dict) -> None:
-    from rich import box
-    from rich.table import Table
-
     settings, sweep, profile = result["settings"], result["tpot_vs_k"], result["profile"]
     model = Path(settings["model"]).name
     cells = {(c["batch_size"], c["k"]): c for c in sweep["cells"]}
@@ -79,9 +79,6 @@ def _print_sweep(console, result: dict) -> None:
 
 
 def _print_traffic(console, result: dict) -> None:
-    from rich import box
-    from rich.table import Table
-
     settings, capacity = result["settings"], result["capacity"]
     cap = (f"capacity {capacity['requests_per_s']:.2f} req/s measured (batch {capacity['batch_size']}, "
            f"k={capacity['k']})" if capacity["source"] == "measured" else "rates given by --rates")
@@ -113,9 +110,6 @@ def _print_traffic(console, result: dict) -> None:
 
 
 def _print_goals(console, result: dict) -> None:
-    from rich import box
-    from rich.table import Table
-
     table = Table(title="Goals (gap: policy TPOT / best fixed k TPOT - 1)", box=box.SIMPLE_HEAD, show_edge=False,
                   caption="per-phase k: the best fixed k of each phase picked in hindsight from the fixed-k runs, "
                           "the most any controller could gain over the best single k here (noise flatters it); "

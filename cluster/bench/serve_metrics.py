@@ -25,6 +25,8 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass
 
+import numpy as np
+
 SLO_METRICS = ("ttft", "tpot", "e2el")
 DEFAULT_PERCENTILES = (50.0, 90.0, 99.0)
 
@@ -133,8 +135,6 @@ def summarize(records: list[RequestRecord], duration: float, goodput_slos: dict[
               percentiles=DEFAULT_PERCENTILES) -> dict:
     """The summary dict (keys as in vLLM's result JSON, plus ``failed``); see the module docstring.
     ``duration`` is in seconds and must be > 0; ``goodput_slos`` maps ttft/tpot/e2el to milliseconds."""
-    import numpy as np
-
     if not duration > 0:
         raise ValueError(f"the benchmark duration must be > 0 s, got {duration}")
     unknown = set(goodput_slos or {}) - set(SLO_METRICS)

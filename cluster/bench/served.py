@@ -21,11 +21,15 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
+import sys
 import tempfile
 import time
 import urllib.request
 from pathlib import Path
+
+from rich.console import Console
 
 from cluster.bench.compare import DEFAULT_ANCHOR
 from cluster.bench.compare_servers import python_with_vllm, start_or_report, start_tandem, start_vllm_anchor
@@ -97,10 +101,6 @@ def _measure_system(args, console, name: str, start, work: Path, is_tandem: bool
 
 
 def run_served(args: argparse.Namespace) -> dict:
-    import sys
-
-    from rich.console import Console
-
     console = Console()
     args.python_vllm = args.python_vllm or python_with_vllm()
     if args.python_vllm is None:
@@ -139,8 +139,6 @@ def run_served(args: argparse.Namespace) -> dict:
 
 
 def _cores() -> int:
-    import os
-
     return len(os.sched_getaffinity(0))
 
 

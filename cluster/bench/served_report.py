@@ -3,6 +3,9 @@ better of them, the served / offline ratio, and where Tandem's CPU time went."""
 
 from __future__ import annotations
 
+from rich import box
+from rich.table import Table
+
 # vLLM client result keys: (label, higher is better)
 FIGURES = {
     "output_throughput": ("output tok/s", True),
@@ -37,9 +40,6 @@ def verdicts(tandem: dict, vllm: dict) -> dict[str, dict]:
 
 
 def print_served_report(console, report: dict) -> None:
-    from rich import box
-    from rich.table import Table
-
     systems = report["systems"]
     tandem = systems.get("tandem", {})
     for cell, figures in tandem.items():

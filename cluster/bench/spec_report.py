@@ -8,14 +8,15 @@ import platform
 from dataclasses import asdict
 from pathlib import Path
 
+import torch
+from rich import box
+from rich.table import Table
+
 TANDEM_INVARIANT = "tandem-batch-invariant"  # the system name of cells measured with model.batch_invariant
 TANDEM_REJECTION = "tandem-rejection"  # cells verified by rejection sampling (--verification both)
 
 
 def print_tables(console, result: dict) -> None:
-    from rich import box
-    from rich.table import Table
-
     def fmt(value, spec: str) -> str:
         return "-" if value is None else format(value, spec)
 
@@ -112,8 +113,6 @@ def _with_speedups(cells: list) -> list[dict]:
 def build_result(args, source, load_average, prompt_ids, prompt_format, cells: list, vllm, workload: str,
                  warmup_len: int) -> dict:
     """The JSON of one run: machine, settings, each engine's cells, the side-by-side comparisons."""
-    import torch
-
     invariant = [c for c in cells if c.system == TANDEM_INVARIANT]
     rejection = [c for c in cells if c.system == TANDEM_REJECTION]
     usual = [c for c in cells if c.system == "tandem"]

@@ -20,6 +20,7 @@ import statistics
 import time
 from pathlib import Path
 
+import torch
 from rich.console import Console
 from rich.table import Table
 
@@ -106,8 +107,6 @@ def _cells(llm: LLM, speculation: str, args) -> list[dict]:
 
 
 def _threads() -> int:
-    import torch
-
     return torch.get_num_threads()
 
 

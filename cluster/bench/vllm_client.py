@@ -48,6 +48,7 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path, required=True)
     options = parser.parse_args(argv)
+    # here, not at the top: vLLM is optional (the vllm extra); this runs in the vLLM tier's interpreter
     from vllm.benchmarks.serve import add_cli_args
     from vllm.benchmarks.serve import main as bench_main
     from vllm.utils.argparse_utils import FlexibleArgumentParser

@@ -28,6 +28,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
+from tqdm import tqdm
 
 from cluster.drafts.checkpoint import load_state, save_state
 from cluster.drafts.distill_data import Rows, SampleSettings, load_instruction_prompts, load_or_generate, split_rows
@@ -217,8 +218,6 @@ def _own(student) -> dict[str, torch.Tensor]:
 def _progress(enabled: bool, total: int, initial: int):
     if not enabled:
         return None
-    from tqdm import tqdm
-
     return tqdm(total=total, initial=initial, desc="distilling", unit="step")
 
 

@@ -22,6 +22,8 @@ import statistics
 import time
 
 import torch
+from rich.console import Console
+from rich.table import Table
 
 from cluster.config import TandemConfig, with_overrides
 from cluster.engine.engine import Engine
@@ -96,9 +98,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _print(result: dict) -> None:
-    from rich.console import Console
-    from rich.table import Table
-
     size = result["size"]
     table = Table(title=f"draft {result['draft']} vs target {result['target']} ({result['dtype']})")
     table.add_column("batch")

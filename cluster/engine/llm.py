@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import Sequence
 
+from tqdm import tqdm
+
 from cluster.config import TandemConfig, with_overrides
 from cluster.engine.engine import Engine
 from cluster.shared.outputs import RequestOutput
@@ -43,8 +45,6 @@ class LLM:
         results: list[RequestOutput | None] = [None] * len(requests)
         progress = None
         if use_tqdm:
-            from tqdm import tqdm
-
             progress = tqdm(total=len(requests), desc="generating")
         while self.engine.has_unfinished():
             for out in self.engine.step():

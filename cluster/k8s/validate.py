@@ -149,6 +149,7 @@ class ManifestValidator:
             raise ManifestError(f"{where}: {_where(error)}: {error.message}")
 
     def _check_core(self, document: dict, where: str) -> None:
+        # here, not at the top: kubernetes-validate is optional (the test extra)
         try:
             import kubernetes_validate
         except ImportError:

@@ -22,6 +22,7 @@ from pathlib import Path
 from types import ModuleType
 
 import torch
+from torch.utils import cpp_extension
 
 from cluster.shared.cache_dir import default_cache_dir
 
@@ -82,8 +83,6 @@ def _load(name: str) -> ModuleType | None:
         return None
     source = _SOURCE_DIR / f"{name}.cpp"
     try:
-        from torch.utils import cpp_extension
-
         module_name, folder = _build_dir(name, source)
         return cpp_extension.load(
             name=module_name,

@@ -86,6 +86,7 @@ def check_query(expr: str, legend: str = "", known: Mapping[str, frozenset[str]]
 
 def selected_series(expr: str) -> set[str]:
     """The names of the series a PromQL (or ``label_values``) query selects."""
+    # here, not at the top: promql-parser is optional (the test extra)
     import promql_parser
 
     match = _LABEL_VALUES.match(expr)
@@ -102,6 +103,7 @@ def selected_series(expr: str) -> set[str]:
 def parse_grafana_promql(expr: str):
     """Parse PromQL that may hold Grafana variables: ``$__rate_interval`` and the like
     become ``5m``, other ``$var`` / ``${var}`` (used inside label matchers) ``.*``."""
+    # here, not at the top: promql-parser is optional (the test extra)
     import promql_parser
 
     plain = _GRAFANA_VARIABLE.sub(".*", _GRAFANA_INTERVAL.sub("5m", expr))
@@ -110,6 +112,7 @@ def parse_grafana_promql(expr: str):
 
 def _labels(node, known: Mapping[str, frozenset[str]], problems: list[str]) -> frozenset[str] | None:
     """The labels of ``node``'s result (None for a scalar or string); appends problems."""
+    # here, not at the top: promql-parser is optional (the test extra)
     import promql_parser as pp
 
     if isinstance(node, pp.VectorSelector):
@@ -145,6 +148,7 @@ def _labels(node, known: Mapping[str, frozenset[str]], problems: list[str]) -> f
 
 
 def _binary_labels(node, known: Mapping[str, frozenset[str]], problems: list[str]) -> frozenset[str] | None:
+    # here, not at the top: promql-parser is optional (the test extra)
     import promql_parser as pp
 
     lhs, rhs = _labels(node.lhs, known, problems), _labels(node.rhs, known, problems)

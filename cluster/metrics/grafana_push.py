@@ -37,6 +37,7 @@ def push_dashboards(url: str, token: str, dashboards: list[dict], folder: str = 
     authenticating with ``token`` (a service account token or API key, sent as a
     bearer token). Raises ``ValueError`` for a malformed URL or an empty token and
     ``GrafanaPushError`` when Grafana cannot be reached or says no."""
+    # here, not at the top: grafana-client would add ~0.09 s to every tandem command, for this command only
     from grafana_client import GrafanaApi
 
     api = GrafanaApi.from_url(_check_url(url), credential=_check_token(token), timeout=timeout_s)
@@ -80,6 +81,7 @@ def _check_token(token: str) -> str:
 @contextmanager
 def _explained(url: str) -> Iterator[None]:
     """Turns grafana-client's and niquests' exceptions into ``GrafanaPushError``."""
+    # here, not at the top: grafana-client would add ~0.09 s to every tandem command, for this command only
     from grafana_client.client import GrafanaException, GrafanaTimeoutError
     from niquests.exceptions import RequestException
 

@@ -25,16 +25,16 @@ import os
 import shutil
 import tempfile
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Iterator
+from typing import Any, Iterator
 
+import gguf
 import numpy as np
 import torch
+from gguf.quants import dequantize
+from safetensors.torch import save_file
+from transformers import AutoTokenizer, LlamaConfig
 
 from cluster.models.loader import ModelLoadError
-
-if TYPE_CHECKING:
-    import gguf
-    from transformers import LlamaConfig
 
 logger = logging.getLogger(__name__)
 
@@ -85,8 +85,6 @@ def convert_gguf(gguf_path: Path, cache_dir: Path) -> Path:
 
 def write_hf_folder(gguf_path: Path, out_dir: Path) -> None:
     """Write config.json, model.safetensors and the tokenizer of ``gguf_path`` into ``out_dir``."""
-    from safetensors.torch import save_file
-
     reader = open_gguf(gguf_path)
     config = build_llama_config(reader, gguf_path)
     tensors = dict(iter_hf_tensors(reader, config, gguf_path))
@@ -97,8 +95,6 @@ def write_hf_folder(gguf_path: Path, out_dir: Path) -> None:
 
 def open_gguf(gguf_path: Path) -> gguf.GGUFReader:
     """A ``gguf.GGUFReader`` for the file, or ModelLoadError naming it."""
-    import gguf
-
     try:
         return gguf.GGUFReader(str(gguf_path))
     except Exception as exc:  # bad magic, truncated header or data: report the file
@@ -107,8 +103,6 @@ def open_gguf(gguf_path: Path) -> gguf.GGUFReader:
 
 def build_llama_config(reader: Any, gguf_path: Path) -> LlamaConfig:
     """A ``transformers.LlamaConfig`` from the GGUF metadata and tensor list."""
-    from transformers import LlamaConfig
-
     arch = _field(reader, "general.architecture", gguf_path)
     if arch not in SUPPORTED_ARCHITECTURES:
         raise ModelLoadError(
@@ -192,8 +186,6 @@ def unpermute_rope_rows(weight: np.ndarray, num_heads: int) -> np.ndarray:
 
 def iter_hf_tensors(reader: Any, config: LlamaConfig, gguf_path: Path) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield ``(HF name, float32 tensor)`` for every GGUF tensor, dequantized and un-permuted."""
-    from gguf.quants import dequantize
-
     expected = _expected_shapes(config)
     shapes = {hf_tensor_name(t.name): tuple(int(d) for d in reversed(t.shape)) for t in reader.tensors}
     unknown = [t.name for t in reader.tensors if hf_tensor_name(t.name) is None]
@@ -235,8 +227,6 @@ def _expected_shapes(config: LlamaConfig) -> dict[str, tuple[int, ...]]:
 
 def _save_tokenizer(reader: Any, gguf_path: Path, out_dir: Path) -> None:
     """Build the tokenizer transformers makes from the GGUF and save it, chat template included."""
-    from transformers import AutoTokenizer
-
     try:
         tokenizer = AutoTokenizer.from_pretrained(
             str(gguf_path.parent), gguf_file=gguf_path.name, local_files_only=True

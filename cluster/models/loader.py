@@ -26,6 +26,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Iterator
 
+from safetensors import safe_open
+
 from cluster.shared.cache_dir import default_cache_dir
 
 if TYPE_CHECKING:
@@ -120,6 +122,7 @@ def resolve_model(name_or_path: str, cache_dir: Path | None = None) -> ModelSour
 
 def load_hf_config(source: ModelSource) -> transformers.PretrainedConfig:
     """The folder's ``config.json`` through ``AutoConfig`` (local files only)."""
+    # here, not at the top: AutoConfig would add ~0.25 s to every tandem command, and not all of them read a model
     from transformers import AutoConfig
 
     config_path = source.path / "config.json"
@@ -131,6 +134,7 @@ def load_hf_config(source: ModelSource) -> transformers.PretrainedConfig:
 
 def load_tokenizer(source: ModelSource) -> transformers.PreTrainedTokenizerBase:
     """The folder's tokenizer through ``AutoTokenizer`` (local files only)."""
+    # here, not at the top: AutoTokenizer would add ~1.3 s to every tandem command, and not all of them read a model
     from transformers import AutoTokenizer
 
     try:
@@ -226,8 +230,6 @@ def _check_hf_folder(path: Path) -> Path:
 
 def _open_weights(file: Path):
     """``safe_open`` the file (reads and checks the header), or raise ModelLoadError naming it."""
-    from safetensors import safe_open
-
     try:
         return safe_open(str(file), framework="pt")
     except Exception as exc:  # SafetensorError, OSError, ...: report the file, not the library
@@ -255,7 +257,7 @@ def _weight_files(path: Path) -> list[Path]:
 
 
 def _convert(gguf_path: Path, cache_dir: Path) -> Path:
-    # here, not at the top: a cycle (gguf_convert imports this module), and it loads torch and gguf
+    # here, not at the top: a cycle (gguf_convert imports this module), and it loads torch, gguf and transformers
     from cluster.models.gguf_convert import convert_gguf
 
     return convert_gguf(gguf_path, cache_dir)

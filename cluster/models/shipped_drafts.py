@@ -20,6 +20,10 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
 from cluster.models.loader import ModelLoadError, ModelSource, iter_weights, resolve_model
 
 WEIGHTS_DIR = Path(__file__).resolve().parent / "shipped_weights"
@@ -42,10 +46,6 @@ SHIPPED_DRAFTS: dict[str, ShippedDraft] = {
 
 def export_own_tensors(draft_dir: Path, path: Path, target_name: str, dtype: str = "float16") -> int:
     """Write the own tensors of the HF draft folder ``draft_dir`` to ``path``; returns bytes written."""
-    # here, not at the top: the loader imports this module to look names up, without torch
-    import torch
-    from safetensors.torch import save_file
-
     source = ModelSource(name=str(draft_dir), path=Path(draft_dir))
     own = {name: t.to(getattr(torch, dtype)).contiguous() for name, t in iter_weights(source)
            if name not in _SHARED and name != "lm_head.weight"}
@@ -59,11 +59,6 @@ def export_own_tensors(draft_dir: Path, path: Path, target_name: str, dtype: str
 
 def materialize_draft(name: str, cache_dir: Path) -> Path:
     """The full HF folder of shipped draft ``name``, built once under ``cache_dir``."""
-    # here, not at the top: the loader imports this module to look names up, without torch
-    import torch
-    from safetensors import safe_open
-    from safetensors.torch import save_file
-
     draft = SHIPPED_DRAFTS[name]
     weights = WEIGHTS_DIR / draft.weights
     if not weights.is_file():

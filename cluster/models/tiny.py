@@ -5,7 +5,8 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
-from transformers import LlamaConfig, OPTConfig
+from tokenizers import Tokenizer, decoders, models
+from transformers import AutoModelForCausalLM, LlamaConfig, OPTConfig, PreTrainedTokenizerFast, Qwen2Config
 
 TINY_VOCAB = 256
 
@@ -23,8 +24,6 @@ def tiny_llama_config(**overrides) -> LlamaConfig:
 
 def tiny_qwen2_config(**overrides):
     """The Llama family with a QKV bias (Qwen2), an untied head and llama3 RoPE scaling."""
-    from transformers import Qwen2Config
-
     values = dict(
         vocab_size=TINY_VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
@@ -53,8 +52,6 @@ def save_tiny_model(config, path: Path, seed: int = 0) -> Path:
     Weights are scaled up from HF's tiny init, and biases made non-zero, so that
     greedy decoding is not trivially repetitive and a dropped bias shows.
     """
-    from transformers import AutoModelForCausalLM
-
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     with torch.no_grad():
@@ -70,8 +67,6 @@ def save_tiny_model(config, path: Path, seed: int = 0) -> Path:
 def save_noisy_draft(target_dir: Path, path: Path, seed: int = 1, noise: float = 0.3) -> Path:
     """A draft that agrees with the target often but not always: the target's weights plus
     Gaussian noise of ``noise`` times each tensor's standard deviation (``seed`` fixes it)."""
-    from transformers import AutoModelForCausalLM
-
     model = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32)
     generator = torch.Generator().manual_seed(seed)
     with torch.no_grad():
@@ -93,9 +88,6 @@ def save_tiny_tokenizer(path: Path, vocab_size: int = TINY_VOCAB, chat_template:
     It lets tiny models take text prompts, stop strings and chat-free tests without any
     download. Ids beyond the characters decode to filler tokens ``<tN>``.
     """
-    from tokenizers import Tokenizer, decoders, models
-    from transformers import PreTrainedTokenizerFast
-
     specials = ["<unk>", "<s>", "</s>"]
     chars = [chr(c) for c in range(32, 127)]
     tokens = specials + chars

@@ -100,6 +100,7 @@ class _Engine:
 
     def __init__(self, config: TandemConfig) -> None:
         _, self.SamplingParams, _, _, self.TokensPrompt, _ = import_vllm()
+        # here, not at the top: vLLM is optional (the vllm extra)
         from vllm.engine.arg_utils import EngineArgs
         from vllm.sampling_params import RequestOutputKind
         from vllm.v1.engine.llm_engine import LLMEngine

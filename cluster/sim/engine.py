@@ -17,6 +17,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 import numpy as np
+from tqdm import tqdm
 
 from cluster.routing.step_times import StepTimeTracker
 from cluster.sim.autoscale import GroupAutoscaler
@@ -159,8 +160,6 @@ class Simulation:
 
     # ---- the loop ---------------------------------------------------------------------
     def run(self) -> SimResult:
-        from tqdm import tqdm
-
         started = time.perf_counter()
         self._now = 0.0
         for group in self.groups:

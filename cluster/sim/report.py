@@ -5,6 +5,11 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import numpy as np
+from rich import box
+from rich.console import Console
+from rich.table import Table
+
 from cluster.sim.config import SimConfig
 from cluster.sim.device_model import StepModel
 
@@ -22,10 +27,6 @@ def cell_name(summary: dict) -> str:
 
 
 def print_report(config: SimConfig, models: dict[str, StepModel], capacity_rps: float, summaries: list[dict]) -> None:
-    from rich import box
-    from rich.console import Console
-    from rich.table import Table
-
     console = Console(width=None if Console().is_terminal else 200)
     console.print(f"[bold]tandem sim[/bold] {config.name}: {summaries[0]['num_requests']} requests, "
                   f"cluster capacity ~{capacity_rps:.3g} req/s (initial replicas)")
@@ -58,11 +59,11 @@ def print_report(config: SimConfig, models: dict[str, StepModel], capacity_rps: 
 
 def write_plots(summaries: list[dict], directory: Path, name: str) -> list[Path]:
     """Latency percentiles per cell (one panel per latency), and throughput/goodput/cost."""
+    # here, not at the top: pyplot would add ~0.4 s to every tandem command, for the plots only
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    import numpy as np
 
     directory.mkdir(parents=True, exist_ok=True)
     labels = [cell_name(s) for s in summaries]

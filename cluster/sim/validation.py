@@ -12,6 +12,10 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from rich import box
+from rich.console import Console
+from rich.table import Table
+
 METRICS = [(f"p{p}_{name}_ms", f"{label} p{p} (ms)") for name, label in (("ttft", "TTFT"), ("tpot", "TPOT"),
                                                                           ("e2el", "E2E")) for p in (50, 90, 99)]
 METRICS += [("request_throughput", "requests/s"), ("output_throughput", "output tok/s")]
@@ -39,10 +43,6 @@ def compare(measured_path: Path, summaries: list[dict]) -> dict[str, list[dict]]
 
 
 def print_comparison(comparison: dict[str, list[dict]]) -> None:
-    from rich import box
-    from rich.console import Console
-    from rich.table import Table
-
     table = Table(box=box.SIMPLE_HEAD, show_edge=False, title="simulated vs measured (error = sim / measured - 1)")
     table.add_column("metric")
     for router in comparison:
