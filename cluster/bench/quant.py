@@ -90,7 +90,7 @@ def _kernel_fns(in_features: int, out_features: int):
     """kernel name -> (rows -> callable), or None where the kernel cannot run."""
     weight = torch.randn(out_features, in_features) * 0.02
     q = quantize_weight(weight)
-    widened = Int8Linear(weight, None, "int8")
+    int8_layer = Int8Linear(weight, None, "int8")
     fns = {"float32": lambda x: F.linear(x, weight)}
     fns["float32-packed"] = PackedLinear(torch.nn.Linear(in_features, out_features, bias=False)) \
         if can_pack(torch.device("cpu"), torch.float32) else None
@@ -98,7 +98,7 @@ def _kernel_fns(in_features: int, out_features: int):
     scale = q.scale.to(pack_dtype) if pack_dtype else None
     fns["int8pack-bf16"] = (lambda x: torch.ops.aten._weight_int8pack_mm(x.to(pack_dtype), q.weight_int8, scale)
                             .float()) if pack_dtype else None
-    fns["int8-widened"] = widened._widened  # what Int8Linear runs above its int8pack row limit
+    fns["int8-widened"] = int8_layer.widened  # what Int8Linear runs above its int8pack row limit
     fns["int8-dynamic-fbgemm"] = Int8Linear(weight, None, "int8-dynamic") if fbgemm_available() else None
     return fns
 

@@ -99,10 +99,11 @@ class Int8Linear(nn.Module):
             out = torch.ops.aten._weight_int8pack_mm(x.to(self._pack_dtype), self.weight_int8, self._pack_scale)
             out = out.to(x.dtype)
             return out if self.bias is None else out + self.bias
-        return self._widened(x)
+        return self.widened(x)
 
-    def _widened(self, x: torch.Tensor) -> torch.Tensor:
-        """Widen ``_WIDEN_CHUNK`` output rows at a time: never the whole matrix at once."""
+    def widened(self, x: torch.Tensor) -> torch.Tensor:
+        """The product through widened weights (what runs above the int8pack row limit), ``_WIDEN_CHUNK``
+        output rows at a time: never the whole matrix at once."""
         if self.out_features <= _WIDEN_CHUNK:
             weight = dequantize_weight(QuantizedWeight(self.weight_int8, self.weight_scale), x.dtype)
             return F.linear(x, weight, self.bias)
