@@ -1,7 +1,7 @@
 """``tandem bench served``: the served path against vLLM's server, under vLLM's own client.
 
 One run starts, one after the other (never two at once), ``tandem serve CONFIG`` and vLLM's
-CPU OpenAI server (the ``vllm_cpu.sh`` anchor, bfloat16, the same model and
+CPU OpenAI server (the ``vllm_cpu.sh`` anchor, the same model, dtype and
 ``--max-num-seqs``) in both of its core placements on a small machine: its default (engine
 bound to some cores, one reserved for its front end) and every core for its engine
 (``VLLM_CPU_NUM_OF_RESERVED_CPU=0``). Each server gets every cell: a dataset (128-token
@@ -37,6 +37,9 @@ from cluster.bench.spec_vllm import VLLM_ALL_CORES
 from cluster.bench.proc_cpu import ProcessCpuSampler
 from cluster.bench.served_offline import offline_output_throughput
 from cluster.bench.served_report import FIGURES, print_served_report
+from cluster.bench.offline import concrete_dtype
+from cluster.config import load_config
+from cluster.models.loader import resolve_model
 
 VLLM_PLACEMENTS = {"vllm-default": {}, "vllm-all-cores": VLLM_ALL_CORES}
 
@@ -113,6 +116,8 @@ def run_served(args: argparse.Namespace) -> dict:
     work = Path(tempfile.mkdtemp(prefix="tandem-served-"))
     systems = {"tandem": _measure_system(args, console, "tandem", lambda: start_tandem(
         "tandem", args.config, True, sys.executable), work, True)}
+    if args.vllm_dtype == "tandem":
+        args.vllm_dtype = tandem_dtype(args.config)
     if not args.skip_vllm:
         vllm_args = ["--dtype", args.vllm_dtype, "--max-num-seqs", str(args.max_num_seqs)]
         for name, env in VLLM_PLACEMENTS.items():
@@ -138,6 +143,13 @@ def run_served(args: argparse.Namespace) -> dict:
     return report
 
 
+def tandem_dtype(config_path) -> str:
+    """The dtype the served config computes in on this machine ('auto' made concrete), so vLLM
+    computes in the same one (bfloat16 where the CPU has it natively, float32 on plain AVX2)."""
+    config = load_config(config_path)
+    return concrete_dtype(config.model.dtype, resolve_model(config.model.model))
+
+
 def _cores() -> int:
     return len(os.sched_getaffinity(0))
 
@@ -154,7 +166,8 @@ def add_served_args(parser: argparse.ArgumentParser) -> None:
     add("--seed", type=int, default=0)
     add("--served-model-name", default="smollm2-135m-instruct")
     add("--vllm-script", type=Path, default=DEFAULT_ANCHOR, help="vLLM's CPU anchor script (vllm_cpu.sh)")
-    add("--vllm-dtype", default="bfloat16")
+    add("--vllm-dtype", default="tandem",
+        help="vLLM server's --dtype (default 'tandem': the dtype the served config resolves to here)")
     add("--max-num-seqs", type=int, default=64, help="vLLM server's --max-num-seqs (Tandem: its config)")
     add("--python-vllm", default=None, help="interpreter with vLLM for the client (default: the vLLM tier's)")
     add("--tokenizer", default=None, help="tokenizer folder for the client (default: the anchor's model folder)")

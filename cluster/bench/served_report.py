@@ -42,6 +42,11 @@ def verdicts(tandem: dict, vllm: dict) -> dict[str, dict]:
 def print_served_report(console, report: dict) -> None:
     systems = report["systems"]
     tandem = systems.get("tandem", {})
+    settings = report.get("settings", {})
+    if "vllm" in settings:
+        console.print(f"what each got: tandem: {settings['tandem']}; vLLM: dtype {settings['vllm']['dtype']}, "
+                      f"--max-num-seqs {settings['vllm']['max_num_seqs']}, placements "
+                      f"{', '.join(settings['vllm']['placements'])}; client: {settings['client']}")
     for cell, figures in tandem.items():
         if not isinstance(figures, dict) or "error" in figures:
             console.print(f"[red]tandem {cell}:[/] {figures.get('error') if isinstance(figures, dict) else figures}")
