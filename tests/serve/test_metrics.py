@@ -36,7 +36,11 @@ def test_every_catalog_metric_is_exported_with_its_labels(server_url, serve_conf
         missing = sorted(set(wanted) - set(series))
         length = _total(series.get("ray_request_success_total", []), finished_reason="length")
         aborted = _total(series.get("ray_request_success_total", []), finished_reason="abort")
-        done = not missing and length >= _total(before, finished_reason="length") + 4 and aborted >= 1
+        # Every group's replica exports its capacity once its engine is up (a fresh machine may
+        # still be compiling the CPU kernels for one of them when the test starts).
+        reporting = {s.labels["group"] for s in series.get("ray_tandem_capacity_tokens_per_second", [])}
+        done = (not missing and length >= _total(before, finished_reason="length") + 4 and aborted >= 1
+                and reporting == {g.name for g in serve_config.serve.groups})
         if done or time.time() > deadline:
             break
         time.sleep(2)
