@@ -11,9 +11,8 @@ import torch
 from cluster.config import TandemConfig
 from cluster.kernels.packed_linear import pack_linears
 from cluster.models.layers.cpu_ops import attach_decode_ops
-from cluster.models.loader import (
-    iter_lazy_weights, iter_weights, load_hf_config, load_tokenizer_if_present, resolve_model,
-)
+from cluster.models.hf_folder import iter_lazy_weights, iter_weights
+from cluster.models.loader import load_hf_config, load_tokenizer_if_present, resolve_model
 from cluster.models.registry import build_model, engine_max_model_len, resolve_dtype
 from cluster.parallel.group import TPGroup
 from cluster.parallel.layers import pack_parallel_linears
