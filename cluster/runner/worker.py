@@ -41,13 +41,12 @@ class Worker:
 
     @classmethod
     def from_config(cls, config: TandemConfig) -> "Worker":
-        """Load the model of ``config``; with ``parallel.tensor_parallel_size`` > 1 this starts
-        the other ranks' processes and returns the driver rank's worker."""
+        """Load the model of ``config`` in this process. Raises ValueError when
+        ``parallel.tensor_parallel_size`` > 1: :func:`cluster.runner.start.start_worker` starts
+        the other ranks too."""
         if config.parallel.tensor_parallel_size > 1:
-            # here, not at the top: a cycle (tp_executor imports this module)
-            from cluster.runner.tp_executor import start_tensor_parallel
-
-            return start_tensor_parallel(config)
+            raise ValueError(f"Worker.from_config loads one process, not tensor_parallel_size "
+                             f"{config.parallel.tensor_parallel_size}; use cluster.runner.start.start_worker")
         if config.device.num_threads:
             torch.set_num_threads(config.device.num_threads)
         device = default_device(config.device.device)
