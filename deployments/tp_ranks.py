@@ -3,7 +3,7 @@
 A replica group with ``tensor_parallel_size`` N gets a placement group of N bundles
 (``deployments/app.py``); Serve puts the replica itself (rank 0, the driver) in bundle
 0, and :class:`RayLauncher` puts rank ``r`` in bundle ``r`` with the same resources.
-Each actor runs :func:`cluster.runner.tp_executor.run_worker` as one long call; the
+Each actor runs :func:`cluster.runner.tp_rank.run_worker` as one long call; the
 driver's liveness check asks Ray whether that call has ended (the actor died or the
 rank stopped), without a round trip to the actor.
 """
@@ -18,7 +18,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from cluster.config import TandemConfig
 from cluster.parallel.group import StoreAddress
-from cluster.runner.tp_executor import run_worker
+from cluster.runner.tp_rank import run_worker
 
 RANK_NAME_PREFIX = "tandem-tp-rank"
 

@@ -28,7 +28,8 @@ from rich.table import Table
 from cluster.bench.args import int_list, positive_int, timed
 from cluster.bench.offline_vllm import DEFAULT_VLLM_PYTHON, VllmRunner
 from cluster.engine.llm import LLM
-from cluster.models.loader import iter_weights, load_hf_config, load_tokenizer, resolve_model
+from cluster.models.hf_folder import iter_weights
+from cluster.models.loader import load_hf_config, load_tokenizer, resolve_model
 from cluster.models.registry import resolve_dtype
 from cluster.shared.sampling_params import SamplingParams
 

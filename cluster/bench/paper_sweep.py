@@ -6,7 +6,8 @@ from __future__ import annotations
 
 from dataclasses import asdict
 
-from cluster.bench.spec import SpecCounts, make_cell, run_closed_loop
+from cluster.bench.spec import run_closed_loop
+from cluster.bench.spec_cells import SpecCounts, make_cell
 from cluster.spec_decode.controller import FixedController
 from cluster.spec_decode.profile_data import measured_model
 

@@ -11,9 +11,9 @@ at once by the next prompt. Greedy, ``output_len`` tokens, EOS ignored, prefix c
 every k of a batch size N times in rounds, each round starting at another k (so on a
 machine whose speed drifts no k is always measured first), and pools a cell's rounds.
 
-Per cell: output tok/s (all output tokens / wall time, prefill included), TPOT per request
-as vLLM defines it ((last token time - first token time) / (output tokens - 1)), averaged
-over requests; TTFT; the engine's speculative counters over the timed run (acceptance rate
+Per cell (:mod:`cluster.bench.spec_cells`): output tok/s (all output tokens / wall time,
+prefill included), TPOT per request as vLLM defines it ((last token time - first token time)
+/ (output tokens - 1)), averaged over requests; TTFT; the engine's speculative counters over the timed run (acceptance rate
 = accepted / drafted tokens, mean acceptance length = 1 + accepted / drafting steps); and
 output tokens per target step (steps without a draft count too). Speedup is tok/s over
 ``k = 0`` at the same batch size. ``--vllm`` adds vLLM's CPU server as a peer
@@ -33,7 +33,6 @@ import gc
 import json
 import os
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -42,117 +41,18 @@ from rich.progress import Progress
 
 from cluster.bench.args import int_list, k_list, positive_int, ratio_or_none
 from cluster.bench.offline import DTYPES, concrete_dtype
+from cluster.bench.spec_cells import WARMUP_LEN, RequestTiming, SpecCell, SpecCounts, pool_rounds
 from cluster.bench.spec_report import TANDEM_INVARIANT, TANDEM_REJECTION, build_result, print_tables
+from cluster.bench.spec_vllm import VllmResult, measure_vllm
 from cluster.engine.llm import LLM
 from cluster.models.loader import load_tokenizer, resolve_model
 from cluster.profiling.edit_prompts import build_prompt_ids
 from cluster.shared.sampling_params import SamplingParams
 from cluster.spec_decode.controller import FixedController
 
-WARMUP_LEN = 8
 DEFAULT_VLLM_SCRIPT = Path(__file__).resolve().parents[3] / "shared" / "anchors" / "vllm_cpu.sh"
 WORKLOAD = ("each prompt asks to rewrite, summarize, proofread or continue a short passage given in full "
             "in the prompt, so the output naturally repeats prompt text (where prompt lookup helps)")
-
-
-@dataclass(frozen=True)
-class RequestTiming:
-    ttft_s: float  # from submission to the first output token
-    decode_s: float  # from the first output token to the last
-    output_tokens: int
-    decode_steps: int | None = None  # target steps that emitted tokens after the first (Tandem only)
-
-
-@dataclass(frozen=True)
-class SpecCounts:
-    """Speculative decoding counters (vLLM's meanings); differences give one run's share."""
-
-    num_drafts: int = 0  # request-steps that verified at least one draft token
-    num_draft_tokens: int = 0
-    num_accepted_tokens: int = 0
-    accepted_per_position: tuple[int, ...] = ()
-
-    @classmethod
-    def of(cls, stats) -> SpecCounts:
-        return cls(stats.num_drafts, stats.num_draft_tokens, stats.num_accepted_tokens,
-                   tuple(stats.accepted_per_position))
-
-    def plus(self, other: SpecCounts) -> SpecCounts:
-        width = max(len(self.accepted_per_position), len(other.accepted_per_position))
-        pad = lambda c: c.accepted_per_position + (0,) * (width - len(c.accepted_per_position))  # noqa: E731
-        return SpecCounts(self.num_drafts + other.num_drafts, self.num_draft_tokens + other.num_draft_tokens,
-                          self.num_accepted_tokens + other.num_accepted_tokens,
-                          tuple(a + b for a, b in zip(pad(self), pad(other))))
-
-    def minus(self, earlier: SpecCounts) -> SpecCounts:
-        width = len(self.accepted_per_position)
-        old = earlier.accepted_per_position + (0,) * (width - len(earlier.accepted_per_position))
-        return SpecCounts(self.num_drafts - earlier.num_drafts, self.num_draft_tokens - earlier.num_draft_tokens,
-                          self.num_accepted_tokens - earlier.num_accepted_tokens,
-                          tuple(a - b for a, b in zip(self.accepted_per_position, old)))
-
-
-@dataclass(frozen=True)
-class SpecCell:
-    """One (system, batch size, k) run over all prompts."""
-
-    system: str  # "tandem" or "vllm"
-    method: str
-    batch_size: int
-    k: int
-    num_requests: int
-    output_tokens: int
-    seconds: float
-    tok_per_s: float
-    tpot_ms: float | None  # mean over requests
-    ttft_ms: float  # mean over requests
-    tokens_per_step: float | None  # output tokens per target step after the first token
-    num_drafts: int | None = None
-    num_draft_tokens: int | None = None
-    num_accepted_tokens: int | None = None
-    acceptance_rate: float | None = None
-    mean_acceptance_length: float | None = None
-    accepted_per_position: list[int] = field(default_factory=list)
-    identical_to_k0: int | None = None  # requests whose tokens equal k = 0's at this batch size
-    repeat_tok_per_s: list[float] = field(default_factory=list)  # each round's tok/s (--repeats)
-
-
-def pool_rounds(system: str, method: str, batch_size: int, k: int, output_len: int,
-                rounds: list[tuple[list[RequestTiming], float, SpecCounts]]) -> SpecCell:
-    """One cell from its rounds' (timings, seconds, counts): every round's requests and
-    counters together, tok/s as all rounds' tokens over all rounds' seconds, and each
-    round's own tok/s in ``repeat_tok_per_s``."""
-    counts = rounds[0][2]
-    for _, _, more in rounds[1:]:
-        counts = counts.plus(more)
-    cell = make_cell(system, method, batch_size, k, output_len, [t for r in rounds for t in r[0]],
-                     sum(r[1] for r in rounds), counts)
-    return dataclasses.replace(cell, repeat_tok_per_s=[sum(t.output_tokens for t in r[0]) / r[1] for r in rounds])
-
-
-def make_cell(system: str, method: str, batch_size: int, k: int, output_len: int,
-              timings: list[RequestTiming], seconds: float, counts: SpecCounts | None) -> SpecCell:
-    """Raises RuntimeError if any request did not produce exactly ``output_len`` tokens."""
-    wrong = [t.output_tokens for t in timings if t.output_tokens != output_len]
-    if wrong:
-        raise RuntimeError(f"{system} produced {wrong[:3]} tokens for some requests, expected {output_len} each")
-    output_tokens = sum(t.output_tokens for t in timings)
-    tpots = [t.decode_s / (t.output_tokens - 1) for t in timings if t.output_tokens > 1]
-    steps = [t.decode_steps for t in timings]
-    per_step = (sum(t.output_tokens - 1 for t in timings) / sum(steps)
-                if None not in steps and sum(steps) else None)
-    spec = {}
-    if counts is not None:
-        spec = dict(num_drafts=counts.num_drafts, num_draft_tokens=counts.num_draft_tokens,
-                    num_accepted_tokens=counts.num_accepted_tokens,
-                    accepted_per_position=list(counts.accepted_per_position))
-        if counts.num_draft_tokens:
-            spec["acceptance_rate"] = counts.num_accepted_tokens / counts.num_draft_tokens
-        if counts.num_drafts:
-            spec["mean_acceptance_length"] = 1 + counts.num_accepted_tokens / counts.num_drafts
-    return SpecCell(system, method, batch_size, k, len(timings), output_tokens, seconds, output_tokens / seconds,
-                    sum(tpots) / len(tpots) * 1e3 if tpots else None,
-                    sum(t.ttft_s for t in timings) / len(timings) * 1e3, per_step, **spec)
 
 
 def add_spec_args(parser: argparse.ArgumentParser) -> None:
@@ -294,9 +194,6 @@ def _measure_tandem(args, source, prompt_ids, progress, task, system: str, varia
 
 def run_spec_bench(args: argparse.Namespace) -> dict:
     """Measure every cell, print the tables, write ``args.json`` if set; returns the JSON dict."""
-    # here, not at the top: a cycle (spec_vllm imports this module)
-    from cluster.bench.spec_vllm import VllmResult, measure_vllm
-
     if args.vllm and args.temperature > 0:
         raise ValueError("the vLLM peer is measured greedy: drop --vllm or --temperature")
     variants = engine_variants(args)

@@ -26,7 +26,7 @@ import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
-from cluster.bench.spec import WARMUP_LEN, RequestTiming, SpecCell, SpecCounts, make_cell
+from cluster.bench.spec_cells import WARMUP_LEN, RequestTiming, SpecCell, SpecCounts, make_cell
 
 SERVED_NAME = "smollm2-135m-instruct"  # the anchor's --served-model-name
 START_TIMEOUT_S = 1800  # a first start may install vLLM (a few minutes) before serving

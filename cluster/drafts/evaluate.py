@@ -27,7 +27,8 @@ from rich.table import Table
 
 from cluster.config import TandemConfig, with_overrides
 from cluster.engine.engine import Engine
-from cluster.models.loader import iter_weights, resolve_model
+from cluster.models.hf_folder import iter_weights
+from cluster.models.loader import resolve_model
 from cluster.runner.input_batch import SeqChunk
 from cluster.profiling.profiler import measure_acceptance
 

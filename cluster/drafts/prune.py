@@ -18,7 +18,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from cluster.models.loader import ModelSource, load_hf_config, iter_weights
+from cluster.models.hf_folder import ModelSource, iter_weights
+from cluster.models.loader import load_hf_config
 
 if TYPE_CHECKING:
     from transformers import LlamaForCausalLM

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from cluster.models.loader import iter_weights, resolve_model
+from cluster.models.hf_folder import iter_weights
+from cluster.models.loader import resolve_model
 from cluster.quant.checkpoint import write_int8_folder
 from cluster.quant.int8_linear import SCHEMES
 

@@ -21,6 +21,7 @@ from cluster.errors import ParamError
 from cluster.kv.block_manager import BlockManager, cdiv
 from cluster.kv.prefix_cache import engine_hash_seed
 from cluster.runner.model_runner import SampledTokens
+from cluster.runner.start import start_worker
 from cluster.runner.worker import Worker
 from cluster.shared.outputs import CompletionOutput, Logprob, RequestOutput, RequestTimes, TokenLogprobs, Usage
 from cluster.shared.request import Request, RequestStatus
@@ -55,7 +56,7 @@ class _OutputState:
 class Engine:
     def __init__(self, config: TandemConfig, worker: Worker | None = None) -> None:
         self.config = config
-        self.worker = worker or Worker.from_config(config)
+        self.worker = worker or start_worker(config)
         self.tokenizer = self.worker.tokenizer
         self.max_model_len = self.worker.max_model_len
         self.block_manager = BlockManager(

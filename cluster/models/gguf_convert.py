@@ -34,7 +34,7 @@ from gguf.quants import dequantize
 from safetensors.torch import save_file
 from transformers import AutoTokenizer, LlamaConfig
 
-from cluster.models.loader import ModelLoadError
+from cluster.models.hf_folder import ModelLoadError
 
 logger = logging.getLogger(__name__)
 

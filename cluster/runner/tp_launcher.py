@@ -1,6 +1,6 @@
 """Starting the worker ranks of a tensor-parallel engine.
 
-A launcher starts ranks 1..tp-1, each running :func:`cluster.runner.tp_executor.run_worker`,
+A launcher starts ranks 1..tp-1, each running :func:`cluster.runner.tp_rank.run_worker`,
 and hands back a :class:`RankProcess` per rank that the driver polls before every step.
 Outside Ray (the offline ``LLM``, tests) :class:`SpawnLauncher` starts local processes
 with the ``spawn`` context; inside a Ray Serve replica, ``deployments/tp_ranks.py``
@@ -15,6 +15,7 @@ from typing import Protocol
 
 from cluster.config import TandemConfig
 from cluster.parallel.group import StoreAddress
+from cluster.runner.tp_rank import run_worker
 
 
 class RankProcess(Protocol):
@@ -66,9 +67,6 @@ class SpawnLauncher:
     isolates_devices = False
 
     def launch(self, config: TandemConfig, rank: int, address: StoreAddress, device: str) -> SpawnedRank:
-        # here, not at the top: a cycle (tp_executor imports this module)
-        from cluster.runner.tp_executor import run_worker
-
         context = multiprocessing.get_context("spawn")
         process = context.Process(target=run_worker, args=(config, rank, address, device), daemon=True,
                                   name=f"tandem-tp-rank{rank}")

@@ -11,9 +11,8 @@ import torch
 from cluster.config import TandemConfig
 from cluster.kernels.packed_linear import pack_linears
 from cluster.models.layers.cpu_ops import attach_decode_ops
-from cluster.models.loader import (
-    iter_lazy_weights, iter_weights, load_hf_config, load_tokenizer_if_present, resolve_model,
-)
+from cluster.models.hf_folder import iter_lazy_weights, iter_weights
+from cluster.models.loader import load_hf_config, load_tokenizer_if_present, resolve_model
 from cluster.models.registry import build_model, engine_max_model_len, resolve_dtype
 from cluster.parallel.group import TPGroup
 from cluster.parallel.layers import pack_parallel_linears
@@ -42,13 +41,12 @@ class Worker:
 
     @classmethod
     def from_config(cls, config: TandemConfig) -> "Worker":
-        """Load the model of ``config``; with ``parallel.tensor_parallel_size`` > 1 this starts
-        the other ranks' processes and returns the driver rank's worker."""
+        """Load the model of ``config`` in this process. Raises ValueError when
+        ``parallel.tensor_parallel_size`` > 1: :func:`cluster.runner.start.start_worker` starts
+        the other ranks too."""
         if config.parallel.tensor_parallel_size > 1:
-            # here, not at the top: a cycle (tp_executor imports this module)
-            from cluster.runner.tp_executor import start_tensor_parallel
-
-            return start_tensor_parallel(config)
+            raise ValueError(f"Worker.from_config loads one process, not tensor_parallel_size "
+                             f"{config.parallel.tensor_parallel_size}; use cluster.runner.start.start_worker")
         if config.device.num_threads:
             torch.set_num_threads(config.device.num_threads)
         device = default_device(config.device.device)

@@ -119,7 +119,8 @@ def find_embedded(quick: bool, stage: carry.StageReport) -> tuple[Path | None, s
 def run_embedded(run: Run, device: str, path: Path, stage: carry.StageReport) -> None:
     import checks
     from cluster.bench.offline import PROMPTS
-    from cluster.models.loader import ModelSource, load_tokenizer
+    from cluster.models.hf_folder import ModelSource
+    from cluster.models.loader import load_tokenizer
 
     def same_weights(name: str) -> CheckResult:
         packed = (stage.manifest or {}).get("model", {}).get("converted")
@@ -162,7 +163,8 @@ def throughput_model(quick: bool, models: dict[str, Path], embedded: Path | None
 
 def run_throughput(run: Run, settings: dict, model: str, path: Path) -> dict | None:
     import throughput
-    from cluster.models.loader import ModelSource, load_tokenizer
+    from cluster.models.hf_folder import ModelSource
+    from cluster.models.loader import load_tokenizer
 
     held = {}
 

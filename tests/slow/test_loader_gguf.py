@@ -12,15 +12,8 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from cluster.models import gguf_convert
-from cluster.models.loader import (
-    EMBEDDED_MODELS,
-    ModelSource,
-    default_cache_dir,
-    iter_weights,
-    load_hf_config,
-    load_tokenizer,
-    resolve_model,
-)
+from cluster.models.hf_folder import ModelSource, iter_weights
+from cluster.models.loader import EMBEDDED_MODELS, default_cache_dir, load_hf_config, load_tokenizer, resolve_model
 
 pytestmark = pytest.mark.slow
 

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from cluster.bench.spec import RequestTiming, SpecCounts, pool_rounds
+from cluster.bench.spec_cells import RequestTiming, SpecCounts, pool_rounds
 from cluster.bench.spec_vllm import VllmResult, free_port, parse_spec_counts
 from cluster.profiling.edit_prompts import PASSAGES, TASKS, build_prompt_ids
 from cluster.cli import main

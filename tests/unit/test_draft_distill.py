@@ -13,7 +13,8 @@ from cluster.cli import main
 from cluster.drafts.distill import DistillSettings, batch_rows, distill
 from cluster.drafts.prune import select_layers
 from cluster.shared.sampling_params import SamplingParams
-from cluster.models.loader import iter_weights, load_hf_config, load_tokenizer, resolve_model
+from cluster.models.hf_folder import iter_weights
+from cluster.models.loader import load_hf_config, load_tokenizer, resolve_model
 from cluster.models.tiny import save_tiny_model, save_tiny_tokenizer, tiny_llama_config
 from tests.engine_helpers import make_engine, run_to_completion
 

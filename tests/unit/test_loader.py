@@ -14,16 +14,8 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from cluster.models import gguf_convert
 from cluster.models import loader
-from cluster.models.loader import (
-    EMBEDDED_MODELS,
-    ModelLoadError,
-    ModelSource,
-    default_cache_dir,
-    iter_weights,
-    load_hf_config,
-    load_tokenizer,
-    resolve_model,
-)
+from cluster.models.hf_folder import ModelLoadError, ModelSource, iter_weights
+from cluster.models.loader import EMBEDDED_MODELS, default_cache_dir, load_hf_config, load_tokenizer, resolve_model
 
 CHAT_TEMPLATE = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"

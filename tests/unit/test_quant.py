@@ -16,7 +16,8 @@ from cluster.quant.int8_linear import Int8Linear, dequantize_weight, fbgemm_avai
 from cluster.quant.kv_int8 import quantize_vectors
 from cluster.bench.quant_quality import compare, reference_of, sequence_logits
 from cluster.runner.worker import Worker
-from cluster.models.loader import iter_weights, resolve_model
+from cluster.models.hf_folder import iter_weights
+from cluster.models.loader import resolve_model
 from tests.engine_helpers import make_engine, run_to_completion
 
 GREEDY = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)

@@ -117,7 +117,8 @@ def test_rank_loads_and_reads_only_its_shard(kv_heads, tiny_llama_dir, tiny_llam
     it); only the unsplit norms are read whole."""
     from safetensors.torch import load_file
 
-    from cluster.models.loader import LazyTensor, iter_lazy_weights, load_hf_config, resolve_model
+    from cluster.models.hf_folder import LazyTensor, iter_lazy_weights
+    from cluster.models.loader import load_hf_config, resolve_model
     from cluster.models.registry import build_model
 
     model_dir = tiny_llama_dir if kv_heads == 2 else tiny_llama_kv1_dir
