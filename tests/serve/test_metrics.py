@@ -20,10 +20,16 @@ def _total(samples, **labels) -> float:
 
 def test_every_catalog_metric_is_exported_with_its_labels(server_url, serve_config, client):
     port = serve_config.serve.metrics_export_port
+    groups = {g.name for g in serve_config.serve.groups}
     before = scrape_metrics(port).get("ray_request_success_total", [])
     for i in range(4):
         client.completions.create(model=MODEL, prompt=f"metrics {i}", max_tokens=6, temperature=0,
                                   extra_body={"ignore_eos": True})
+    # Every group decodes at least once, so each has measured step times (test_engine_death has
+    # replaced the slow group's replica by now, and the router may send it nothing above).
+    for group in sorted(groups):
+        client.completions.create(model=MODEL, prompt=f"metrics on {group}", max_tokens=6, temperature=0,
+                                  extra_body={"ignore_eos": True}, extra_headers={"X-Tandem-Group": group})
     # One client that leaves mid-stream: an aborted request.
     body = {"model": MODEL, "prompt": "go away", "max_tokens": 200, "ignore_eos": True, "stream": True}
     with httpx.stream("POST", f"{server_url}/v1/completions", json=body, headers=AUTH, timeout=60) as response:
@@ -36,18 +42,17 @@ def test_every_catalog_metric_is_exported_with_its_labels(server_url, serve_conf
         missing = sorted(set(wanted) - set(series))
         length = _total(series.get("ray_request_success_total", []), finished_reason="length")
         aborted = _total(series.get("ray_request_success_total", []), finished_reason="abort")
-        # Every group's replica exports its capacity once its engine is up (a fresh machine may
-        # still be compiling the CPU kernels for one of them when the test starts).
-        reporting = {s.labels["group"] for s in series.get("ray_tandem_capacity_tokens_per_second", [])}
-        done = (not missing and length >= _total(before, finished_reason="length") + 4 and aborted >= 1
-                and reporting == {g.name for g in serve_config.serve.groups})
+        # A group that has decoded has measured step times, so it predicts a capacity.
+        capacity = {s.labels["group"]: s.value for s in series.get("ray_tandem_capacity_tokens_per_second", [])}
+        done = (not missing and length >= _total(before, finished_reason="length") + 4 + len(groups)
+                and aborted >= 1 and set(capacity) == groups and all(capacity.values()))
         if done or time.time() > deadline:
             break
         time.sleep(2)
     assert not missing, f"not exported: {missing}"
-    assert length >= _total(before, finished_reason="length") + 4 and aborted >= 1
+    assert length >= _total(before, finished_reason="length") + 4 + len(groups) and aborted >= 1
+    assert set(capacity) == groups and all(capacity[g] > 0 for g in groups), capacity
 
-    groups = {g.name for g in serve_config.serve.groups}
     for name, spec in wanted.items():
         for sample in series[name]:
             labels = set(sample.labels)
@@ -58,10 +63,6 @@ def test_every_catalog_metric_is_exported_with_its_labels(server_url, serve_conf
                 assert sample.labels["deployment"] == f"replica-{sample.labels['group']}"
     assert {s.labels["group"] for s in series["ray_tandem_router_decisions_total"]} <= groups
     assert set(COMMON_LABELS) == {"group", "device_kind"}
-    # A group that has run steps has measured step times, so it predicts a capacity.
-    capacity = {s.labels["group"]: s.value for s in series["ray_tandem_capacity_tokens_per_second"]}
-    served = {g for g in groups if _total(series["ray_generation_tokens_total"], group=g) > 0}
-    assert set(capacity) == groups and served and all(capacity[g] > 0 for g in served), capacity
     # Self-speculation accepts every draft token.
     drafted = _total(series["ray_spec_decode_num_draft_tokens_total"])
     assert drafted > 0 and _total(series["ray_spec_decode_num_accepted_tokens_total"]) == drafted
