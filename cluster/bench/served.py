@@ -33,12 +33,12 @@ from rich.console import Console
 
 from cluster.bench.compare import DEFAULT_ANCHOR
 from cluster.bench.compare_servers import python_with_vllm, start_or_report, start_tandem, start_vllm_anchor
+from cluster.bench.offline import concrete_dtype
 from cluster.bench.spec_vllm import VLLM_ALL_CORES
 from cluster.bench.proc_cpu import ProcessCpuSampler
 from cluster.bench.served_offline import offline_output_throughput
 from cluster.bench.served_report import FIGURES, print_served_report
-from cluster.bench.offline import concrete_dtype
-from cluster.config import load_config
+from cluster.config import group_engine_config, load_config
 from cluster.models.loader import resolve_model
 
 VLLM_PLACEMENTS = {"vllm-default": {}, "vllm-all-cores": VLLM_ALL_CORES}
@@ -144,10 +144,12 @@ def run_served(args: argparse.Namespace) -> dict:
 
 
 def tandem_dtype(config_path) -> str:
-    """The dtype the served config computes in on this machine ('auto' made concrete), so vLLM
-    computes in the same one (bfloat16 where the CPU has it natively, float32 on plain AVX2)."""
+    """The dtype the served config's (first) group computes in on this machine ('auto' made
+    concrete), so vLLM computes in the same one (bfloat16 where the CPU has it natively, float32
+    on plain AVX2)."""
     config = load_config(config_path)
-    return concrete_dtype(config.model.dtype, resolve_model(config.model.model))
+    model = group_engine_config(config, config.serve.groups[0].name).model
+    return concrete_dtype(model.dtype, resolve_model(model.model, model.cache_dir))
 
 
 def _cores() -> int:
