@@ -113,11 +113,11 @@ def run_served(args: argparse.Namespace) -> dict:
         raise ValueError(f"the vLLM anchor script {args.vllm_script} does not exist (--vllm-script)")
     args.tokenizer = args.tokenizer or subprocess.run([str(args.vllm_script), "model"], capture_output=True,
                                                       text=True, check=True).stdout.strip().splitlines()[-1]
+    if args.vllm_dtype == "tandem":
+        args.vllm_dtype = tandem_dtype(args.config)
     work = Path(tempfile.mkdtemp(prefix="tandem-served-"))
     systems = {"tandem": _measure_system(args, console, "tandem", lambda: start_tandem(
         "tandem", args.config, True, sys.executable), work, True)}
-    if args.vllm_dtype == "tandem":
-        args.vllm_dtype = tandem_dtype(args.config)
     if not args.skip_vllm:
         vllm_args = ["--dtype", args.vllm_dtype, "--max-num-seqs", str(args.max_num_seqs)]
         for name, env in VLLM_PLACEMENTS.items():
