@@ -85,6 +85,18 @@ inline float rotated(const T* x, const T* cos, const T* sin_signed, int64_t d, i
   return to_float(x[d]) * to_float(cos[d]) + to_float(x[partner]) * to_float(sin_signed[d]);
 }
 
+// A query row reads its context's K (then V) rows through the slot table: one head's row of each
+// slot, scattered over the cache, too irregular for the hardware prefetcher. Asking for the rows
+// a few slots ahead keeps several cache misses in flight instead of one.
+constexpr int64_t kPrefetchSlots = 8;
+
+template <typename T>
+inline void prefetch_row(const T* row, int64_t head_dim) {
+  const char* p = reinterpret_cast<const char*>(row);
+  for (int64_t offset = 0; offset < head_dim * static_cast<int64_t>(sizeof(T)); offset += 64)
+    _mm_prefetch(p + offset, _MM_HINT_T0);
+}
+
 template <typename T>
 void decode_attention(const DecodeBatch<T>& b, T* out) {
   const int64_t D = b.head_dim, kv_stride = b.num_kv_heads * D;  // kv_stride: one slot
@@ -110,8 +122,11 @@ void decode_attention(const DecodeBatch<T>& b, T* out) {
       const T* q_heads = b.q + s * b.row_stride_q + h * group * D;
       for (int64_t g = 0; g < group; ++g)
         for (int64_t d = 0; d < D; ++d) query[g * D + d] = rotated(q_heads + g * D, cos, sin, d, D) * b.scale;
+      for (int64_t t = 0; t < std::min(len, kPrefetchSlots); ++t)
+        prefetch_row(b.key_cache + slots[t] * kv_stride + h * D, D);
       scores.assign(group * len, 0.f);
       for (int64_t t = 0; t < len; ++t) {
+        if (t + kPrefetchSlots < len) prefetch_row(b.key_cache + slots[t + kPrefetchSlots] * kv_stride + h * D, D);
         const T* key = b.key_cache + slots[t] * kv_stride + h * D;
         for (int64_t g = 0; g < group; ++g) {
           const float* qg = query.data() + g * D;
@@ -120,6 +135,8 @@ void decode_attention(const DecodeBatch<T>& b, T* out) {
           scores[g * len + t] = vsum(dot);
         }
       }
+      for (int64_t t = 0; t < std::min(len, kPrefetchSlots); ++t)  // the values' first rows, during the softmax
+        prefetch_row(b.value_cache + slots[t] * kv_stride + h * D, D);
       for (int64_t g = 0; g < group; ++g) {  // softmax over the context, float32
         float* row = scores.data() + g * len;
         const float top = *std::max_element(row, row + len);
@@ -130,6 +147,7 @@ void decode_attention(const DecodeBatch<T>& b, T* out) {
       }
       std::fill(acc.begin(), acc.end(), 0.f);
       for (int64_t t = 0; t < len; ++t) {
+        if (t + kPrefetchSlots < len) prefetch_row(b.value_cache + slots[t + kPrefetchSlots] * kv_stride + h * D, D);
         const T* value = b.value_cache + slots[t] * kv_stride + h * D;
         for (int64_t g = 0; g < group; ++g) {
           const Vec p = vbroadcast(scores[g * len + t]);
