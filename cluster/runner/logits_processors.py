@@ -131,7 +131,10 @@ def apply_temperature(
     logits: torch.Tensor,  # [num_reqs, vocab_size] float32
     metadata: SamplingMetadata,
 ) -> torch.Tensor:  # [num_reqs, vocab_size] float32
-    """Divide each row by its temperature; greedy rows (temperature 0) are divided by 1."""
+    """Divide each row by its temperature; greedy rows (temperature 0) are divided by 1. When
+    every random row's temperature is 1 the logits come back as they are (x / 1 is x)."""
+    if metadata.unit_temperature:
+        return logits
     temperature = metadata.temperature
     if not metadata.all_random:
         temperature = torch.where(temperature == 0, 1.0, temperature)

@@ -66,6 +66,7 @@ class SamplingMetadata:
     banned_token_ids: dict[int, list[int]]  # row -> ids whose logits are set to -inf
     max_num_logprobs: int | None  # None when no row asks for logprobs
     seeded_race: bool = False  # seeded rows draw by an exponential race on keyed noise, not by the inverse CDF
+    unit_temperature: bool = False  # every random row's temperature is 1: dividing by it is skipped (exact)
     token_bitmask: torch.Tensor | None = None  # [num_reqs, words] int32: allowed tokens (structured outputs)
 
     @classmethod
@@ -129,6 +130,7 @@ class SamplingMetadata:
             banned_token_ids=banned,
             max_num_logprobs=max(num_logprobs) if num_logprobs else None,
             seeded_race=seeded_race,
+            unit_temperature=all(g or p.temperature == 1.0 for p, g in zip(params, greedy)),
             token_bitmask=None if token_bitmask is None else token_bitmask.to(device, non_blocking=True),
         )
 
@@ -212,9 +214,8 @@ def sample_from_probs(
     one batched draw; a seeded row uses the numbers of its seed and position in ``lane`` (by an
     exponential race when ``metadata.seeded_race``).
     """
-    greedy_ids = probs.argmax(dim=-1)
     if metadata.all_greedy:
-        return greedy_ids
+        return probs.argmax(dim=-1)
     num_rows, seeded = probs.shape[0], metadata.seeded
     by_cdf = {} if metadata.seeded_race else seeded
     uniforms = row_uniforms(num_rows, 1, by_cdf, lane, probs.device, len(by_cdf) < num_rows)
@@ -225,7 +226,7 @@ def sample_from_probs(
         random_ids[index] = draw_seeded(probs[index], [seeded[r] for r in rows], lane, race=True)
     if metadata.all_random:
         return random_ids
-    return torch.where(metadata.greedy_mask, greedy_ids, random_ids)
+    return torch.where(metadata.greedy_mask, probs.argmax(dim=-1), random_ids)
 
 
 def gather_logprobs(

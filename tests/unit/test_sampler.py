@@ -230,6 +230,21 @@ def test_filter_fast_path_agrees_with_sort_path():
     torch.testing.assert_close(compute_probs(logits, metadata), compute_probs(logits, slow))
 
 
+@pytest.mark.parametrize("temperatures, unit", [((1.0, 0.0, 1.0), True), ((1.0, 0.7), False), ((0.0,), True)])
+def test_unit_temperature_skips_the_division_bit_for_bit(temperatures, unit):
+    torch.manual_seed(5)
+    params = [SamplingParams(temperature=t, top_p=0.95) for t in temperatures]
+    metadata = build(params, 40)
+    assert metadata.unit_temperature is unit
+    logits = torch.randn(len(params), 40) * 3
+    divided = dataclasses.replace(metadata, unit_temperature=False)
+    assert torch.equal(compute_probs(logits, metadata), compute_probs(logits, divided))
+    uniforms_seed = torch.random.get_rng_state()
+    first = sample_from_probs(compute_probs(logits, metadata), metadata)
+    torch.random.set_rng_state(uniforms_seed)
+    assert torch.equal(first, sample_from_probs(compute_probs(logits, divided), divided))
+
+
 def test_compute_probs_is_pure():
     torch.manual_seed(4)
     params = [SamplingParams(temperature=0.8, top_p=0.9, top_k=5, repetition_penalty=1.5, presence_penalty=1.0)] * 3
