@@ -239,9 +239,9 @@ def test_unit_temperature_skips_the_division_bit_for_bit(temperatures, unit):
     logits = torch.randn(len(params), 40) * 3
     divided = dataclasses.replace(metadata, unit_temperature=False)
     assert torch.equal(compute_probs(logits, metadata), compute_probs(logits, divided))
-    uniforms_seed = torch.random.get_rng_state()
+    rng_state = torch.random.get_rng_state()
     first = sample_from_probs(compute_probs(logits, metadata), metadata)
-    torch.random.set_rng_state(uniforms_seed)
+    torch.random.set_rng_state(rng_state)
     assert torch.equal(first, sample_from_probs(compute_probs(logits, divided), divided))
 
 
