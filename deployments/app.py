@@ -20,6 +20,7 @@ from cluster.config import ConfigError, TandemConfig, config_from_dict, load_con
 from cluster.config_serve import ReplicaGroupConfig
 from cluster.planning.memory_plan import check_memory
 from deployments.ingress import OpenAIIngress
+from deployments.readiness import replica_deployment_name
 from deployments.replica import TandemReplica
 from deployments.router import TandemRequestRouter
 
@@ -45,7 +46,7 @@ def build_app(config: TandemConfig | dict | str | Path) -> Application:
                 "serve.groups[].tensor_parallel_size says (it sizes the placement group); set it there"
             )
         deployment = serve.deployment(TandemReplica).options(
-            name=f"replica-{group.name}", **replica_options(config, group)
+            name=replica_deployment_name(group.name), **replica_options(config, group)
         )
         replicas[group.name] = deployment.bind(data, group.name)
     ingress = OpenAIIngress.options(

@@ -17,6 +17,7 @@ tool-call format (``ModelConfig.tool_call_format``, ``auto`` read from the chat 
 and calls are parsed out of the output.
 """
 
+import asyncio
 import logging
 import time
 import uuid
@@ -45,6 +46,7 @@ from cluster.models.registry import engine_max_model_len
 from cluster.routing.group_router import GroupRouter
 from cluster.structured.constraint import StructuredOutputs
 from deployments.metrics import RaySink
+from deployments.readiness import unready_groups
 from deployments.streams import ApiError, ChoiceStream, respond
 
 logger = logging.getLogger(__name__)
@@ -99,6 +101,12 @@ class OpenAIIngress:
                                                  engine_hash_seed(model.model, model.dtype, model.seed), max_model_len)
             sizes[group.name] = group.autoscaling.min_replicas if group.autoscaling else group.num_replicas
         decisions = RaySink("ingress")
+        # Groups autoscaled to zero replicas do not count against readiness (a request starts one).
+        self.required_groups = [name for name, size in sizes.items() if size > 0]
+        try:
+            self.app_name = serve.get_replica_context().app_name
+        except Exception:  # constructed outside Serve (unit tests)
+            self.app_name = None
         self.router = GroupRouter(sizes, serve_config.router, staleness_seconds=60.0,
                                   on_decision=lambda group: decisions.inc("tandem_router_decisions", 1,
                                                                           (("group", group),)))
@@ -107,7 +115,15 @@ class OpenAIIngress:
 
     # ---- routes -------------------------------------------------------------------
     @app.get("/health")
-    async def health(self) -> dict:
+    async def health(self):
+        """200 once every replica group that keeps replicas has one running; 503 naming the
+        groups that have none (still loading their models, or being replaced)."""
+        if self.app_name is None:
+            return {"status": "ok"}
+        problems = await asyncio.to_thread(lambda: unready_groups(serve.status(), self.app_name,
+                                                                  self.required_groups))
+        if problems:
+            return JSONResponse({"status": "unavailable", "groups": problems}, status_code=503)
         return {"status": "ok"}
 
     @app.get("/v1/models")

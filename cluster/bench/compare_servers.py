@@ -48,7 +48,9 @@ def _wait_ready(url: str, process: subprocess.Popen | None, log: Path, timeout_s
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         try:
-            with urllib.request.urlopen(f"{url}/v1/models", timeout=10) as response:
+            # /health is 200 only once every group's engine runs: the ingress listens before
+            # the engine replicas have loaded, so /v1/models would answer early.
+            with urllib.request.urlopen(f"{url}/health", timeout=10) as response:
                 if response.status == 200:
                     return
         except OSError:
