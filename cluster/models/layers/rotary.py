@@ -27,9 +27,11 @@ class RotaryEmbedding(torch.nn.Module):
         elif rope_type == "dynamic":
             raise ValueError("dynamic NTK RoPE scaling is not supported; use linear, yarn or llama3")
         elif rope_type in ROPE_INIT_FUNCTIONS:
-            inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](config, torch.device("cpu"))
+            inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](config, torch.empty(0).device)
         else:
             raise ValueError(f"unknown rope_type {rope_type!r}; known: default, {sorted(ROPE_INIT_FUNCTIONS)}")
+        # Every tensor here lands on torch's default device (a model built under ``with torch.device("cuda")``
+        # builds its table there), transformers' initialiser included: it is handed that device.
         positions = torch.arange(max_position, dtype=torch.float32)
         freqs = torch.outer(positions, inv_freq.float())  # [max_position, head_dim / 2]
         emb = torch.cat([freqs, freqs], dim=-1)
