@@ -1,9 +1,13 @@
 """Incremental detokenization with stop strings.
 
-Text grows token by token without re-decoding the whole output: we decode a short
-window (``prefix_offset:``) and keep only what is new, waiting while the window ends
-in an incomplete UTF-8 character. A few prompt tokens seed the window so the first
-output token gets its leading space right (SentencePiece tokenizers drop it alone).
+Text grows token by token without re-decoding the whole output. A fast tokenizer (one
+backed by the ``tokenizers`` library) streams through that library's own ``DecodeStream``,
+about a microsecond a token; any other decodes a short window (``prefix_offset:``) and
+keeps only what is new, waiting while the window ends in an incomplete UTF-8 character
+(about 20 microseconds a token through ``transformers``' ``decode``, which at batch 128
+on a GPU was a quarter of a decode step). Either way a few prompt tokens seed the context
+so the first output token gets its leading space right (SentencePiece tokenizers drop it
+alone).
 
 Stop strings are never released: the text handed out lags the decoded text by
 ``len(longest stop) - 1`` characters until the request finishes, and on a match the
@@ -11,6 +15,8 @@ text is cut where the stop string begins.
 """
 
 from __future__ import annotations
+
+from tokenizers.decoders import DecodeStream
 
 _PROMPT_CONTEXT_TOKENS = 5
 
@@ -27,25 +33,39 @@ class IncrementalDetokenizer:
         self.skip_special_tokens = skip_special_tokens
         self.stop = stop
         self.hold_back = max((len(s) for s in stop), default=1) - 1
-        self._ids = list(prompt_token_ids[-_PROMPT_CONTEXT_TOKENS:])
+        context = list(prompt_token_ids[-_PROMPT_CONTEXT_TOKENS:])
+        self._backend = getattr(tokenizer, "backend_tokenizer", None)
+        self._stream = DecodeStream(ids=context, skip_special_tokens=skip_special_tokens) if self._backend else None
+        self._ids = context
         self._prefix_offset = 0
         self._read_offset = len(self._ids)
         self.text = ""  # decoded so far (cut at a stop string once one matched)
         self._released = 0  # characters of ``text`` already handed out
 
     def _decode(self, ids: list[int]) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
+        # No tidying of spaces around punctuation (WordPiece's clean-up): tidied windows no longer
+        # line up with each other, and the stream never tidies either.
+        return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens,
+                                     clean_up_tokenization_spaces=False)
 
-    def add_token(self, token_id: int) -> str | None:
-        """Append one token; returns the stop string it completed, if any."""
+    def _new_text(self, token_id: int) -> str:
+        """The text ``token_id`` adds; empty while it cannot print yet (half of a multi-byte character)."""
+        if self._stream is not None:
+            return self._stream.step(self._backend, token_id) or ""
         self._ids.append(token_id)
         before = self._decode(self._ids[self._prefix_offset : self._read_offset])
         window = self._decode(self._ids[self._prefix_offset :])
         if len(window) <= len(before) or window.endswith("\ufffd"):
-            return None  # nothing printable yet (e.g. half of a multi-byte character)
-        new_text = window[len(before) :]
+            return ""
         self._prefix_offset = self._read_offset
         self._read_offset = len(self._ids)
+        return window[len(before) :]
+
+    def add_token(self, token_id: int) -> str | None:
+        """Append one token; returns the stop string it completed, if any."""
+        new_text = self._new_text(token_id)
+        if not new_text:
+            return None
         search_from = max(0, len(self.text) - self.hold_back)
         self.text += new_text
         return self._match_stop(search_from)

@@ -1,0 +1,160 @@
+"""Where a decode step's time goes on a device: host wall time per step beside the device's kernel time.
+
+Run from the repository root where ``validate.py`` runs (its wheels staged first)::
+
+    python3 tests/gpu/step_profile.py --device cuda --out $OUT
+    python tests/gpu/step_profile.py --device cpu --batch-sizes 1,4 --steps 8   # the dry run
+
+A random model of SmolLM2-135M's shape (speed does not depend on the weights' values), bfloat16 on
+CUDA, greedy, EOS ignored. For each batch size, after the prefill and a warm-up: the mean wall time
+of ``Engine.step`` over ``--steps`` decode steps; on CUDA, the kernel time of the same steps from
+``torch.profiler`` (the sum of every device kernel's own time, over the steps); and, at the largest
+batch, cProfile's top functions by own time. Prints a table, writes ``step_profile.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import json
+import pstats
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(1, str(HERE.parents[1]))
+
+import carry  # noqa: E402
+
+
+def smollm2_shaped(work: Path) -> Path:
+    from cluster.models.tiny import save_tiny_model, save_tiny_tokenizer, tiny_llama_config
+    from cluster.planning.model_shapes import KNOWN_SHAPES
+
+    hidden, layers, heads, kv_heads, head_dim, intermediate, vocab, tied = KNOWN_SHAPES["smollm2-135m"]
+    config = tiny_llama_config(hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads,
+                               num_key_value_heads=kv_heads, head_dim=head_dim, intermediate_size=intermediate,
+                               vocab_size=vocab, tie_word_embeddings=tied, max_position_embeddings=2048)
+    path = save_tiny_model(config, work / "smollm2-shaped")
+    save_tiny_tokenizer(path)
+    return path
+
+
+def decode_steps(engine, batch_size: int, warmup: int, steps: int, profiler=None) -> float:
+    """Mean wall ms of ``steps`` decode steps of a batch, each request long enough to outlast them."""
+    import torch
+
+    from cluster.shared.sampling_params import SamplingParams
+
+    params = SamplingParams(max_tokens=warmup + steps + 4, temperature=0, ignore_eos=True)
+    generator = torch.Generator().manual_seed(batch_size)
+    for _ in range(batch_size):
+        engine.add_request(torch.randint(100, 5000, (16,), generator=generator).tolist(), params)
+    while engine.scheduler.num_waiting:  # prefill every request
+        engine.step()
+    for _ in range(warmup):
+        engine.step()
+    with profiler or _nothing():
+        start = time.perf_counter()
+        for _ in range(steps):
+            engine.step()
+        mean_ms = (time.perf_counter() - start) / steps * 1e3
+    while engine.has_unfinished():
+        engine.step()
+    return mean_ms
+
+
+class _nothing:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+def kernel_ms(prof, steps: int) -> float:
+    """Device kernel time per step: every event's own device time, summed."""
+    total_us = sum(getattr(e, "self_device_time_total", 0) for e in prof.key_averages())
+    return total_us / 1e3 / steps
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--out", type=Path)
+    parser.add_argument("--batch-sizes", default="1,8,32,128")
+    parser.add_argument("--steps", type=int, default=64)
+    parser.add_argument("--warmup", type=int, default=8)
+    parser.add_argument("--stash", type=Path, default=Path("/tmp/tandem-gpu"))
+    args = parser.parse_args(argv)
+    stage = carry.stage(HERE / "carry", args.stash)
+    if stage.site is not None:
+        sys.path.insert(0, str(stage.site))
+    import torch
+
+    from cluster.engine.llm import LLM
+
+    batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
+    cuda = args.device.startswith("cuda")
+    dtype = "bfloat16" if cuda else "float32"
+    rows, top = [], ""
+    with tempfile.TemporaryDirectory(prefix="tandem-profile-") as work:
+        path = smollm2_shaped(Path(work))
+        for eager in ((False, True) if cuda else (False,)):
+            llm = LLM(str(path), dtype=dtype, device=args.device, max_num_seqs=max(batch_sizes),
+                      kv_cache_memory="4GiB" if cuda else "256MiB", enforce_eager=eager)
+            engine = llm.engine
+            for batch_size in batch_sizes:
+                wall = decode_steps(engine, batch_size, args.warmup, args.steps)
+                row = {"batch_size": batch_size, "cuda_graphs": cuda and not eager, "wall_ms": round(wall, 3)}
+                if cuda:
+                    activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+                    with torch.profiler.profile(activities=activities) as prof:
+                        decode_steps(engine, batch_size, args.warmup, args.steps)
+                    row["kernel_ms"] = round(kernel_ms(prof, args.steps), 3)
+                if batch_size == max(batch_sizes) and not eager:
+                    profile = cProfile.Profile()
+                    decode_steps(engine, batch_size, args.warmup, args.steps, profiler=_profiling(profile))
+                    text = io.StringIO()
+                    pstats.Stats(profile, stream=text).sort_stats("tottime").print_stats(18)
+                    top = text.getvalue()
+                rows.append(row)
+                print(json.dumps(row), flush=True)
+            llm.engine.worker.close()
+            del llm, engine
+            if cuda:
+                torch.cuda.empty_cache()
+    lines = [f"decode step, smollm2-135m-shaped (random) {dtype} on {args.device}, mean of {args.steps} steps",
+             f"{'batch':>6} {'graphs':>7} {'wall ms':>9} {'kernel ms':>10} {'host share':>11}"]
+    for row in rows:
+        kernel = row.get("kernel_ms")
+        share = f"{1 - kernel / row['wall_ms']:.0%}" if kernel else "-"
+        lines.append(f"{row['batch_size']:>6} {str(row['cuda_graphs']):>7} {row['wall_ms']:>9.2f} "
+                     f"{kernel if kernel is not None else '-':>10} {share:>11}")
+    table = "\n".join(lines)
+    print(top)
+    print(table)
+    if args.out:
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / "step_profile.json").write_text(json.dumps({"rows": rows, "cprofile_top": top}, indent=1))
+    return 0
+
+
+class _profiling:
+    def __init__(self, profile: cProfile.Profile) -> None:
+        self.profile = profile
+
+    def __enter__(self):
+        self.profile.enable()
+        return self
+
+    def __exit__(self, *exc):
+        self.profile.disable()
+        return False
+
+
+if __name__ == "__main__":
+    sys.exit(main())
