@@ -88,9 +88,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batch-sizes", default="1,8,32,128")
     parser.add_argument("--steps", type=int, default=64)
     parser.add_argument("--warmup", type=int, default=8)
-    parser.add_argument("--stash", type=Path, default=Path("/tmp/tandem-gpu"))
+    parser.add_argument("--stash", type=Path, default=Path("/tmp/tandem-gpu"),
+                        help="where carried wheels are installed (as validate.py's --stash)")
+    parser.add_argument("--carry", type=Path, default=HERE / "carry", help="this call's carried folders")
     args = parser.parse_args(argv)
-    stage = carry.stage(HERE / "carry", args.stash)
+    stage = carry.stage(args.carry, args.stash)
     if stage.site is not None:
         sys.path.insert(0, str(stage.site))
     import torch

@@ -181,3 +181,17 @@ def test_a_step_that_breaks_is_an_error_for_each_check_it_left_undone(gpu_module
     assert all(status[name] == ("error", "OSError: disk full") for name in RUN)
     assert status["throughput"][0] == "error"  # no tiny model to measure
     assert all(status[name][0] == "skipped" for name in EMBEDDED)
+
+
+@pytest.mark.slow
+def test_the_step_profile_runs_on_the_cpu_and_writes_its_rows(tmp_path):
+    script = ROOT / "tests" / "gpu" / "step_profile.py"
+    proc = subprocess.run([sys.executable, str(script), "--device", "cpu", "--batch-sizes", "1,3", "--steps", "2",
+                           "--warmup", "1", "--stash", str(tmp_path / "stash"), "--carry", str(tmp_path / "nothing-carried"),
+                           "--out", str(tmp_path)],
+                          cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads((tmp_path / "step_profile.json").read_text())
+    assert [r["batch_size"] for r in report["rows"]] == [1, 3]
+    assert all(r["wall_ms"] > 0 and "kernel_ms" not in r for r in report["rows"])  # no kernel time off CUDA
+    assert "function calls" in report["cprofile_top"]  # cProfile's own header, at the largest batch
