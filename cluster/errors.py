@@ -8,3 +8,13 @@ class ParamError(ValueError):
     def __init__(self, param: str, message: str) -> None:
         super().__init__(message)
         self.param = param
+
+
+def require_unicode(text: str, param: str) -> None:
+    """Raise ParamError when ``text`` cannot be UTF-8 (a lone surrogate, which JSON's ``\\udcff``
+    escapes can carry and tokenizers refuse with an unhelpful TypeError)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as err:
+        raise ParamError(param, f"the {param} is not valid Unicode: {err.object[err.start]!r} at character "
+                                f"{err.start} is a lone surrogate; send UTF-8 text") from None

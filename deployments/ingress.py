@@ -39,6 +39,7 @@ from cluster.api.tool_calls import ToolCallParser
 from cluster.api.tool_formats import choose_tool_format, render_chat
 from cluster.api.tool_request import NO_TOOLS, ToolPlan
 from cluster.config import config_from_dict, group_engine_config
+from cluster.errors import require_unicode
 from cluster.engine.backend import error_param
 from cluster.kv.prefix_cache import engine_hash_seed
 from cluster.models.loader import load_hf_config, load_tokenizer_if_present, resolve_model
@@ -204,17 +205,18 @@ class OpenAIIngress:
         if chat:
             messages = [m.as_template_message() for m in body.messages]
             text = render_chat(self.tokenizer, messages, plan.tools, self.tool_format)
-            return [self._encode(text, add_special_tokens=False)]
+            return [self._encode(text, add_special_tokens=False, param="messages")]
         result = []
         for prompt in body.prompts():
             result.append(self._encode(prompt) if isinstance(prompt, str) else list(prompt))
         return result
 
-    def _encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+    def _encode(self, text: str, add_special_tokens: bool = True, param: str = "prompt") -> list[int]:
         if self.tokenizer is None:
             raise UnsupportedFieldError("prompt", "this model has no tokenizer; send prompt token ids")
         if not text:
             raise UnsupportedFieldError("prompt", "the prompt is empty; send at least one token")
+        require_unicode(text, param)
         return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
 
     def _make_requests(self, body, prompts: list[list[int]], chat: bool, pinned: str | None = None,

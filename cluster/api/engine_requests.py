@@ -13,6 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from cluster.engine.protocol import GenerateRequest
+from cluster.errors import ParamError
 from cluster.routing.prefix_hashes import leading_block_hashes
 from cluster.routing.stats import RoutingRequest
 from cluster.structured.constraint import StructuredOutputs
@@ -45,12 +46,26 @@ def resolved_max_tokens(requested: int | None, chat: bool, num_prompt_tokens: in
 def choice_requests(body, chat: bool, request_id: str, prompt_ids: list[int], choice: int,
                     shapes: dict[str, GroupShape], prefix_blocks: int, num_logprobs: int | None,
                     constraint: StructuredOutputs | None = None) -> dict[str, GenerateRequest]:
-    """One choice's ``GenerateRequest`` per group of ``shapes`` (``choice`` offsets the seed).
+    """One choice's ``GenerateRequest`` per group of ``shapes`` that can hold it (``choice``
+    offsets the seed): the prompt and a given ``max_tokens`` fit the group's context. A prompt
+    that fits no group goes to every group, whose engine refuses it with its own message.
 
-    Raises ValueError (a ParamError from SamplingParams) naming the offending field."""
+    Raises ValueError (a ParamError) naming the offending field: from SamplingParams, or
+    ``max_tokens`` when the prompt fits a context but the prompt and ``max_tokens`` fit none,
+    in the words vLLM's server uses, which clients parse to retry with less."""
     requested = body.requested_max_tokens()
+    room = {group: shape.max_model_len - len(prompt_ids) for group, shape in shapes.items()}
+    fitting = [g for g in shapes if room[g] >= 1 and (requested is None or requested <= room[g])]
+    if not fitting and any(r >= 1 for r in room.values()):
+        widest = max(shapes, key=lambda g: shapes[g].max_model_len)
+        field = "max_completion_tokens" if chat and body.max_completion_tokens is not None else "max_tokens"
+        raise ParamError(field, f"'max_tokens' or 'max_completion_tokens' is too large: {requested}. This model's "
+                                f"maximum context length is {shapes[widest].max_model_len} tokens and your request "
+                                f"has {len(prompt_ids)} input tokens ({requested} > "
+                                f"{shapes[widest].max_model_len} - {len(prompt_ids)})")
     requests = {}
-    for group, shape in shapes.items():
+    for group in fitting or shapes:
+        shape = shapes[group]
         max_tokens = resolved_max_tokens(requested, chat, len(prompt_ids), shape.max_model_len)
         params = body.sampling_params(max_tokens, num_logprobs, choice, constraint)
         expected = ROUTING_DEFAULT_OUTPUT_TOKENS if requested is None and chat else max_tokens

@@ -17,7 +17,7 @@ from cluster.engine.detokenizer import IncrementalDetokenizer
 from cluster.engine.grammars import Grammars
 from cluster.engine.scheduler import Scheduler
 from cluster.engine.stats import EngineStats
-from cluster.errors import ParamError
+from cluster.errors import ParamError, require_unicode
 from cluster.kv.block_manager import BlockManager, cdiv
 from cluster.kv.prefix_cache import engine_hash_seed
 from cluster.runner.model_runner import SampledTokens
@@ -90,6 +90,7 @@ class Engine:
                 raise ParamError("prompt", "the prompt is empty; send at least one token")
             if self.tokenizer is None:
                 raise ParamError("prompt", "this model has no tokenizer; send prompt token ids")
+            require_unicode(prompt, "prompt")
             prompt_ids = self.tokenizer.encode(prompt)
             text = prompt
         else:

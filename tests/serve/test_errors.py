@@ -39,6 +39,7 @@ def _assert_error(response: httpx.Response, status: int, param: str | None = Non
     ({"model": MODEL, "prompt": [1, 2, 100000]}, "prompt"),
     ({"model": MODEL, "prompt": "x" * 1100}, "prompt"),  # longer than max_model_len 1024
     ({"model": MODEL}, "prompt"),
+    ({"model": MODEL, "prompt": "hi", "max_tokens": 10**9}, "max_tokens"),  # past the context of 1024
 ])
 def test_invalid_completion_requests_are_400(server_url, body, param):
     _assert_error(_post(server_url, "/v1/completions", body), 400, param)
@@ -50,6 +51,22 @@ def test_invalid_chat_requests_are_400(server_url):
     _assert_error(_post(server_url, "/v1/chat/completions", bad_role), 400)
     tools = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function"}]}
     _assert_error(_post(server_url, "/v1/chat/completions", tools), 400, "tools")
+
+
+def test_max_tokens_past_the_context_is_refused_in_vllms_words(server_url):
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 5000}
+    error = _assert_error(_post(server_url, "/v1/chat/completions", body), 400, "max_completion_tokens")
+    assert error["message"].startswith("'max_tokens' or 'max_completion_tokens' is too large: 5000. "
+                                       "This model's maximum context length is 1024 tokens")
+
+
+def test_a_lone_surrogate_is_400_naming_the_field(server_url):
+    # JSON may escape half of a UTF-16 pair alone; Python decodes it to a str no tokenizer takes.
+    prompt = '{"model": "%s", "prompt": "a\\udcff", "max_tokens": 2}' % MODEL
+    error = _assert_error(_post(server_url, "/v1/completions", prompt), 400, "prompt")
+    assert "lone surrogate" in error["message"]
+    chat = '{"model": "%s", "messages": [{"role": "user", "content": "\\ud800"}]}' % MODEL
+    _assert_error(_post(server_url, "/v1/chat/completions", chat), 400, "messages")
 
 
 def test_bad_json_is_400(server_url):

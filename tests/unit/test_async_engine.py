@@ -101,6 +101,9 @@ def test_bad_input_raises_before_streaming(engine):
         with pytest.raises(ValueError, match="empty"):
             async for _ in engine.generate("", SamplingParams()):
                 pass
+        with pytest.raises(ValueError, match="lone surrogate"):  # the tokenizer's own error is a TypeError
+            async for _ in engine.generate("a\udcff", SamplingParams()):
+                pass
         ok = [o async for o in engine.generate("fine", SamplingParams(max_tokens=2, **GREEDY))]
         await engine.shutdown()
         return ok

@@ -55,10 +55,31 @@ def test_a_given_max_tokens_is_kept_and_routed_by():
             assert request.routing.expected_output_tokens == 300
 
 
-def test_a_prompt_past_the_context_still_gets_a_valid_request_for_the_engine_to_refuse():
-    requests = build(chat(), True, prompt=list(range(100)))
-    assert requests["short"].sampling_params.max_tokens == 1
-    assert requests["long"].sampling_params.max_tokens == 4096 - 100
+def test_a_group_whose_context_cannot_hold_the_prompt_and_max_tokens_is_left_out():
+    # 20 prompt tokens: "short" (64) holds 44 more, "long" (4096) 4076.
+    for body, route in ((chat(max_completion_tokens=300), True), (completion(max_tokens=300), False)):
+        assert list(build(body, route)) == ["long"]
+    assert sorted(build(completion(max_tokens=44), False)) == ["long", "short"]
+    assert list(build(chat(), True, prompt=list(range(100)))) == ["long"]  # the prompt alone is past "short"
+
+
+@pytest.mark.parametrize("body, route, field", [(completion(max_tokens=5000), False, "max_tokens"),
+                                                (chat(max_tokens=5000), True, "max_tokens"),
+                                                (chat(max_completion_tokens=5000), True, "max_completion_tokens")])
+def test_max_tokens_that_no_context_holds_is_refused_naming_the_numbers(body, route, field):
+    with pytest.raises(ParamError) as err:
+        build(body, route)
+    assert err.value.param == field
+    # vLLM's server's words, which clients parse to retry with a smaller max_tokens.
+    assert str(err.value) == ("'max_tokens' or 'max_completion_tokens' is too large: 5000. This model's maximum "
+                              "context length is 4096 tokens and your request has 20 input tokens (5000 > 4096 - 20)")
+
+
+def test_a_prompt_past_every_context_still_gets_valid_requests_for_the_engines_to_refuse():
+    requests = build(chat(max_tokens=10), True, prompt=list(range(5000)))
+    assert sorted(requests) == ["long", "short"]
+    assert all(r.sampling_params.max_tokens == 10 for r in requests.values())
+    assert build(chat(), True, prompt=list(range(5000)))["short"].sampling_params.max_tokens == 1
 
 
 def test_a_default_max_tokens_caps_min_tokens_but_a_given_one_is_checked():
