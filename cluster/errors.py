@@ -16,5 +16,5 @@ def require_unicode(text: str, param: str) -> None:
     try:
         text.encode("utf-8")
     except UnicodeEncodeError as err:
-        raise ParamError(param, f"the {param} is not valid Unicode: {err.object[err.start]!r} at character "
+        raise ParamError(param, f"{param} is not valid Unicode: {err.object[err.start]!r} at character "
                                 f"{err.start} is a lone surrogate; send UTF-8 text") from None

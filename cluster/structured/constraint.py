@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 from llguidance import LLMatcher
 
-from cluster.errors import ParamError
+from cluster.errors import ParamError, require_unicode
 
 # The separators of bounded JSON (Python's json.dumps defaults): no other whitespace.
 BOUNDED_JSON = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
@@ -55,6 +55,12 @@ class StructuredOutputs:
             if isinstance(self.choice, str) or not all(isinstance(c, str) and c for c in self.choice):
                 raise ConstraintError(self.param, f"{self.param}.choice must be a list of non-empty strings")
             object.__setattr__(self, "choice", tuple(self.choice))
+        for text in (self.regex, self.grammar, *(self.choice or ())):
+            try:
+                if isinstance(text, str):
+                    require_unicode(text, self.param)  # llguidance would raise its codec's error
+            except ParamError as err:
+                raise ConstraintError(self.param, str(err)) from None
         if self.json is not None and not isinstance(self.json, (dict, bool)):
             raise ConstraintError(self.param, f"{self.param}: a JSON schema must be an object, got "
                                               f"{type(self.json).__name__}")

@@ -36,6 +36,9 @@ def _accepts(vocabulary, constraint: StructuredOutputs, text: str) -> bool:
     ({"choice": ["a", ""]}, "list of non-empty strings"),
     ({"json": {"type": "string", "minLength": 5, "maxLength": 2}}, "minLength"),
     ({"grammar": "start: missing_rule"}, "missing_rule"),
+    ({"regex": "a\udcff"}, "lone surrogate"),
+    ({"choice": ["ok", "\ud800"]}, "lone surrogate"),
+    ({"grammar": 'start: "\udcff"'}, "lone surrogate"),
 ])
 def test_bad_constraints_name_the_request_field(kwargs, message):
     with pytest.raises(ConstraintError, match=message) as err:
