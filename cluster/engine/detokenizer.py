@@ -4,10 +4,10 @@ Text grows token by token without re-decoding the whole output. A fast tokenizer
 backed by the ``tokenizers`` library) streams through that library's own ``DecodeStream``,
 about a microsecond a token; any other decodes a short window (``prefix_offset:``) and
 keeps only what is new, waiting while the window ends in an incomplete UTF-8 character
-(about 20 microseconds a token through ``transformers``' ``decode``, which at batch 128
-on a GPU was a quarter of a decode step). Either way a few prompt tokens seed the context
-so the first output token gets its leading space right (SentencePiece tokenizers drop it
-alone).
+(about 20 microseconds a token through ``transformers``' ``decode``: the largest host
+cost cProfile found in an H200 decode step at batch 128). Either way a few prompt tokens
+seed the context so the first output token gets its leading space right (SentencePiece
+tokenizers drop it alone).
 
 Stop strings are never released: the text handed out lags the decoded text by
 ``len(longest stop) - 1`` characters until the request finishes, and on a match the
