@@ -15,6 +15,7 @@ batch, cProfile's top functions by own time. Prints a table, writes ``step_profi
 from __future__ import annotations
 
 import argparse
+import contextlib
 import cProfile
 import io
 import json
@@ -28,23 +29,13 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(1, str(HERE.parents[1]))
 
 import carry  # noqa: E402
-
-
-def smollm2_shaped(work: Path) -> Path:
-    from cluster.models.tiny import save_tiny_model, save_tiny_tokenizer, tiny_llama_config
-    from cluster.planning.model_shapes import KNOWN_SHAPES
-
-    hidden, layers, heads, kv_heads, head_dim, intermediate, vocab, tied = KNOWN_SHAPES["smollm2-135m"]
-    config = tiny_llama_config(hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads,
-                               num_key_value_heads=kv_heads, head_dim=head_dim, intermediate_size=intermediate,
-                               vocab_size=vocab, tie_word_embeddings=tied, max_position_embeddings=2048)
-    path = save_tiny_model(config, work / "smollm2-shaped")
-    save_tiny_tokenizer(path)
-    return path
+from suite import throughput_model  # noqa: E402  (a random model of SmolLM2's shape)
 
 
 def decode_steps(engine, batch_size: int, warmup: int, steps: int, profiler=None) -> float:
-    """Mean wall ms of ``steps`` decode steps of a batch, each request long enough to outlast them."""
+    """Mean wall ms of ``steps`` decode steps of a batch, each request long enough to outlast them;
+    ``profiler`` (a context manager) is entered around those steps alone, not the prefill,
+    warm-up or drain."""
     import torch
 
     from cluster.shared.sampling_params import SamplingParams
@@ -57,7 +48,7 @@ def decode_steps(engine, batch_size: int, warmup: int, steps: int, profiler=None
         engine.step()
     for _ in range(warmup):
         engine.step()
-    with profiler or _nothing():
+    with profiler or contextlib.nullcontext():
         start = time.perf_counter()
         for _ in range(steps):
             engine.step()
@@ -67,12 +58,13 @@ def decode_steps(engine, batch_size: int, warmup: int, steps: int, profiler=None
     return mean_ms
 
 
-class _nothing:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False
+@contextlib.contextmanager
+def _profiling(profile: cProfile.Profile):
+    profile.enable()
+    try:
+        yield
+    finally:
+        profile.disable()
 
 
 def kernel_ms(prof, steps: int) -> float:
@@ -104,7 +96,7 @@ def main(argv: list[str] | None = None) -> int:
     dtype = "bfloat16" if cuda else "float32"
     rows, top = [], ""
     with tempfile.TemporaryDirectory(prefix="tandem-profile-") as work:
-        path = smollm2_shaped(Path(work))
+        _, path = throughput_model(False, {}, None, Path(work))
         for eager in ((False, True) if cuda else (False,)):
             llm = LLM(str(path), dtype=dtype, device=args.device, max_num_seqs=max(batch_sizes),
                       kv_cache_memory="4GiB" if cuda else "256MiB", enforce_eager=eager)
@@ -114,8 +106,8 @@ def main(argv: list[str] | None = None) -> int:
                 row = {"batch_size": batch_size, "cuda_graphs": cuda and not eager, "wall_ms": round(wall, 3)}
                 if cuda:
                     activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
-                    with torch.profiler.profile(activities=activities) as prof:
-                        decode_steps(engine, batch_size, args.warmup, args.steps)
+                    prof = torch.profiler.profile(activities=activities)
+                    decode_steps(engine, batch_size, args.warmup, args.steps, profiler=prof)  # the timed steps only
                     row["kernel_ms"] = round(kernel_ms(prof, args.steps), 3)
                 if batch_size == max(batch_sizes) and not eager:
                     profile = cProfile.Profile()
@@ -143,19 +135,6 @@ def main(argv: list[str] | None = None) -> int:
         args.out.mkdir(parents=True, exist_ok=True)
         (args.out / "step_profile.json").write_text(json.dumps({"rows": rows, "cprofile_top": top}, indent=1))
     return 0
-
-
-class _profiling:
-    def __init__(self, profile: cProfile.Profile) -> None:
-        self.profile = profile
-
-    def __enter__(self):
-        self.profile.enable()
-        return self
-
-    def __exit__(self, *exc):
-        self.profile.disable()
-        return False
 
 
 if __name__ == "__main__":
