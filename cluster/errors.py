@@ -10,11 +10,11 @@ class ParamError(ValueError):
         self.param = param
 
 
-def require_unicode(text: str, param: str) -> None:
-    """Raise ParamError when ``text`` cannot be UTF-8 (a lone surrogate, which JSON's ``\\udcff``
-    escapes can carry and tokenizers refuse with an unhelpful TypeError)."""
+def require_unicode(text: str, param: str, error: type[ParamError] = ParamError) -> None:
+    """Raise ``error`` (a ParamError) when ``text`` cannot be UTF-8 (a lone surrogate, which
+    JSON's ``\\udcff`` escapes can carry and tokenizers refuse with an unhelpful TypeError)."""
     try:
         text.encode("utf-8")
     except UnicodeEncodeError as err:
-        raise ParamError(param, f"{param} is not valid Unicode: {err.object[err.start]!r} at character "
+        raise error(param, f"{param} is not valid Unicode: {err.object[err.start]!r} at character "
                                 f"{err.start} is a lone surrogate; send UTF-8 text") from None

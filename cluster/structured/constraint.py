@@ -56,11 +56,8 @@ class StructuredOutputs:
                 raise ConstraintError(self.param, f"{self.param}.choice must be a list of non-empty strings")
             object.__setattr__(self, "choice", tuple(self.choice))
         for text in (self.regex, self.grammar, *(self.choice or ())):
-            try:
-                if isinstance(text, str):
-                    require_unicode(text, self.param)  # llguidance would raise its codec's error
-            except ParamError as err:
-                raise ConstraintError(self.param, str(err)) from None
+            if isinstance(text, str):  # llguidance would raise its codec's error, naming no field
+                require_unicode(text, self.param, ConstraintError)
         if self.json is not None and not isinstance(self.json, (dict, bool)):
             raise ConstraintError(self.param, f"{self.param}: a JSON schema must be an object, got "
                                               f"{type(self.json).__name__}")
