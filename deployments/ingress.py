@@ -32,7 +32,7 @@ from ray.serve.handle import DeploymentHandle
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from cluster.api.auth import ApiKeys
-from cluster.api.engine_requests import GroupShape, choice_requests
+from cluster.api.engine_requests import GroupShape, choice_requests, truncated_prompt
 from cluster.api.openai_protocol import ChatCompletionRequest, CompletionRequest, UnsupportedFieldError
 from cluster.api.openai_responses import error_body
 from cluster.api.tool_calls import ToolCallParser
@@ -180,6 +180,8 @@ class OpenAIIngress:
             plan = body.tool_plan(self.tool_format) if chat else NO_TOOLS
             constraint = body.chat_constraint(plan) if chat else body.output_constraint()
             prompts = self._prompt_token_ids(body, chat, plan)
+            widest = max(shape.max_model_len for name, shape in self.shapes.items() if pinned in (None, name))
+            prompts = [truncated_prompt(ids, body.truncate_prompt_tokens, widest) for ids in prompts]
             streams = self._make_requests(body, prompts, chat, pinned, constraint)
         except ValueError as err:  # a ParamError (most) names its field; error_param reads it
             return _error(400, str(err), param=error_param(err))
@@ -204,11 +206,11 @@ class OpenAIIngress:
     def _prompt_token_ids(self, body, chat: bool, plan: ToolPlan) -> list[list[int]]:
         if chat:
             messages = [m.as_template_message() for m in body.messages]
-            text = render_chat(self.tokenizer, messages, plan.tools, self.tool_format)
-            return [self._encode(text, add_special_tokens=False, param="messages")]
+            text = render_chat(self.tokenizer, messages, plan.tools, self.tool_format, body.template_options())
+            return [self._encode(text, add_special_tokens=body.add_special_tokens, param="messages")]
         result = []
         for prompt in body.prompts():
-            result.append(self._encode(prompt) if isinstance(prompt, str) else list(prompt))
+            result.append(self._encode(prompt, body.add_special_tokens) if isinstance(prompt, str) else list(prompt))
         return result
 
     def _encode(self, text: str, add_special_tokens: bool = True, param: str = "prompt") -> list[int]:

@@ -43,6 +43,20 @@ def resolved_max_tokens(requested: int | None, chat: bool, num_prompt_tokens: in
     return max(1, max_model_len - num_prompt_tokens)
 
 
+def truncated_prompt(prompt_ids: list[int], keep: int | None, max_model_len: int) -> list[int]:
+    """The prompt as vLLM's ``truncate_prompt_tokens`` asks: its last ``keep`` tokens (-1: as many
+    as the context holds, ``max_model_len``; None: all of it). Raises ParamError for 0 or more
+    than the context."""
+    if keep is None:
+        return prompt_ids
+    if keep == -1:
+        keep = max_model_len
+    if not 1 <= keep <= max_model_len:
+        raise ParamError("truncate_prompt_tokens", f"truncate_prompt_tokens must be -1 or in [1, {max_model_len}] "
+                                                   f"(this model's maximum context length), got {keep}")
+    return prompt_ids[-keep:]
+
+
 def choice_requests(body, chat: bool, request_id: str, prompt_ids: list[int], choice: int,
                     shapes: dict[str, GroupShape], prefix_blocks: int, num_logprobs: int | None,
                     constraint: StructuredOutputs | None = None) -> dict[str, GenerateRequest]:

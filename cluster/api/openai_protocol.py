@@ -5,7 +5,13 @@ a silent conversion); unknown fields are ignored, as OpenAI and vLLM do. Fields 
 OpenAI defines but Tandem does not implement are rejected with a message naming them
 rather than silently ignored. Tandem also accepts vLLM's extra sampling fields
 (``top_k``, ``min_p``, ``repetition_penalty``, ``ignore_eos``, ``min_tokens``,
-``stop_token_ids``, ``skip_special_tokens``), ``cache_salt`` and ``structured_outputs``.
+``stop_token_ids``, ``skip_special_tokens``, ``include_stop_str_in_output``), its prompt
+fields (``truncate_prompt_tokens``, ``add_special_tokens``; on chat ``add_generation_prompt``,
+``continue_final_message``, ``chat_template_kwargs``), ``cache_salt`` and ``structured_outputs``.
+A ``chat_template`` in the request is refused, as vLLM's server does unless told to trust it:
+the server renders with the model's. vLLM's extras that Tandem does not implement (``VLLM_UNSUPPORTED``)
+are refused when set to anything but their default, since ignoring them would change the
+answer silently.
 
 Output constraints (``response_format``, ``structured_outputs``) are mapped in
 ``structured_request``; the tool fields in ``tool_request``.
@@ -13,7 +19,7 @@ Output constraints (``response_format``, ``structured_outputs``) are mapped in
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, model_validator
 
@@ -32,6 +38,22 @@ from cluster.structured.constraint import StructuredOutputs
 __all__ = ["ChatCompletionRequest", "ChatMessage", "CompletionRequest", "UnsupportedFieldError"]
 
 MAX_N = 16
+# vLLM's request fields that Tandem does not implement, with the values that ask for nothing.
+VLLM_UNSUPPORTED = {
+    "prompt_logprobs": (None,),
+    "bad_words": (None, []),
+    "allowed_token_ids": (None,),
+    "use_beam_search": (False,),
+    "logits_processors": (None, []),
+    "priority": (0,),
+    "return_tokens_as_token_ids": (None, False),
+}
+# apply_chat_template's own arguments, which chat_template_kwargs may not set.
+_RENDER_ARGUMENTS = frozenset({
+    "conversation", "messages", "tools", "documents", "chat_template", "add_generation_prompt",
+    "continue_final_message", "tokenize", "padding", "truncation", "max_length", "return_tensors",
+    "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs",
+})
 
 
 class _Body(BaseModel):
@@ -64,13 +86,27 @@ class _SamplingFields(_Body):
     min_tokens: StrictInt = Field(0, ge=0)
     stop_token_ids: list[StrictInt] | None = None
     skip_special_tokens: StrictBool = True
+    include_stop_str_in_output: StrictBool = False
+    truncate_prompt_tokens: StrictInt | None = Field(None, ge=-1)
     cache_salt: StrictStr | None = None
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputsField | None = None
+    # VLLM_UNSUPPORTED, of any type: kept only to be refused by name
+    prompt_logprobs: Any = None
+    bad_words: Any = None
+    allowed_token_ids: Any = None
+    use_beam_search: Any = False
+    logits_processors: Any = None
+    priority: Any = 0
+    return_tokens_as_token_ids: Any = None
 
     def check_supported(self) -> None:
         if self.logit_bias:
             raise UnsupportedFieldError("logit_bias", "logit_bias is not supported by Tandem")
+        for name, defaults in VLLM_UNSUPPORTED.items():
+            value = getattr(self, name)
+            if not any(value is d or (type(value) is type(d) and value == d) for d in defaults):
+                raise UnsupportedFieldError(name, f"{name} is not supported by Tandem (got {value!r})")
         if self.stream_options is not None and not self.stream:
             raise UnsupportedFieldError("stream_options", "stream_options is only allowed when stream is true")
 
@@ -107,6 +143,7 @@ class _SamplingFields(_Body):
             logprobs=num_logprobs,
             min_tokens=min(self.min_tokens, max_tokens) if defaulted else self.min_tokens,
             skip_special_tokens=self.skip_special_tokens,
+            include_stop_str_in_output=self.include_stop_str_in_output,
             structured_outputs=structured_outputs,
         )
 
@@ -117,6 +154,7 @@ class CompletionRequest(_SamplingFields):
     echo: StrictBool = False
     suffix: StrictStr | None = None
     best_of: StrictInt | None = None
+    add_special_tokens: StrictBool = True  # the tokenizer's BOS and the like, around each text prompt
 
     def check_supported(self) -> None:
         super().check_supported()
@@ -195,14 +233,41 @@ class ChatCompletionRequest(_SamplingFields):
     parallel_tool_calls: StrictBool = True
     functions: list | None = None  # OpenAI's deprecated forms of tools
     function_call: StrictStr | dict | None = None
+    # vLLM's chat extras: how the messages become the prompt
+    echo: StrictBool = False
+    add_generation_prompt: StrictBool = True
+    continue_final_message: StrictBool = False
+    add_special_tokens: StrictBool = False  # the template already writes them
+    chat_template: Any = None  # refused: see the module's docstring
+    chat_template_kwargs: dict[str, object] | None = None
 
     def check_supported(self) -> None:
         super().check_supported()
+        if self.echo:
+            raise UnsupportedFieldError("echo", "echo is not supported by Tandem")
+        if self.chat_template is not None:
+            raise UnsupportedFieldError("chat_template", "a chat_template in the request is not accepted; the server "
+                                        "renders messages with the model's own template")
+        if self.continue_final_message and self.add_generation_prompt:
+            raise UnsupportedFieldError("continue_final_message", "continue_final_message and add_generation_prompt "
+                                        "cannot both be true (add_generation_prompt defaults to true)")
+        if self.continue_final_message and self.messages[-1].role != "assistant":
+            raise UnsupportedFieldError("continue_final_message", "continue_final_message needs the last message "
+                                        f"to be the assistant's, got {self.messages[-1].role!r}")
+        reserved = sorted(_RENDER_ARGUMENTS & set(self.chat_template_kwargs or {}))
+        if reserved:
+            raise UnsupportedFieldError("chat_template_kwargs", f"chat_template_kwargs may not set {', '.join(reserved)}"
+                                        " (request fields or the renderer's own arguments)")
         for old, new in (("functions", "tools"), ("function_call", "tool_choice")):
             if getattr(self, old) is not None:
                 raise UnsupportedFieldError(old, f"{old} (deprecated by OpenAI) is not supported; use {new}")
         if self.top_logprobs is not None and not self.logprobs:
             raise UnsupportedFieldError("top_logprobs", "top_logprobs needs logprobs set to true")
+
+    def template_options(self) -> dict:
+        """What ``apply_chat_template`` is given besides the messages and tools."""
+        return {**(self.chat_template_kwargs or {}), "add_generation_prompt": self.add_generation_prompt,
+                "continue_final_message": self.continue_final_message}
 
     @property
     def num_logprobs(self) -> int | None:

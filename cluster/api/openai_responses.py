@@ -1,7 +1,8 @@
 """OpenAI response bodies (whole and streamed) built from the engine's deltas.
 
 Shapes follow OpenAI's API reference: ``text_completion`` / ``chat.completion``
-objects, ``*.chunk`` objects for server-sent events, ``usage`` with
+objects (each choice also carries vLLM's ``stop_reason``: the stop string or stop token id
+that ended it, else null), ``*.chunk`` objects for server-sent events, ``usage`` with
 ``prompt_tokens_details.cached_tokens``, and the two logprobs layouts (the legacy
 completions one with parallel lists, the chat one with ``content`` entries). Tool calls
 (``cluster/api/tool_calls.py``) go in ``message.tool_calls`` (content None when the output
@@ -32,6 +33,7 @@ class ChoiceState:
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[TokenLogprobs] = field(default_factory=list)
     finish_reason: str | None = None
+    stop_reason: int | str | None = None  # the stop string or stop token id that ended it (vLLM's field)
     num_prompt_tokens: int = 0
     num_output_tokens: int = 0
     num_cached_tokens: int = 0
@@ -45,6 +47,7 @@ class ChoiceState:
             self.logprobs.extend(delta.logprobs)
         if delta.finish_reason is not None:
             self.finish_reason = _finish(delta)
+            self.stop_reason = delta.stop_reason
         self.num_prompt_tokens = delta.num_prompt_tokens or self.num_prompt_tokens
         self.num_output_tokens = max(self.num_output_tokens, delta.num_output_tokens)
         self.num_cached_tokens = max(self.num_cached_tokens, delta.num_cached_tokens)
@@ -127,6 +130,7 @@ def completion_body(response_id: str, created: int, model: str, choices: list[Ch
             "text": c.text,
             "logprobs": completion_logprobs(c.logprobs) if with_logprobs else None,
             "finish_reason": c.finish_reason,
+            "stop_reason": c.stop_reason,
         } for c in choices],
         "usage": usage_dict,
     }
@@ -144,6 +148,7 @@ def chat_body(response_id: str, created: int, model: str, choices: list[ChoiceSt
             "message": c.message(),
             "logprobs": chat_logprobs(c.logprobs, num_logprobs) if num_logprobs is not None else None,
             "finish_reason": c.chat_finish_reason(),
+            "stop_reason": c.stop_reason,
         } for c in choices],
         "usage": usage_dict,
     }
@@ -161,6 +166,7 @@ def completion_chunk(response_id: str, created: int, model: str, index: int, del
             "text": delta.text,
             "logprobs": completion_logprobs(delta.logprobs or [], offset) if with_logprobs else None,
             "finish_reason": _finish(delta),
+            "stop_reason": delta.stop_reason,
         }],
     }
     if include_usage:
@@ -185,6 +191,7 @@ def chat_chunk(response_id: str, created: int, model: str, index: int, delta_bod
             "delta": delta_body,
             "logprobs": logprobs,
             "finish_reason": _with_tool_calls(_finish(delta), made_tool_calls) if delta is not None else None,
+            "stop_reason": delta.stop_reason if delta is not None else None,
         }],
     }
     if include_usage:

@@ -43,19 +43,22 @@ def choose_tool_format(setting: str, chat_template: str | dict | None) -> str:
     return "prompt"
 
 
-def render_chat(tokenizer, messages: list[dict], tools: tuple[dict, ...], tool_format: str) -> str:
+def render_chat(tokenizer, messages: list[dict], tools: tuple[dict, ...], tool_format: str,
+                options: dict | None = None) -> str:
     """The prompt text of ``messages`` (OpenAI message dicts: role, content, and tool_calls /
-    tool_call_id where set) with ``tools`` offered (empty: none). A template that raises on the
-    messages is a 400 naming ``messages``."""
+    tool_call_id where set) with ``tools`` offered (empty: none). ``options``: more arguments of
+    ``apply_chat_template`` (default: ``add_generation_prompt=True``). A template that raises on
+    the messages is a 400 naming ``messages``."""
     if tokenizer is None or not getattr(tokenizer, "chat_template", None):
         raise UnsupportedFieldError("messages", "this model has no chat template; use /v1/completions")
     if tool_format == "prompt":
         messages, tools_arg = prompt_messages(messages, tools), None
     else:
         messages, tools_arg = [_template_message(m) for m in messages], list(tools) or None
+    options = {"add_generation_prompt": True, **(options or {})}
     try:
-        return tokenizer.apply_chat_template(messages, tools=tools_arg, tokenize=False, add_generation_prompt=True)
-    except TemplateError as err:
+        return tokenizer.apply_chat_template(messages, tools=tools_arg, tokenize=False, **options)
+    except (TemplateError, ValueError) as err:
         raise UnsupportedFieldError("messages", f"the model's chat template refused these messages: {err}") from None
 
 

@@ -192,7 +192,8 @@ class VllmBackend:
             top_k=p.top_k if p.top_k > 0 else 0, min_p=p.min_p, presence_penalty=p.presence_penalty,
             frequency_penalty=p.frequency_penalty, repetition_penalty=p.repetition_penalty, seed=p.seed,
             stop=list(p.stop) or None, stop_token_ids=list(p.stop_token_ids) or None, ignore_eos=p.ignore_eos,
-            logprobs=p.logprobs, skip_special_tokens=p.skip_special_tokens, output_kind=RequestOutputKind.DELTA,
+            logprobs=p.logprobs, skip_special_tokens=p.skip_special_tokens,
+            include_stop_str_in_output=p.include_stop_str_in_output, output_kind=RequestOutputKind.DELTA,
             structured_outputs=None if p.structured_outputs is None
             else StructuredOutputsParams(**vllm_fields(p.structured_outputs)),
         )

@@ -11,7 +11,10 @@ tokenizers drop it alone).
 
 Stop strings are never released: the text handed out lags the decoded text by
 ``len(longest stop) - 1`` characters until the request finishes, and on a match the
-text is cut where the stop string begins.
+text is cut where the stop string begins (or, with ``include_stop``, where it ends, and
+nothing is held back). As in vLLM, a stop string counts only once more than
+``min_tokens`` tokens are out (it must end in a later token's text), and of several
+completed by one token the one that ends first wins, then the first listed.
 """
 
 from __future__ import annotations
@@ -28,11 +31,16 @@ class IncrementalDetokenizer:
         prompt_token_ids: list[int],
         stop: list[str],
         skip_special_tokens: bool = True,
+        min_tokens: int = 0,
+        include_stop: bool = False,
     ) -> None:
         self.tokenizer = tokenizer
         self.skip_special_tokens = skip_special_tokens
         self.stop = stop
-        self.hold_back = max((len(s) for s in stop), default=1) - 1
+        self.min_tokens = min_tokens
+        self.include_stop = include_stop
+        self.hold_back = 0 if include_stop else max((len(s) for s in stop), default=1) - 1
+        self.num_tokens = 0  # tokens added
         context = list(prompt_token_ids[-_PROMPT_CONTEXT_TOKENS:])
         self._backend = getattr(tokenizer, "backend_tokenizer", None)
         self._stream = DecodeStream(ids=context, skip_special_tokens=skip_special_tokens) if self._backend else None
@@ -63,23 +71,28 @@ class IncrementalDetokenizer:
 
     def add_token(self, token_id: int) -> str | None:
         """Append one token; returns the stop string it completed, if any."""
+        self.num_tokens += 1
         new_text = self._new_text(token_id)
         if not new_text:
             return None
-        search_from = max(0, len(self.text) - self.hold_back)
+        new_from = len(self.text)
         self.text += new_text
-        return self._match_stop(search_from)
+        if self.num_tokens <= self.min_tokens:
+            return None
+        return self._match_stop(new_from)
 
-    def _match_stop(self, search_from: int) -> str | None:
-        best: tuple[int, str] | None = None
+    def _match_stop(self, new_from: int) -> str | None:
+        """The stop string that ends earliest in the text from ``new_from`` on (the new text)."""
+        best: tuple[int, int, str] | None = None  # end, start, stop string
         for s in self.stop:
-            idx = self.text.find(s, search_from)
-            if idx != -1 and (best is None or idx < best[0]):
-                best = (idx, s)
+            start = self.text.find(s, max(0, new_from - len(s) + 1))
+            if start != -1 and (best is None or start + len(s) < best[0]):
+                best = (start + len(s), start, s)
         if best is None:
             return None
-        self.text = self.text[: best[0]]
-        return best[1]
+        end, start, stop = best
+        self.text = self.text[: end if self.include_stop else start]
+        return stop
 
     def release(self, finished: bool) -> str:
         """The text not yet handed out that can no longer become part of a stop string."""

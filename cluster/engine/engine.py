@@ -139,9 +139,9 @@ class Engine:
         params = request.sampling_params
         detok = None
         if self.tokenizer is not None:
-            detok = IncrementalDetokenizer(
-                self.tokenizer, request.prompt_token_ids, params.stop, params.skip_special_tokens
-            )
+            detok = IncrementalDetokenizer(self.tokenizer, request.prompt_token_ids, params.stop,
+                                           params.skip_special_tokens, params.min_tokens,
+                                           params.include_stop_str_in_output)
         self._states[request.request_id] = _OutputState(detok, [] if params.logprobs is not None else None)
         return request.request_id
 
@@ -209,7 +209,12 @@ class Engine:
         state = self._states[request.request_id]
         new_ids = request.output_token_ids[state.num_sent_tokens :]
         if state.detokenizer is not None:
-            for j, token in enumerate(new_ids):
+            # The token that stopped the request (EOS, a stop id) adds no text unless asked to.
+            num_texts = len(new_ids)
+            if (request.status == RequestStatus.FINISHED_STOPPED and new_ids and request.is_stop_token(new_ids[-1])
+                    and not request.sampling_params.include_stop_str_in_output):
+                num_texts -= 1
+            for j, token in enumerate(new_ids[:num_texts]):
                 stop = state.detokenizer.add_token(token)
                 if stop is not None:
                     # A stop string ends the output at the token that completed it, even

@@ -93,6 +93,12 @@ class Request:
     def finish_reason(self) -> str | None:
         return self.status.value if self.status.finished else None
 
+    def is_stop_token(self, token: int) -> bool:
+        """Whether ``token`` ends the request once ``min_tokens`` are out: EOS (unless
+        ``ignore_eos``) or one of ``stop_token_ids``."""
+        params = self.sampling_params
+        return (token == self.eos_token_id and not params.ignore_eos) or token in params.stop_token_ids
+
     def append_output_token_ids(self, token_ids: list[int]) -> None:
         self.output_token_ids.extend(token_ids)
         self.all_token_ids.extend(token_ids)

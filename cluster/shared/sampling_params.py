@@ -32,6 +32,9 @@ class SamplingParams:
     logprobs: int | None = None  # number of top logprobs to return besides the sampled token
     min_tokens: int = 0
     skip_special_tokens: bool = True
+    # Keep the matched stop string, or the stop token's text (EOS, stop_token_ids), in the output
+    # text; by default both are left out (the token ids keep the stop token either way).
+    include_stop_str_in_output: bool = False
     # The output must match this (JSON schema, regex, choice, grammar); None: free text.
     structured_outputs: StructuredOutputs | None = None
 

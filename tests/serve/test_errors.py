@@ -40,6 +40,8 @@ def _assert_error(response: httpx.Response, status: int, param: str | None = Non
     ({"model": MODEL, "prompt": "x" * 1100}, "prompt"),  # longer than max_model_len 1024
     ({"model": MODEL}, "prompt"),
     ({"model": MODEL, "prompt": "hi", "max_tokens": 10**9}, "max_tokens"),  # past the context of 1024
+    ({"model": MODEL, "prompt": "hi", "truncate_prompt_tokens": 2000}, "truncate_prompt_tokens"),
+    ({"model": MODEL, "prompt": "hi", "prompt_logprobs": 1}, "prompt_logprobs"),  # vLLM's, not implemented
 ])
 def test_invalid_completion_requests_are_400(server_url, body, param):
     _assert_error(_post(server_url, "/v1/completions", body), 400, param)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import openai
 import pytest
 
 from cluster.engine.llm import LLM, apply_chat_template
@@ -87,6 +88,48 @@ def test_stop_string_ends_the_output_before_it(client, reference):
     streamed = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=24, temperature=0, stop=stop,
                                          stream=True)
     assert "".join(c.choices[0].text for c in streamed) == expected
+
+
+def test_vllms_stop_fields_through_the_openai_client(client, reference):
+    """stop_reason names the stop string or id (vLLM's field, an extra of the openai client's
+    models); include_stop_str_in_output keeps it; a stop id's own text is left out otherwise."""
+    full = _greedy(reference, PROMPT, 24)
+    stop = full[6:8]
+    kept = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=24, temperature=0, stop=[stop],
+                                     extra_body={"include_stop_str_in_output": True})
+    assert kept.choices[0].text == full[: full.index(stop) + len(stop)]
+    assert kept.choices[0].stop_reason == stop
+    ids = reference.generate([PROMPT], SamplingParams(max_tokens=24, temperature=0, ignore_eos=True))
+    stop_id = ids[0].outputs[0].token_ids[4]
+    for include in (False, True):
+        chat = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=24, temperature=0, stream=True,
+                                         extra_body={"stop_token_ids": [stop_id], "ignore_eos": True,
+                                                     "include_stop_str_in_output": include})
+        chunks = list(chat)
+        expected = reference.generate([PROMPT], SamplingParams(max_tokens=24, temperature=0, ignore_eos=True,
+                                                               stop_token_ids=[stop_id],
+                                                               include_stop_str_in_output=include))
+        assert "".join(c.choices[0].text for c in chunks) == expected[0].outputs[0].text
+        assert (chunks[-1].choices[0].finish_reason, chunks[-1].choices[0].stop_reason) == ("stop", stop_id)
+    length = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=3, temperature=0)
+    assert length.choices[0].stop_reason is None
+
+
+def test_vllms_prompt_fields_through_the_openai_client(client, reference):
+    tokens = reference.tokenizer.encode(PROMPT)
+    cut = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=6, temperature=0,
+                                    extra_body={"truncate_prompt_tokens": 2})
+    assert cut.usage.prompt_tokens == 2
+    assert cut.choices[0].text == _greedy(reference, tokens[-2:], 6)
+    messages = [{"role": "user", "content": "Name a colour."}, {"role": "assistant", "content": "The colour is"}]
+    continued = client.chat.completions.create(
+        model=MODEL, messages=messages, max_tokens=6, temperature=0,
+        extra_body={"add_generation_prompt": False, "continue_final_message": True})
+    prompt = reference.tokenizer.apply_chat_template(messages, tokenize=False, continue_final_message=True)
+    assert continued.choices[0].message.content == _greedy(reference, prompt, 6)
+    with pytest.raises(openai.BadRequestError) as err:
+        client.chat.completions.create(model=MODEL, messages=messages, max_tokens=6, extra_body={"bad_words": ["a"]})
+    assert err.value.body["param"] == "bad_words"
 
 
 def test_seeded_sampling_repeats_and_n_choices_differ(client):

@@ -84,3 +84,49 @@ def test_a_stop_string_cuts_the_text_and_is_never_released(smollm2, tokenizer_ki
     detok, released, matched = stream(tokenizer, [], ids, stop=["three", "zebra"])
     assert matched == "three"
     assert released == detok.text == "Count: one, two, "
+
+
+def added_until_stop(tokenizer, ids, stop, min_tokens=0, include_stop=False):
+    """Feed ``ids`` one at a time: (tokens added when a stop string matched or all of them, the
+    stop string, the released text)."""
+    detok = IncrementalDetokenizer(tokenizer, [], list(stop), True, min_tokens, include_stop)
+    released = ""
+    for token in ids:
+        matched = detok.add_token(token)
+        released += detok.release(finished=matched is not None)
+        if matched is not None:
+            return detok.num_tokens, matched, released
+    return detok.num_tokens, None, released + detok.release(finished=True)
+
+
+def token_texts(tokenizer, text):
+    ids = tokenizer(text)["input_ids"]
+    return ids, [tokenizer.decode(ids[: i + 1]) for i in range(len(ids))]
+
+
+def test_with_include_stop_the_text_ends_after_the_stop_string(smollm2):
+    ids, _ = token_texts(smollm2, "Count: one, two, three, four, five.")
+    _, matched, released = added_until_stop(smollm2, ids, ["three"], include_stop=True)
+    assert (matched, released) == ("three", "Count: one, two, three")
+
+
+def test_stop_strings_count_only_after_min_tokens(smollm2):
+    """vLLM's rule: a stop string must end in the text of a token past the first ``min_tokens``."""
+    ids, prefixes = token_texts(smollm2, "a, b, c, d, e, f")
+    first_comma = next(i for i, p in enumerate(prefixes) if "," in p)  # index of the token that writes it
+    n, matched, released = added_until_stop(smollm2, ids, [","])
+    assert (n, matched, released) == (first_comma + 1, ",", "a")
+    # With min_tokens covering the first comma's token, the next comma stops it.
+    n, matched, released = added_until_stop(smollm2, ids, [","], min_tokens=first_comma + 1)
+    second_comma = next(i for i, p in enumerate(prefixes) if p.count(",") == 2)
+    assert (n, matched, released) == (second_comma + 1, ",", "a, b")
+
+
+def test_of_two_stop_strings_completed_by_one_token_the_one_ending_first_wins(smollm2):
+    ids = smollm2(" the cat sat")["input_ids"]
+    one = smollm2(" abc")["input_ids"]
+    assert len(one) == 1  # one token writes all three letters
+    # "abc" begins first but "ab" ends first: vLLM keeps the text before "ab".
+    for stop in (["abc", "ab"], ["ab", "abc"]):
+        _, matched, released = added_until_stop(smollm2, ids + one, stop)
+        assert (matched, released) == ("ab", " the cat sat ")

@@ -117,6 +117,42 @@ def test_stop_token_ids_and_stop_strings(llm):
     assert out.finish_reason == "stop" and out.stop_reason == stop
 
 
+def test_the_stop_tokens_text_is_left_out_unless_asked_for(llm):
+    """As vLLM: the stop id stays in the token ids, its text only with include_stop_str_in_output."""
+    greedy = dict(max_tokens=30, temperature=0, ignore_eos=True)
+    reference = llm.generate(["The cat"], SamplingParams(**greedy))[0].outputs[0]
+    stop_id = reference.token_ids[5]
+    first = reference.token_ids.index(stop_id)
+    decode = llm.engine.tokenizer.decode
+    for include in (False, True):
+        out = llm.generate(["The cat"], SamplingParams(stop_token_ids=[stop_id], include_stop_str_in_output=include,
+                                                      **greedy))[0].outputs[0]
+        assert out.token_ids == reference.token_ids[: first + 1] and out.stop_reason == stop_id
+        assert out.text == decode(reference.token_ids[: first + 1 if include else first])
+
+
+def test_include_stop_str_keeps_the_stop_string(llm):
+    greedy = dict(max_tokens=30, temperature=0, ignore_eos=True)
+    text = llm.generate(["The cat"], SamplingParams(**greedy))[0].outputs[0].text
+    stop = text[7:10]
+    out = llm.generate(["The cat"], SamplingParams(stop=[stop], include_stop_str_in_output=True,
+                                                  **greedy))[0].outputs[0]
+    assert out.text == text[: text.index(stop) + len(stop)] and out.stop_reason == stop
+
+
+def test_stop_strings_wait_for_min_tokens(llm):
+    greedy = dict(max_tokens=30, temperature=0, ignore_eos=True)
+    reference = llm.generate(["The cat"], SamplingParams(**greedy))[0].outputs[0]
+    decode = llm.engine.tokenizer.decode
+    # A stop string that the output's 3rd token completes: min_tokens=3 keeps it from stopping there.
+    stop = decode(reference.token_ids[:3])[-1:]
+    early = llm.generate(["The cat"], SamplingParams(stop=[stop], **greedy))[0].outputs[0]
+    assert len(early.token_ids) <= 3
+    late = llm.generate(["The cat"], SamplingParams(stop=[stop], min_tokens=3, **greedy))[0].outputs[0]
+    assert len(late.token_ids) > 3 and late.token_ids == reference.token_ids[: len(late.token_ids)]
+    assert late.text.startswith(decode(reference.token_ids[:3]))
+
+
 def test_streamed_deltas_never_show_a_stop_string(llm):
     engine = llm.engine
     greedy = dict(max_tokens=30, temperature=0, ignore_eos=True)

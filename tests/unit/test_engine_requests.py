@@ -10,6 +10,7 @@ from cluster.api.engine_requests import (
     ROUTING_DEFAULT_OUTPUT_TOKENS,
     GroupShape,
     choice_requests,
+    truncated_prompt,
 )
 from cluster.api.openai_protocol import ChatCompletionRequest, CompletionRequest
 from cluster.errors import ParamError
@@ -108,3 +109,16 @@ def test_every_group_gets_the_same_request_id_prompt_and_choice_seed():
     assert {r.request_id for r in requests.values()} == {"req-0"}
     assert all(r.prompt_token_ids == PROMPT and r.sampling_params.seed == 8 for r in requests.values())
     assert all(r.cache_salt is None for r in requests.values())
+
+
+def test_truncate_prompt_tokens_keeps_the_prompts_end():
+    """vLLM's truncate_prompt_tokens: the last N tokens; -1 the context's length; None all."""
+    prompt = list(range(100))
+    assert truncated_prompt(prompt, None, 64) == prompt
+    assert truncated_prompt(prompt, 5, 64) == [95, 96, 97, 98, 99]
+    assert truncated_prompt(prompt, -1, 64) == prompt[-64:]
+    assert truncated_prompt(prompt[:3], 10, 64) == [0, 1, 2]
+    for keep in (0, 65):
+        with pytest.raises(ParamError) as err:
+            truncated_prompt(prompt, keep, 64)
+        assert err.value.param == "truncate_prompt_tokens" and "[1, 64]" in str(err.value)

@@ -138,6 +138,20 @@ def test_required_fields():
     (chat, {"function_call": "auto"}, "function_call"),
     (chat, {"top_logprobs": 2}, "top_logprobs"),
     (chat, {"stream_options": {"include_usage": True}, "stream": False}, "stream_options"),
+    # vLLM's extras that Tandem does not implement: refused rather than silently ignored
+    (completion, {"prompt_logprobs": 0}, "prompt_logprobs"),
+    (chat, {"bad_words": ["the"]}, "bad_words"),
+    (completion, {"allowed_token_ids": [1, 2]}, "allowed_token_ids"),
+    (chat, {"use_beam_search": True}, "use_beam_search"),
+    (completion, {"logits_processors": ["x"]}, "logits_processors"),
+    (chat, {"priority": 1}, "priority"),
+    (completion, {"priority": False}, "priority"),  # not 0: a different type is not the default
+    (chat, {"return_tokens_as_token_ids": True}, "return_tokens_as_token_ids"),
+    (chat, {"echo": True}, "echo"),
+    (chat, {"chat_template": "{{ messages }}"}, "chat_template"),
+    (chat, {"continue_final_message": True}, "continue_final_message"),  # add_generation_prompt defaults on
+    (chat, {"continue_final_message": True, "add_generation_prompt": False}, "continue_final_message"),  # user last
+    (chat, {"chat_template_kwargs": {"tokenize": True, "enable_thinking": False}}, "chat_template_kwargs"),
 ])
 def test_unimplemented_openai_fields_are_named(build, fields, param):
     body = build(**fields)
@@ -146,11 +160,40 @@ def test_unimplemented_openai_fields_are_named(build, fields, param):
     assert err.value.param == param  # the HTTP error's "param"
 
 
+def test_vllm_extras_at_their_defaults_are_accepted():
+    for body in both(prompt_logprobs=None, bad_words=[], allowed_token_ids=None, use_beam_search=False,
+                     logits_processors=None, priority=0, return_tokens_as_token_ids=False):
+        body.check_supported()
+
+
+def test_chat_template_options():
+    assert chat().template_options() == {"add_generation_prompt": True, "continue_final_message": False}
+    messages = MESSAGES + [{"role": "assistant", "content": "Hel"}]
+    body = chat(messages=messages, add_generation_prompt=False, continue_final_message=True,
+                chat_template_kwargs={"enable_thinking": False})
+    body.check_supported()
+    assert body.template_options() == {"enable_thinking": False, "add_generation_prompt": False,
+                                       "continue_final_message": True}
+
+
+def test_prompt_fields_and_their_defaults():
+    # vLLM's defaults: completions add the tokenizer's special tokens, chat leaves them to the template
+    assert completion().add_special_tokens is True and chat().add_special_tokens is False
+    assert completion(add_special_tokens=False).add_special_tokens is False
+    for body in both(truncate_prompt_tokens=-1):
+        assert body.truncate_prompt_tokens == -1
+    for build in (completion, chat):
+        with pytest.raises(ValidationError):
+            build(truncate_prompt_tokens=-2)
+        with pytest.raises(ValidationError):
+            build(include_stop_str_in_output="yes")
+
+
 # ---- translation to SamplingParams -------------------------------------------------
 def test_sampling_params_map_every_field():
     for body in both(max_tokens=12, temperature=0.3, top_p=0.8, stop="END", seed=100, presence_penalty=0.4,
                      frequency_penalty=-0.2, top_k=5, min_p=0.1, repetition_penalty=1.2, ignore_eos=True,
-                     min_tokens=2, stop_token_ids=[3, 4], skip_special_tokens=False):
+                     min_tokens=2, stop_token_ids=[3, 4], skip_special_tokens=False, include_stop_str_in_output=True):
         params = body.sampling_params(body.requested_max_tokens(), num_logprobs=4, choice=0)
         assert (params.max_tokens, params.temperature, params.top_p, params.top_k, params.min_p) == \
             (12, 0.3, 0.8, 5, 0.1)
@@ -158,6 +201,7 @@ def test_sampling_params_map_every_field():
         assert params.stop == ["END"] and params.stop_token_ids == [3, 4]
         assert (params.seed, params.logprobs, params.min_tokens) == (100, 4, 2)
         assert params.ignore_eos is True and params.skip_special_tokens is False
+        assert params.include_stop_str_in_output is True
 
 
 def test_sampling_params_defaults():
@@ -202,11 +246,12 @@ def test_error_body_shape():
 
 
 def finished_choice(index: int, prompt_tokens: int, output_tokens: int, cached: int = 0,
-                    reason: str = "stop") -> ChoiceState:
+                    reason: str = "stop", stop_reason: int | str | None = None) -> ChoiceState:
     state = ChoiceState(index)
     state.add(GenerateDelta(text="ab", token_ids=[1, 2], num_prompt_tokens=prompt_tokens, num_output_tokens=2))
-    state.add(GenerateDelta(text="c", token_ids=[3], finish_reason=reason, num_prompt_tokens=prompt_tokens,
-                            num_output_tokens=output_tokens, num_cached_tokens=cached))
+    state.add(GenerateDelta(text="c", token_ids=[3], finish_reason=reason, stop_reason=stop_reason,
+                            num_prompt_tokens=prompt_tokens, num_output_tokens=output_tokens,
+                            num_cached_tokens=cached))
     return state
 
 
@@ -239,11 +284,27 @@ def test_whole_bodies():
     use = usage(choices, [0])
     body = completion_body("cmpl-1", 123, "m", choices, use, with_logprobs=False)
     assert body["object"] == "text_completion" and body["usage"] == use
-    assert body["choices"] == [{"index": 0, "text": "abc", "logprobs": None, "finish_reason": "stop"}]
+    assert body["choices"] == [{"index": 0, "text": "abc", "logprobs": None, "finish_reason": "stop",
+                                "stop_reason": None}]
     body = chat_body("chatcmpl-1", 123, "m", choices, use, num_logprobs=None)
     assert body["object"] == "chat.completion"
     assert body["choices"][0]["message"] == {"role": "assistant", "content": "abc"}
+    assert body["choices"][0]["stop_reason"] is None
     assert body["usage"]["total_tokens"] == body["usage"]["prompt_tokens"] + body["usage"]["completion_tokens"]
+
+
+@pytest.mark.parametrize("stop_reason", ["END", 42])
+def test_the_stop_reason_names_the_stop_string_or_token_everywhere(stop_reason):
+    """vLLM's ``stop_reason``: whole bodies and the streamed chunk that finishes the choice."""
+    choices = [finished_choice(0, 5, 3, stop_reason=stop_reason)]
+    use = usage(choices, [0])
+    assert completion_body("c", 1, "m", choices, use, False)["choices"][0]["stop_reason"] == stop_reason
+    assert chat_body("c", 1, "m", choices, use, None)["choices"][0]["stop_reason"] == stop_reason
+    last = GenerateDelta(finish_reason="stop", stop_reason=stop_reason)
+    assert completion_chunk("c", 1, "m", 0, last, 0, False, False)["choices"][0]["stop_reason"] == stop_reason
+    assert chat_chunk("c", 1, "m", 0, {}, last, None, False)["choices"][0]["stop_reason"] == stop_reason
+    running = GenerateDelta(text="a", token_ids=[1])
+    assert completion_chunk("c", 1, "m", 0, running, 0, False, False)["choices"][0]["stop_reason"] is None
 
 
 def logprob_entry(token_id: int, text: str, logprob: float, alt_id: int, alt_text: str, alt_logprob: float):

@@ -234,3 +234,35 @@ def test_template_messages_keep_the_tool_fields():
     assert messages[2] == {"role": "assistant", "content": "", "tool_calls": [CALL]}
     assert messages[3] == {"role": "tool", "content": "18 C, sunny", "tool_call_id": "call_1"}
     assert json.loads(messages[2]["tool_calls"][0]["function"]["arguments"]) == {"city": "Paris"}
+
+
+def test_continuing_the_assistants_message_renders_as_transformers_does(tokenizers):
+    """continue_final_message / add_generation_prompt / chat_template_kwargs reach the template."""
+    smollm2 = tokenizers["prompt"]
+    messages = [{"role": "user", "content": "Name a colour."}, {"role": "assistant", "content": "The colour is"}]
+    body = chat(messages=messages, add_generation_prompt=False, continue_final_message=True)
+    body.check_supported()
+    text = render_chat(smollm2, template_messages(body), (), "prompt", body.template_options())
+    assert text == smollm2.apply_chat_template(messages, tokenize=False, continue_final_message=True)
+    assert text.endswith("The colour is")  # no end of turn after the partial answer
+    plain = chat(messages=messages[:1])
+    assert render_chat(smollm2, template_messages(plain), (), "prompt", plain.template_options()) == \
+        smollm2.apply_chat_template(messages[:1], tokenize=False, add_generation_prompt=True)
+    no_prompt = chat(messages=messages[:1], add_generation_prompt=False)
+    assert not render_chat(smollm2, template_messages(no_prompt), (), "prompt",
+                           no_prompt.template_options()).endswith("<|im_start|>assistant\n")
+
+
+def test_chat_template_kwargs_are_the_templates_variables(tokenizers):
+    class Recording:
+        chat_template = "x"
+
+        def apply_chat_template(self, messages, **kwargs):
+            self.kwargs = kwargs
+            return "rendered"
+
+    tokenizer = Recording()
+    body = chat(messages=CONVERSATION[:2], chat_template_kwargs={"enable_thinking": False})
+    render_chat(tokenizer, template_messages(body), (), "hermes", body.template_options())
+    assert tokenizer.kwargs == {"tools": None, "tokenize": False, "enable_thinking": False,
+                                "add_generation_prompt": True, "continue_final_message": False}
