@@ -21,6 +21,8 @@ from tests.serve.test_openai_api import (  # noqa: F401  (collected here with th
     test_stop_string_ends_the_output_before_it,
     test_streamed_deltas_concatenate_to_the_whole_text,
     test_token_id_prompts_and_batched_prompts,
+    test_vllms_prompt_fields_through_the_openai_client,
+    test_vllms_stop_fields_through_the_openai_client,
 )
 
 
@@ -77,3 +79,30 @@ def test_seeded_sampling_repeats_and_n_choices_differ(client, group):
     both = sample(7, n=2)
     assert [c.index for c in both.choices] == [0, 1] and both.choices[0].text != both.choices[1].text
     assert both.usage.completion_tokens == 32
+
+
+# Greedy after PROMPT, both engines: " with a quick brown bear.\n\nThe original sentence is a classic example
+# of a hom..." (" a" is token 253 and comes at outputs 2, 13 and 17; "." is token 30, output 6).
+@pytest.mark.parametrize("fields", [
+    {"stop": [" a"]},
+    {"stop": [" a"], "min_tokens": 2},  # the first " a" is within min_tokens: the next one stops it
+    {"stop": [" a"], "include_stop_str_in_output": True},
+    {"stop": ["a q", "a"]},  # both end in the same tokens' text: the one ending first wins
+    {"stop": ["e o", "sent"], "min_tokens": 3},
+    {"stop_token_ids": [30]},
+    {"stop_token_ids": [30], "include_stop_str_in_output": True},
+    {"stop_token_ids": [253], "min_tokens": 3},
+])
+def test_stops_end_the_text_as_vllms_engine_does(server_url, fields):
+    """The same greedy request to each group: vLLM's engine applies the stop rules itself, so
+    the native group must give the same text, finish_reason and stop_reason."""
+    body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 24, "temperature": 0, "ignore_eos": True, **fields}
+    answers = {}
+    for group in ("native", "vllm"):
+        headers = {"Authorization": f"Bearer {API_KEY}", "X-Tandem-Group": group}
+        response = httpx.post(f"{server_url}/v1/completions", json=body, headers=headers, timeout=300)
+        assert response.status_code == 200, response.text
+        choice = response.json()["choices"][0]
+        answers[group] = (choice["text"], choice["finish_reason"], choice["stop_reason"])
+    assert answers["native"] == answers["vllm"]
+    assert answers["vllm"][1] == "stop"
