@@ -49,11 +49,13 @@ class EngineDeadError(RuntimeError):
 
 
 class AsyncEngine:
-    def __init__(self, engine: Engine, step_time_scale: float = 1.0) -> None:
+    def __init__(self, engine: Engine, step_time_scale: float = 1.0, cumulative: bool = True) -> None:
+        """``cumulative=False``: outputs carry only each step's delta (``Engine.add_prepared``)."""
         if step_time_scale < 1.0:
             raise ValueError(f"step_time_scale must be >= 1, got {step_time_scale}")
         self.engine = engine
         self.step_time_scale = step_time_scale
+        self.cumulative = cumulative
         self.step_times = StepTimeTracker(*profile_step_model(engine.config))
         self._queues: dict[str, asyncio.Queue] = {}
         self._pending_adds: list[Request] = []
@@ -164,7 +166,7 @@ class AsyncEngine:
             if request.request_id in self._pending_aborts:
                 continue
             try:
-                self.engine.add_prepared(request)
+                self.engine.add_prepared(request, self.cumulative)
             except ValueError as err:
                 queue = self._queues.get(request.request_id)
                 if queue is not None:

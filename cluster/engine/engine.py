@@ -49,8 +49,9 @@ class StepRecord:
 @dataclass
 class _OutputState:
     detokenizer: IncrementalDetokenizer | None
-    logprobs: list[TokenLogprobs] | None
+    logprobs: list[TokenLogprobs] | None  # so far (None: not asked for, or deltas only)
     num_sent_tokens: int = 0
+    cumulative: bool = True
 
 
 class Engine:
@@ -134,7 +135,11 @@ class Engine:
     ) -> str:
         return self.add_prepared(self.make_request(prompt, sampling_params, request_id, cache_salt))
 
-    def add_prepared(self, request: Request) -> str:
+    def add_prepared(self, request: Request, cumulative: bool = True) -> str:
+        """Queue a request from ``make_request``. ``cumulative=False``: its outputs carry only
+        what each step added (``text``, ``token_ids`` and ``logprobs`` are the deltas), as
+        vLLM's ``RequestOutputKind.DELTA`` does, which spares a stream copying its whole output
+        at every step."""
         self.scheduler.add_request(request)
         params = request.sampling_params
         detok = None
@@ -142,7 +147,8 @@ class Engine:
             detok = IncrementalDetokenizer(self.tokenizer, request.prompt_token_ids, params.stop,
                                            params.skip_special_tokens, params.min_tokens,
                                            params.include_stop_str_in_output)
-        self._states[request.request_id] = _OutputState(detok, [] if params.logprobs is not None else None)
+        logprobs = [] if params.logprobs is not None and cumulative else None
+        self._states[request.request_id] = _OutputState(detok, logprobs, cumulative=cumulative)
         return request.request_id
 
     def abort(self, request_id: str) -> None:
@@ -228,9 +234,10 @@ class Engine:
                         request.status = RequestStatus.FINISHED_STOPPED
                     break
         delta_logprobs = None
-        if state.logprobs is not None and sampled.logprobs is not None:
+        if request.sampling_params.logprobs is not None and sampled.logprobs is not None:
             delta_logprobs = [self._logprobs(entry) for entry in sampled.logprobs]
-            state.logprobs.extend(delta_logprobs)
+            if state.logprobs is not None:
+                state.logprobs.extend(delta_logprobs)
         state.num_sent_tokens = request.num_output_tokens
         finished = request.is_finished
         if finished:
@@ -238,13 +245,18 @@ class Engine:
             del self._states[request.request_id]
         detok = state.detokenizer
         delta_text = detok.release(finished) if detok is not None else ""
+        if state.cumulative:
+            text = detok.released_text if detok is not None else ""
+            token_ids = list(request.output_token_ids)
+        else:
+            text, token_ids = delta_text, new_ids
         completion = CompletionOutput(
             index=0,
-            text=detok.released_text if detok is not None else "",
-            token_ids=list(request.output_token_ids),
+            text=text,
+            token_ids=token_ids,
             finish_reason=request.finish_reason,
             stop_reason=request.stop_reason,
-            logprobs=state.logprobs,
+            logprobs=state.logprobs if state.cumulative else delta_logprobs,
             delta_text=delta_text,
             delta_token_ids=new_ids,
             delta_logprobs=delta_logprobs,

@@ -31,7 +31,8 @@ class NativeBackend:
 
     def __init__(self, config: TandemConfig, group: ReplicaGroupConfig, context: BackendContext) -> None:
         self.config = config
-        self.engine = AsyncEngine(_build_engine(config, group, context), step_time_scale=group.step_time_scale)
+        self.engine = AsyncEngine(_build_engine(config, group, context), step_time_scale=group.step_time_scale,
+                                  cumulative=False)  # it streams deltas (output_delta)
         if context.metrics_sink is not None:
             self.engine.metrics = EngineMetricsCollector(self.engine.engine, context.metrics_sink,
                                                          capacity=lambda: self.view.capacity_tokens_per_second())

@@ -153,6 +153,28 @@ def test_stop_strings_wait_for_min_tokens(llm):
     assert late.text.startswith(decode(reference.token_ids[:3]))
 
 
+def test_delta_outputs_carry_each_steps_part_and_add_up_to_the_cumulative_ones(llm):
+    """``add_prepared(cumulative=False)`` (the served path): text, token ids and logprobs of each
+    output are that step's only; joined they are the cumulative request's final output."""
+    engine = llm.engine
+    params = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True, logprobs=2, stop=["zz"])
+    whole = engine.add_prepared(engine.make_request("The cat", params))
+    parts = engine.add_prepared(engine.make_request("The cat", params), cumulative=False)
+    outputs: dict[str, list] = {whole: [], parts: []}
+    while engine.has_unfinished():
+        for out in engine.step():
+            outputs[out.request_id].append(out.outputs[0])
+    final = outputs[whole][-1]
+    deltas = outputs[parts]
+    assert len(deltas) > 1
+    for d in deltas:
+        assert (d.text, d.token_ids, d.logprobs) == (d.delta_text, d.delta_token_ids, d.delta_logprobs)
+    assert "".join(d.text for d in deltas) == final.text
+    assert [t for d in deltas for t in d.token_ids] == final.token_ids and len(final.token_ids) == 20
+    assert [lp for d in deltas for lp in d.logprobs] == final.logprobs
+    assert engine.block_manager.num_free_blocks == engine.block_manager.pool.num_blocks
+
+
 def test_streamed_deltas_never_show_a_stop_string(llm):
     engine = llm.engine
     greedy = dict(max_tokens=30, temperature=0, ignore_eos=True)
