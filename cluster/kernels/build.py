@@ -2,9 +2,13 @@
 
 The C++ sources are compiled for the host CPU (``-march=native``) with torch's extension
 builder (gcc and ninja) the first time a process asks for them, into
-``<cache dir>/kernels/<key>``; the key hashes the source and headers, the torch version and the
-CPU's flags, so a cache shared by different machines never hands one a build for
-another. Later processes load the built library in well under a second.
+``<cache dir>/kernels/<key>``; the key hashes the source and headers, the torch version, where
+that torch is installed and the CPU's flags, so a cache shared by different machines never
+hands one a build for another, and environments sharing one machine's cache (the project's
+and the vLLM tier's, each with its own torch) keep a build each instead of rebuilding in turn
+(torch's builder rebuilds when the include paths in its command change: about 100 s of two
+cores, which `tandem serve` spent loading after the vLLM tier had run). Later processes load
+the built library in well under a second.
 
 Where the build cannot happen (no compiler, a CPU without AVX2/FMA, a build error),
 :func:`small_gemm` and :func:`decode_ops` return None with a logged reason and callers keep torch's own
@@ -52,12 +56,18 @@ def kernels_enabled() -> bool:
     return os.environ.get(_DISABLE_ENV, "1") not in ("0", "false", "off")
 
 
-def _build_dir(name: str, source: Path) -> tuple[str, Path]:
+def build_key(source: Path, torch_dir: Path) -> str:
+    """What names a build: the source and headers, torch's version and location, the CPU."""
     digest = hashlib.sha256()
     headers = [h.read_bytes() for h in sorted(_SOURCE_DIR.glob("*.h"))]
-    for part in (source.read_bytes(), *headers, torch.__version__.encode(), _cpu_flags().encode()):
+    for part in (source.read_bytes(), *headers, torch.__version__.encode(), str(torch_dir).encode(),
+                 _cpu_flags().encode()):
         digest.update(part)
-    key = digest.hexdigest()[:16]
+    return digest.hexdigest()[:16]
+
+
+def _build_dir(name: str, source: Path) -> tuple[str, Path]:
+    key = build_key(source, Path(torch.__file__).resolve().parent)
     folder = default_cache_dir() / "kernels" / f"{name}-{key}"
     folder.mkdir(parents=True, exist_ok=True)
     return f"tandem_{name}_{key}", folder

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -109,3 +111,13 @@ def test_turned_off_by_the_environment(monkeypatch):
     assert not build.kernels_enabled()
     monkeypatch.setenv("TANDEM_CPU_KERNELS", "1")
     assert build.kernels_enabled()
+
+
+def test_each_torch_installation_keeps_its_own_build():
+    """Two environments with the same torch version in different places (the project's venv and
+    the vLLM tier's) must not share a build folder: torch's builder would rebuild in turn."""
+    source = build._SOURCE_DIR / "small_gemm.cpp"
+    here = build.build_key(source, Path("/venv-a/torch"))
+    assert here == build.build_key(source, Path("/venv-a/torch"))
+    assert here != build.build_key(source, Path("/venv-b/torch"))
+    assert here != build.build_key(build._SOURCE_DIR / "decode_ops.cpp", Path("/venv-a/torch"))
