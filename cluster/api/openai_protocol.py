@@ -19,6 +19,7 @@ Output constraints (``response_format``, ``structured_outputs``) are mapped in
 
 from __future__ import annotations
 
+import math
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, model_validator
@@ -101,8 +102,6 @@ class _SamplingFields(_Body):
     return_tokens_as_token_ids: Any = None
 
     def check_supported(self) -> None:
-        if self.logit_bias:
-            raise UnsupportedFieldError("logit_bias", "logit_bias is not supported by Tandem")
         for name, defaults in VLLM_UNSUPPORTED.items():
             value = getattr(self, name)
             if not any(value is d or (type(value) is type(d) and value == d) for d in defaults):
@@ -112,6 +111,19 @@ class _SamplingFields(_Body):
 
     def requested_max_tokens(self) -> int | None:
         return self.max_tokens
+
+    def token_bias(self) -> dict[int, float]:
+        """``logit_bias`` keyed by token id, each bias clamped to OpenAI's [-100, 100] (as vLLM does)."""
+        bias = {}
+        for key, value in (self.logit_bias or {}).items():
+            try:
+                token = int(key)
+            except ValueError:
+                raise UnsupportedFieldError("logit_bias", f"logit_bias keys must be token ids, got {key!r}") from None
+            if not math.isfinite(value):
+                raise UnsupportedFieldError("logit_bias", f"logit_bias values must be finite numbers, got {value!r}")
+            bias[token] = min(100.0, max(-100.0, value))
+        return bias
 
     def output_constraint(self) -> StructuredOutputs | None:
         """What ``response_format`` / ``structured_outputs`` ask the output to match (raises
@@ -144,6 +156,7 @@ class _SamplingFields(_Body):
             min_tokens=min(self.min_tokens, max_tokens) if defaulted else self.min_tokens,
             skip_special_tokens=self.skip_special_tokens,
             include_stop_str_in_output=self.include_stop_str_in_output,
+            logit_bias=self.token_bias(),
             structured_outputs=structured_outputs,
         )
 

@@ -114,6 +114,17 @@ def apply_penalties(
     return logits - state.frequency[:, None] * counts - state.presence[:, None] * (counts > 0)
 
 
+def apply_logit_bias(
+    logits: torch.Tensor,  # [num_reqs, vocab_size] float32
+    metadata: SamplingMetadata,
+) -> torch.Tensor:  # [num_reqs, vocab_size] float32
+    """Add each row's ``logit_bias`` to the logits of its token ids."""
+    if metadata.logit_bias is None:
+        return logits
+    rows, token_ids, values = metadata.logit_bias
+    return logits.index_put((rows, token_ids), values, accumulate=True)
+
+
 def apply_banned_token_ids(
     logits: torch.Tensor,  # [num_reqs, vocab_size] float32
     metadata: SamplingMetadata,

@@ -1,6 +1,6 @@
 """The sampler: logits in, one token per request (and optionally logprobs) out.
 
-Pipeline per row: grammar mask -> penalties -> banned ids -> temperature -> top-k -> top-p -> min-p -> softmax,
+Pipeline per row: grammar mask -> logit bias -> penalties -> banned ids -> temperature -> top-k -> top-p -> min-p -> softmax,
 then one draw by the inverse of the CDF (``categorical.py``). ``compute_probs`` and ``sample_from_probs`` are exposed separately
 because the speculative rejection sampler needs the distribution itself: it calls
 ``compute_probs`` on target and draft logits and samples recovered and bonus tokens with
@@ -27,6 +27,7 @@ from cluster.structured.bitmask import apply_token_bitmask
 from cluster.runner.logits_processors import (
     PenaltyState,
     apply_banned_token_ids,
+    apply_logit_bias,
     apply_penalties,
     apply_temperature,
     apply_top_k_top_p_min_p,
@@ -68,6 +69,8 @@ class SamplingMetadata:
     seeded_race: bool = False  # seeded rows draw by an exponential race on keyed noise, not by the inverse CDF
     unit_temperature: bool = False  # every random row's temperature is 1: dividing by it is skipped (exact)
     token_bitmask: torch.Tensor | None = None  # [num_reqs, words] int32: allowed tokens (structured outputs)
+    # (rows, token ids, values), int64/int64/float32, one entry per biased token; None: no row has a bias
+    logit_bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
 
     @classmethod
     def build(
@@ -106,6 +109,8 @@ class SamplingMetadata:
             for row, ids in enumerate(banned_token_ids)
             if (valid := sorted({t for t in ids if 0 <= t < vocab_size}))
         }
+        biased = [(row, token, value) for row, p in enumerate(params) for token, value in p.logit_bias.items()
+                  if token < vocab_size]
         num_logprobs = [p.logprobs for p in params if p.logprobs is not None]
         needs_penalties = any(p.needs_penalties for p in params)
 
@@ -132,6 +137,9 @@ class SamplingMetadata:
             seeded_race=seeded_race,
             unit_temperature=all(g or p.temperature == 1.0 for p, g in zip(params, greedy)),
             token_bitmask=None if token_bitmask is None else token_bitmask.to(device, non_blocking=True),
+            logit_bias=None if not biased else (
+                per_row([b[0] for b in biased], torch.int64), per_row([b[1] for b in biased], torch.int64),
+                per_row([float(b[2]) for b in biased], torch.float32)),
         )
 
     @property
@@ -159,11 +167,12 @@ def _penalized_logits(
     logits: torch.Tensor,  # [num_reqs, vocab_size] any float dtype
     metadata: SamplingMetadata,
 ) -> torch.Tensor:  # [num_reqs, vocab_size] float32
-    """The logits greedy rows take the argmax of: float32, the grammar's mask, penalties, banned ids."""
+    """The logits greedy rows take the argmax of: float32, the grammar's mask, logit bias (before the
+    penalties, as vLLM), penalties, banned ids."""
     logits = logits.float()
     if metadata.token_bitmask is not None:
         logits = apply_token_bitmask(logits, metadata.token_bitmask)
-    return apply_banned_token_ids(apply_penalties(logits, metadata), metadata)
+    return apply_banned_token_ids(apply_penalties(apply_logit_bias(logits, metadata), metadata), metadata)
 
 
 def greedy_token_ids(

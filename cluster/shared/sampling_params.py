@@ -35,6 +35,8 @@ class SamplingParams:
     # Keep the matched stop string, or the stop token's text (EOS, stop_token_ids), in the output
     # text; by default both are left out (the token ids keep the stop token either way).
     include_stop_str_in_output: bool = False
+    # Added to the logits of these token ids before anything else (OpenAI's logit_bias).
+    logit_bias: dict[int, float] = field(default_factory=dict)
     # The output must match this (JSON schema, regex, choice, grammar); None: free text.
     structured_outputs: StructuredOutputs | None = None
 
@@ -43,6 +45,7 @@ class SamplingParams:
             self.stop = [self.stop]
         self.stop = list(self.stop or [])
         self.stop_token_ids = list(self.stop_token_ids or [])
+        self.logit_bias = dict(self.logit_bias or {})
         if self.top_k == -1:
             self.top_k = 0
         self._validate()
@@ -75,6 +78,10 @@ class SamplingParams:
             raise bad("stop", "a list of non-empty strings")
         if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
             raise bad("stop_token_ids", "a list of non-negative token ids")
+        if any(not isinstance(t, int) or isinstance(t, bool) or t < 0 for t in self.logit_bias) or any(
+                isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v)
+                for v in self.logit_bias.values()):
+            raise bad("logit_bias", "a map of non-negative token ids to finite numbers")
         if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputs):
             raise bad("structured_outputs", "a StructuredOutputs or None")
 

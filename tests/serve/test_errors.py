@@ -33,7 +33,8 @@ def _assert_error(response: httpx.Response, status: int, param: str | None = Non
     ({"model": MODEL, "prompt": "hi", "temperature": 3}, "temperature"),
     ({"model": MODEL, "prompt": "hi", "top_p": 0}, "top_p"),
     ({"model": MODEL, "prompt": "hi", "n": 100}, "n"),
-    ({"model": MODEL, "prompt": "hi", "logit_bias": {"5": 1.0}}, "logit_bias"),
+    ({"model": MODEL, "prompt": "hi", "logit_bias": {"five": 1.0}}, "logit_bias"),
+    ({"model": MODEL, "prompt": "hi", "logit_bias": {"100000": 1.0}}, "logit_bias"),  # outside the vocabulary
     ({"model": MODEL, "prompt": 42}, "prompt"),
     ({"model": MODEL, "prompt": ""}, "prompt"),
     ({"model": MODEL, "prompt": [1, 2, 100000]}, "prompt"),

@@ -132,6 +132,17 @@ def test_vllms_prompt_fields_through_the_openai_client(client, reference):
     assert err.value.body["param"] == "bad_words"
 
 
+def test_logit_bias_through_the_openai_client(client, reference):
+    plain = reference.generate([PROMPT], SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))
+    first = plain[0].outputs[0].token_ids[0]
+    bias = {str(first): -100, "12": 5}  # away from the greedy first token, towards token 12
+    response = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=8, temperature=0, logit_bias=bias,
+                                         extra_body={"ignore_eos": True})
+    expected = reference.generate([PROMPT], SamplingParams(max_tokens=8, temperature=0, ignore_eos=True,
+                                                           logit_bias={first: -100.0, 12: 5.0}))
+    assert response.choices[0].text == expected[0].outputs[0].text != plain[0].outputs[0].text
+
+
 def test_seeded_sampling_repeats_and_n_choices_differ(client):
     def sample(seed):
         return client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=16, temperature=1.0, seed=seed,

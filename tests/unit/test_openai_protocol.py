@@ -129,7 +129,6 @@ def test_required_fields():
 
 
 @pytest.mark.parametrize("build, fields, param", [
-    (completion, {"logit_bias": {"5": 1.0}}, "logit_bias"),
     (completion, {"stream_options": {"include_usage": True}}, "stream_options"),
     (completion, {"echo": True}, "echo"),
     (completion, {"suffix": "tail"}, "suffix"),
@@ -352,3 +351,13 @@ def test_usage_chunk_has_no_choices():
         assert chunk["object"] == obj and chunk["choices"] == []
         assert chunk["usage"]["prompt_tokens"] + chunk["usage"]["completion_tokens"] == \
             chunk["usage"]["total_tokens"] == 10
+
+
+def test_logit_bias_maps_token_ids_and_clamps_as_vllm():
+    for body in both(logit_bias={"5": 1.5, "7": -300.0, "9": 250}):
+        params = body.sampling_params(16, num_logprobs=None, choice=0)
+        assert params.logit_bias == {5: 1.5, 7: -100.0, 9: 100.0}
+    for bad in ({"five": 1.0}, {"-3": 1.0}, {"5": float("nan")}):
+        with pytest.raises(ValueError) as err:
+            completion(logit_bias=bad).sampling_params(16, num_logprobs=None, choice=0)
+        assert err.value.param == "logit_bias"

@@ -92,3 +92,31 @@ def test_prompts_arriving_while_others_decode_keep_outputs(model_and_reference):
     assert mixed_steps >= 2  # the 17-, 41- and 64-token prompts joined running decodes
     assert [got[i] for i in ids] == expected
     assert engine.block_manager.num_free_blocks == engine.block_manager.pool.num_blocks
+
+
+def test_logit_bias_matches_transformers_sequence_bias(tiny_llama_dir):
+    """Greedy with OpenAI's logit_bias equals transformers' greedy with the same one-token
+    sequence_bias, under n-gram speculation (which a biased request does without)."""
+    prompts = _prompts(seed=3)[:3]
+    plain = _hf_greedy(tiny_llama_dir, prompts)
+    # Push away the first greedy token of each output and pull up another one.
+    bias = {plain[0][0]: -100.0, plain[1][0]: -100.0, 17: 4.0, 200: -7.5}
+    model = AutoModelForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.float32).eval()
+    model.generation_config.eos_token_id = None
+    expected = []
+    for p in prompts:
+        ids = torch.tensor([p])
+        gen = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=MAX_TOKENS, do_sample=False,
+                             pad_token_id=0, sequence_bias={(t,): v for t, v in bias.items()})
+        expected.append(gen[0, len(p):].tolist())
+    assert expected[0][0] != plain[0][0]
+    llm = LLM(str(tiny_llama_dir), device="cpu", dtype="float32", num_blocks=128, method="ngram",
+              num_speculative_tokens=3)
+    unbiased = SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True)
+    assert [o.outputs[0].token_ids for o in llm.generate(prompts, unbiased)] == plain
+    drafted = llm.engine.spec_stats.num_draft_tokens
+    assert drafted > 0  # these prompts do get n-gram drafts
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True, logit_bias=bias)
+    got = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+    assert got == expected
+    assert llm.engine.spec_stats.num_draft_tokens == drafted  # none for the biased requests

@@ -488,3 +488,45 @@ def test_sampling_params_reject_temperatures_the_sampler_cannot_use(temperature)
     # NaN or inf would turn every probability of the row into NaN (-inf / inf is NaN).
     with pytest.raises(ValueError, match="temperature"):
         SamplingParams(temperature=temperature)
+
+
+# ---------------------------------------------------------------- logit bias
+
+
+def test_logit_bias_matches_transformers_sequence_bias_before_the_penalties():
+    """OpenAI's logit_bias is transformers' sequence_bias on one-token sequences; as in vLLM it is
+    added before the repetition penalty (which then divides or multiplies the biased logit)."""
+    from transformers import SequenceBiasLogitsProcessor
+
+    vocab_size, prompts, outputs, logits = penalty_case()
+    biases = [{3: 5.0, 7: -2.5}, {}, {0: -100.0}, {3: 1.0}, {31: 100.0}]
+    params = [SamplingParams(logit_bias=b, repetition_penalty=1.3 if row == 3 else 1.0)
+              for row, b in enumerate(biases)]
+    metadata = build(params, vocab_size, prompts=prompts, outputs=outputs)
+    before = logits.clone()
+    got = compute_probs(logits, metadata)
+    assert torch.equal(logits, before)  # out of place
+    for row, bias in enumerate(biases):
+        expected = logits[row]
+        if bias:
+            hf = SequenceBiasLogitsProcessor({(t,): v for t, v in bias.items()})
+            expected = hf(torch.tensor([prompts[row] + outputs[row]]), expected[None].clone())[0]
+        expected = hf_repetition(expected, prompts[row], outputs[row], params[row].repetition_penalty)
+        torch.testing.assert_close(got[row], expected.softmax(-1), rtol=1e-5, atol=1e-7)
+    assert metadata.logit_bias[0].tolist() == [0, 0, 2, 3, 4]  # the rows of the biased ids
+    assert build([SamplingParams(), SamplingParams()], vocab_size).logit_bias is None
+
+
+def test_a_strong_bias_decides_the_token():
+    vocab_size = 8
+    logits = torch.zeros(400, vocab_size)
+    params = [SamplingParams(temperature=1.0, logit_bias={1: -100.0, 6: 100.0})] * 200 + \
+             [SamplingParams(temperature=0.0, logit_bias={2: 3.0})] * 200
+    sampled = Sampler()(logits, build(params, vocab_size)).sampled_token_ids
+    assert (sampled[:200] == 6).all() and (sampled[200:] == 2).all()
+
+
+@pytest.mark.parametrize("bias", [{-1: 1.0}, {True: 1.0}, {"3": 1.0}, {3: float("inf")}, {3: "x"}])
+def test_bad_logit_bias_is_refused(bias):
+    with pytest.raises(ValueError, match="logit_bias"):
+        SamplingParams(logit_bias=bias)

@@ -11,6 +11,7 @@ import pytest
 
 from tests.serve.conftest import API_KEY, MODEL
 from tests.serve.test_openai_api import PROMPT
+from tests.serve.test_openai_api import test_logit_bias_through_the_openai_client as _logit_bias_native
 from tests.serve.test_openai_api import test_seeded_sampling_repeats_and_n_choices_differ as _seeded_native
 from tests.serve.test_openai_api import (  # noqa: F401  (collected here with this tier's fixtures)
     reference,
@@ -52,6 +53,17 @@ def test_the_openai_client_sees_typed_errors_from_both(client):
         client.completions.create(model=MODEL, prompt=[1, 2, 100000], max_tokens=4)
     assert client.completions.create(model=MODEL, prompt="still here", max_tokens=4,
                                      temperature=0).usage.completion_tokens == 4
+
+
+def test_logit_bias(client, group, reference):
+    """The native engine's test as it is (checked against transformers' sequence_bias in
+    tests/unit/test_parity_tiny.py). vLLM's engine refuses logit_bias under speculative decoding,
+    which this tier's groups run: its refusal reaches the client as a 400."""
+    if group == "native":
+        _logit_bias_native(client, reference)
+        return
+    with pytest.raises(openai.BadRequestError, match="logit_bias"):
+        client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=4, logit_bias={"12": 5})
 
 
 def test_seeded_sampling_repeats_and_n_choices_differ(client, group):
