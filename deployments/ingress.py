@@ -4,7 +4,9 @@ Parses and validates each request (bad input is a 400 in OpenAI's error shape be
 anything is queued), tokenizes it (chat template from the model), picks a replica
 group (:class:`GroupRouter`), and streams the replica's deltas back as one JSON body
 or as server-sent events. Errors: 400 bad input, 401 wrong or missing API key, 404
-unknown model, 429 a replica's queue is full, 503 Serve's queue is full.
+unknown model, 429 a replica's queue is full, 503 Serve's queue is full. vLLM's
+``/tokenize`` and ``/detokenize`` answer from the ingress's tokenizer, rendering chat
+messages exactly as ``/v1/chat/completions`` does.
 
 A request may pin its replica group with the header ``X-Tandem-Group: NAME`` (benchmarks
 and tests send the same workload to each group, e.g. a native and a vLLM one); the
@@ -18,6 +20,7 @@ and calls are parsed out of the output.
 """
 
 import asyncio
+import importlib.metadata
 import logging
 import time
 import uuid
@@ -26,6 +29,7 @@ from functools import partial
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from pydantic import ValidationError
 from ray import serve
 from ray.serve.exceptions import BackPressureError
 from ray.serve.handle import DeploymentHandle
@@ -33,11 +37,18 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from cluster.api.auth import ApiKeys
 from cluster.api.engine_requests import GroupShape, choice_requests, truncated_prompt
-from cluster.api.openai_protocol import ChatCompletionRequest, CompletionRequest, UnsupportedFieldError
+from cluster.api.openai_protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    TokenizeChatRequest,
+    TokenizeCompletionRequest,
+    UnsupportedFieldError,
+)
 from cluster.api.openai_responses import error_body
 from cluster.api.tool_calls import ToolCallParser
 from cluster.api.tool_formats import choose_tool_format, render_chat
-from cluster.api.tool_request import NO_TOOLS, ToolPlan
+from cluster.api.tool_request import NO_TOOLS, ToolPlan, plan_tools
 from cluster.config import config_from_dict, group_engine_config
 from cluster.engine.backend import error_param
 from cluster.errors import require_unicode
@@ -142,6 +153,55 @@ class OpenAIIngress:
     async def chat_completions(self, body: ChatCompletionRequest, request: Request):
         return await self._serve(body, request, chat=True)
 
+    @app.post("/tokenize")
+    async def tokenize(self, body: dict, request: Request):
+        """vLLM's ``/tokenize``: a ``prompt``, or ``messages`` rendered as chat completions would."""
+        if (denied := self._check_key(request)) is not None:
+            return denied
+        chat = "messages" in body
+        try:
+            parsed = (TokenizeChatRequest if chat else TokenizeCompletionRequest).model_validate(body)
+        except ValidationError as err:
+            raise RequestValidationError(err.errors()) from None
+        if (unknown := self._unknown_model(parsed.model)) is not None:
+            return unknown
+        try:
+            if chat:
+                parsed.check_prompt_fields()
+                plan = plan_tools(parsed.tools, None, True, self.tool_format)
+                messages = [m.as_template_message() for m in parsed.messages]
+                text, param = render_chat(self.tokenizer, messages, plan.tools, self.tool_format,
+                                          parsed.template_options()), "messages"
+            else:
+                text, param = parsed.prompt, "prompt"
+            if self.tokenizer is None:
+                raise UnsupportedFieldError(param, "this model has no tokenizer")
+            require_unicode(text, param)
+            tokens = self.tokenizer.encode(text, add_special_tokens=parsed.add_special_tokens)
+        except ValueError as err:
+            return _error(400, str(err), param=error_param(err))
+        strings = self.tokenizer.convert_ids_to_tokens(tokens) if parsed.return_token_strs else None
+        return {"count": len(tokens), "max_model_len": max(s.max_model_len for s in self.shapes.values()),
+                "tokens": tokens, "token_strs": strings}
+
+    @app.post("/detokenize")
+    async def detokenize(self, body: DetokenizeRequest, request: Request):
+        """vLLM's ``/detokenize``: token ids to text."""
+        if (denied := self._check_key(request)) is not None:
+            return denied
+        if (unknown := self._unknown_model(body.model)) is not None:
+            return unknown
+        if self.tokenizer is None:
+            return _error(400, "this model has no tokenizer", param="tokens")
+        bad = [t for t in body.tokens if not 0 <= t < len(self.tokenizer)]
+        if bad:
+            return _error(400, f"tokens must be ids in [0, {len(self.tokenizer)}), got {bad[:3]}", param="tokens")
+        return {"prompt": self.tokenizer.decode(body.tokens)}
+
+    @app.get("/version")
+    async def version(self):
+        return {"version": importlib.metadata.version("tandem-serve")}
+
     @app.get("/debug/router")
     async def debug_router(self, request: Request):
         if (denied := self._check_key(request)) is not None:
@@ -169,9 +229,8 @@ class OpenAIIngress:
     async def _serve(self, body, request: Request, chat: bool):
         if (denied := self._check_key(request)) is not None:
             return denied
-        if body.model != self.model_name:
-            return _error(404, f"the model {body.model!r} does not exist; this server serves {self.model_name!r}",
-                          "not_found_error", "model", "model_not_found")
+        if (unknown := self._unknown_model(body.model, required=True)) is not None:
+            return unknown
         pinned = request.headers.get("x-tandem-group")
         if pinned is not None and pinned not in self.shapes:
             return _error(400, f"X-Tandem-Group names no replica group: {pinned!r}; groups: {', '.join(self.shapes)}")
@@ -196,6 +255,13 @@ class OpenAIIngress:
             return _error(err.status, err.message, err.type, err.param)
         except BackPressureError as err:
             return _error(503, f"the server is overloaded, retry later ({err})", "server_error")
+
+    def _unknown_model(self, model: str | None, required: bool = False) -> JSONResponse | None:
+        """The 404 for a model this server does not serve (None may be left out where not ``required``)."""
+        if model == self.model_name or (model is None and not required):
+            return None
+        return _error(404, f"the model {model!r} does not exist; this server serves {self.model_name!r}",
+                      "not_found_error", "model", "model_not_found")
 
     def _check_key(self, request: Request) -> JSONResponse | None:
         reason = self.api_keys.refusal(request.headers.get("authorization", ""))

@@ -36,7 +36,8 @@ from cluster.api.tool_request import NO_TOOLS, ToolChoice, ToolPlan, ToolSpec, p
 from cluster.shared.sampling_params import SamplingParams
 from cluster.structured.constraint import StructuredOutputs
 
-__all__ = ["ChatCompletionRequest", "ChatMessage", "CompletionRequest", "UnsupportedFieldError"]
+__all__ = ["ChatCompletionRequest", "ChatMessage", "ChatPromptFields", "CompletionRequest", "DetokenizeRequest",
+           "TokenizeChatRequest", "TokenizeCompletionRequest", "UnsupportedFieldError"]
 
 MAX_N = 16
 # vLLM's request fields that Tandem does not implement, with the values that ask for nothing.
@@ -236,28 +237,19 @@ class ChatMessage(_Body):
         return message
 
 
-class ChatCompletionRequest(_SamplingFields):
+class ChatPromptFields(_Body):
+    """How chat messages become a prompt (chat completions and ``/tokenize``)."""
+
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: StrictInt | None = Field(None, ge=1)
-    logprobs: StrictBool = False
-    top_logprobs: StrictInt | None = Field(None, ge=0, le=20)
     tools: list[ToolSpec] | None = None
-    tool_choice: ToolChoice | None = None
-    parallel_tool_calls: StrictBool = True
-    functions: list | None = None  # OpenAI's deprecated forms of tools
-    function_call: StrictStr | dict | None = None
-    # vLLM's chat extras: how the messages become the prompt
-    echo: StrictBool = False
+    # vLLM's chat extras
     add_generation_prompt: StrictBool = True
     continue_final_message: StrictBool = False
     add_special_tokens: StrictBool = False  # the template already writes them
     chat_template: Any = None  # refused: see the module's docstring
     chat_template_kwargs: dict[str, object] | None = None
 
-    def check_supported(self) -> None:
-        super().check_supported()
-        if self.echo:
-            raise UnsupportedFieldError("echo", "echo is not supported by Tandem")
+    def check_prompt_fields(self) -> None:
         if self.chat_template is not None:
             raise UnsupportedFieldError("chat_template", "a chat_template in the request is not accepted; the server "
                                         "renders messages with the model's own template")
@@ -271,16 +263,33 @@ class ChatCompletionRequest(_SamplingFields):
         if reserved:
             raise UnsupportedFieldError("chat_template_kwargs", f"chat_template_kwargs may not set {', '.join(reserved)}"
                                         " (request fields or the renderer's own arguments)")
-        for old, new in (("functions", "tools"), ("function_call", "tool_choice")):
-            if getattr(self, old) is not None:
-                raise UnsupportedFieldError(old, f"{old} (deprecated by OpenAI) is not supported; use {new}")
-        if self.top_logprobs is not None and not self.logprobs:
-            raise UnsupportedFieldError("top_logprobs", "top_logprobs needs logprobs set to true")
 
     def template_options(self) -> dict:
         """What ``apply_chat_template`` is given besides the messages and tools."""
         return {**(self.chat_template_kwargs or {}), "add_generation_prompt": self.add_generation_prompt,
                 "continue_final_message": self.continue_final_message}
+
+
+class ChatCompletionRequest(_SamplingFields, ChatPromptFields):
+    max_completion_tokens: StrictInt | None = Field(None, ge=1)
+    logprobs: StrictBool = False
+    top_logprobs: StrictInt | None = Field(None, ge=0, le=20)
+    tool_choice: ToolChoice | None = None
+    parallel_tool_calls: StrictBool = True
+    functions: list | None = None  # OpenAI's deprecated forms of tools
+    function_call: StrictStr | dict | None = None
+    echo: StrictBool = False
+
+    def check_supported(self) -> None:
+        super().check_supported()
+        if self.echo:
+            raise UnsupportedFieldError("echo", "echo is not supported by Tandem")
+        self.check_prompt_fields()
+        for old, new in (("functions", "tools"), ("function_call", "tool_choice")):
+            if getattr(self, old) is not None:
+                raise UnsupportedFieldError(old, f"{old} (deprecated by OpenAI) is not supported; use {new}")
+        if self.top_logprobs is not None and not self.logprobs:
+            raise UnsupportedFieldError("top_logprobs", "top_logprobs needs logprobs set to true")
 
     @property
     def num_logprobs(self) -> int | None:
@@ -298,3 +307,21 @@ class ChatCompletionRequest(_SamplingFields):
         return single_constraint(("response_format", response_format_constraint(self.response_format)),
                                  ("structured_outputs", structured_outputs_constraint(self.structured_outputs)),
                                  ("tool_choice", plan.constraint))
+
+
+# ---- vLLM's tokenizer routes ---------------------------------------------------------
+class TokenizeCompletionRequest(_Body):
+    model: StrictStr | None = None
+    prompt: StrictStr
+    add_special_tokens: StrictBool = True
+    return_token_strs: StrictBool = False
+
+
+class TokenizeChatRequest(ChatPromptFields):
+    model: StrictStr | None = None
+    return_token_strs: StrictBool = False
+
+
+class DetokenizeRequest(_Body):
+    model: StrictStr | None = None
+    tokens: list[StrictInt]

@@ -91,7 +91,10 @@ def test_api_key_is_required(server_url):
         assert httpx.get(f"{server_url}{route}", timeout=30).status_code == 401
         ok = httpx.get(f"{server_url}{route}", headers=AUTH, timeout=30)
         assert ok.status_code == 200, route
+    for route in ("/tokenize", "/detokenize"):
+        _assert_error(_post(server_url, route, {"prompt": "hi", "tokens": [1]}, headers={}), 401)
     assert httpx.get(f"{server_url}/health", timeout=30).status_code == 200
+    assert httpx.get(f"{server_url}/version", timeout=30).json()["version"]
 
 
 def test_openai_client_raises_typed_errors_and_server_keeps_serving(client):

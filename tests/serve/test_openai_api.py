@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import httpx
 import openai
 import pytest
 
 from cluster.engine.llm import LLM, apply_chat_template
 from cluster.shared.sampling_params import SamplingParams
 
-from tests.serve.conftest import MODEL
+from tests.serve.conftest import API_KEY, MODEL
 
 PROMPT = "The quick brown fox"
 
@@ -175,3 +176,31 @@ def test_token_id_prompts_and_batched_prompts(client):
     response = client.completions.create(model=MODEL, prompt=[[5, 6, 7, 8], [9, 10]], max_tokens=3, temperature=0)
     assert [c.index for c in response.choices] == [0, 1]
     assert response.usage.prompt_tokens == 6
+
+
+def test_tokenize_and_detokenize_as_vllms_routes(server_url, client, reference):
+    """vLLM's /tokenize (a prompt, or messages rendered as chat completions render them) and
+    /detokenize, against the model's own tokenizer."""
+    auth = {"Authorization": f"Bearer {API_KEY}"}
+
+    def post(route, body):
+        return httpx.post(f"{server_url}{route}", json=body, headers=auth, timeout=60)
+
+    tokenizer = reference.tokenizer
+    got = post("/tokenize", {"model": MODEL, "prompt": PROMPT, "return_token_strs": True}).json()
+    assert got["tokens"] == tokenizer.encode(PROMPT) and got["count"] == len(got["tokens"])
+    assert got["max_model_len"] == 1024 and got["token_strs"] == tokenizer.convert_ids_to_tokens(got["tokens"])
+    messages = [{"role": "user", "content": "Hi there"}]
+    chat = post("/tokenize", {"messages": messages}).json()
+    prompt = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    assert chat["tokens"] == tokenizer.encode(prompt, add_special_tokens=False) and chat["token_strs"] is None
+    used = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=2, temperature=0)
+    assert used.usage.prompt_tokens == chat["count"]
+    assert post("/detokenize", {"tokens": got["tokens"]}).json() == {"prompt": tokenizer.decode(got["tokens"])}
+    for route, body, param in [("/detokenize", {"tokens": [1, 10**6]}, "tokens"),
+                               ("/tokenize", {"prompt": 5}, "prompt"),
+                               ("/tokenize", {"messages": messages, "continue_final_message": True},
+                                "continue_final_message")]:
+        response = post(route, body)
+        assert response.status_code == 400 and response.json()["error"]["param"] == param, response.text
+    assert post("/tokenize", {"model": "nope", "prompt": "x"}).status_code == 404
