@@ -8,10 +8,11 @@ rather than silently ignored. Tandem also accepts vLLM's extra sampling fields
 ``stop_token_ids``, ``skip_special_tokens``, ``include_stop_str_in_output``), its prompt
 fields (``truncate_prompt_tokens``, ``add_special_tokens``; on chat ``add_generation_prompt``,
 ``continue_final_message``, ``chat_template_kwargs``), ``cache_salt`` and ``structured_outputs``.
-A ``chat_template`` in the request is refused, as vLLM's server does unless told to trust it:
-the server renders with the model's. vLLM's extras that Tandem does not implement (``VLLM_UNSUPPORTED``)
-are refused when set to anything but their default, since ignoring them would change the
-answer silently.
+A ``chat_template`` in the request is refused, as vLLM's server does unless told to trust
+it: the server renders with the model's. vLLM's extras that Tandem does not implement
+(``VLLM_UNSUPPORTED``) are refused when set to anything but their default, since ignoring
+them would change the answer silently. The bodies of vLLM's ``/tokenize`` and
+``/detokenize`` are here too.
 
 Output constraints (``response_format``, ``structured_outputs``) are mapped in
 ``structured_request``; the tool fields in ``tool_request``.
