@@ -5,7 +5,8 @@ a silent conversion); unknown fields are ignored, as OpenAI and vLLM do. Fields 
 OpenAI defines but Tandem does not implement are rejected with a message naming them
 rather than silently ignored. Tandem also accepts vLLM's extra sampling fields
 (``top_k``, ``min_p``, ``repetition_penalty``, ``ignore_eos``, ``min_tokens``,
-``stop_token_ids``, ``skip_special_tokens``, ``include_stop_str_in_output``), its prompt
+``stop_token_ids``, ``skip_special_tokens``, ``include_stop_str_in_output``,
+``allowed_token_ids``), its prompt
 fields (``truncate_prompt_tokens``, ``add_special_tokens``; on chat ``add_generation_prompt``,
 ``continue_final_message``, ``chat_template_kwargs``), ``cache_salt`` and ``structured_outputs``.
 A ``chat_template`` in the request is refused, as vLLM's server does unless told to trust
@@ -45,7 +46,6 @@ MAX_N = 16
 VLLM_UNSUPPORTED = {
     "prompt_logprobs": (None,),
     "bad_words": (None, []),
-    "allowed_token_ids": (None,),
     "use_beam_search": (False,),
     "logits_processors": (None, []),
     "priority": (0,),
@@ -90,6 +90,7 @@ class _SamplingFields(_Body):
     stop_token_ids: list[StrictInt] | None = None
     skip_special_tokens: StrictBool = True
     include_stop_str_in_output: StrictBool = False
+    allowed_token_ids: list[StrictInt] | None = None
     truncate_prompt_tokens: StrictInt | None = Field(None, ge=-1)
     cache_salt: StrictStr | None = None
     response_format: ResponseFormat | None = None
@@ -97,7 +98,6 @@ class _SamplingFields(_Body):
     # VLLM_UNSUPPORTED, of any type: kept only to be refused by name
     prompt_logprobs: Any = None
     bad_words: Any = None
-    allowed_token_ids: Any = None
     use_beam_search: Any = False
     logits_processors: Any = None
     priority: Any = 0
@@ -159,6 +159,7 @@ class _SamplingFields(_Body):
             skip_special_tokens=self.skip_special_tokens,
             include_stop_str_in_output=self.include_stop_str_in_output,
             logit_bias=self.token_bias(),
+            allowed_token_ids=self.allowed_token_ids,
             structured_outputs=structured_outputs,
         )
 

@@ -117,6 +117,9 @@ class Engine:
             raise ParamError("stop", "stop strings need a tokenizer; this model has none (use stop_token_ids)")
         if any(t >= self.vocab_size for t in params.stop_token_ids):
             raise ParamError("stop_token_ids", f"stop_token_ids must be below the vocabulary size {self.vocab_size}")
+        if any(t >= self.vocab_size for t in params.allowed_token_ids or ()):
+            raise ParamError("allowed_token_ids",
+                             f"allowed_token_ids must be below the vocabulary size {self.vocab_size}")
         if any(t >= self.vocab_size for t in params.logit_bias):
             raise ParamError("logit_bias", f"logit_bias token ids must be below the vocabulary size {self.vocab_size}")
         rid = request_id if request_id is not None else f"req-{next(self._ids)}"

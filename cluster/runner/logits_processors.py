@@ -114,6 +114,18 @@ def apply_penalties(
     return logits - state.frequency[:, None] * counts - state.presence[:, None] * (counts > 0)
 
 
+def apply_allowed_token_ids(
+    logits: torch.Tensor,  # [num_reqs, vocab_size] float32
+    metadata: SamplingMetadata,
+) -> torch.Tensor:  # [num_reqs, vocab_size] float32
+    """Set every token outside a row's ``allowed_token_ids`` to ``-inf`` (rows without keep all)."""
+    if metadata.allowed_token_ids is None:
+        return logits
+    rows, allowed = metadata.allowed_token_ids
+    restricted = logits.index_select(0, rows).masked_fill(~allowed, float("-inf"))
+    return logits.index_put((rows,), restricted)
+
+
 def apply_logit_bias(
     logits: torch.Tensor,  # [num_reqs, vocab_size] float32
     metadata: SamplingMetadata,

@@ -1,6 +1,6 @@
 """The sampler: logits in, one token per request (and optionally logprobs) out.
 
-Pipeline per row: grammar mask -> logit bias -> penalties -> banned ids -> temperature -> top-k -> top-p -> min-p -> softmax,
+Pipeline per row: grammar mask -> allowed ids -> logit bias -> penalties -> banned ids -> temperature -> top-k -> top-p -> min-p -> softmax,
 then one draw by the inverse of the CDF (``categorical.py``). ``compute_probs`` and ``sample_from_probs`` are exposed separately
 because the speculative rejection sampler needs the distribution itself: it calls
 ``compute_probs`` on target and draft logits and samples recovered and bonus tokens with
@@ -26,6 +26,7 @@ from cluster.runner.random_stream import Lane, SeedKey, draw_seeded, row_uniform
 from cluster.structured.bitmask import apply_token_bitmask
 from cluster.runner.logits_processors import (
     PenaltyState,
+    apply_allowed_token_ids,
     apply_banned_token_ids,
     apply_logit_bias,
     apply_penalties,
@@ -71,6 +72,8 @@ class SamplingMetadata:
     token_bitmask: torch.Tensor | None = None  # [num_reqs, words] int32: allowed tokens (structured outputs)
     # (rows, token ids, values), int64/int64/float32, one entry per biased token; None: no row has a bias
     logit_bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+    # (rows, [len(rows), vocab_size] bool: the ids each may take), for rows with allowed_token_ids; None: none has
+    allowed_token_ids: tuple[torch.Tensor, torch.Tensor] | None = None
 
     @classmethod
     def build(
@@ -111,6 +114,13 @@ class SamplingMetadata:
         }
         biased = [(row, token, value) for row, p in enumerate(params) for token, value in p.logit_bias.items()
                   if token < vocab_size]
+        allowed_rows = [row for row, p in enumerate(params) if p.allowed_token_ids is not None]
+        allowed = None
+        if allowed_rows:
+            mask = torch.zeros(len(allowed_rows), vocab_size, dtype=torch.bool)
+            for i, row in enumerate(allowed_rows):
+                mask[i, [t for t in params[row].allowed_token_ids if t < vocab_size]] = True
+            allowed = (torch.tensor(allowed_rows, dtype=torch.int64, device=device), mask.to(device))
         num_logprobs = [p.logprobs for p in params if p.logprobs is not None]
         needs_penalties = any(p.needs_penalties for p in params)
 
@@ -140,6 +150,7 @@ class SamplingMetadata:
             logit_bias=None if not biased else (
                 per_row([b[0] for b in biased], torch.int64), per_row([b[1] for b in biased], torch.int64),
                 per_row([float(b[2]) for b in biased], torch.float32)),
+            allowed_token_ids=allowed,
         )
 
     @property
@@ -167,12 +178,13 @@ def _penalized_logits(
     logits: torch.Tensor,  # [num_reqs, vocab_size] any float dtype
     metadata: SamplingMetadata,
 ) -> torch.Tensor:  # [num_reqs, vocab_size] float32
-    """The logits greedy rows take the argmax of: float32, the grammar's mask, logit bias (before the
-    penalties, as vLLM), penalties, banned ids."""
+    """The logits greedy rows take the argmax of: float32, the grammar's mask, allowed ids, logit bias
+    (before the penalties, as vLLM), penalties, banned ids."""
     logits = logits.float()
     if metadata.token_bitmask is not None:
         logits = apply_token_bitmask(logits, metadata.token_bitmask)
-    return apply_banned_token_ids(apply_penalties(apply_logit_bias(logits, metadata), metadata), metadata)
+    logits = apply_logit_bias(apply_allowed_token_ids(logits, metadata), metadata)
+    return apply_banned_token_ids(apply_penalties(logits, metadata), metadata)
 
 
 def greedy_token_ids(

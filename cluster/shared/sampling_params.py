@@ -37,6 +37,8 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     # Added to the logits of these token ids before anything else (OpenAI's logit_bias).
     logit_bias: dict[int, float] = field(default_factory=dict)
+    # Only these token ids may be sampled (vLLM's allowed_token_ids); None: any.
+    allowed_token_ids: list[int] | None = None
     # The output must match this (JSON schema, regex, choice, grammar); None: free text.
     structured_outputs: StructuredOutputs | None = None
 
@@ -46,6 +48,8 @@ class SamplingParams:
         self.stop = list(self.stop or [])
         self.stop_token_ids = list(self.stop_token_ids or [])
         self.logit_bias = dict(self.logit_bias or {})
+        if self.allowed_token_ids is not None:
+            self.allowed_token_ids = list(self.allowed_token_ids)
         if self.top_k == -1:
             self.top_k = 0
         self._validate()
@@ -82,6 +86,9 @@ class SamplingParams:
                 isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v)
                 for v in self.logit_bias.values()):
             raise bad("logit_bias", "a map of non-negative token ids to finite numbers")
+        if self.allowed_token_ids is not None and (not self.allowed_token_ids or any(
+                not isinstance(t, int) or isinstance(t, bool) or t < 0 for t in self.allowed_token_ids)):
+            raise bad("allowed_token_ids", "a non-empty list of non-negative token ids, or None")
         if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputs):
             raise bad("structured_outputs", "a StructuredOutputs or None")
 

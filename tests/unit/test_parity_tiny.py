@@ -120,3 +120,28 @@ def test_logit_bias_matches_transformers_sequence_bias(tiny_llama_dir):
     got = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
     assert got == expected
     assert llm.engine.spec_stats.num_draft_tokens == drafted  # none for the biased requests
+
+
+def test_allowed_token_ids_match_transformers_suppressing_the_rest(tiny_llama_dir):
+    """Greedy with vLLM's allowed_token_ids equals transformers' greedy with every other id in
+    suppress_tokens; such requests decode without drafts."""
+    prompts = _prompts(seed=5)[:3]
+    allowed = list(range(40, 90)) + [7, 250]
+    model = AutoModelForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.float32).eval()
+    model.generation_config.eos_token_id = None
+    suppressed = [t for t in range(model.config.vocab_size) if t not in allowed]
+    expected = []
+    for p in prompts:
+        ids = torch.tensor([p])
+        gen = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=MAX_TOKENS, do_sample=False,
+                             pad_token_id=0, suppress_tokens=suppressed)
+        expected.append(gen[0, len(p):].tolist())
+    assert all(set(e) <= set(allowed) for e in expected)
+    llm = LLM(str(tiny_llama_dir), device="cpu", dtype="float32", num_blocks=128, method="ngram",
+              num_speculative_tokens=3)
+    llm.generate(prompts, SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True))
+    drafted = llm.engine.spec_stats.num_draft_tokens
+    assert drafted > 0  # unrestricted, these prompts get n-gram drafts
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True, allowed_token_ids=allowed)
+    assert [o.outputs[0].token_ids for o in llm.generate(prompts, params)] == expected
+    assert llm.engine.spec_stats.num_draft_tokens == drafted

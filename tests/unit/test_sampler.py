@@ -530,3 +530,37 @@ def test_a_strong_bias_decides_the_token():
 def test_bad_logit_bias_is_refused(bias):
     with pytest.raises(ValueError, match="logit_bias"):
         SamplingParams(logit_bias=bias)
+
+
+def test_allowed_token_ids_match_transformers_suppressing_the_rest():
+    """vLLM's allowed_token_ids is transformers' SuppressTokensLogitsProcessor of every other id;
+    it comes before the logit bias (as in vLLM), and rows without it are untouched."""
+    from transformers import SuppressTokensLogitsProcessor
+
+    vocab_size, prompts, outputs, logits = penalty_case()
+    allowed = [[1, 4, 9], None, [30], None, [0, 31, 5]]
+    params = [SamplingParams(allowed_token_ids=a, logit_bias={4: 2.0} if row == 0 else {})
+              for row, a in enumerate(allowed)]
+    metadata = build(params, vocab_size)
+    before = logits.clone()
+    got = compute_probs(logits, metadata)
+    assert torch.equal(logits, before)
+    for row, ids in enumerate(allowed):
+        expected = logits[row].clone()
+        if ids is not None:
+            others = [t for t in range(vocab_size) if t not in ids]
+            expected = SuppressTokensLogitsProcessor(others)(torch.tensor([[0]]), expected[None])[0]
+        if row == 0:
+            expected[4] += 2.0
+        torch.testing.assert_close(got[row], expected.softmax(-1), rtol=1e-5, atol=1e-7)
+    assert metadata.allowed_token_ids[0].tolist() == [0, 2, 4]
+    sampled = Sampler()(logits.repeat(50, 1), build(params * 50, vocab_size)).sampled_token_ids.view(50, 5)
+    for row, ids in enumerate(allowed):
+        if ids is not None:
+            assert set(sampled[:, row].tolist()) <= set(ids)
+
+
+@pytest.mark.parametrize("allowed", [[], [-1], [True], ["3"]])
+def test_bad_allowed_token_ids_are_refused(allowed):
+    with pytest.raises(ValueError, match="allowed_token_ids"):
+        SamplingParams(allowed_token_ids=allowed)

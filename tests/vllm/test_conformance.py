@@ -104,6 +104,8 @@ def test_seeded_sampling_repeats_and_n_choices_differ(client, group):
     {"stop_token_ids": [30]},
     {"stop_token_ids": [30], "include_stop_str_in_output": True},
     {"stop_token_ids": [253], "min_tokens": 3},
+    # allowed_token_ids: " with" then " a" or " the" only, until " a" stops it
+    {"stop": [" a"], "allowed_token_ids": [351, 253, 260], "min_tokens": 2},
 ])
 def test_stops_end_the_text_as_vllms_engine_does(server_url, fields):
     """The same greedy request to each group: vLLM's engine applies the stop rules itself, so
