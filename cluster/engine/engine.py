@@ -117,9 +117,8 @@ class Engine:
             raise ParamError("stop", "stop strings need a tokenizer; this model has none (use stop_token_ids)")
         if any(t >= self.vocab_size for t in params.stop_token_ids):
             raise ParamError("stop_token_ids", f"stop_token_ids must be below the vocabulary size {self.vocab_size}")
-        if any(t >= self.vocab_size for t in params.allowed_token_ids or ()):
-            raise ParamError("allowed_token_ids",
-                             f"allowed_token_ids must be below the vocabulary size {self.vocab_size}")
+        if params.allowed_token_ids is not None:
+            self._check_allowed_token_ids(params)
         if any(t >= self.vocab_size for t in params.logit_bias):
             raise ParamError("logit_bias", f"logit_bias token ids must be below the vocabulary size {self.vocab_size}")
         rid = request_id if request_id is not None else f"req-{next(self._ids)}"
@@ -130,6 +129,19 @@ class Engine:
         request = Request(rid, prompt_ids, params, self.eos_token_id, prompt=text, cache_salt=cache_salt)
         request.grammar = self.grammars.matcher_for(params)
         return request
+
+    def _check_allowed_token_ids(self, params: SamplingParams) -> None:
+        """Refuse allowed ids that leave some step nothing to sample (the row would be all -inf)."""
+        allowed = set(params.allowed_token_ids)
+        if any(t >= self.vocab_size for t in allowed):
+            raise ParamError("allowed_token_ids",
+                             f"allowed_token_ids must be below the vocabulary size {self.vocab_size}")
+        if params.structured_outputs is not None:
+            raise ParamError("allowed_token_ids", "allowed_token_ids cannot be combined with a structured output "
+                                                  "(response_format, structured_outputs or a forced tool call)")
+        if params.min_tokens and allowed <= set(params.stop_token_ids) | {self.eos_token_id}:
+            raise ParamError("allowed_token_ids", f"every allowed token ends the output, and min_tokens "
+                                                  f"({params.min_tokens}) bans them before that many tokens")
 
     def add_request(
         self,

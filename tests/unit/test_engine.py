@@ -59,6 +59,22 @@ def test_bad_prompts_raise_and_engine_keeps_serving(llm):
     assert engine.block_manager.num_free_blocks == engine.block_manager.pool.num_blocks
 
 
+def test_allowed_token_ids_that_leave_nothing_to_sample_are_refused(llm):
+    engine = llm.engine
+    eos = engine.eos_token_id
+    from cluster.structured.constraint import StructuredOutputs
+
+    for params in (SamplingParams(allowed_token_ids=[eos, 9], stop_token_ids=[9], min_tokens=2),
+                   SamplingParams(allowed_token_ids=[5, 6], structured_outputs=StructuredOutputs(regex="a+")),
+                   SamplingParams(allowed_token_ids=[5, 300])):
+        with pytest.raises(ValueError) as err:
+            engine.add_request("hi", params)
+        assert err.value.param == "allowed_token_ids"
+    ok = llm.generate(["hi"], SamplingParams(allowed_token_ids=[eos, 9], min_tokens=2, max_tokens=4,
+                                             temperature=0))[0].outputs[0]
+    assert ok.token_ids[:2] == [9, 9]  # only 9 may come before min_tokens
+
+
 def test_prompt_that_cannot_fit_in_the_kv_pool_is_refused(tiny_llama_dir):
     engine = make_engine(tiny_llama_dir, num_blocks=2, block_size=4)
     with pytest.raises(ValueError, match="KV cache"):
