@@ -6,7 +6,7 @@ OpenAI defines but Tandem does not implement are rejected with a message naming 
 rather than silently ignored. Tandem also accepts vLLM's extra sampling fields
 (``top_k``, ``min_p``, ``repetition_penalty``, ``ignore_eos``, ``min_tokens``,
 ``stop_token_ids``, ``skip_special_tokens``, ``include_stop_str_in_output``,
-``allowed_token_ids``), its prompt
+``allowed_token_ids``, ``bad_words``), its prompt
 fields (``truncate_prompt_tokens``, ``add_special_tokens``; on chat ``add_generation_prompt``,
 ``continue_final_message``, ``chat_template_kwargs``), ``cache_salt`` and ``structured_outputs``.
 A ``chat_template`` in the request is refused, as vLLM's server does unless told to trust
@@ -45,7 +45,6 @@ MAX_N = 16
 # vLLM's request fields that Tandem does not implement, with the values that ask for nothing.
 VLLM_UNSUPPORTED = {
     "prompt_logprobs": (None,),
-    "bad_words": (None, []),
     "use_beam_search": (False,),
     "logits_processors": (None, []),
     "priority": (0,),
@@ -91,13 +90,13 @@ class _SamplingFields(_Body):
     skip_special_tokens: StrictBool = True
     include_stop_str_in_output: StrictBool = False
     allowed_token_ids: list[StrictInt] | None = None
+    bad_words: list[StrictStr] | None = None
     truncate_prompt_tokens: StrictInt | None = Field(None, ge=-1)
     cache_salt: StrictStr | None = None
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputsField | None = None
     # VLLM_UNSUPPORTED, of any type: kept only to be refused by name
     prompt_logprobs: Any = None
-    bad_words: Any = None
     use_beam_search: Any = False
     logits_processors: Any = None
     priority: Any = 0
@@ -160,6 +159,7 @@ class _SamplingFields(_Body):
             include_stop_str_in_output=self.include_stop_str_in_output,
             logit_bias=self.token_bias(),
             allowed_token_ids=self.allowed_token_ids,
+            bad_words=list(self.bad_words or []),
             structured_outputs=structured_outputs,
         )
 

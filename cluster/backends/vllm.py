@@ -194,7 +194,7 @@ class VllmBackend:
             stop=list(p.stop) or None, stop_token_ids=list(p.stop_token_ids) or None, ignore_eos=p.ignore_eos,
             logprobs=p.logprobs, skip_special_tokens=p.skip_special_tokens,
             include_stop_str_in_output=p.include_stop_str_in_output, logit_bias=dict(p.logit_bias) or None,
-            allowed_token_ids=p.allowed_token_ids,
+            allowed_token_ids=p.allowed_token_ids, bad_words=list(p.bad_words) or None,
             output_kind=RequestOutputKind.DELTA,
             structured_outputs=None if p.structured_outputs is None
             else StructuredOutputsParams(**vllm_fields(p.structured_outputs)),

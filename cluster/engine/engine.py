@@ -13,6 +13,7 @@ import time
 from dataclasses import dataclass
 
 from cluster.config import TandemConfig
+from cluster.engine.bad_words import bad_word_token_ids
 from cluster.engine.detokenizer import IncrementalDetokenizer
 from cluster.engine.grammars import Grammars
 from cluster.engine.scheduler import Scheduler
@@ -127,6 +128,10 @@ class Engine:
         if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt):
             raise ParamError("cache_salt", "cache_salt must be a non-empty string when given")
         request = Request(rid, prompt_ids, params, self.eos_token_id, prompt=text, cache_salt=cache_salt)
+        if params.bad_words:
+            if self.tokenizer is None:
+                raise ParamError("bad_words", "bad_words need a tokenizer; this model has none")
+            request.bad_words_token_ids = bad_word_token_ids(self.tokenizer, params.bad_words)
         request.grammar = self.grammars.matcher_for(params)
         return request
 

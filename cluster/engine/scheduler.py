@@ -165,10 +165,10 @@ class Scheduler:
         Drafts never push the output past ``max_tokens`` or the context past
         ``max_model_len``. Requests with penalties, logprobs or a pending ``min_tokens``
         decode without drafts: their sampling state changes token by token; so do those with a
-        ``logit_bias`` or ``allowed_token_ids``, which the proposers do not apply.
+        ``logit_bias``, ``allowed_token_ids`` or ``bad_words``, which the proposers do not apply.
         """
         params = request.sampling_params
-        if (params.needs_penalties or params.logprobs is not None or params.logit_bias
+        if (params.needs_penalties or params.logprobs is not None or params.logit_bias or params.bad_words
                 or params.allowed_token_ids is not None or request.num_output_tokens < params.min_tokens):
             return 0
         room = min(params.max_tokens - request.num_output_tokens - 1, self.max_model_len - request.num_tokens)

@@ -261,11 +261,12 @@ def _bitmask_rows(token_bitmasks: dict[str, torch.Tensor] | None, requests: list
 
 
 def _banned_ids(request) -> list[int]:
-    """EOS and stop token ids may not be sampled before ``min_tokens`` outputs."""
+    """EOS and stop token ids may not be sampled before ``min_tokens`` outputs; a token that
+    would complete a bad word never."""
     params = request.sampling_params
-    if request.num_output_tokens >= params.min_tokens:
-        return []
-    banned = list(params.stop_token_ids)
-    if request.eos_token_id is not None:
-        banned.append(request.eos_token_id)
+    banned = request.bad_word_bans() if request.bad_words_token_ids else []
+    if request.num_output_tokens < params.min_tokens:
+        banned += params.stop_token_ids
+        if request.eos_token_id is not None:
+            banned.append(request.eos_token_id)
     return banned

@@ -70,6 +70,8 @@ class Request:
         # Speculative decoding: tokens whose K/V the draft model holds (never more than
         # the target's verified ``num_computed_tokens``; 0 again after preemption).
         self.draft_num_computed_tokens = 0
+        # bad_words as token sequences (set by the engine, which has the tokenizer).
+        self.bad_words_token_ids: list[list[int]] = []
         # Structured outputs: the grammar state after the output tokens (None: unconstrained).
         self.grammar: GrammarMatcher | None = None
 
@@ -98,6 +100,17 @@ class Request:
         ``ignore_eos``) or one of ``stop_token_ids``."""
         params = self.sampling_params
         return (token == self.eos_token_id and not params.ignore_eos) or token in params.stop_token_ids
+
+    def bad_word_bans(self) -> list[int]:
+        """The tokens that would complete a bad word now: the last of each sequence whose other
+        tokens end the output so far (a one-token word is always banned)."""
+        out = self.output_token_ids
+        bans = []
+        for ids in self.bad_words_token_ids:
+            prefix = len(ids) - 1
+            if prefix == 0 or (prefix <= len(out) and out[-prefix:] == ids[:-1]):
+                bans.append(ids[-1])
+        return bans
 
     def append_output_token_ids(self, token_ids: list[int]) -> None:
         self.output_token_ids.extend(token_ids)

@@ -39,6 +39,8 @@ class SamplingParams:
     logit_bias: dict[int, float] = field(default_factory=dict)
     # Only these token ids may be sampled (vLLM's allowed_token_ids); None: any.
     allowed_token_ids: list[int] | None = None
+    # Words the output may never contain (vLLM's bad_words).
+    bad_words: list[str] = field(default_factory=list)
     # The output must match this (JSON schema, regex, choice, grammar); None: free text.
     structured_outputs: StructuredOutputs | None = None
 
@@ -50,6 +52,7 @@ class SamplingParams:
         self.logit_bias = dict(self.logit_bias or {})
         if self.allowed_token_ids is not None:
             self.allowed_token_ids = list(self.allowed_token_ids)
+        self.bad_words = list(self.bad_words or [])
         if self.top_k == -1:
             self.top_k = 0
         self._validate()
@@ -89,6 +92,8 @@ class SamplingParams:
         if self.allowed_token_ids is not None and (not self.allowed_token_ids or any(
                 not isinstance(t, int) or isinstance(t, bool) or t < 0 for t in self.allowed_token_ids)):
             raise bad("allowed_token_ids", "a non-empty list of non-negative token ids, or None")
+        if any(not isinstance(w, str) or not w.strip() for w in self.bad_words):
+            raise bad("bad_words", "a list of words (non-blank strings)")
         if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputs):
             raise bad("structured_outputs", "a StructuredOutputs or None")
 

@@ -129,8 +129,9 @@ def test_vllms_prompt_fields_through_the_openai_client(client, reference):
     prompt = reference.tokenizer.apply_chat_template(messages, tokenize=False, continue_final_message=True)
     assert continued.choices[0].message.content == _greedy(reference, prompt, 6)
     with pytest.raises(openai.BadRequestError) as err:
-        client.chat.completions.create(model=MODEL, messages=messages, max_tokens=6, extra_body={"bad_words": ["a"]})
-    assert err.value.body["param"] == "bad_words"
+        client.chat.completions.create(model=MODEL, messages=messages, max_tokens=6,
+                                       extra_body={"use_beam_search": True})
+    assert err.value.body["param"] == "use_beam_search"
 
 
 def test_logit_bias_through_the_openai_client(client, reference):

@@ -191,6 +191,24 @@ def test_delta_outputs_carry_each_steps_part_and_add_up_to_the_cumulative_ones(l
     assert engine.block_manager.num_free_blocks == engine.block_manager.pool.num_blocks
 
 
+def test_bad_words_never_appear_and_change_nothing_before_them(llm):
+    greedy = dict(max_tokens=30, temperature=0, ignore_eos=True)
+    reference = llm.generate(["The cat"], SamplingParams(**greedy))[0].outputs[0]
+    tokenizer = llm.engine.tokenizer
+    ids = reference.token_ids
+    # Two tokens of the greedy output that are the tokenizer's own spelling of their text.
+    pairs = [ids[i:i + 2] for i in range(len(ids) - 1)
+             if tokenizer.encode(tokenizer.decode(ids[i:i + 2]), add_special_tokens=False) == ids[i:i + 2]]
+    assert pairs
+    word = tokenizer.decode(pairs[0])
+    out = llm.generate(["The cat"], SamplingParams(bad_words=[word], **greedy))[0].outputs[0]
+    assert word not in out.text and len(out.token_ids) == 30
+    first = reference.text.index(word)
+    assert out.text[:first] == reference.text[:first]  # the same until the word would begin
+    with pytest.raises(ValueError, match="bad_words"):
+        SamplingParams(bad_words=[" "])
+
+
 def test_streamed_deltas_never_show_a_stop_string(llm):
     engine = llm.engine
     greedy = dict(max_tokens=30, temperature=0, ignore_eos=True)

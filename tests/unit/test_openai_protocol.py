@@ -139,7 +139,6 @@ def test_required_fields():
     (chat, {"stream_options": {"include_usage": True}, "stream": False}, "stream_options"),
     # vLLM's extras that Tandem does not implement: refused rather than silently ignored
     (completion, {"prompt_logprobs": 0}, "prompt_logprobs"),
-    (chat, {"bad_words": ["the"]}, "bad_words"),
     (chat, {"use_beam_search": True}, "use_beam_search"),
     (completion, {"logits_processors": ["x"]}, "logits_processors"),
     (chat, {"priority": 1}, "priority"),
@@ -159,7 +158,7 @@ def test_unimplemented_openai_fields_are_named(build, fields, param):
 
 
 def test_vllm_extras_at_their_defaults_are_accepted():
-    for body in both(prompt_logprobs=None, bad_words=[], use_beam_search=False,
+    for body in both(prompt_logprobs=None, use_beam_search=False,
                      logits_processors=None, priority=0, return_tokens_as_token_ids=False):
         body.check_supported()
 
@@ -192,7 +191,7 @@ def test_sampling_params_map_every_field():
     for body in both(max_tokens=12, temperature=0.3, top_p=0.8, stop="END", seed=100, presence_penalty=0.4,
                      frequency_penalty=-0.2, top_k=5, min_p=0.1, repetition_penalty=1.2, ignore_eos=True,
                      min_tokens=2, stop_token_ids=[3, 4], skip_special_tokens=False, include_stop_str_in_output=True,
-                     allowed_token_ids=[3, 9]):
+                     allowed_token_ids=[3, 9], bad_words=["no"]):
         params = body.sampling_params(body.requested_max_tokens(), num_logprobs=4, choice=0)
         assert (params.max_tokens, params.temperature, params.top_p, params.top_k, params.min_p) == \
             (12, 0.3, 0.8, 5, 0.1)
@@ -201,6 +200,7 @@ def test_sampling_params_map_every_field():
         assert (params.seed, params.logprobs, params.min_tokens) == (100, 4, 2)
         assert params.ignore_eos is True and params.skip_special_tokens is False
         assert params.include_stop_str_in_output is True and params.allowed_token_ids == [3, 9]
+        assert params.bad_words == ["no"]
 
 
 def test_sampling_params_defaults():

@@ -135,3 +135,15 @@ def test_duplicate_request_id_is_refused():
     s.add_request(_request("a", 3))
     with pytest.raises(ValueError, match="already in use"):
         s.add_request(_request("a", 3))
+
+
+def test_bad_word_bans_follow_the_output():
+    request = Request("r", [1, 2], SamplingParams(), eos_token_id=0)
+    request.bad_words_token_ids = [[7], [3, 4], [5, 6, 8]]
+    assert request.bad_word_bans() == [7]
+    request.append_output_token_ids([3])
+    assert request.bad_word_bans() == [7, 4]
+    request.append_output_token_ids([5, 6])
+    assert request.bad_word_bans() == [7, 8]
+    request.append_output_token_ids([6])
+    assert request.bad_word_bans() == [7]

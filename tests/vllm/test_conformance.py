@@ -106,6 +106,8 @@ def test_seeded_sampling_repeats_and_n_choices_differ(client, group):
     {"stop_token_ids": [253], "min_tokens": 3},
     # allowed_token_ids: " with" then " a" or " the" only, until " a" stops it
     {"stop": [" a"], "allowed_token_ids": [351, 253, 260], "min_tokens": 2},
+    # bad_words: " brown bear" may not be completed (" brown fox" follows instead)
+    {"stop": ["."], "bad_words": ["brown bear", "The"]},
 ])
 def test_stops_end_the_text_as_vllms_engine_does(server_url, fields):
     """The same greedy request to each group: vLLM's engine applies the stop rules itself, so
