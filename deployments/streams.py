@@ -124,10 +124,16 @@ async def _sse(streams: list[ChoiceStream], body, chat: bool, model: str,
     created = int(time.time())
     rid = streams[0].request_id.rsplit("-", 1)[0]
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
+    continuous = include_usage and body.stream_options.continuous_usage_stats
     num_logprobs = body.num_logprobs if chat else None
     states = [responses.ChoiceState(s.index) for s in streams]
     parsers = [make_parser() if make_parser is not None else None for _ in streams]
+    for state, stream in zip(states, streams):
+        state.num_prompt_tokens = len(next(iter(stream.requests.values())).prompt_token_ids)
     queue: asyncio.Queue = asyncio.Queue()
+
+    def usage_now(position: int) -> dict | None:
+        return responses.usage([states[position]], [0]) if continuous else None
 
     async def pump(position: int) -> None:
         try:
@@ -143,8 +149,9 @@ async def _sse(streams: list[ChoiceStream], body, chat: bool, model: str,
     try:
         if chat:  # with tools, no empty content: an output of only calls has content null, as in OpenAI
             first = {"role": "assistant"} if make_parser is not None else {"role": "assistant", "content": ""}
-            for s in streams:
-                yield _event(responses.chat_chunk(rid, created, model, s.index, first, None, None, include_usage))
+            for position, s in enumerate(streams):
+                yield _event(responses.chat_chunk(rid, created, model, s.index, first, None, None, include_usage,
+                                                  usage_now=usage_now(position)))
         while remaining:
             position, item = await queue.get()
             if item is None:
@@ -166,10 +173,12 @@ async def _sse(streams: list[ChoiceStream], body, chat: bool, model: str,
                 if not delta_body and item.finish_reason is None and not item.logprobs:
                     continue  # held by the tool-call parser
                 yield _event(responses.chat_chunk(rid, created, model, index, delta_body, item, num_logprobs,
-                                                  include_usage, made_tool_calls=bool(state.tool_calls)))
+                                                  include_usage, made_tool_calls=bool(state.tool_calls),
+                                                  usage_now=usage_now(position)))
             else:
                 yield _event(responses.completion_chunk(rid, created, model, index, item, offset,
-                                                        body.logprobs is not None, include_usage))
+                                                        body.logprobs is not None, include_usage,
+                                                        usage_now=usage_now(position)))
         if include_usage:
             usage = responses.usage(states, [s.prompt_index for s in streams])
             obj = "chat.completion.chunk" if chat else "text_completion"

@@ -64,6 +64,7 @@ class _Body(BaseModel):
 
 class StreamOptions(_Body):
     include_usage: StrictBool = False
+    continuous_usage_stats: StrictBool = False  # vLLM's: with include_usage, every chunk carries its choice's usage
 
 
 class _SamplingFields(_Body):

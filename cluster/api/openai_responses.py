@@ -155,7 +155,8 @@ def chat_body(response_id: str, created: int, model: str, choices: list[ChoiceSt
 
 
 def completion_chunk(response_id: str, created: int, model: str, index: int, delta: GenerateDelta,
-                     offset: int, with_logprobs: bool, include_usage: bool) -> dict:
+                     offset: int, with_logprobs: bool, include_usage: bool, usage_now: dict | None = None) -> dict:
+    """``usage_now``: the choice's usage so far, for vLLM's ``continuous_usage_stats`` (else null)."""
     chunk = {
         "id": response_id,
         "object": "text_completion",
@@ -170,14 +171,15 @@ def completion_chunk(response_id: str, created: int, model: str, index: int, del
         }],
     }
     if include_usage:
-        chunk["usage"] = None
+        chunk["usage"] = usage_now
     return chunk
 
 
 def chat_chunk(response_id: str, created: int, model: str, index: int, delta_body: dict,
                delta: GenerateDelta | None, num_logprobs: int | None, include_usage: bool,
-               made_tool_calls: bool = False) -> dict:
-    """``made_tool_calls``: the choice has sent calls, so a natural stop finishes as ``tool_calls``."""
+               made_tool_calls: bool = False, usage_now: dict | None = None) -> dict:
+    """``made_tool_calls``: the choice has sent calls, so a natural stop finishes as ``tool_calls``;
+    ``usage_now`` as in ``completion_chunk``."""
     logprobs = None
     if num_logprobs is not None and delta is not None and delta.logprobs:
         logprobs = chat_logprobs(delta.logprobs, num_logprobs)
@@ -195,7 +197,7 @@ def chat_chunk(response_id: str, created: int, model: str, index: int, delta_bod
         }],
     }
     if include_usage:
-        chunk["usage"] = None
+        chunk["usage"] = usage_now
     return chunk
 
 

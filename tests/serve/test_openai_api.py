@@ -53,6 +53,31 @@ def test_streamed_deltas_concatenate_to_the_whole_text(client):
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
 
 
+def test_continuous_usage_stats_put_each_choices_usage_in_every_chunk(client, reference):
+    """vLLM's stream_options.continuous_usage_stats: with include_usage, every chunk carries the
+    usage of its choice so far, and the last chunk the whole request's."""
+    prompt_tokens = len(reference.tokenizer.encode(PROMPT))
+    for chat in (False, True):
+        options = {"include_usage": True, "continuous_usage_stats": True}
+        if chat:
+            stream = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": PROMPT}],
+                                                    max_tokens=8, temperature=0, stream=True, stream_options=options,
+                                                    extra_body={"ignore_eos": True}, n=2)
+        else:
+            stream = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=8, temperature=0, stream=True,
+                                               stream_options=options, extra_body={"ignore_eos": True}, n=2)
+        chunks = list(stream)
+        counts = {0: [], 1: []}
+        for chunk in chunks[:-1]:
+            (choice,) = chunk.choices
+            counts[choice.index].append(chunk.usage.completion_tokens)
+            assert chunk.usage.total_tokens == chunk.usage.prompt_tokens + chunk.usage.completion_tokens
+            assert chat or chunk.usage.prompt_tokens == prompt_tokens
+        for seen in counts.values():
+            assert seen == sorted(seen) and seen[-1] == 8
+        assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 16
+
+
 def test_chat_completion_uses_the_models_template(client, reference):
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi there"}]
     response = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=10, temperature=0)
