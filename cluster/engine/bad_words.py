@@ -10,6 +10,10 @@ from __future__ import annotations
 
 from cluster.errors import ParamError
 
+# What one request may ask for (vLLM's defaults): each step checks every sequence.
+MAX_SEQUENCES = 128
+MAX_TOTAL_TOKENS = 1024
+
 
 def bad_word_token_ids(tokenizer, words: list[str]) -> list[list[int]]:
     """Each word's token ids: as the start of a text, and after a space where that gives
@@ -23,4 +27,8 @@ def bad_word_token_ids(tokenizer, words: list[str]) -> list[list[int]]:
         spaced = tokenizer.encode(" " + word.lstrip(), add_special_tokens=False)
         if spaced and spaced[0] != bare[0] and len(spaced) == len(bare):
             sequences.append(spaced)
+    total = sum(len(ids) for ids in sequences)
+    if len(sequences) > MAX_SEQUENCES or total > MAX_TOTAL_TOKENS:
+        raise ParamError("bad_words", f"bad_words come to {len(sequences)} token sequences of {total} tokens in "
+                                      f"all; at most {MAX_SEQUENCES} and {MAX_TOTAL_TOKENS} are allowed")
     return sequences

@@ -207,6 +207,9 @@ def test_bad_words_never_appear_and_change_nothing_before_them(llm):
     assert out.text[:first] == reference.text[:first]  # the same until the word would begin
     with pytest.raises(ValueError, match="bad_words"):
         SamplingParams(bad_words=[" "])
+    with pytest.raises(ValueError, match="at most 128") as err:
+        llm.engine.add_request("The cat", SamplingParams(bad_words=[f"w{i}" for i in range(200)]))
+    assert err.value.param == "bad_words"
 
 
 def test_streamed_deltas_never_show_a_stop_string(llm):
