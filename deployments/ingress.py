@@ -142,8 +142,20 @@ class OpenAIIngress:
     async def models(self, request: Request):
         if (denied := self._check_key(request)) is not None:
             return denied
-        return {"object": "list", "data": [
-            {"id": self.model_name, "object": "model", "created": self.created, "owned_by": "tandem"}]}
+        return {"object": "list", "data": [self._model_card()]}
+
+    @app.get("/v1/models/{model:path}")
+    async def model(self, model: str, request: Request):
+        """OpenAI's retrieve: the served model's card, or 404."""
+        if (denied := self._check_key(request)) is not None:
+            return denied
+        return self._unknown_model(model, required=True) or self._model_card()
+
+    def _model_card(self) -> dict:
+        """OpenAI's model object, with vLLM's ``root`` (the model served) and ``max_model_len``."""
+        return {"id": self.model_name, "object": "model", "created": self.created, "owned_by": "tandem",
+                "root": self.config.model.model, "parent": None,
+                "max_model_len": max(shape.max_model_len for shape in self.shapes.values())}
 
     @app.post("/v1/completions")
     async def completions(self, body: CompletionRequest, request: Request):

@@ -25,10 +25,14 @@ def _greedy(reference, prompt: str, max_tokens: int, **kwargs) -> str:
     return out[0].outputs[0].text
 
 
-def test_models_list(client):
+def test_models_list(client, serve_config):
     models = client.models.list()
     assert [m.id for m in models.data] == [MODEL]
     assert models.data[0].object == "model"
+    assert models.data[0].max_model_len == serve_config.model.max_model_len  # vLLM's field
+    assert client.models.retrieve(MODEL).id == MODEL
+    with pytest.raises(openai.NotFoundError):
+        client.models.retrieve("no-such-model")
 
 
 def test_completion_matches_the_engine_and_counts_usage(client, reference):
