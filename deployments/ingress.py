@@ -39,6 +39,7 @@ from cluster.api.auth import ApiKeys
 from cluster.api.engine_requests import GroupShape, choice_requests, truncated_prompt
 from cluster.api.openai_protocol import (
     ChatCompletionRequest,
+    ChatPromptFields,
     CompletionRequest,
     DetokenizeRequest,
     TokenizeChatRequest,
@@ -180,16 +181,10 @@ class OpenAIIngress:
         try:
             if chat:
                 parsed.check_prompt_fields()
-                plan = plan_tools(parsed.tools, None, True, self.tool_format)
-                messages = [m.as_template_message() for m in parsed.messages]
-                text, param = render_chat(self.tokenizer, messages, plan.tools, self.tool_format,
-                                          parsed.template_options()), "messages"
+                text = self._chat_text(parsed, plan_tools(parsed.tools, None, True, self.tool_format))
+                tokens = self._encode(text, parsed.add_special_tokens, "messages", allow_empty=True)
             else:
-                text, param = parsed.prompt, "prompt"
-            if self.tokenizer is None:
-                raise UnsupportedFieldError(param, "this model has no tokenizer")
-            require_unicode(text, param)
-            tokens = self.tokenizer.encode(text, add_special_tokens=parsed.add_special_tokens)
+                tokens = self._encode(parsed.prompt, parsed.add_special_tokens, allow_empty=True)
         except ValueError as err:
             return _error(400, str(err), param=error_param(err))
         strings = self.tokenizer.convert_ids_to_tokens(tokens) if parsed.return_token_strs else None
@@ -283,18 +278,22 @@ class OpenAIIngress:
 
     def _prompt_token_ids(self, body, chat: bool, plan: ToolPlan) -> list[list[int]]:
         if chat:
-            messages = [m.as_template_message() for m in body.messages]
-            text = render_chat(self.tokenizer, messages, plan.tools, self.tool_format, body.template_options())
-            return [self._encode(text, add_special_tokens=body.add_special_tokens, param="messages")]
+            return [self._encode(self._chat_text(body, plan), body.add_special_tokens, "messages")]
         result = []
         for prompt in body.prompts():
             result.append(self._encode(prompt, body.add_special_tokens) if isinstance(prompt, str) else list(prompt))
         return result
 
-    def _encode(self, text: str, add_special_tokens: bool = True, param: str = "prompt") -> list[int]:
+    def _chat_text(self, body: ChatPromptFields, plan: ToolPlan) -> str:
+        """The prompt text of a chat (completion or ``/tokenize``) body, with the plan's tools."""
+        messages = [m.as_template_message() for m in body.messages]
+        return render_chat(self.tokenizer, messages, plan.tools, self.tool_format, body.template_options())
+
+    def _encode(self, text: str, add_special_tokens: bool = True, param: str = "prompt",
+                allow_empty: bool = False) -> list[int]:
         if self.tokenizer is None:
             raise UnsupportedFieldError("prompt", "this model has no tokenizer; send prompt token ids")
-        if not text:
+        if not text and not allow_empty:
             raise UnsupportedFieldError("prompt", "the prompt is empty; send at least one token")
         require_unicode(text, param)
         return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
