@@ -46,7 +46,7 @@ from cluster.api.openai_protocol import (
     TokenizeCompletionRequest,
     UnsupportedFieldError,
 )
-from cluster.api.openai_responses import error_body
+from cluster.api.openai_responses import Echo, error_body
 from cluster.api.tool_calls import ToolCallParser
 from cluster.api.tool_formats import choose_tool_format, render_chat
 from cluster.api.tool_request import NO_TOOLS, ToolPlan, plan_tools
@@ -247,8 +247,9 @@ class OpenAIIngress:
             constraint = body.chat_constraint(plan) if chat else body.output_constraint()
             prompts = self._prompt_token_ids(body, chat, plan)
             widest = max(shape.max_model_len for name, shape in self.shapes.items() if pinned in (None, name))
-            prompts = [truncated_prompt(ids, body.truncate_prompt_tokens, widest) for ids in prompts]
-            streams = self._make_requests(body, prompts, chat, pinned, constraint)
+            truncated = [truncated_prompt(ids, body.truncate_prompt_tokens, widest) for ids in prompts]
+            echoes = self._echoes(body, chat, prompts, truncated)
+            streams = self._make_requests(body, truncated, chat, pinned, constraint, echoes)
         except ValueError as err:  # a ParamError (most) names its field; error_param reads it
             return _error(400, str(err), param=error_param(err))
         # Calls are parsed when tools are offered and the output is free or forced into calls;
@@ -284,6 +285,21 @@ class OpenAIIngress:
             result.append(self._encode(prompt, body.add_special_tokens) if isinstance(prompt, str) else list(prompt))
         return result
 
+    def _echoes(self, body, chat: bool, prompts: list[list[int]], truncated: list[list[int]]) -> list[Echo | None]:
+        """Per prompt, what ``echo`` puts before its choices' outputs: a completion's prompt as sent
+        (decoded from its ids when they were sent, or truncated), a chat's last message content."""
+        if not body.echo:
+            return [None] * len(truncated)
+        if chat:
+            return [Echo(body.echo_text())]
+        if self.tokenizer is None:
+            raise UnsupportedFieldError("echo", "echo needs a tokenizer; this model has none")
+        echoes = []
+        for sent, ids, kept in zip(body.prompts(), prompts, truncated, strict=True):
+            text = sent if isinstance(sent, str) and len(kept) == len(ids) else self.tokenizer.decode(kept)
+            echoes.append(Echo(text, self.tokenizer.decode(kept[:1]), body.echo_only))
+        return echoes
+
     def _chat_text(self, body: ChatPromptFields, plan: ToolPlan) -> str:
         """The prompt text of a chat (completion or ``/tokenize``) body, with the plan's tools."""
         messages = [m.as_template_message() for m in body.messages]
@@ -299,7 +315,8 @@ class OpenAIIngress:
         return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
 
     def _make_requests(self, body, prompts: list[list[int]], chat: bool, pinned: str | None = None,
-                       constraint: StructuredOutputs | None = None) -> list[ChoiceStream]:
+                       constraint: StructuredOutputs | None = None,
+                       echoes: list[Echo | None] | None = None) -> list[ChoiceStream]:
         num_logprobs = body.num_logprobs if chat else body.logprobs
         shapes = self.shapes if pinned is None else {pinned: self.shapes[pinned]}
         base_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
@@ -309,5 +326,6 @@ class OpenAIIngress:
                 index = p_index * body.n + j
                 requests = choice_requests(body, chat, f"{base_id}-{index}", token_ids, j, shapes,
                                            self.prefix_blocks, num_logprobs, constraint)
-                streams.append(ChoiceStream(index, p_index, requests, self.groups))
+                streams.append(ChoiceStream(index, p_index, requests, self.groups,
+                                            echoes[p_index] if echoes else None))
         return streams

@@ -43,8 +43,9 @@ class ChoiceStream:
     (``cluster.api.engine_requests.choice_requests``), of which ``start`` sends one."""
 
     def __init__(self, index: int, prompt_index: int, requests: dict[str, GenerateRequest],
-                 groups: dict[str, DeploymentHandle]) -> None:
+                 groups: dict[str, DeploymentHandle], echo: responses.Echo | None = None) -> None:
         self.index = index
+        self.echo = echo  # what goes before the output (``echo``)
         self.prompt_index = prompt_index
         self.requests = requests
         self.request_id = next(iter(requests.values())).request_id
@@ -106,8 +107,10 @@ async def respond(streams: list[ChoiceStream], body, chat: bool, model: str, rou
     usage = responses.usage(states, [s.prompt_index for s in streams])
     rid = streams[0].request_id.rsplit("-", 1)[0]
     if chat:
-        return JSONResponse(responses.chat_body(rid, created, model, states, usage, body.num_logprobs))
-    return JSONResponse(responses.completion_body(rid, created, model, states, usage, body.logprobs is not None))
+        return JSONResponse(responses.chat_body(rid, created, model, states, usage, body.num_logprobs,
+                                                streams[0].echo))
+    return JSONResponse(responses.completion_body(rid, created, model, states, usage, body.logprobs is not None,
+                                                  [s.echo for s in streams]))
 
 
 async def _collect(stream: ChoiceStream, make_parser: Callable[[], ToolCallParser] | None) -> responses.ChoiceState:
@@ -152,6 +155,10 @@ async def _sse(streams: list[ChoiceStream], body, chat: bool, model: str,
             for position, s in enumerate(streams):
                 yield _event(responses.chat_chunk(rid, created, model, s.index, first, None, None, include_usage,
                                                   usage_now=usage_now(position)))
+            for position, s in enumerate(streams):  # echo: the last message's content, in a chunk of its own
+                if s.echo is not None and s.echo.text:
+                    yield _event(responses.chat_chunk(rid, created, model, s.index, {"content": s.echo.text}, None,
+                                                      None, include_usage, usage_now=usage_now(position)))
         while remaining:
             position, item = await queue.get()
             if item is None:
@@ -163,10 +170,10 @@ async def _sse(streams: list[ChoiceStream], body, chat: bool, model: str,
                 yield _event(responses.error_body(message, "server_error" if status >= 500 else
                                                   "invalid_request_error"))
                 continue
-            state, index = states[position], streams[position].index
-            offset = len(state.text)
+            state, index, echo = states[position], streams[position].index, streams[position].echo
+            text, entries, offset = responses.echoed_chunk(state, item, None if chat else echo)
             state.add(item)
-            if not item.text and item.finish_reason is None and not item.logprobs:
+            if not text and item.finish_reason is None and not entries:
                 continue
             if chat:
                 delta_body = _chat_delta(item, parsers[position], state)
@@ -176,9 +183,11 @@ async def _sse(streams: list[ChoiceStream], body, chat: bool, model: str,
                                                   include_usage, made_tool_calls=bool(state.tool_calls),
                                                   usage_now=usage_now(position)))
             else:
+                state.echoed = True
                 yield _event(responses.completion_chunk(rid, created, model, index, item, offset,
                                                         body.logprobs is not None, include_usage,
-                                                        usage_now=usage_now(position)))
+                                                        usage_now=usage_now(position), text=text, entries=entries,
+                                                        first_token=echo.first_token if echo else ""))
         if include_usage:
             usage = responses.usage(states, [s.prompt_index for s in streams])
             obj = "chat.completion.chunk" if chat else "text_completion"

@@ -6,7 +6,7 @@ OpenAI defines but Tandem does not implement are rejected with a message naming 
 rather than silently ignored. Tandem also accepts vLLM's extra sampling fields
 (``top_k``, ``min_p``, ``repetition_penalty``, ``ignore_eos``, ``min_tokens``,
 ``stop_token_ids``, ``skip_special_tokens``, ``include_stop_str_in_output``,
-``allowed_token_ids``, ``bad_words``), its prompt
+``allowed_token_ids``, ``bad_words``, ``prompt_logprobs``), its prompt
 fields (``truncate_prompt_tokens``, ``add_special_tokens``; on chat ``add_generation_prompt``,
 ``continue_final_message``, ``chat_template_kwargs``), ``cache_salt`` and ``structured_outputs``.
 A ``chat_template`` in the request is refused, as vLLM's server does unless told to trust
@@ -44,7 +44,6 @@ __all__ = ["ChatCompletionRequest", "ChatMessage", "ChatPromptFields", "Completi
 MAX_N = 16
 # vLLM's request fields that Tandem does not implement, with the values that ask for nothing.
 VLLM_UNSUPPORTED = {
-    "prompt_logprobs": (None,),
     "use_beam_search": (False,),
     "logits_processors": (None, []),
     "priority": (0,),
@@ -69,7 +68,7 @@ class StreamOptions(_Body):
 
 class _SamplingFields(_Body):
     model: StrictStr
-    max_tokens: StrictInt | None = Field(None, ge=1)
+    max_tokens: StrictInt | None = Field(None, ge=0)  # 0: only with a completion's echo
     temperature: float | None = Field(None, ge=0, le=2)
     top_p: float | None = Field(None, gt=0, le=1)
     n: StrictInt = Field(1, ge=1, le=MAX_N)
@@ -96,8 +95,8 @@ class _SamplingFields(_Body):
     cache_salt: StrictStr | None = None
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputsField | None = None
+    prompt_logprobs: StrictInt | None = None
     # VLLM_UNSUPPORTED, of any type: kept only to be refused by name
-    prompt_logprobs: Any = None
     use_beam_search: Any = False
     logits_processors: Any = None
     priority: Any = 0
@@ -110,9 +109,28 @@ class _SamplingFields(_Body):
                 raise UnsupportedFieldError(name, f"{name} is not supported by Tandem (got {value!r})")
         if self.stream_options is not None and not self.stream:
             raise UnsupportedFieldError("stream_options", "stream_options is only allowed when stream is true")
+        if self.max_tokens == 0 and not self.echo_only:
+            raise UnsupportedFieldError("max_tokens", "max_tokens must be at least 1 (0 is allowed only with echo "
+                                                      "on /v1/completions, for the prompt alone)")
+        if self.prompt_logprobs is not None:
+            if not 0 <= self.prompt_logprobs <= 20:
+                raise UnsupportedFieldError("prompt_logprobs", "prompt_logprobs must be an integer in [0, 20] "
+                                            f"(the top logprobs at each prompt position), got {self.prompt_logprobs}")
+            if self.stream and self.prompt_logprobs > 0:  # as vLLM: no chunk has a place for them
+                raise UnsupportedFieldError("prompt_logprobs", "prompt_logprobs are not available when stream is "
+                                                               "true")
+
+    @property
+    def echo_only(self) -> bool:
+        """The response is the prompt alone (a completion's ``echo`` with ``max_tokens`` 0)."""
+        return False
 
     def requested_max_tokens(self) -> int | None:
         return self.max_tokens
+
+    def requested_prompt_logprobs(self) -> int | None:
+        """How many top logprobs to compute at each prompt position (None: none)."""
+        return self.prompt_logprobs
 
     def token_bias(self) -> dict[int, float]:
         """``logit_bias`` keyed by token id, each bias clamped to OpenAI's [-100, 100] (as vLLM does)."""
@@ -155,6 +173,7 @@ class _SamplingFields(_Body):
             stop_token_ids=list(self.stop_token_ids or []),
             ignore_eos=self.ignore_eos,
             logprobs=num_logprobs,
+            prompt_logprobs=self.requested_prompt_logprobs(),
             min_tokens=min(self.min_tokens, max_tokens) if defaulted else self.min_tokens,
             skip_special_tokens=self.skip_special_tokens,
             include_stop_str_in_output=self.include_stop_str_in_output,
@@ -175,12 +194,24 @@ class CompletionRequest(_SamplingFields):
 
     def check_supported(self) -> None:
         super().check_supported()
-        if self.echo:
-            raise UnsupportedFieldError("echo", "echo is not supported by Tandem")
         if self.suffix:
             raise UnsupportedFieldError("suffix", "suffix is not supported by Tandem")
         if self.best_of is not None and self.best_of != self.n:
             raise UnsupportedFieldError("best_of", "best_of other than n is not supported by Tandem")
+
+    @property
+    def echo_only(self) -> bool:
+        return self.echo and self.max_tokens == 0
+
+    def requested_max_tokens(self) -> int | None:
+        # The prompt alone still runs one step (as vLLM): its logprobs come with the first token.
+        return 1 if self.echo_only else self.max_tokens
+
+    def requested_prompt_logprobs(self) -> int | None:
+        """``echo`` with ``logprobs`` returns the prompt's logprobs with the output's (as vLLM)."""
+        if self.prompt_logprobs is None and self.echo:
+            return self.logprobs
+        return self.prompt_logprobs
 
     def prompts(self) -> list[str | list[int]]:
         """One entry per prompt of a batched request."""
@@ -285,8 +316,6 @@ class ChatCompletionRequest(_SamplingFields, ChatPromptFields):
 
     def check_supported(self) -> None:
         super().check_supported()
-        if self.echo:
-            raise UnsupportedFieldError("echo", "echo is not supported by Tandem")
         self.check_prompt_fields()
         for old, new in (("functions", "tools"), ("function_call", "tool_choice")):
             if getattr(self, old) is not None:
@@ -297,6 +326,20 @@ class ChatCompletionRequest(_SamplingFields, ChatPromptFields):
     @property
     def num_logprobs(self) -> int | None:
         return (self.top_logprobs or 0) if self.logprobs else None
+
+    def requested_prompt_logprobs(self) -> int | None:
+        """``echo`` with ``top_logprobs`` also returns the prompt's logprobs (as vLLM)."""
+        if self.prompt_logprobs is None and self.echo:
+            return self.top_logprobs
+        return self.prompt_logprobs
+
+    def echo_text(self) -> str:
+        """What ``echo`` puts before the reply: the last message's content, when that message is the
+        reply's own (the assistant's; any role with ``add_generation_prompt`` false), as vLLM does."""
+        last = self.messages[-1]
+        if self.add_generation_prompt and last.role != "assistant":
+            return ""
+        return last.as_template_message()["content"]
 
     def requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens

@@ -8,6 +8,12 @@ completions one with parallel lists, the chat one with ``content`` entries). Too
 (``cluster/api/tool_calls.py``) go in ``message.tool_calls`` (content None when the output
 is only calls) and streamed in ``delta.tool_calls``, each call whole in one delta; a choice
 that made calls and stopped by itself finishes with ``tool_calls``.
+
+``echo`` (:class:`Echo`) puts the prompt's text before a completion's output (with ``logprobs``,
+the prompt tokens' logprobs before the output's; the first token has none) and the last
+message's content before a chat reply. vLLM's ``prompt_logprobs`` go in each completion choice and
+at the top of a chat completion, per prompt token (null for the first): token id -> ``logprob``,
+``rank``, ``decoded_token``.
 """
 
 from __future__ import annotations
@@ -17,6 +23,15 @@ from dataclasses import dataclass, field
 from cluster.api.tool_calls import Parsed, ToolCall
 from cluster.shared.outputs import TokenLogprobs
 from cluster.engine.protocol import GenerateDelta
+
+
+@dataclass(frozen=True)
+class Echo:
+    """What ``echo`` puts before a choice's output."""
+
+    text: str  # the prompt's text (completions) or the last message's content (chat)
+    first_token: str = ""  # completions: the prompt's first token as text (its logprobs entry is empty)
+    only: bool = False  # completions with max_tokens 0: the prompt alone (the one token run for it is dropped)
 
 
 def error_body(message: str, type_: str = "invalid_request_error", param: str | None = None,
@@ -39,12 +54,16 @@ class ChoiceState:
     num_cached_tokens: int = 0
     tool_calls: list[ToolCall] = field(default_factory=list)
     content: str | None = None  # set when the text was parsed for tool calls; else the text is the content
+    prompt_logprobs: list[TokenLogprobs | None] | None = None  # when asked for: per prompt token
+    echoed: bool = False  # a stream sent the echo already
 
     def add(self, delta: GenerateDelta) -> None:
         self.text += delta.text
         self.token_ids.extend(delta.token_ids)
         if delta.logprobs:
             self.logprobs.extend(delta.logprobs)
+        if delta.prompt_logprobs is not None:
+            self.prompt_logprobs = delta.prompt_logprobs
         if delta.finish_reason is not None:
             self.finish_reason = _finish(delta)
             self.stop_reason = delta.stop_reason
@@ -86,10 +105,18 @@ def usage(choices: list[ChoiceState], prompt_indices: list[int]) -> dict:
     }
 
 
-def completion_logprobs(entries: list[TokenLogprobs], start_offset: int = 0) -> dict:
+def completion_logprobs(entries: list[TokenLogprobs | None], start_offset: int = 0, first_token: str = "") -> dict:
+    """The legacy layout; a None entry (an echoed prompt's first token, ``first_token``) has no values."""
     tokens, token_logprobs, top, offsets = [], [], [], []
     offset = start_offset
     for entry in entries:
+        if entry is None:
+            tokens.append(first_token)
+            token_logprobs.append(None)
+            top.append(None)
+            offsets.append(offset)
+            offset += len(first_token)
+            continue
         sampled_id, sampled = next(iter(entry.items()))
         text = sampled.decoded_token or ""
         tokens.append(text)
@@ -98,6 +125,43 @@ def completion_logprobs(entries: list[TokenLogprobs], start_offset: int = 0) -> 
         offsets.append(offset)
         offset += len(text)
     return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top, "text_offset": offsets}
+
+
+def prompt_logprobs_json(entries: list[TokenLogprobs | None] | None) -> list | None:
+    """vLLM's ``prompt_logprobs``: per prompt token, None or token id -> logprob, rank, decoded token
+    (a logprob of -inf as -9999.0, which JSON can carry)."""
+    if entries is None:
+        return None
+    return [None if entry is None else
+            {str(token): {"logprob": max(lp.logprob, -9999.0), "rank": lp.rank, "decoded_token": lp.decoded_token}
+             for token, lp in entry.items()}
+            for entry in entries]
+
+
+def echoed_completion(state: ChoiceState, echo: Echo | None) -> tuple[str, list[TokenLogprobs | None]]:
+    """A whole completion choice's text and logprob entries, the echoed prompt's first."""
+    if echo is None:
+        return state.text, list(state.logprobs)
+    prompt = list(state.prompt_logprobs or [])
+    if echo.only:
+        return echo.text, prompt
+    return echo.text + state.text, prompt + state.logprobs
+
+
+def echoed_chunk(state: ChoiceState, delta: GenerateDelta, echo: Echo | None) -> tuple[str, list, int]:
+    """A streamed completion delta's text, logprob entries and first text offset, for a state
+    that has not added the delta yet: the echo goes before the first chunk sent."""
+    offset = len(state.text)
+    if echo is None:
+        return delta.text, delta.logprobs or [], offset
+    if echo.only:
+        text, entries = "", []
+    else:
+        text, entries, offset = delta.text, delta.logprobs or [], offset + len(echo.text)
+    if not state.echoed:
+        prompt = delta.prompt_logprobs if delta.prompt_logprobs is not None else state.prompt_logprobs
+        text, entries, offset = echo.text + text, list(prompt or []) + entries, 0
+    return text, entries, offset
 
 
 def chat_logprobs(entries: list[TokenLogprobs], num_top: int) -> dict:
@@ -119,44 +183,51 @@ def _chat_token(text: str | None, logprob: float) -> dict:
 
 
 def completion_body(response_id: str, created: int, model: str, choices: list[ChoiceState],
-                    usage_dict: dict, with_logprobs: bool) -> dict:
-    return {
-        "id": response_id,
-        "object": "text_completion",
-        "created": created,
-        "model": model,
-        "choices": [{
+                    usage_dict: dict, with_logprobs: bool, echoes: list[Echo | None] | None = None) -> dict:
+    """``echoes[i]``: what choice ``i`` echoes (None: nothing)."""
+    echoes = echoes or [None] * len(choices)
+    body_choices = []
+    for c, echo in zip(choices, echoes, strict=True):
+        text, entries = echoed_completion(c, echo)
+        body_choices.append({
             "index": c.index,
-            "text": c.text,
-            "logprobs": completion_logprobs(c.logprobs) if with_logprobs else None,
+            "text": text,
+            "logprobs": completion_logprobs(entries, 0, echo.first_token if echo else "") if with_logprobs else None,
             "finish_reason": c.finish_reason,
             "stop_reason": c.stop_reason,
-        } for c in choices],
-        "usage": usage_dict,
-    }
+            "prompt_logprobs": prompt_logprobs_json(c.prompt_logprobs),
+        })
+    return {"id": response_id, "object": "text_completion", "created": created, "model": model,
+            "choices": body_choices, "usage": usage_dict}
 
 
 def chat_body(response_id: str, created: int, model: str, choices: list[ChoiceState],
-              usage_dict: dict, num_logprobs: int | None) -> dict:
-    return {
-        "id": response_id,
-        "object": "chat.completion",
-        "created": created,
-        "model": model,
-        "choices": [{
+              usage_dict: dict, num_logprobs: int | None, echo: Echo | None = None) -> dict:
+    """``echo``: the last message's content goes before each reply's content."""
+    body_choices = []
+    for c in choices:
+        message = c.message()
+        if echo is not None:
+            message["content"] = echo.text + (message["content"] or "")
+        body_choices.append({
             "index": c.index,
-            "message": c.message(),
+            "message": message,
             "logprobs": chat_logprobs(c.logprobs, num_logprobs) if num_logprobs is not None else None,
             "finish_reason": c.chat_finish_reason(),
             "stop_reason": c.stop_reason,
-        } for c in choices],
-        "usage": usage_dict,
-    }
+        })
+    return {"id": response_id, "object": "chat.completion", "created": created, "model": model,
+            "choices": body_choices, "usage": usage_dict,
+            "prompt_logprobs": prompt_logprobs_json(choices[0].prompt_logprobs if choices else None)}
 
 
 def completion_chunk(response_id: str, created: int, model: str, index: int, delta: GenerateDelta,
-                     offset: int, with_logprobs: bool, include_usage: bool, usage_now: dict | None = None) -> dict:
-    """``usage_now``: the choice's usage so far, for vLLM's ``continuous_usage_stats`` (else null)."""
+                     offset: int, with_logprobs: bool, include_usage: bool, usage_now: dict | None = None,
+                     text: str | None = None, entries: list | None = None, first_token: str = "") -> dict:
+    """``usage_now``: the choice's usage so far, for vLLM's ``continuous_usage_stats`` (else null);
+    ``text`` and ``entries`` (logprobs) replace the delta's (an echo: ``echoed_chunk``)."""
+    text = delta.text if text is None else text
+    entries = (delta.logprobs or []) if entries is None else entries
     chunk = {
         "id": response_id,
         "object": "text_completion",
@@ -164,8 +235,8 @@ def completion_chunk(response_id: str, created: int, model: str, index: int, del
         "model": model,
         "choices": [{
             "index": index,
-            "text": delta.text,
-            "logprobs": completion_logprobs(delta.logprobs or [], offset) if with_logprobs else None,
+            "text": text,
+            "logprobs": completion_logprobs(entries, offset, first_token) if with_logprobs else None,
             "finish_reason": _finish(delta),
             "stop_reason": delta.stop_reason,
         }],

@@ -192,7 +192,7 @@ class VllmBackend:
             top_k=p.top_k if p.top_k > 0 else 0, min_p=p.min_p, presence_penalty=p.presence_penalty,
             frequency_penalty=p.frequency_penalty, repetition_penalty=p.repetition_penalty, seed=p.seed,
             stop=list(p.stop) or None, stop_token_ids=list(p.stop_token_ids) or None, ignore_eos=p.ignore_eos,
-            logprobs=p.logprobs, skip_special_tokens=p.skip_special_tokens,
+            logprobs=p.logprobs, prompt_logprobs=p.prompt_logprobs, skip_special_tokens=p.skip_special_tokens,
             include_stop_str_in_output=p.include_stop_str_in_output, logit_bias=dict(p.logit_bias) or None,
             allowed_token_ids=p.allowed_token_ids, bad_words=list(p.bad_words) or None,
             output_kind=RequestOutputKind.DELTA,
@@ -324,9 +324,11 @@ def _delta(out, num_output_before: int) -> GenerateDelta:
     token_ids = list(completion.token_ids)
     logprobs = None
     if completion.logprobs is not None:
-        logprobs = [{int(t): Logprob(float(lp.logprob), int(lp.rank) if lp.rank is not None else 0,
-                                     lp.decoded_token) for t, lp in position.items()}
-                    for position in completion.logprobs]
+        logprobs = [_position_logprobs(position) for position in completion.logprobs]
+    prompt_logprobs = None
+    if out.prompt_logprobs:  # vLLM's delta outputs after the first carry an empty list
+        prompt_logprobs = [None if position is None else _position_logprobs(position)
+                           for position in out.prompt_logprobs]
     return GenerateDelta(
         text=completion.text,
         token_ids=token_ids,
@@ -336,4 +338,10 @@ def _delta(out, num_output_before: int) -> GenerateDelta:
         num_prompt_tokens=len(out.prompt_token_ids or ()),
         num_output_tokens=num_output_before + len(token_ids),
         num_cached_tokens=int(out.num_cached_tokens or 0),
+        prompt_logprobs=prompt_logprobs,
     )
+
+
+def _position_logprobs(position) -> dict[int, Logprob]:
+    return {int(t): Logprob(float(lp.logprob), int(lp.rank) if lp.rank is not None else 0, lp.decoded_token)
+            for t, lp in position.items()}

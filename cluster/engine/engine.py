@@ -21,7 +21,7 @@ from cluster.engine.stats import EngineStats
 from cluster.errors import ParamError, require_unicode
 from cluster.kv.block_manager import BlockManager, cdiv
 from cluster.kv.prefix_cache import engine_hash_seed
-from cluster.runner.model_runner import SampledTokens
+from cluster.runner.model_runner import PromptLogprobs, SampledTokens
 from cluster.runner.start import start_worker
 from cluster.runner.worker import Worker
 from cluster.shared.outputs import CompletionOutput, Logprob, RequestOutput, RequestTimes, TokenLogprobs, Usage
@@ -53,6 +53,10 @@ class _OutputState:
     logprobs: list[TokenLogprobs] | None  # so far (None: not asked for, or deltas only)
     num_sent_tokens: int = 0
     cumulative: bool = True
+    # Prompt logprobs so far, from the first token's None on (None: not asked for); a delta
+    # stream gets them whole with its first output.
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
+    prompt_logprobs_sent: bool = False
 
 
 class Engine:
@@ -170,7 +174,9 @@ class Engine:
                                            params.skip_special_tokens, params.min_tokens,
                                            params.include_stop_str_in_output)
         logprobs = [] if params.logprobs is not None and cumulative else None
-        self._states[request.request_id] = _OutputState(detok, logprobs, cumulative=cumulative)
+        prompt_logprobs = [None] if params.prompt_logprobs is not None else None
+        self._states[request.request_id] = _OutputState(detok, logprobs, cumulative=cumulative,
+                                                        prompt_logprobs=prompt_logprobs)
         return request.request_id
 
     def abort(self, request_id: str) -> None:
@@ -193,8 +199,11 @@ class Engine:
             drafts = self.proposer.propose(out.scheduled, tables)
         drafts, masks = self.grammars.prepare(out.scheduled, drafts)
         executing = time.perf_counter()
-        sampled = self.worker.runner.execute(out.scheduled, tables, drafts, masks)
+        result = self.worker.runner.execute(out.scheduled, tables, drafts, masks)
         execute_seconds = time.perf_counter() - executing
+        sampled = result.sampled
+        if result.prompt_logprobs:
+            self._add_prompt_logprobs(result.prompt_logprobs)
         self.scheduler.update(out, {rid: s.token_ids for rid, s in sampled.items()})
         if masks:
             self.grammars.advance([s.request for s in out.scheduled], self.scheduler)
@@ -232,6 +241,17 @@ class Engine:
         if out.scheduled and all(s.num_new_tokens == 1 for s in out.scheduled):
             self.controller.observe(StepObservation(len(out.scheduled), k, seconds, verified,
                                                     sum(p for _, p, _ in verified)))
+
+    def _add_prompt_logprobs(self, computed: dict[str, PromptLogprobs]) -> None:
+        """Append what a step computed of requests' prompt logprobs; positions already held
+        (a prompt recomputed after a preemption) are skipped."""
+        for rid, part in computed.items():
+            state = self._states.get(rid)
+            if state is None or state.prompt_logprobs is None:
+                continue
+            skip = len(state.prompt_logprobs) - part.first_position
+            if skip >= 0:
+                state.prompt_logprobs.extend(self._logprobs(entry) for entry in part.entries[skip:])
 
     def _output(self, request: Request, sampled: SampledTokens) -> RequestOutput:
         state = self._states[request.request_id]
@@ -285,8 +305,11 @@ class Engine:
         )
         usage = Usage(request.num_prompt_tokens, request.num_output_tokens, request.num_cached_tokens)
         times = RequestTimes(request.arrival_time, request.scheduled_time, request.first_token_time)
+        prompt_logprobs = None
+        if state.prompt_logprobs is not None and (state.cumulative or not state.prompt_logprobs_sent):
+            prompt_logprobs, state.prompt_logprobs_sent = state.prompt_logprobs, True
         return RequestOutput(request.request_id, request.prompt, request.prompt_token_ids, [completion],
-                             finished, usage, times)
+                             finished, usage, times, prompt_logprobs)
 
     def _logprobs(self, entry: tuple[list[int], list[float], int]) -> TokenLogprobs:
         ids, values, rank = entry

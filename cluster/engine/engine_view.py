@@ -32,6 +32,7 @@ def output_delta(out: RequestOutput) -> GenerateDelta:
         num_prompt_tokens=out.usage.prompt_tokens,
         num_output_tokens=out.usage.completion_tokens,
         num_cached_tokens=out.usage.cached_tokens,
+        prompt_logprobs=out.prompt_logprobs,
     )
 
 

@@ -56,6 +56,8 @@ class GenerateDelta:
     accepted: bool = False  # the acknowledgement that starts every stream
     error: ErrorInfo | None = None
     replica_stats: dict | None = None  # ReplicaStats.to_dict() of the serving replica, on the acknowledgement
+    # With prompt_logprobs, on the first token delta: per prompt token (None for the first)
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
 
     @property
     def finished(self) -> bool:
@@ -78,4 +80,5 @@ def merge_deltas(first: GenerateDelta, second: GenerateDelta) -> GenerateDelta:
         num_output_tokens=second.num_output_tokens,
         num_cached_tokens=second.num_cached_tokens,
         error=second.error,
+        prompt_logprobs=first.prompt_logprobs if first.prompt_logprobs is not None else second.prompt_logprobs,
     )

@@ -12,7 +12,8 @@ running requests (``max_num_seqs``):
    ``floor(num_running * waiting_served_ratio)`` of them, or the oldest has waited
    ``max_waiting_steps`` steps (TGI's ``waiting_served_ratio``). A step that had to
    preempt admits nothing. A new or preempted request first takes the longest cached
-   prefix of its tokens from the prefix cache and is scheduled only for the rest.
+   prefix of its tokens from the prefix cache and is scheduled only for the rest (not one
+   that asks for its prompt's logprobs: its whole prompt runs, as in vLLM).
 
 The scheduler decides; it never touches tensors.
 """
@@ -127,7 +128,10 @@ class Scheduler:
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.waiting[0]
             cached = NO_PREFIX
-            if request.num_computed_tokens == 0:  # new or preempted: reuse cached blocks
+            # New or preempted: reuse cached blocks, unless the prompt's logprobs are asked for
+            # (they need the logits at every prompt position, so the whole prompt runs).
+            reuse = request.sampling_params.prompt_logprobs is None
+            if request.num_computed_tokens == 0 and reuse:
                 cached = self.block_manager.find_cached_prefix(request)
             num_new = self._num_new_tokens(request, budget, cached.num_tokens)
             if num_new == 0:
@@ -136,7 +140,7 @@ class Scheduler:
                 request.request_id, cached.num_tokens, num_new, cached=cached
             ):
                 break  # FCFS: no overtaking the head of the queue
-            if request.num_computed_tokens == 0:
+            if request.num_computed_tokens == 0 and reuse:
                 self.block_manager.record_lookup(request.num_tokens, cached.num_tokens)
             if cached.num_tokens:
                 request.num_computed_tokens = cached.num_tokens

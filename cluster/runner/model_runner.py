@@ -18,9 +18,29 @@ from cluster.runner.attention_choice import AttentionPlan
 from cluster.runner.decode_graphs import DecodeGraphs
 from cluster.runner.input_batch import SHORT_QUERY_MAX, SeqChunk, prepare_inputs
 from cluster.runner.random_stream import SeedKey
-from cluster.runner.sampler import Sampler, SamplingMetadata, compute_probs, greedy_token_ids
+from cluster.runner.sampler import Sampler, SamplingMetadata, compute_probs, gather_logprobs, greedy_token_ids
 from cluster.runner.rejection import greedy_verify, rejection_sample_packed
 from cluster.shared.scheduled import DraftProposal, ScheduledRequest
+
+
+# per position: (token ids, logprobs, rank of the first token), the position's token first then the top-n
+PositionLogprobs = tuple[list[int], list[float], int]
+# Prompt rows whose logprobs are taken in one pass (bounds the [rows, vocab] float32 copies).
+_PROMPT_LOGPROBS_ROWS = 512
+
+
+class PromptLogprobs(NamedTuple):
+    """Logprobs of a run of a request's prompt tokens, computed by one step."""
+
+    first_position: int  # the prompt position of the first entry's token (>= 1)
+    entries: list[PositionLogprobs]
+
+
+class StepResult(NamedTuple):
+    """What one step's forward pass produced."""
+
+    sampled: dict[str, "SampledTokens"]  # per request that reached the end of its tokens
+    prompt_logprobs: dict[str, PromptLogprobs]  # per request that asked for them and ran prompt tokens
 
 
 class SampledTokens(NamedTuple):
@@ -28,7 +48,7 @@ class SampledTokens(NamedTuple):
 
     token_ids: list[int]
     # per token: (token ids, logprobs, rank of the sampled token), sampled first then the top-n
-    logprobs: list[tuple[list[int], list[float], int]] | None
+    logprobs: list[PositionLogprobs] | None
     num_accepted: int  # draft tokens accepted (0 without speculation)
 
 
@@ -166,31 +186,39 @@ class ModelRunner:
         block_tables: list[list[int]],
         drafts: DraftProposal | None = None,
         token_bitmasks: dict[str, torch.Tensor] | None = None,
-    ) -> dict[str, SampledTokens]:
+    ) -> StepResult:
         """Run the step's forward pass and decide the new tokens of every request that
         reached the end of its tokens: one sampled token, or (with drafts) the accepted
         drafts plus one recovered or bonus token. ``token_bitmasks``: per constrained request,
-        the tokens allowed at each verified position ([1 + drafts, words] int32, CPU)."""
+        the tokens allowed at each verified position ([1 + drafts, words] int32, CPU).
+        Requests with ``prompt_logprobs`` also get the logprobs of the prompt tokens their
+        chunk predicts (raw: the model's log-softmax, before any sampling setting)."""
         if not scheduled:
-            return {}
+            return StepResult({}, {})
         draft_ids = drafts.token_ids if drafts is not None else {}
         chunks, plain, spec = [], [], []
+        rows: dict[str, slice] = {}  # per request that samples: its rows of ``logits``
+        prompt_rows = []  # (request, its prompt rows of ``logits``, the position its first row predicts)
+        offset = 0
         for sched in scheduled:
             request = sched.request
             start = sched.num_computed_tokens
             tokens = request.all_token_ids[start : start + sched.num_new_tokens]
             proposed = draft_ids.get(request.request_id, []) if sched.samples else []
-            num_logits = 1 + len(proposed) if sched.samples else 0
+            num_sampled = 1 + len(proposed) if sched.samples else 0
+            num_prompt = _num_prompt_rows(request, start, len(tokens))
+            # Prompt rows are the chunk's first; they need the logits of every position.
+            num_logits = len(tokens) + len(proposed) if num_prompt else num_sampled
             chunks.append(SeqChunk(tokens + proposed, start, num_logits))
+            if num_prompt:
+                prompt_rows.append((request, slice(offset, offset + num_prompt), start + 1))
             if sched.samples:
+                rows[request.request_id] = slice(offset + num_logits - num_sampled, offset + num_logits)
                 (spec if proposed else plain).append((request, proposed))
+            offset += num_logits
         logits = self.forward_logits(chunks, block_tables)
-        # Rows of ``logits`` follow the scheduled order; split them per request.
-        rows: dict[str, slice] = {}
-        offset = 0
-        for chunk, sched in zip(chunks, scheduled):
-            rows[sched.request.request_id] = slice(offset, offset + chunk.num_logits)
-            offset += chunk.num_logits
+        prompt_logprobs = {request.request_id: self._prompt_logprobs(logits[row_slice], request, first)
+                           for request, row_slice, first in prompt_rows}
         results: dict[str, SampledTokens] = {}
         if plain:
             index = torch.tensor([rows[r.request_id].start for r, _ in plain], device=logits.device)
@@ -200,7 +228,20 @@ class ModelRunner:
         if spec:
             bitmask = _bitmask_rows(token_bitmasks, [r for r, _ in spec], [len(d) + 1 for _, d in spec])
             results.update(self._verify(logits, rows, spec, drafts, bitmask))
-        return results
+        return StepResult(results, prompt_logprobs)
+
+    @staticmethod
+    def _prompt_logprobs(logits: torch.Tensor, request, first: int) -> PromptLogprobs:
+        """logits: [n, vocab], the rows predicting prompt positions ``first .. first + n - 1``."""
+        num = request.sampling_params.prompt_logprobs
+        targets = torch.tensor(request.prompt_token_ids[first : first + logits.shape[0]], device=logits.device)
+        entries: list[PositionLogprobs] = []
+        for lo in range(0, logits.shape[0], _PROMPT_LOGPROBS_ROWS):
+            part = gather_logprobs(logits[lo : lo + _PROMPT_LOGPROBS_ROWS].float().log_softmax(dim=-1),
+                                   targets[lo : lo + _PROMPT_LOGPROBS_ROWS], num)
+            ids, values, ranks = part.token_ids.tolist(), part.logprobs.tolist(), part.sampled_rank.tolist()
+            entries.extend(zip(ids, values, ranks))
+        return PromptLogprobs(first, entries)
 
     def _sample(self, logits: torch.Tensor, requests: list,
                 token_bitmask: torch.Tensor | None = None) -> dict[str, SampledTokens]:
@@ -246,6 +287,14 @@ class ModelRunner:
             r.request_id: SampledTokens(tokens, None, accepted)
             for r, tokens, accepted in zip(requests, out.output_token_ids, out.num_accepted)
         }
+
+
+def _num_prompt_rows(request, start: int, num_tokens: int) -> int:
+    """How many of a chunk's positions (``start`` on) predict a prompt token whose logprob the
+    request asks for: position ``p`` predicts token ``p + 1``, up to the prompt's last."""
+    if request.sampling_params.prompt_logprobs is None:
+        return 0
+    return max(0, min(start + num_tokens, request.num_prompt_tokens - 1) - start)
 
 
 def _bitmask_rows(token_bitmasks: dict[str, torch.Tensor] | None, requests: list,

@@ -68,3 +68,6 @@ class RequestOutput:
     finished: bool
     usage: Usage
     times: RequestTimes | None = None
+    # With ``prompt_logprobs``: per prompt token, its logprob given the tokens before it and the
+    # top ones (None for the first token). Outputs of delta streams carry it on the first only.
+    prompt_logprobs: list[TokenLogprobs | None] | None = None

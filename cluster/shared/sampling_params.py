@@ -30,6 +30,9 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     logprobs: int | None = None  # number of top logprobs to return besides the sampled token
+    # Logprobs of the prompt's tokens (each given the tokens before it) and this many top ones
+    # at each position (vLLM's prompt_logprobs); None: not computed.
+    prompt_logprobs: int | None = None
     min_tokens: int = 0
     skip_special_tokens: bool = True
     # Keep the matched stop string, or the stop token's text (EOS, stop_token_ids), in the output
@@ -79,6 +82,10 @@ class SamplingParams:
             raise bad("repetition_penalty", "> 0")
         if self.logprobs is not None and not 0 <= self.logprobs <= 20:
             raise bad("logprobs", "an integer in [0, 20] or None")
+        if self.prompt_logprobs is not None and (isinstance(self.prompt_logprobs, bool)
+                                                 or not isinstance(self.prompt_logprobs, int)
+                                                 or not 0 <= self.prompt_logprobs <= 20):
+            raise bad("prompt_logprobs", "an integer in [0, 20] or None")
         if not isinstance(self.min_tokens, int) or not 0 <= self.min_tokens <= self.max_tokens:
             raise bad("min_tokens", f"an integer in [0, max_tokens={self.max_tokens}]")
         if any(not isinstance(s, str) or not s for s in self.stop):

@@ -234,3 +234,64 @@ def test_tokenize_and_detokenize_as_vllms_routes(server_url, client, reference):
         response = post(route, body)
         assert response.status_code == 400 and response.json()["error"]["param"] == param, response.text
     assert post("/tokenize", {"model": "nope", "prompt": "x"}).status_code == 404
+
+
+def test_echo_with_logprobs_scores_the_prompt_as_lm_eval_asks(client, reference):
+    """What lm-eval-harness's loglikelihood requests send (echo, logprobs 1, max_tokens 1 or 0,
+    temperature 0): the prompt's text, then per prompt token its text and its logprob given the
+    tokens before it (none for the first), as the engine's own prompt_logprobs give them offline."""
+    tokenizer = reference.tokenizer
+    ids = tokenizer.encode(PROMPT)
+    offline = reference.generate([PROMPT], SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=1))[0]
+    generated = offline.outputs[0].text
+    for max_tokens, stream in [(1, False), (0, False), (1, True), (0, True)]:
+        response = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=max_tokens, temperature=0,
+                                             echo=True, logprobs=1, stream=stream)
+        chunks = list(response) if stream else [response]
+        text = "".join(c.choices[0].text for c in chunks)
+        tokens = [t for c in chunks for t in c.choices[0].logprobs.tokens]
+        values = [v for c in chunks for v in c.choices[0].logprobs.token_logprobs]
+        top = [t for c in chunks for t in c.choices[0].logprobs.top_logprobs]
+        assert text == PROMPT + (generated if max_tokens else "")
+        assert len(tokens) == len(values) == len(ids) + max_tokens
+        assert tokens[: len(ids)] == [tokenizer.decode([t]) for t in ids]
+        assert values[0] is None and top[0] is None
+        for position in range(1, len(ids)):
+            assert values[position] == pytest.approx(offline.prompt_logprobs[position][ids[position]].logprob,
+                                                     abs=1e-4)
+            assert values[position] in top[position].values()  # the prompt's own token is always listed
+        assert chunks[-1].choices[0].finish_reason == "length"
+
+
+def test_prompt_logprobs_and_chat_echo(client, reference):
+    """vLLM's prompt_logprobs (each completion choice and the top of a chat completion; refused
+    under stream) and chat echo (the last message's content before a reply that continues it)."""
+    ids = reference.tokenizer.encode(PROMPT)
+    offline = reference.generate([PROMPT], SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=2))[0]
+    response = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=2, temperature=0,
+                                         extra_body={"prompt_logprobs": 2})
+    got = response.choices[0].model_extra["prompt_logprobs"]
+    assert len(got) == len(ids) and got[0] is None
+    for position in range(1, len(ids)):
+        assert set(got[position]) == {str(t) for t in offline.prompt_logprobs[position]}
+        entry = got[position][str(ids[position])]
+        expected = offline.prompt_logprobs[position][ids[position]]
+        assert entry["logprob"] == pytest.approx(expected.logprob, abs=1e-4) and entry["rank"] == expected.rank
+    assert response.usage.prompt_tokens_details.cached_tokens == 0  # the whole prompt ran
+    with pytest.raises(openai.BadRequestError) as err:
+        client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=2, stream=True,
+                                  extra_body={"prompt_logprobs": 1})
+    assert err.value.body["param"] == "prompt_logprobs"
+
+    messages = [{"role": "user", "content": "Tell a story"}, {"role": "assistant", "content": "Once upon"}]
+    options = {"add_generation_prompt": False, "continue_final_message": True, "prompt_logprobs": 0, "echo": True}
+    chat = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=4, temperature=0,
+                                          extra_body=options)
+    plain = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=4, temperature=0,
+                                           extra_body={"add_generation_prompt": False,
+                                                       "continue_final_message": True})
+    assert chat.choices[0].message.content == "Once upon" + plain.choices[0].message.content
+    assert len(chat.model_extra["prompt_logprobs"]) == chat.usage.prompt_tokens
+    stream = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=4, temperature=0,
+                                            stream=True, extra_body=options)
+    assert "".join(c.choices[0].delta.content or "" for c in stream) == chat.choices[0].message.content

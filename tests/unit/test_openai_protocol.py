@@ -17,10 +17,12 @@ from pydantic import ValidationError
 from cluster.api.openai_protocol import ChatCompletionRequest, CompletionRequest, UnsupportedFieldError
 from cluster.api.openai_responses import (
     ChoiceState,
+    Echo,
     chat_body,
     chat_chunk,
     completion_body,
     completion_chunk,
+    echoed_chunk,
     error_body,
     usage,
     usage_chunk,
@@ -91,7 +93,7 @@ def test_unknown_fields_are_ignored():
     {"temperature": "0.5"}, {"temperature": 2.5}, {"temperature": -0.1},
     {"top_p": 0}, {"top_p": 1.5},
     {"n": 0}, {"n": 17}, {"n": 2.0}, {"n": True},
-    {"max_tokens": 0}, {"max_tokens": "10"},
+    {"max_tokens": -1}, {"max_tokens": "10"}, {"prompt_logprobs": "2"}, {"prompt_logprobs": 1.0},
     {"stop": 3}, {"stop": ["a", 1]},
     {"seed": "7"}, {"seed": 1.5},
     {"presence_penalty": 2.5}, {"frequency_penalty": -3},
@@ -130,21 +132,23 @@ def test_required_fields():
 
 @pytest.mark.parametrize("build, fields, param", [
     (completion, {"stream_options": {"include_usage": True}}, "stream_options"),
-    (completion, {"echo": True}, "echo"),
     (completion, {"suffix": "tail"}, "suffix"),
+    (completion, {"max_tokens": 0}, "max_tokens"),  # the prompt alone is echo's
+    (chat, {"max_tokens": 0, "echo": True}, "max_tokens"),
+    (completion, {"prompt_logprobs": 21}, "prompt_logprobs"),
+    (chat, {"prompt_logprobs": -1}, "prompt_logprobs"),  # vLLM's whole vocabulary: not served
+    (completion, {"prompt_logprobs": 1, "stream": True}, "prompt_logprobs"),  # as vLLM: no place in a chunk
     (completion, {"n": 2, "best_of": 3}, "best_of"),
     (chat, {"functions": [{"name": "f"}]}, "functions"),
     (chat, {"function_call": "auto"}, "function_call"),
     (chat, {"top_logprobs": 2}, "top_logprobs"),
     (chat, {"stream_options": {"include_usage": True}, "stream": False}, "stream_options"),
     # vLLM's extras that Tandem does not implement: refused rather than silently ignored
-    (completion, {"prompt_logprobs": 0}, "prompt_logprobs"),
     (chat, {"use_beam_search": True}, "use_beam_search"),
     (completion, {"logits_processors": ["x"]}, "logits_processors"),
     (chat, {"priority": 1}, "priority"),
     (completion, {"priority": False}, "priority"),  # not 0: a different type is not the default
     (chat, {"return_tokens_as_token_ids": True}, "return_tokens_as_token_ids"),
-    (chat, {"echo": True}, "echo"),
     (chat, {"chat_template": "{{ messages }}"}, "chat_template"),
     (chat, {"continue_final_message": True}, "continue_final_message"),  # add_generation_prompt defaults on
     (chat, {"continue_final_message": True, "add_generation_prompt": False}, "continue_final_message"),  # user last
@@ -161,6 +165,34 @@ def test_vllm_extras_at_their_defaults_are_accepted():
     for body in both(prompt_logprobs=None, use_beam_search=False,
                      logits_processors=None, priority=0, return_tokens_as_token_ids=False):
         body.check_supported()
+
+
+def test_echo_and_prompt_logprobs_map_as_vllms():
+    """echo with logprobs asks for the prompt's logprobs (completions: logprobs, chat: top_logprobs),
+    an explicit prompt_logprobs wins, and echo with max_tokens 0 runs one token for the prompt alone."""
+    def params(body):
+        body.check_supported()
+        return body.sampling_params(body.requested_max_tokens() or 16, None, 0)
+
+    assert params(completion(prompt_logprobs=4)).prompt_logprobs == 4
+    assert params(completion(logprobs=2)).prompt_logprobs is None
+    assert params(completion(echo=True, logprobs=2)).prompt_logprobs == 2
+    assert params(completion(echo=True, logprobs=2, prompt_logprobs=0)).prompt_logprobs == 0
+    assert params(completion(echo=True)).prompt_logprobs is None
+    echo_only = completion(echo=True, max_tokens=0, logprobs=1)
+    assert echo_only.echo_only and params(echo_only).max_tokens == 1
+    assert not completion(echo=True, max_tokens=3).echo_only
+    assert params(chat(echo=True, logprobs=True, top_logprobs=3)).prompt_logprobs == 3
+    assert params(chat(prompt_logprobs=0, stream=True)).prompt_logprobs == 0  # 0 streams (vLLM allows it)
+
+
+def test_chat_echo_text_is_the_last_message_when_the_reply_continues_it():
+    assert chat(echo=True).echo_text() == ""  # a user message last: the reply is a new message
+    messages = MESSAGES + [{"role": "assistant", "content": [{"type": "text", "text": "Once"}]}]
+    assert chat(messages=messages, echo=True, add_generation_prompt=False,
+                continue_final_message=True).echo_text() == "Once"
+    assert chat(messages=messages, echo=True).echo_text() == "Once"
+    assert chat(echo=True, add_generation_prompt=False).echo_text() == MESSAGES[-1]["content"]
 
 
 def test_chat_template_options():
@@ -284,9 +316,9 @@ def test_whole_bodies():
     body = completion_body("cmpl-1", 123, "m", choices, use, with_logprobs=False)
     assert body["object"] == "text_completion" and body["usage"] == use
     assert body["choices"] == [{"index": 0, "text": "abc", "logprobs": None, "finish_reason": "stop",
-                                "stop_reason": None}]
+                                "stop_reason": None, "prompt_logprobs": None}]
     body = chat_body("chatcmpl-1", 123, "m", choices, use, num_logprobs=None)
-    assert body["object"] == "chat.completion"
+    assert body["object"] == "chat.completion" and body["prompt_logprobs"] is None
     assert body["choices"][0]["message"] == {"role": "assistant", "content": "abc"}
     assert body["choices"][0]["stop_reason"] is None
     assert body["usage"]["total_tokens"] == body["usage"]["prompt_tokens"] + body["usage"]["completion_tokens"]
@@ -326,6 +358,54 @@ def test_completion_chunk_shape_and_logprobs():
                                   "text_offset": [10, 11]}
     last = completion_chunk("cmpl-1", 123, "m", 0, GenerateDelta(finish_reason="length"), 0, False, False)
     assert last["choices"][0]["finish_reason"] == "length" and "usage" not in last
+
+
+def echo_deltas():
+    """A prompt [5, 6] ("Hi") and an output [7, 8] ("hi"), with logprobs and prompt logprobs."""
+    prompt_logprobs = [None, logprob_entry(6, "i", -3.0, 9, "x", -0.2)]
+    first = GenerateDelta(text="h", token_ids=[7], num_output_tokens=1, num_prompt_tokens=2,
+                          logprobs=[logprob_entry(7, "h", -0.5, 9, "x", -0.1)], prompt_logprobs=prompt_logprobs)
+    second = GenerateDelta(text="i", token_ids=[8], num_output_tokens=2, finish_reason="length",
+                           logprobs=[logprob_entry(8, "i", -0.2, 9, "x", -1.0)])
+    return first, second
+
+
+def test_echo_puts_the_prompt_and_its_logprobs_first():
+    first, second = echo_deltas()
+    state = ChoiceState(0)
+    state.add(first)
+    state.add(second)
+    use = usage([state], [0])
+    (choice,) = completion_body("c", 1, "m", [state], use, True, [Echo("Hi", "H")])["choices"]
+    assert choice["text"] == "Hihi"
+    assert choice["logprobs"] == {"tokens": ["H", "i", "h", "i"], "token_logprobs": [None, -3.0, -0.5, -0.2],
+                                  "top_logprobs": [None, {"i": -3.0, "x": -0.2}, {"h": -0.5, "x": -0.1},
+                                                   {"i": -0.2, "x": -1.0}],
+                                  "text_offset": [0, 1, 2, 3]}
+    assert choice["prompt_logprobs"] == [None, {"6": {"logprob": -3.0, "rank": 2, "decoded_token": "i"},
+                                                "9": {"logprob": -0.2, "rank": 1, "decoded_token": "x"}}]
+    (only,) = completion_body("c", 1, "m", [state], use, True, [Echo("Hi", "H", only=True)])["choices"]
+    assert only["text"] == "Hi" and only["logprobs"]["tokens"] == ["H", "i"]
+    body = chat_body("c", 1, "m", [state], use, None, Echo("Once "))
+    assert body["choices"][0]["message"]["content"] == "Once hi"
+    assert body["prompt_logprobs"][1]["6"]["logprob"] == -3.0
+
+
+def test_streamed_echo_goes_before_the_first_chunk():
+    first, second = echo_deltas()
+    for echo, texts, tokens in [(Echo("Hi", "H"), ["Hih", "i"], [["H", "i", "h"], ["i"]]),
+                                (Echo("Hi", "H", only=True), ["Hi", ""], [["H", "i"], []]),
+                                (None, ["h", "i"], [["h"], ["i"]])]:
+        state, chunks = ChoiceState(0), []
+        for delta in (first, second):
+            text, entries, offset = echoed_chunk(state, delta, echo)
+            state.add(delta)
+            state.echoed = True
+            chunks.append(completion_chunk("c", 1, "m", 0, delta, offset, True, False, text=text, entries=entries,
+                                           first_token=echo.first_token if echo else "")["choices"][0])
+        assert [c["text"] for c in chunks] == texts
+        assert [c["logprobs"]["tokens"] for c in chunks] == tokens
+        assert chunks[1]["logprobs"]["text_offset"] == ([3] if echo and not echo.only else [] if echo else [1])
 
 
 def test_chat_chunk_shape_and_logprobs():

@@ -145,3 +145,51 @@ def test_allowed_token_ids_match_transformers_suppressing_the_rest(tiny_llama_di
     params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True, allowed_token_ids=allowed)
     assert [o.outputs[0].token_ids for o in llm.generate(prompts, params)] == expected
     assert llm.engine.spec_stats.num_draft_tokens == drafted
+
+
+def _hf_prompt_logprobs(path, prompt: list[int], num: int) -> list[tuple[float, int, list[int]]]:
+    """Per prompt token after the first: its logprob given the tokens before it, its rank, the top ``num``."""
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    with torch.no_grad():
+        logprobs = model(torch.tensor([prompt])).logits[0].float().log_softmax(dim=-1)
+    expected = []
+    for position in range(1, len(prompt)):
+        row = logprobs[position - 1]
+        value = row[prompt[position]]
+        expected.append((value.item(), int((row > value).sum()) + 1, row.topk(num).indices.tolist()))
+    return expected
+
+
+@pytest.mark.parametrize("overrides", [
+    dict(num_blocks=128),
+    dict(num_blocks=128, max_num_batched_tokens=7),  # each prompt in chunks of at most 7 tokens
+    dict(num_blocks=16, block_size=16),  # preemptions: the prompt is recomputed
+], ids=["whole", "chunked", "preempted"])
+def test_prompt_logprobs_match_transformers(model_and_reference, overrides):
+    """prompt_logprobs: None for the first token, then each prompt token's logprob given the
+    ones before it, its rank and the top-n, as transformers' log-softmax of the same model gives
+    them; the same prompt sent twice runs its whole prompt again instead of reading the prefix
+    cache (its logits are needed), and the outputs are unchanged."""
+    path, prompts, expected_outputs = model_and_reference
+    num = 3
+    llm = LLM(str(path), device="cpu", dtype="float32", enable_prefix_caching=True, **overrides)
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True, prompt_logprobs=num)
+    outs = llm.generate(prompts, params)
+    outs += llm.generate([prompts[2]], params)  # its blocks are in the prefix cache now
+    if overrides.get("num_blocks") == 16:
+        assert llm.engine.scheduler.num_preemptions > 0
+    assert [o.outputs[0].token_ids for o in outs] == expected_outputs + [expected_outputs[2]]
+    assert outs[-1].usage.cached_tokens == 0  # the repeated prompt was not read from the cache
+    for prompt, out in zip(prompts + [prompts[2]], outs):
+        got = out.prompt_logprobs
+        assert len(got) == len(prompt) and got[0] is None
+        for position, (value, rank, top) in enumerate(_hf_prompt_logprobs(path, prompt, num), start=1):
+            entry = got[position]
+            token = prompt[position]
+            assert next(iter(entry)) == token  # the prompt's own token first
+            assert entry[token].logprob == pytest.approx(value, abs=1e-4)
+            assert entry[token].rank == rank
+            assert set(entry) == {token, *top}
+            assert [entry[t].rank for t in top if t != token] == [top.index(t) + 1 for t in top if t != token]
+    llm.engine.check_invariants()
+    assert llm.engine.block_manager.num_free_blocks == llm.engine.block_manager.pool.num_blocks

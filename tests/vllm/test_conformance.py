@@ -17,8 +17,10 @@ from tests.serve.test_openai_api import (  # noqa: F401  (collected here with th
     reference,
     test_chat_completion_uses_the_models_template,
     test_completion_matches_the_engine_and_counts_usage,
+    test_echo_with_logprobs_scores_the_prompt_as_lm_eval_asks,
     test_logprobs_in_both_layouts,
     test_models_list,
+    test_prompt_logprobs_and_chat_echo,
     test_stop_string_ends_the_output_before_it,
     test_streamed_deltas_concatenate_to_the_whole_text,
     test_token_id_prompts_and_batched_prompts,
@@ -122,3 +124,23 @@ def test_stops_end_the_text_as_vllms_engine_does(server_url, fields):
         answers[group] = (choice["text"], choice["finish_reason"], choice["stop_reason"])
     assert answers["native"] == answers["vllm"]
     assert answers["vllm"][1] == "stop"
+
+
+def test_prompt_logprobs_are_vllms(server_url):
+    """The same prompt_logprobs request to each group: the same prompt tokens scored, the same
+    ranks and top tokens, logprobs equal to float32 rounding across two engines' kernels."""
+    body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 1, "temperature": 0, "prompt_logprobs": 3}
+    answers = {}
+    for group in ("native", "vllm"):
+        headers = {"Authorization": f"Bearer {API_KEY}", "X-Tandem-Group": group}
+        response = httpx.post(f"{server_url}/v1/completions", json=body, headers=headers, timeout=300)
+        assert response.status_code == 200, response.text
+        answers[group] = response.json()["choices"][0]["prompt_logprobs"]
+    native, vllm = answers["native"], answers["vllm"]
+    assert len(native) == len(vllm) > 2 and native[0] is None and vllm[0] is None
+    for ours, theirs in zip(native[1:], vllm[1:]):
+        assert set(ours) == set(theirs)
+        for token, entry in ours.items():
+            assert entry["rank"] == theirs[token]["rank"]
+            assert entry["decoded_token"] == theirs[token]["decoded_token"]
+            assert entry["logprob"] == pytest.approx(theirs[token]["logprob"], abs=2e-3)
