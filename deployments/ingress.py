@@ -46,7 +46,7 @@ from cluster.api.openai_protocol import (
     TokenizeCompletionRequest,
     UnsupportedFieldError,
 )
-from cluster.api.openai_responses import Echo, error_body
+from cluster.api.openai_responses import Echo, error_body, token_id_name
 from cluster.api.tool_calls import ToolCallParser
 from cluster.api.tool_formats import choose_tool_format, render_chat
 from cluster.api.tool_request import NO_TOOLS, ToolPlan, plan_tools
@@ -287,7 +287,8 @@ class OpenAIIngress:
 
     def _echoes(self, body, chat: bool, prompts: list[list[int]], truncated: list[list[int]]) -> list[Echo | None]:
         """Per prompt, what ``echo`` puts before its choices' outputs: a completion's prompt as sent
-        (decoded from its ids when they were sent, or truncated), a chat's last message content."""
+        (decoded from its ids when they were sent, or truncated), a chat's last message content. With
+        ``return_token_ids`` a completion echoes no text (the prompt's ids come instead), as vLLM."""
         if not body.echo:
             return [None] * len(truncated)
         if chat:
@@ -297,7 +298,8 @@ class OpenAIIngress:
         echoes = []
         for sent, ids, kept in zip(body.prompts(), prompts, truncated, strict=True):
             text = sent if isinstance(sent, str) and len(kept) == len(ids) else self.tokenizer.decode(kept)
-            echoes.append(Echo(text, self.tokenizer.decode(kept[:1]), body.echo_only))
+            first = token_id_name(kept[0]) if body.return_tokens_as_token_ids else self.tokenizer.decode(kept[:1])
+            echoes.append(Echo("" if body.return_token_ids else text, first, body.echo_only))
         return echoes
 
     def _chat_text(self, body: ChatPromptFields, plan: ToolPlan) -> str:
@@ -327,5 +329,6 @@ class OpenAIIngress:
                 requests = choice_requests(body, chat, f"{base_id}-{index}", token_ids, j, shapes,
                                            self.prefix_blocks, num_logprobs, constraint)
                 streams.append(ChoiceStream(index, p_index, requests, self.groups,
-                                            echoes[p_index] if echoes else None))
+                                            echoes[p_index] if echoes else None,
+                                            bool(body.return_tokens_as_token_ids)))
         return streams

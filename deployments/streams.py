@@ -43,9 +43,11 @@ class ChoiceStream:
     (``cluster.api.engine_requests.choice_requests``), of which ``start`` sends one."""
 
     def __init__(self, index: int, prompt_index: int, requests: dict[str, GenerateRequest],
-                 groups: dict[str, DeploymentHandle], echo: responses.Echo | None = None) -> None:
+                 groups: dict[str, DeploymentHandle], echo: responses.Echo | None = None,
+                 tokens_as_ids: bool = False) -> None:
         self.index = index
         self.echo = echo  # what goes before the output (``echo``)
+        self.tokens_as_ids = tokens_as_ids  # logprobs name tokens token_id:N (``return_tokens_as_token_ids``)
         self.prompt_index = prompt_index
         self.requests = requests
         self.request_id = next(iter(requests.values())).request_id
@@ -54,6 +56,10 @@ class ChoiceStream:
         self._call: DeploymentResponseGenerator | None = None
         self._router: GroupRouter | None = None
         self._done = False
+
+    @property
+    def prompt_token_ids(self) -> list[int]:
+        return next(iter(self.requests.values())).prompt_token_ids
 
     async def start(self, router: GroupRouter) -> None:
         """Route, call the replica and wait for its acknowledgement (raises ApiError)."""
@@ -72,7 +78,7 @@ class ChoiceStream:
             if delta.error is not None:
                 self._done = True
                 raise ApiError(delta.error.status, delta.error.message, delta.error.type, delta.error.param)
-            yield delta
+            yield responses.with_token_id_names(delta) if self.tokens_as_ids else delta
             if delta.finished:
                 self._done = True
                 return
@@ -108,13 +114,13 @@ async def respond(streams: list[ChoiceStream], body, chat: bool, model: str, rou
     rid = streams[0].request_id.rsplit("-", 1)[0]
     if chat:
         return JSONResponse(responses.chat_body(rid, created, model, states, usage, body.num_logprobs,
-                                                streams[0].echo))
+                                                streams[0].echo, body.return_token_ids))
     return JSONResponse(responses.completion_body(rid, created, model, states, usage, body.logprobs is not None,
-                                                  [s.echo for s in streams]))
+                                                  [s.echo for s in streams], body.return_token_ids))
 
 
 async def _collect(stream: ChoiceStream, make_parser: Callable[[], ToolCallParser] | None) -> responses.ChoiceState:
-    state = responses.ChoiceState(stream.index)
+    state = responses.ChoiceState(stream.index, prompt_token_ids=stream.prompt_token_ids)
     async for delta in stream.deltas():
         state.add(delta)
     if make_parser is not None:
@@ -129,7 +135,8 @@ async def _sse(streams: list[ChoiceStream], body, chat: bool, model: str,
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
     continuous = include_usage and body.stream_options.continuous_usage_stats
     num_logprobs = body.num_logprobs if chat else None
-    states = [responses.ChoiceState(s.index) for s in streams]
+    token_ids = body.return_token_ids
+    states = [responses.ChoiceState(s.index, prompt_token_ids=s.prompt_token_ids) for s in streams]
     parsers = [make_parser() if make_parser is not None else None for _ in streams]
     for state, stream in zip(states, streams):
         state.num_prompt_tokens = len(next(iter(stream.requests.values())).prompt_token_ids)
@@ -154,7 +161,8 @@ async def _sse(streams: list[ChoiceStream], body, chat: bool, model: str,
             first = {"role": "assistant"} if make_parser is not None else {"role": "assistant", "content": ""}
             for position, s in enumerate(streams):
                 yield _event(responses.chat_chunk(rid, created, model, s.index, first, None, None, include_usage,
-                                                  usage_now=usage_now(position)))
+                                                  usage_now=usage_now(position),
+                                                  prompt_token_ids=s.prompt_token_ids if token_ids else None))
             for position, s in enumerate(streams):  # echo: the last message's content, in a chunk of its own
                 if s.echo is not None and s.echo.text:
                     yield _event(responses.chat_chunk(rid, created, model, s.index, {"content": s.echo.text}, None,
@@ -171,23 +179,29 @@ async def _sse(streams: list[ChoiceStream], body, chat: bool, model: str,
                                                   "invalid_request_error"))
                 continue
             state, index, echo = states[position], streams[position].index, streams[position].echo
-            text, entries, offset = responses.echoed_chunk(state, item, None if chat else echo)
+            text, entries = responses.echoed_chunk(state, item, None if chat else echo)
             state.add(item)
-            if not text and item.finish_reason is None and not entries:
+            new_ids = token_ids and bool(item.token_ids)  # sent even without text, as vLLM does
+            if not text and item.finish_reason is None and not entries and not new_ids:
                 continue
             if chat:
                 delta_body = _chat_delta(item, parsers[position], state)
-                if not delta_body and item.finish_reason is None and not item.logprobs:
+                if not delta_body and item.finish_reason is None and not item.logprobs and not new_ids:
                     continue  # held by the tool-call parser
                 yield _event(responses.chat_chunk(rid, created, model, index, delta_body, item, num_logprobs,
                                                   include_usage, made_tool_calls=bool(state.tool_calls),
-                                                  usage_now=usage_now(position)))
+                                                  usage_now=usage_now(position), token_ids=token_ids))
             else:
-                state.echoed = True
-                yield _event(responses.completion_chunk(rid, created, model, index, item, offset,
-                                                        body.logprobs is not None, include_usage,
-                                                        usage_now=usage_now(position), text=text, entries=entries,
-                                                        first_token=echo.first_token if echo else ""))
+                # The first chunk carries the prompt's ids with return_token_ids or echo (as vLLM's).
+                first_ids = not state.sent_first and (token_ids or echo is not None)
+                chunk = responses.completion_chunk(rid, created, model, index, item, state.next_offset,
+                                                   body.logprobs is not None, include_usage,
+                                                   usage_now=usage_now(position), text=text, entries=entries,
+                                                   first_token=echo.first_token if echo else "",
+                                                   token_ids=token_ids,
+                                                   prompt_token_ids=state.prompt_token_ids if first_ids else None)
+                state.sent(chunk["choices"][0]["logprobs"])
+                yield _event(chunk)
         if include_usage:
             usage = responses.usage(states, [s.prompt_index for s in streams])
             obj = "chat.completion.chunk" if chat else "text_completion"

@@ -6,7 +6,8 @@ OpenAI defines but Tandem does not implement are rejected with a message naming 
 rather than silently ignored. Tandem also accepts vLLM's extra sampling fields
 (``top_k``, ``min_p``, ``repetition_penalty``, ``ignore_eos``, ``min_tokens``,
 ``stop_token_ids``, ``skip_special_tokens``, ``include_stop_str_in_output``,
-``allowed_token_ids``, ``bad_words``, ``prompt_logprobs``), its prompt
+``allowed_token_ids``, ``bad_words``, ``prompt_logprobs``), its response fields
+(``return_token_ids``, ``return_tokens_as_token_ids``), its prompt
 fields (``truncate_prompt_tokens``, ``add_special_tokens``; on chat ``add_generation_prompt``,
 ``continue_final_message``, ``chat_template_kwargs``), ``cache_salt`` and ``structured_outputs``.
 A ``chat_template`` in the request is refused, as vLLM's server does unless told to trust
@@ -47,7 +48,6 @@ VLLM_UNSUPPORTED = {
     "use_beam_search": (False,),
     "logits_processors": (None, []),
     "priority": (0,),
-    "return_tokens_as_token_ids": (None, False),
 }
 # apply_chat_template's own arguments, which chat_template_kwargs may not set.
 _RENDER_ARGUMENTS = frozenset({
@@ -96,11 +96,12 @@ class _SamplingFields(_Body):
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputsField | None = None
     prompt_logprobs: StrictInt | None = None
+    return_token_ids: StrictBool = False  # the output's token ids in each choice, the prompt's beside them
+    return_tokens_as_token_ids: StrictBool | None = None  # logprobs name tokens "token_id:N", not by their text
     # VLLM_UNSUPPORTED, of any type: kept only to be refused by name
     use_beam_search: Any = False
     logits_processors: Any = None
     priority: Any = 0
-    return_tokens_as_token_ids: Any = None
 
     def check_supported(self) -> None:
         for name, defaults in VLLM_UNSUPPORTED.items():

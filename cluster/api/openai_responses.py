@@ -13,15 +13,18 @@ that made calls and stopped by itself finishes with ``tool_calls``.
 the prompt tokens' logprobs before the output's; the first token has none) and the last
 message's content before a chat reply. vLLM's ``prompt_logprobs`` go in each completion choice and
 at the top of a chat completion, per prompt token (null for the first): token id -> ``logprob``,
-``rank``, ``decoded_token``.
+``rank``, ``decoded_token``. vLLM's ``return_token_ids`` adds each choice's output ids
+(``token_ids``; streamed: each chunk's) and the prompt's (``prompt_token_ids``: in each completion
+choice, at the top of a chat completion; streamed: in the first chunk of each choice);
+``return_tokens_as_token_ids`` names logprobs' tokens ``token_id:N`` (:func:`with_token_id_names`).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from cluster.api.tool_calls import Parsed, ToolCall
-from cluster.shared.outputs import TokenLogprobs
+from cluster.shared.outputs import Logprob, TokenLogprobs
 from cluster.engine.protocol import GenerateDelta
 
 
@@ -55,7 +58,9 @@ class ChoiceState:
     tool_calls: list[ToolCall] = field(default_factory=list)
     content: str | None = None  # set when the text was parsed for tool calls; else the text is the content
     prompt_logprobs: list[TokenLogprobs | None] | None = None  # when asked for: per prompt token
-    echoed: bool = False  # a stream sent the echo already
+    prompt_token_ids: list[int] = field(default_factory=list)
+    sent_first: bool = False  # a stream sent this choice's first chunk (with the echo, if any)
+    next_offset: int = 0  # a stream's text offset for its next logprobs token (after the tokens sent)
 
     def add(self, delta: GenerateDelta) -> None:
         self.text += delta.text
@@ -70,6 +75,13 @@ class ChoiceState:
         self.num_prompt_tokens = delta.num_prompt_tokens or self.num_prompt_tokens
         self.num_output_tokens = max(self.num_output_tokens, delta.num_output_tokens)
         self.num_cached_tokens = max(self.num_cached_tokens, delta.num_cached_tokens)
+
+    def sent(self, logprobs: dict | None) -> None:
+        """A stream sent a chunk with these legacy ``logprobs``: offsets go on from its last token, as
+        in vLLM (not from the text, which lags the tokens while a stop string may still match)."""
+        self.sent_first = True
+        if logprobs and logprobs["tokens"]:
+            self.next_offset = logprobs["text_offset"][-1] + len(logprobs["tokens"][-1])
 
     def set_parsed(self, parsed: Parsed) -> None:
         """The whole text parsed for tool calls (``tool_calls.parse_tool_calls``)."""
@@ -138,6 +150,23 @@ def prompt_logprobs_json(entries: list[TokenLogprobs | None] | None) -> list | N
             for entry in entries]
 
 
+def token_id_name(token: int) -> str:
+    """A token as ``return_tokens_as_token_ids`` names it (for tokens whose text is not valid UTF-8 alone)."""
+    return f"token_id:{token}"
+
+
+def with_token_id_names(delta: GenerateDelta) -> GenerateDelta:
+    """The delta with every logprob entry's token named ``token_id:N`` instead of by its text."""
+    def rename(entry: TokenLogprobs | None) -> TokenLogprobs | None:
+        if entry is None:
+            return None
+        return {token: Logprob(lp.logprob, lp.rank, token_id_name(token)) for token, lp in entry.items()}
+
+    return replace(delta, logprobs=None if delta.logprobs is None else [rename(e) for e in delta.logprobs],
+                   prompt_logprobs=None if delta.prompt_logprobs is None
+                   else [rename(e) for e in delta.prompt_logprobs])
+
+
 def echoed_completion(state: ChoiceState, echo: Echo | None) -> tuple[str, list[TokenLogprobs | None]]:
     """A whole completion choice's text and logprob entries, the echoed prompt's first."""
     if echo is None:
@@ -148,20 +177,16 @@ def echoed_completion(state: ChoiceState, echo: Echo | None) -> tuple[str, list[
     return echo.text + state.text, prompt + state.logprobs
 
 
-def echoed_chunk(state: ChoiceState, delta: GenerateDelta, echo: Echo | None) -> tuple[str, list, int]:
-    """A streamed completion delta's text, logprob entries and first text offset, for a state
-    that has not added the delta yet: the echo goes before the first chunk sent."""
-    offset = len(state.text)
+def echoed_chunk(state: ChoiceState, delta: GenerateDelta, echo: Echo | None) -> tuple[str, list]:
+    """A streamed completion delta's text and logprob entries, for a state that has not added the
+    delta yet: the echo goes before the first chunk sent."""
     if echo is None:
-        return delta.text, delta.logprobs or [], offset
-    if echo.only:
-        text, entries = "", []
-    else:
-        text, entries, offset = delta.text, delta.logprobs or [], offset + len(echo.text)
-    if not state.echoed:
+        return delta.text, delta.logprobs or []
+    text, entries = ("", []) if echo.only else (delta.text, delta.logprobs or [])
+    if not state.sent_first:
         prompt = delta.prompt_logprobs if delta.prompt_logprobs is not None else state.prompt_logprobs
-        text, entries, offset = echo.text + text, list(prompt or []) + entries, 0
-    return text, entries, offset
+        text, entries = echo.text + text, list(prompt or []) + entries
+    return text, entries
 
 
 def chat_logprobs(entries: list[TokenLogprobs], num_top: int) -> dict:
@@ -183,8 +208,9 @@ def _chat_token(text: str | None, logprob: float) -> dict:
 
 
 def completion_body(response_id: str, created: int, model: str, choices: list[ChoiceState],
-                    usage_dict: dict, with_logprobs: bool, echoes: list[Echo | None] | None = None) -> dict:
-    """``echoes[i]``: what choice ``i`` echoes (None: nothing)."""
+                    usage_dict: dict, with_logprobs: bool, echoes: list[Echo | None] | None = None,
+                    token_ids: bool = False) -> dict:
+    """``echoes[i]``: what choice ``i`` echoes (None: nothing); ``token_ids``: vLLM's ``return_token_ids``."""
     echoes = echoes or [None] * len(choices)
     body_choices = []
     for c, echo in zip(choices, echoes, strict=True):
@@ -196,14 +222,16 @@ def completion_body(response_id: str, created: int, model: str, choices: list[Ch
             "finish_reason": c.finish_reason,
             "stop_reason": c.stop_reason,
             "prompt_logprobs": prompt_logprobs_json(c.prompt_logprobs),
+            **({"token_ids": c.token_ids, "prompt_token_ids": c.prompt_token_ids} if token_ids else {}),
         })
     return {"id": response_id, "object": "text_completion", "created": created, "model": model,
             "choices": body_choices, "usage": usage_dict}
 
 
 def chat_body(response_id: str, created: int, model: str, choices: list[ChoiceState],
-              usage_dict: dict, num_logprobs: int | None, echo: Echo | None = None) -> dict:
-    """``echo``: the last message's content goes before each reply's content."""
+              usage_dict: dict, num_logprobs: int | None, echo: Echo | None = None, token_ids: bool = False) -> dict:
+    """``echo``: the last message's content goes before each reply's content; ``token_ids``:
+    vLLM's ``return_token_ids``."""
     body_choices = []
     for c in choices:
         message = c.message()
@@ -215,17 +243,23 @@ def chat_body(response_id: str, created: int, model: str, choices: list[ChoiceSt
             "logprobs": chat_logprobs(c.logprobs, num_logprobs) if num_logprobs is not None else None,
             "finish_reason": c.chat_finish_reason(),
             "stop_reason": c.stop_reason,
+            **({"token_ids": c.token_ids} if token_ids else {}),
         })
-    return {"id": response_id, "object": "chat.completion", "created": created, "model": model,
+    body = {"id": response_id, "object": "chat.completion", "created": created, "model": model,
             "choices": body_choices, "usage": usage_dict,
             "prompt_logprobs": prompt_logprobs_json(choices[0].prompt_logprobs if choices else None)}
+    if token_ids:
+        body["prompt_token_ids"] = choices[0].prompt_token_ids if choices else []
+    return body
 
 
 def completion_chunk(response_id: str, created: int, model: str, index: int, delta: GenerateDelta,
                      offset: int, with_logprobs: bool, include_usage: bool, usage_now: dict | None = None,
-                     text: str | None = None, entries: list | None = None, first_token: str = "") -> dict:
+                     text: str | None = None, entries: list | None = None, first_token: str = "",
+                     token_ids: bool = False, prompt_token_ids: list[int] | None = None) -> dict:
     """``usage_now``: the choice's usage so far, for vLLM's ``continuous_usage_stats`` (else null);
-    ``text`` and ``entries`` (logprobs) replace the delta's (an echo: ``echoed_chunk``)."""
+    ``text`` and ``entries`` (logprobs) replace the delta's (an echo: ``echoed_chunk``); ``token_ids``:
+    the delta's ids go in the chunk (``return_token_ids``); ``prompt_token_ids``, when given, too."""
     text = delta.text if text is None else text
     entries = (delta.logprobs or []) if entries is None else entries
     chunk = {
@@ -241,6 +275,10 @@ def completion_chunk(response_id: str, created: int, model: str, index: int, del
             "stop_reason": delta.stop_reason,
         }],
     }
+    if token_ids:
+        chunk["choices"][0]["token_ids"] = delta.token_ids
+    if prompt_token_ids is not None:
+        chunk["choices"][0]["prompt_token_ids"] = prompt_token_ids
     if include_usage:
         chunk["usage"] = usage_now
     return chunk
@@ -248,9 +286,11 @@ def completion_chunk(response_id: str, created: int, model: str, index: int, del
 
 def chat_chunk(response_id: str, created: int, model: str, index: int, delta_body: dict,
                delta: GenerateDelta | None, num_logprobs: int | None, include_usage: bool,
-               made_tool_calls: bool = False, usage_now: dict | None = None) -> dict:
+               made_tool_calls: bool = False, usage_now: dict | None = None, token_ids: bool = False,
+               prompt_token_ids: list[int] | None = None) -> dict:
     """``made_tool_calls``: the choice has sent calls, so a natural stop finishes as ``tool_calls``;
-    ``usage_now`` as in ``completion_chunk``."""
+    ``usage_now``, ``token_ids`` and ``prompt_token_ids`` (at the chunk's top, as vLLM) as in
+    ``completion_chunk``."""
     logprobs = None
     if num_logprobs is not None and delta is not None and delta.logprobs:
         logprobs = chat_logprobs(delta.logprobs, num_logprobs)
@@ -267,6 +307,10 @@ def chat_chunk(response_id: str, created: int, model: str, index: int, delta_bod
             "stop_reason": delta.stop_reason if delta is not None else None,
         }],
     }
+    if token_ids and delta is not None:
+        chunk["choices"][0]["token_ids"] = delta.token_ids
+    if prompt_token_ids is not None:
+        chunk["prompt_token_ids"] = prompt_token_ids
     if include_usage:
         chunk["usage"] = usage_now
     return chunk

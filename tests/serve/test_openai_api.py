@@ -295,3 +295,32 @@ def test_prompt_logprobs_and_chat_echo(client, reference):
     stream = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=4, temperature=0,
                                             stream=True, extra_body=options)
     assert "".join(c.choices[0].delta.content or "" for c in stream) == chat.choices[0].message.content
+
+
+def test_vllms_token_id_fields(client, reference):
+    """vLLM's return_token_ids (what RL trainers read: the output's ids and the prompt's, whole and
+    streamed) and return_tokens_as_token_ids (logprobs name tokens token_id:N)."""
+    prompt_ids = reference.tokenizer.encode(PROMPT)
+    offline = reference.generate([PROMPT], SamplingParams(max_tokens=6, temperature=0))[0].outputs[0].token_ids
+    fields = {"return_token_ids": True, "return_tokens_as_token_ids": True}
+    whole = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=6, temperature=0, logprobs=1,
+                                      extra_body=fields).choices[0]
+    assert whole.model_extra["token_ids"] == offline and whole.model_extra["prompt_token_ids"] == prompt_ids
+    assert whole.logprobs.tokens == [f"token_id:{t}" for t in offline]
+    chunks = [c.choices[0] for c in client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=6,
+                                                                 temperature=0, stream=True, extra_body=fields)]
+    assert [t for c in chunks for t in c.model_extra["token_ids"]] == offline
+    assert chunks[0].model_extra["prompt_token_ids"] == prompt_ids
+    assert all("prompt_token_ids" not in c.model_extra for c in chunks[1:])
+
+    messages = [{"role": "user", "content": "hey"}]
+    chat = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=4, temperature=0,
+                                          logprobs=True, extra_body=fields)
+    ids = chat.choices[0].model_extra["token_ids"]
+    assert len(ids) == chat.usage.completion_tokens and len(chat.model_extra["prompt_token_ids"]) == \
+        chat.usage.prompt_tokens
+    assert [entry.token for entry in chat.choices[0].logprobs.content] == [f"token_id:{t}" for t in ids]
+    stream = list(client.chat.completions.create(model=MODEL, messages=messages, max_tokens=4, temperature=0,
+                                                 stream=True, extra_body=fields))
+    assert stream[0].model_extra["prompt_token_ids"] == chat.model_extra["prompt_token_ids"]
+    assert [t for c in stream[1:] for t in c.choices[0].model_extra["token_ids"]] == ids

@@ -26,6 +26,7 @@ from cluster.api.openai_responses import (
     error_body,
     usage,
     usage_chunk,
+    with_token_id_names,
 )
 from cluster.shared.outputs import Logprob
 from cluster.engine.protocol import GenerateDelta
@@ -148,7 +149,6 @@ def test_required_fields():
     (completion, {"logits_processors": ["x"]}, "logits_processors"),
     (chat, {"priority": 1}, "priority"),
     (completion, {"priority": False}, "priority"),  # not 0: a different type is not the default
-    (chat, {"return_tokens_as_token_ids": True}, "return_tokens_as_token_ids"),
     (chat, {"chat_template": "{{ messages }}"}, "chat_template"),
     (chat, {"continue_final_message": True}, "continue_final_message"),  # add_generation_prompt defaults on
     (chat, {"continue_final_message": True, "add_generation_prompt": False}, "continue_final_message"),  # user last
@@ -398,14 +398,43 @@ def test_streamed_echo_goes_before_the_first_chunk():
                                 (None, ["h", "i"], [["h"], ["i"]])]:
         state, chunks = ChoiceState(0), []
         for delta in (first, second):
-            text, entries, offset = echoed_chunk(state, delta, echo)
+            text, entries = echoed_chunk(state, delta, echo)
             state.add(delta)
-            state.echoed = True
-            chunks.append(completion_chunk("c", 1, "m", 0, delta, offset, True, False, text=text, entries=entries,
-                                           first_token=echo.first_token if echo else "")["choices"][0])
+            chunk = completion_chunk("c", 1, "m", 0, delta, state.next_offset, True, False, text=text,
+                                     entries=entries, first_token=echo.first_token if echo else "")["choices"][0]
+            state.sent(chunk["logprobs"])
+            chunks.append(chunk)
         assert [c["text"] for c in chunks] == texts
         assert [c["logprobs"]["tokens"] for c in chunks] == tokens
+        # offsets go on from the tokens sent (here their texts add up to the text)
         assert chunks[1]["logprobs"]["text_offset"] == ([3] if echo and not echo.only else [] if echo else [1])
+
+
+def test_return_token_ids_and_tokens_as_token_ids():
+    """vLLM's return_token_ids: output ids per choice (streamed: per chunk) and the prompt's (in each
+    completion choice or its first chunk; at the top of a chat body or its role chunk);
+    return_tokens_as_token_ids: logprobs name every token token_id:N."""
+    first, second = echo_deltas()
+    state = ChoiceState(0, prompt_token_ids=[5, 6])
+    for delta in (first, second):
+        state.add(with_token_id_names(delta))
+    use = usage([state], [0])
+    (choice,) = completion_body("c", 1, "m", [state], use, True, [None], token_ids=True)["choices"]
+    assert (choice["token_ids"], choice["prompt_token_ids"]) == ([7, 8], [5, 6])
+    assert choice["logprobs"]["tokens"] == ["token_id:7", "token_id:8"]
+    assert choice["logprobs"]["top_logprobs"][0] == {"token_id:7": -0.5, "token_id:9": -0.1}
+    assert choice["prompt_logprobs"][1]["6"]["decoded_token"] == "token_id:6"
+    assert "token_ids" not in completion_body("c", 1, "m", [state], use, False)["choices"][0]
+    body = chat_body("c", 1, "m", [state], use, 1, token_ids=True)
+    assert body["prompt_token_ids"] == [5, 6] and body["choices"][0]["token_ids"] == [7, 8]
+    assert body["choices"][0]["logprobs"]["content"][0]["token"] == "token_id:7"
+    chunk = completion_chunk("c", 1, "m", 0, first, 0, False, False, token_ids=True, prompt_token_ids=[5, 6])
+    assert (chunk["choices"][0]["token_ids"], chunk["choices"][0]["prompt_token_ids"]) == ([7], [5, 6])
+    later = completion_chunk("c", 1, "m", 0, second, 1, False, False, token_ids=True)["choices"][0]
+    assert later["token_ids"] == [8] and "prompt_token_ids" not in later
+    role = chat_chunk("c", 1, "m", 0, {"role": "assistant"}, None, None, False, prompt_token_ids=[5, 6])
+    assert role["prompt_token_ids"] == [5, 6] and "token_ids" not in role["choices"][0]
+    assert chat_chunk("c", 1, "m", 0, {}, second, None, False, token_ids=True)["choices"][0]["token_ids"] == [8]
 
 
 def test_chat_chunk_shape_and_logprobs():

@@ -26,6 +26,7 @@ from tests.serve.test_openai_api import (  # noqa: F401  (collected here with th
     test_token_id_prompts_and_batched_prompts,
     test_vllms_prompt_fields_through_the_openai_client,
     test_vllms_stop_fields_through_the_openai_client,
+    test_vllms_token_id_fields,
 )
 
 
