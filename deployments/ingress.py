@@ -47,6 +47,7 @@ from cluster.api.openai_protocol import (
     UnsupportedFieldError,
 )
 from cluster.api.openai_responses import Echo, error_body, token_id_name
+from cluster.api.responses_protocol import ResponsesRequest
 from cluster.api.tool_calls import ToolCallParser
 from cluster.api.tool_formats import choose_tool_format, render_chat
 from cluster.api.tool_request import NO_TOOLS, ToolPlan, plan_tools
@@ -60,6 +61,7 @@ from cluster.routing.group_router import GroupRouter
 from cluster.structured.constraint import StructuredOutputs
 from deployments.metrics import RaySink
 from deployments.readiness import unready_groups
+from deployments.responses_stream import respond_response
 from deployments.streams import ApiError, ChoiceStream, respond
 
 logger = logging.getLogger(__name__)
@@ -166,6 +168,28 @@ class OpenAIIngress:
     async def chat_completions(self, body: ChatCompletionRequest, request: Request):
         return await self._serve(body, request, chat=True)
 
+    @app.post("/v1/responses")
+    async def responses(self, body: ResponsesRequest, request: Request):
+        """OpenAI's Responses API, served as the chat completion of its messages
+        (``cluster/api/responses_protocol.py``); nothing is stored."""
+        try:
+            body.check_supported()
+            chat = body.as_chat_request()
+        except ValueError as err:
+            if (denied := self._check_key(request)) is not None:
+                return denied
+            return _error(400, str(err), param=error_param(err))
+        prepared = self._prepare(chat, request, chat=True)
+        if isinstance(prepared, JSONResponse):
+            return prepared
+        (stream,), _ = prepared
+        try:
+            return await respond_response(stream, body, self.model_name, self.router)
+        except ApiError as err:
+            return _error(err.status, err.message, err.type, err.param)
+        except BackPressureError as err:
+            return _error(503, f"the server is overloaded, retry later ({err})", "server_error")
+
     @app.post("/tokenize")
     async def tokenize(self, body: dict, request: Request):
         """vLLM's ``/tokenize``: a ``prompt``, or ``messages`` rendered as chat completions would."""
@@ -234,6 +258,20 @@ class OpenAIIngress:
 
     # ---- the work -----------------------------------------------------------------
     async def _serve(self, body, request: Request, chat: bool):
+        prepared = self._prepare(body, request, chat)
+        if isinstance(prepared, JSONResponse):
+            return prepared
+        streams, make_parser = prepared
+        try:
+            return await respond(streams, body, chat, self.model_name, self.router, make_parser)
+        except ApiError as err:
+            return _error(err.status, err.message, err.type, err.param)
+        except BackPressureError as err:
+            return _error(503, f"the server is overloaded, retry later ({err})", "server_error")
+
+    def _prepare(self, body, request: Request, chat: bool):
+        """The request's choice streams (not started) and its tool-call parser factory, or the
+        error response that refuses it (key, model, group pin, any invalid field)."""
         if (denied := self._check_key(request)) is not None:
             return denied
         if (unknown := self._unknown_model(body.model, required=True)) is not None:
@@ -257,12 +295,7 @@ class OpenAIIngress:
         make_parser = None
         if plan.parse_calls and constraint is plan.constraint:
             make_parser = partial(ToolCallParser, self.tool_format, plan.max_calls)
-        try:
-            return await respond(streams, body, chat, self.model_name, self.router, make_parser)
-        except ApiError as err:
-            return _error(err.status, err.message, err.type, err.param)
-        except BackPressureError as err:
-            return _error(503, f"the server is overloaded, retry later ({err})", "server_error")
+        return streams, make_parser
 
     def _unknown_model(self, model: str | None, required: bool = False) -> JSONResponse | None:
         """The 404 for a model this server does not serve (None may be left out where not ``required``)."""

@@ -42,7 +42,9 @@ def _assert_error(response: httpx.Response, status: int, param: str | None = Non
     ({"model": MODEL}, "prompt"),
     ({"model": MODEL, "prompt": "hi", "max_tokens": 10**9}, "max_tokens"),  # past the context of 1024
     ({"model": MODEL, "prompt": "hi", "truncate_prompt_tokens": 2000}, "truncate_prompt_tokens"),
-    ({"model": MODEL, "prompt": "hi", "prompt_logprobs": 1}, "prompt_logprobs"),  # vLLM's, not implemented
+    ({"model": MODEL, "prompt": "hi", "prompt_logprobs": 21}, "prompt_logprobs"),  # vLLM's limit: 20
+    ({"model": MODEL, "prompt": "hi", "prompt_logprobs": 1, "stream": True}, "prompt_logprobs"),
+    ({"model": MODEL, "prompt": "hi", "use_beam_search": True}, "use_beam_search"),  # vLLM's, not implemented
 ])
 def test_invalid_completion_requests_are_400(server_url, body, param):
     _assert_error(_post(server_url, "/v1/completions", body), 400, param)

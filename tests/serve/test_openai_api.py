@@ -324,3 +324,35 @@ def test_vllms_token_id_fields(client, reference):
                                                  stream=True, extra_body=fields))
     assert stream[0].model_extra["prompt_token_ids"] == chat.model_extra["prompt_token_ids"]
     assert [t for c in stream[1:] for t in c.choices[0].model_extra["token_ids"]] == ids
+
+
+def test_responses_api_through_the_openai_client(client):
+    """POST /v1/responses: the openai client's responses.create, whole and streamed, and its stream
+    helper; the text is the chat completion's of the same messages, refusals name their field."""
+    messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "Tell a story"}]
+    chat = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=8, temperature=0)
+    whole = client.responses.create(model=MODEL, instructions="be brief", input="Tell a story", max_output_tokens=8,
+                                    temperature=0)
+    assert whole.output_text == chat.choices[0].message.content
+    assert whole.status == "incomplete" and whole.incomplete_details.reason == "max_output_tokens"
+    assert (whole.usage.input_tokens, whole.usage.output_tokens) == (chat.usage.prompt_tokens, 8)
+    items = [{"role": "user", "content": [{"type": "input_text", "text": "Tell a story"}]}]
+    events = list(client.responses.create(model=MODEL, instructions="be brief", input=items, max_output_tokens=8,
+                                          temperature=0, stream=True))
+    assert events[0].type == "response.created" and events[-1].type == "response.incomplete"
+    assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == whole.output_text
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    # The client's stream helper checks the events against its snapshot as they come (its
+    # get_final_response wants response.completed, which a response cut at max_output_tokens is not).
+    with client.responses.stream(model=MODEL, instructions="be brief", input="Tell a story", max_output_tokens=8,
+                                 temperature=0) as stream:
+        helped = list(stream)
+    assert helped[-1].type == "response.incomplete" and helped[-1].response.output_text == whole.output_text
+    # text.format constrains the output (a structured output): it ends by itself, so the response completes.
+    answer = {"format": {"type": "json_schema", "name": "answer", "schema": {"type": "string", "enum": ["yes", "no"]}}}
+    with client.responses.stream(model=MODEL, input="Is it raining?", max_output_tokens=16, text=answer) as stream:
+        final = stream.get_final_response()
+    assert final.status == "completed" and final.output_text in ('"yes"', '"no"')
+    with pytest.raises(openai.BadRequestError) as err:
+        client.responses.create(model=MODEL, input="hi", previous_response_id="resp_1")
+    assert err.value.body["param"] == "previous_response_id"

@@ -21,6 +21,7 @@ from tests.serve.test_openai_api import (  # noqa: F401  (collected here with th
     test_logprobs_in_both_layouts,
     test_models_list,
     test_prompt_logprobs_and_chat_echo,
+    test_responses_api_through_the_openai_client,
     test_stop_string_ends_the_output_before_it,
     test_streamed_deltas_concatenate_to_the_whole_text,
     test_token_id_prompts_and_batched_prompts,

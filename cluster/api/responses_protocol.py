@@ -1,0 +1,143 @@
+"""OpenAI's Responses API (``POST /v1/responses``): the request body, and the chat request it is served as.
+
+A response is one assistant message generated from ``input`` (a string, or a list of messages
+whose content is text) after ``instructions`` (a system message). It is served as the chat
+completion of those messages (``as_chat_request``), so it shares the chat path's template,
+sampling, structured outputs (``text.format``) and routing. What this server does not keep or run
+is refused with a 400 naming the field: stored state (``previous_response_id``, ``conversation``,
+``background``), tools, reasoning settings, ``include`` and ``top_logprobs``. ``store`` is accepted
+and has no effect: responses are not kept, so they cannot be retrieved later.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr
+
+from cluster.api.errors import UnsupportedFieldError
+from cluster.api.openai_protocol import ChatCompletionRequest
+
+_ROLES = ("user", "assistant", "system", "developer")
+_TEXT_PARTS = ("input_text", "output_text", "text")
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=True, populate_by_name=True)
+
+
+class TextFormat(_Body):
+    type: Literal["text", "json_object", "json_schema"]
+    name: StrictStr | None = None
+    schema_: dict | None = Field(None, alias="schema")
+    strict: StrictBool | None = None
+    description: StrictStr | None = None
+
+
+class TextOptions(_Body):
+    format: TextFormat | None = None
+    verbosity: Any = None
+
+
+class ResponsesRequest(_Body):
+    model: StrictStr
+    input: StrictStr | list[dict]
+    instructions: StrictStr | None = None
+    max_output_tokens: StrictInt | None = Field(None, ge=1)
+    temperature: float | None = Field(None, ge=0, le=2)
+    top_p: float | None = Field(None, gt=0, le=1)
+    stream: StrictBool = False
+    store: StrictBool = True
+    metadata: dict[str, StrictStr] | None = None
+    user: StrictStr | None = None
+    text: TextOptions | None = None
+    truncation: Literal["auto", "disabled"] | None = None
+    parallel_tool_calls: StrictBool | None = None
+    tool_choice: Any = None
+    # Refused unless empty (see the module's docstring), of any type so the 400 names them.
+    previous_response_id: Any = None
+    conversation: Any = None
+    background: Any = None
+    tools: Any = None
+    reasoning: Any = None
+    include: Any = None
+    top_logprobs: Any = None
+    prompt: Any = None
+    # vLLM's sampling extras, as on the other routes
+    top_k: StrictInt | None = None
+    min_p: float | None = Field(None, ge=0, le=1)
+    repetition_penalty: float | None = Field(None, gt=0)
+    seed: StrictInt | None = None
+
+    def check_supported(self) -> None:
+        for name in ("previous_response_id", "conversation", "background", "prompt"):
+            if getattr(self, name) not in (None, False):
+                raise UnsupportedFieldError(name, f"{name} is not supported: this server keeps no responses or "
+                                                  "prompts between requests")
+        if self.tools:
+            raise UnsupportedFieldError("tools", "tools are not supported on /v1/responses; use /v1/chat/completions")
+        if self.tool_choice not in (None, "none", "auto"):
+            raise UnsupportedFieldError("tool_choice", "tool_choice needs tools, which /v1/responses does not serve")
+        if self.reasoning not in (None, {}):
+            raise UnsupportedFieldError("reasoning", "reasoning settings are not supported for this model")
+        if self.include:
+            raise UnsupportedFieldError("include", f"include is not supported (got {self.include!r})")
+        if self.top_logprobs not in (None, 0):
+            raise UnsupportedFieldError("top_logprobs", "top_logprobs is not supported on /v1/responses")
+
+    def messages(self) -> list[dict]:
+        """The chat messages: ``instructions`` as a system message, then ``input``."""
+        messages = [{"role": "system", "content": self.instructions}] if self.instructions else []
+        if isinstance(self.input, str):
+            return messages + [{"role": "user", "content": self.input}]
+        if not self.input:
+            raise UnsupportedFieldError("input", "input is empty; send a string or at least one message")
+        for position, item in enumerate(self.input):
+            messages.append(_message(item, position))
+        return messages
+
+    def response_format(self) -> dict | None:
+        """``text.format`` as chat's ``response_format``."""
+        fmt = self.text.format if self.text is not None else None
+        if fmt is None or fmt.type == "text":
+            return None
+        if fmt.type == "json_object":
+            return {"type": "json_object"}
+        if fmt.schema_ is None:
+            raise UnsupportedFieldError("text", "text.format of type json_schema needs a schema")
+        schema = {"name": fmt.name or "response", "schema": fmt.schema_}
+        if fmt.strict is not None:
+            schema["strict"] = fmt.strict
+        return {"type": "json_schema", "json_schema": schema}
+
+    def as_chat_request(self) -> ChatCompletionRequest:
+        """The chat completion this response is served as (one choice, never streamed itself)."""
+        body = {"model": self.model, "messages": self.messages(), "max_completion_tokens": self.max_output_tokens,
+                "temperature": self.temperature, "top_p": self.top_p, "response_format": self.response_format(),
+                "top_k": self.top_k, "min_p": self.min_p, "repetition_penalty": self.repetition_penalty,
+                "seed": self.seed}
+        return ChatCompletionRequest.model_validate({k: v for k, v in body.items() if v is not None})
+
+
+def _message(item: dict, position: int) -> dict:
+    """One input item as a chat message (text content only)."""
+    where = f"input[{position}]"
+    if item.get("type", "message") != "message":
+        raise UnsupportedFieldError("input", f"{where}: items of type {item.get('type')!r} are not supported; "
+                                             "send messages with text content")
+    role = item.get("role")
+    if role not in _ROLES:
+        raise UnsupportedFieldError("input", f"{where}: role must be one of {', '.join(_ROLES)}, got {role!r}")
+    content = item.get("content")
+    if isinstance(content, str):
+        return {"role": role, "content": content}
+    if not isinstance(content, list):
+        raise UnsupportedFieldError("input", f"{where}: content must be a string or a list of text parts")
+    texts = []
+    for part in content:
+        if not isinstance(part, dict) or part.get("type") not in _TEXT_PARTS or not isinstance(part.get("text"), str):
+            kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+            raise UnsupportedFieldError("input", f"{where}: content parts must be text ({', '.join(_TEXT_PARTS)}), "
+                                                 f"got {kind!r}")
+        texts.append(part["text"])
+    return {"role": role, "content": "".join(texts)}

@@ -1,0 +1,93 @@
+"""OpenAI's Responses API: the request served as a chat completion, and the response and stream
+events, checked against the openai client's own types."""
+
+from __future__ import annotations
+
+import pytest
+from openai.types.responses import Response, ResponseStreamEvent
+from pydantic import TypeAdapter
+
+from cluster.api.errors import UnsupportedFieldError
+from cluster.api.openai_responses import ChoiceState
+from cluster.api.responses_output import ResponseEvents, ResponseIds, response_object
+from cluster.api.responses_protocol import ResponsesRequest
+from cluster.engine.protocol import GenerateDelta
+
+
+def request(**fields) -> ResponsesRequest:
+    return ResponsesRequest.model_validate({"model": "m", "input": "hi", **fields})
+
+
+def test_input_and_instructions_become_chat_messages():
+    assert request(instructions="be brief").messages() == [{"role": "system", "content": "be brief"},
+                                                           {"role": "user", "content": "hi"}]
+    items = [{"role": "user", "content": [{"type": "input_text", "text": "Tell "}, {"type": "input_text", "text": "me"}]},
+             {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "Once"}]},
+             {"role": "developer", "content": "short"}]
+    assert request(input=items).messages() == [{"role": "user", "content": "Tell me"},
+                                               {"role": "assistant", "content": "Once"},
+                                               {"role": "developer", "content": "short"}]
+    chat = request(max_output_tokens=7, temperature=0, top_p=0.5, seed=3,
+                   text={"format": {"type": "json_schema", "name": "x", "schema": {"type": "object"},
+                                    "strict": True}}).as_chat_request()
+    chat.check_supported()
+    assert chat.requested_max_tokens() == 7 and chat.temperature == 0 and chat.top_p == 0.5 and chat.seed == 3
+    assert chat.chat_constraint() is not None  # the schema constrains the output
+    assert request(text={"format": {"type": "text"}}).as_chat_request().response_format is None
+
+
+@pytest.mark.parametrize("fields, param", [
+    ({"previous_response_id": "resp_1"}, "previous_response_id"),
+    ({"background": True}, "background"),
+    ({"tools": [{"type": "function", "name": "f"}]}, "tools"),
+    ({"tool_choice": "required"}, "tool_choice"),
+    ({"reasoning": {"effort": "high"}}, "reasoning"),
+    ({"include": ["message.output_text.logprobs"]}, "include"),
+    ({"top_logprobs": 3}, "top_logprobs"),
+])
+def test_what_is_not_served_is_named(fields, param):
+    with pytest.raises(UnsupportedFieldError) as err:
+        request(**fields).check_supported()
+    assert err.value.param == param
+
+
+@pytest.mark.parametrize("items, words", [
+    ([], "empty"),
+    ([{"type": "function_call_output", "call_id": "c", "output": "x"}], "function_call_output"),
+    ([{"role": "tool", "content": "x"}], "role"),
+    ([{"role": "user", "content": [{"type": "input_image", "image_url": "u"}]}], "input_image"),
+])
+def test_input_that_is_not_text_messages_is_refused(items, words):
+    with pytest.raises(UnsupportedFieldError, match=words) as err:
+        request(input=items).messages()
+    assert err.value.param == "input"
+
+
+def _finished(text: str, reason: str) -> ChoiceState:
+    state = ChoiceState(0)
+    state.add(GenerateDelta(text=text, token_ids=[1, 2], num_prompt_tokens=5, num_output_tokens=2,
+                            num_cached_tokens=3, finish_reason=reason))
+    return state
+
+
+def test_the_response_parses_as_the_openai_clients_type():
+    body = request(instructions="be brief", max_output_tokens=2, metadata={"k": "v"})
+    got = Response.model_validate(response_object(ResponseIds(), body, "m", _finished("Hello", "length")))
+    assert got.output_text == "Hello" and got.status == "incomplete"
+    assert got.incomplete_details.reason == "max_output_tokens"
+    assert (got.usage.input_tokens, got.usage.output_tokens, got.usage.total_tokens) == (5, 2, 7)
+    assert got.usage.input_tokens_details.cached_tokens == 3
+    done = Response.model_validate(response_object(ResponseIds(), body, "m", _finished("Hi.", "stop")))
+    assert done.status == "completed" and done.incomplete_details is None and done.output[0].status == "completed"
+
+
+def test_stream_events_in_openais_order_and_numbered():
+    events = ResponseEvents(ResponseIds(), request(), "m")
+    made = events.start() + [events.delta("Hel"), events.delta("lo")] + events.finish(_finished("Hello", "stop"))
+    parsed = [TypeAdapter(ResponseStreamEvent).validate_python(e) for e in made]
+    assert [e.type for e in parsed] == [
+        "response.created", "response.in_progress", "response.output_item.added", "response.content_part.added",
+        "response.output_text.delta", "response.output_text.delta", "response.output_text.done",
+        "response.content_part.done", "response.output_item.done", "response.completed"]
+    assert [e.sequence_number for e in parsed] == list(range(len(parsed)))
+    assert parsed[-1].response.output_text == "Hello" and parsed[0].response.status == "in_progress"
