@@ -67,6 +67,9 @@ from deployments.streams import ApiError, ChoiceStream, respond
 logger = logging.getLogger(__name__)
 
 app = FastAPI(title="Tandem", description="OpenAI-compatible API of a Tandem cluster")
+# The chat fields a /v1/responses body becomes, by the names its errors give.
+_RESPONSES_PARAMS = {"max_completion_tokens": "max_output_tokens", "max_tokens": "max_output_tokens",
+                     "messages": "input", "prompt": "input", "response_format": "text"}
 
 
 def _error(status: int, message: str, type_: str = "invalid_request_error", param: str | None = None,
@@ -179,14 +182,14 @@ class OpenAIIngress:
             if (denied := self._check_key(request)) is not None:
                 return denied
             return _error(400, str(err), param=error_param(err))
-        prepared = self._prepare(chat, request, chat=True)
+        prepared = self._prepare(chat, request, chat=True, params=_RESPONSES_PARAMS)
         if isinstance(prepared, JSONResponse):
             return prepared
         (stream,), _ = prepared
         try:
             return await respond_response(stream, body, self.model_name, self.router)
         except ApiError as err:
-            return _error(err.status, err.message, err.type, err.param)
+            return _error(err.status, err.message, err.type, _RESPONSES_PARAMS.get(err.param, err.param))
         except BackPressureError as err:
             return _error(503, f"the server is overloaded, retry later ({err})", "server_error")
 
@@ -269,9 +272,10 @@ class OpenAIIngress:
         except BackPressureError as err:
             return _error(503, f"the server is overloaded, retry later ({err})", "server_error")
 
-    def _prepare(self, body, request: Request, chat: bool):
+    def _prepare(self, body, request: Request, chat: bool, params: dict[str, str] | None = None):
         """The request's choice streams (not started) and its tool-call parser factory, or the
-        error response that refuses it (key, model, group pin, any invalid field)."""
+        error response that refuses it (key, model, group pin, any invalid field; ``params`` renames
+        the field an error names, for a body that ``body`` was made from)."""
         if (denied := self._check_key(request)) is not None:
             return denied
         if (unknown := self._unknown_model(body.model, required=True)) is not None:
@@ -289,7 +293,8 @@ class OpenAIIngress:
             echoes = self._echoes(body, chat, prompts, truncated)
             streams = self._make_requests(body, truncated, chat, pinned, constraint, echoes)
         except ValueError as err:  # a ParamError (most) names its field; error_param reads it
-            return _error(400, str(err), param=error_param(err))
+            param = error_param(err)
+            return _error(400, str(err), param=(params or {}).get(param, param))
         # Calls are parsed when tools are offered and the output is free or forced into calls;
         # under a response_format or structured_outputs constraint the output is that format's text.
         make_parser = None

@@ -353,6 +353,10 @@ def test_responses_api_through_the_openai_client(client):
     with client.responses.stream(model=MODEL, input="Is it raining?", max_output_tokens=16, text=answer) as stream:
         final = stream.get_final_response()
     assert final.status == "completed" and final.output_text in ('"yes"', '"no"')
-    with pytest.raises(openai.BadRequestError) as err:
-        client.responses.create(model=MODEL, input="hi", previous_response_id="resp_1")
-    assert err.value.body["param"] == "previous_response_id"
+    for fields, param in [({"previous_response_id": "resp_1"}, "previous_response_id"),
+                          ({"max_output_tokens": 10**6}, "max_output_tokens"),  # the chat route's check, renamed
+                          ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "u"}]}]},
+                           "input")]:
+        with pytest.raises(openai.BadRequestError) as err:
+            client.responses.create(**{"model": MODEL, "input": "hi", **fields})
+        assert err.value.body["param"] == param
