@@ -169,3 +169,32 @@ def test_profile_cli_measures_a_tensor_parallel_engine(tiny_llama_dir, tmp_path)
                  "--context-len", "16", "--out", str(out)]) == 0
     profile = json.loads(out.read_text())
     assert profile["tensor_parallel_size"] == 2 and profile["batch_sizes"] == [1, 2]
+
+
+def _prompt_logprobs(model_dir, **overrides) -> list[list[dict | None]]:
+    """Each prompt's prompt_logprobs, its prompts in chunks of at most 16 tokens."""
+    engine = make_engine(model_dir, **ENGINE, max_num_batched_tokens=16, **overrides)
+    try:
+        params = SamplingParams(max_tokens=2, temperature=0, ignore_eos=True, prompt_logprobs=2)
+        ids = [engine.add_request(p, params) for p in _prompts(seed=7)]
+        got = {}
+        while engine.has_unfinished():
+            for out in engine.step():
+                if out.finished:
+                    got[out.request_id] = out.prompt_logprobs
+        return [got[i] for i in ids]
+    finally:
+        engine.worker.close()
+
+
+def test_tp2_prompt_logprobs_equal_tp1(tiny_llama_dir):
+    """Prompt logprobs need the logits of every prompt position, through the ranks' vocab shards."""
+    expected = _prompt_logprobs(tiny_llama_dir)
+    got = _prompt_logprobs(tiny_llama_dir, tensor_parallel_size=2)
+    for ours, theirs, prompt in zip(got, expected, _prompts(seed=7)):
+        assert len(ours) == len(theirs) == len(prompt) and ours[0] is None
+        for position in range(1, len(prompt)):
+            assert [(t, lp.rank) for t, lp in ours[position].items()] == \
+                [(t, lp.rank) for t, lp in theirs[position].items()]
+            for token, lp in ours[position].items():
+                assert lp.logprob == pytest.approx(theirs[position][token].logprob, abs=1e-4)
