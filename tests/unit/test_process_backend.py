@@ -137,6 +137,10 @@ def test_merged_deltas_join_text_tokens_and_logprobs():
     assert (merged.text, merged.token_ids, merged.finish_reason, merged.num_output_tokens) == ("ab", [1, 2, 3],
                                                                                              "length", 3)
     assert merged.logprobs == [{1: None}]
+    # The prompt's logprobs come with a stream's first token delta: a merge keeps them.
+    first.prompt_logprobs = [None, {5: None}]
+    assert merge_deltas(first, second).prompt_logprobs == [None, {5: None}]
+    assert merge_deltas(second, first).prompt_logprobs == [None, {5: None}]
 
 
 def test_a_failed_step_fails_the_requests_in_flight_with_500_and_marks_the_core(tiny_llama_dir, monkeypatch):
