@@ -6,7 +6,8 @@ group (:class:`GroupRouter`), and streams the replica's deltas back as one JSON 
 or as server-sent events. Errors: 400 bad input, 401 wrong or missing API key, 404
 unknown model, 429 a replica's queue is full, 503 Serve's queue is full. vLLM's
 ``/tokenize`` and ``/detokenize`` answer from the ingress's tokenizer, rendering chat
-messages exactly as ``/v1/chat/completions`` does.
+messages exactly as ``/v1/chat/completions`` does. ``/v1/responses`` (OpenAI's Responses API)
+runs as the chat completion of its messages (``deployments/responses_stream.py``).
 
 A request may pin its replica group with the header ``X-Tandem-Group: NAME`` (benchmarks
 and tests send the same workload to each group, e.g. a native and a vLLM one); the

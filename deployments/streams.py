@@ -139,7 +139,7 @@ async def _sse(streams: list[ChoiceStream], body, chat: bool, model: str,
     states = [responses.ChoiceState(s.index, prompt_token_ids=s.prompt_token_ids) for s in streams]
     parsers = [make_parser() if make_parser is not None else None for _ in streams]
     for state, stream in zip(states, streams):
-        state.num_prompt_tokens = len(next(iter(stream.requests.values())).prompt_token_ids)
+        state.num_prompt_tokens = len(stream.prompt_token_ids)
     queue: asyncio.Queue = asyncio.Queue()
 
     def usage_now(position: int) -> dict | None:
