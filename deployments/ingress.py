@@ -186,9 +186,9 @@ class OpenAIIngress:
         prepared = self._prepare(chat, request, chat=True, params=_RESPONSES_PARAMS)
         if isinstance(prepared, JSONResponse):
             return prepared
-        (stream,), _ = prepared
+        (stream,), make_parser = prepared
         try:
-            return await respond_response(stream, body, self.model_name, self.router)
+            return await respond_response(stream, body, self.model_name, self.router, make_parser)
         except ApiError as err:
             return _error(err.status, err.message, err.type, _RESPONSES_PARAMS.get(err.param, err.param))
         except BackPressureError as err:

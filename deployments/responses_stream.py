@@ -9,21 +9,24 @@ from __future__ import annotations
 
 import json
 import logging
-from typing import AsyncIterator
+from typing import AsyncIterator, Callable
 
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from cluster.api.openai_responses import ChoiceState
 from cluster.api.responses_output import ResponseEvents, ResponseIds, response_object
 from cluster.api.responses_protocol import ResponsesRequest
+from cluster.api.tool_calls import ToolCallParser
 from cluster.routing.group_router import GroupRouter
 from deployments.streams import ChoiceStream
 
 logger = logging.getLogger("ray.serve")
 
 
-async def respond_response(stream: ChoiceStream, body: ResponsesRequest, model: str, router: GroupRouter):
-    """Start the stream (raises ApiError for a refused request) and answer it."""
+async def respond_response(stream: ChoiceStream, body: ResponsesRequest, model: str, router: GroupRouter,
+                           make_parser: Callable[[], ToolCallParser] | None = None):
+    """Start the stream (raises ApiError for a refused request) and answer it; ``make_parser``:
+    the output may hold function calls (None: plain text)."""
     try:
         await stream.start(router)
     except BaseException:
@@ -31,18 +34,22 @@ async def respond_response(stream: ChoiceStream, body: ResponsesRequest, model: 
         raise
     ids = ResponseIds()
     if body.stream:
-        return StreamingResponse(_events(stream, body, model, ids), media_type="text/event-stream")
+        return StreamingResponse(_events(stream, body, model, ids, make_parser), media_type="text/event-stream")
     state = ChoiceState(0)
     try:
         async for delta in stream.deltas():
             state.add(delta)
     finally:
         stream.close()
+    if make_parser is not None:
+        state.set_parsed(make_parser().parse(state.text))
     return JSONResponse(response_object(ids, body, model, state))
 
 
-async def _events(stream: ChoiceStream, body: ResponsesRequest, model: str, ids: ResponseIds) -> AsyncIterator[str]:
+async def _events(stream: ChoiceStream, body: ResponsesRequest, model: str, ids: ResponseIds,
+                  make_parser: Callable[[], ToolCallParser] | None) -> AsyncIterator[str]:
     events = ResponseEvents(ids, body, model)
+    parser = make_parser() if make_parser is not None else None
     state = ChoiceState(0)
     finished = False
     try:
@@ -51,8 +58,19 @@ async def _events(stream: ChoiceStream, body: ResponsesRequest, model: str, ids:
         try:
             async for delta in stream.deltas():
                 state.add(delta)
-                if delta.text:
-                    yield _sse(events.delta(delta.text))
+                if parser is None:
+                    content, calls = delta.text, []
+                else:  # text goes out as it is known not to be a call; each call once it is whole
+                    parsed = parser.feed(delta.text)
+                    content, calls = parsed.content, list(parsed.calls)
+                    if delta.finish_reason is not None:
+                        last = parser.finish()
+                        content, calls = content + last.content, calls + list(last.calls)
+                for event in events.text(content) if content else []:
+                    yield _sse(event)
+                for call in calls:
+                    for event in events.call(call):
+                        yield _sse(event)
         except Exception as err:  # an engine failure mid-stream: report it in the stream
             yield _sse(events.error(getattr(err, "message", str(err))))
             finished = True

@@ -1,13 +1,15 @@
 """OpenAI's Responses API output: the ``response`` object and the events of a streamed one.
 
-A response holds one output item, the assistant's ``message`` with one ``output_text`` part. It
-is ``completed`` when the model stopped by itself and ``incomplete`` (reason
-``max_output_tokens``) when it ran out of tokens. Streamed, the events come in the order OpenAI
-sends them, each numbered (``sequence_number``): ``response.created``, ``response.in_progress``,
-``response.output_item.added``, ``response.content_part.added``, then one
-``response.output_text.delta`` per piece of text, then ``response.output_text.done``,
-``response.content_part.done``, ``response.output_item.done`` and ``response.completed`` (or
-``response.incomplete``); an engine failure mid-stream is an ``error`` event.
+A response's output is the assistant's ``message`` (one ``output_text`` part) and the
+``function_call`` items of the calls it made. It is ``completed`` when the model stopped by
+itself and ``incomplete`` (reason ``max_output_tokens``) when it ran out of tokens. Streamed, the
+events come in the order OpenAI sends them, each numbered (``sequence_number``):
+``response.created``, ``response.in_progress``; for the message ``response.output_item.added``,
+``response.content_part.added``, one ``response.output_text.delta`` per piece of text,
+``response.output_text.done``, ``response.content_part.done``, ``response.output_item.done``; for
+each call ``response.output_item.added``, ``response.function_call_arguments.delta`` and
+``.done``, ``response.output_item.done``; last ``response.completed`` (or ``response.incomplete``).
+An engine failure mid-stream is an ``error`` event.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import uuid
 from dataclasses import dataclass, field
 
 from cluster.api.openai_responses import ChoiceState
+from cluster.api.tool_calls import ToolCall
 from cluster.api.responses_protocol import ResponsesRequest
 
 
@@ -47,30 +50,46 @@ def _text_part(text: str) -> dict:
     return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
 
 
-def message_item(ids: ResponseIds, state: ChoiceState | None) -> dict:
-    """The assistant's message: no content while it starts, its whole text once finished."""
-    content = [_text_part(state.text)] if state is not None and state.finish_reason is not None else []
-    return {"type": "message", "id": ids.message_id, "status": _status(state), "role": "assistant",
-            "content": content}
+def message_item(ids: ResponseIds, text: str | None, status: str) -> dict:
+    """The assistant's message: no content while it is open (``text`` None), else its text."""
+    content = [] if text is None else [_text_part(text)]
+    return {"type": "message", "id": ids.message_id, "status": status, "role": "assistant", "content": content}
 
 
-def response_object(ids: ResponseIds, body: ResponsesRequest, model: str, state: ChoiceState | None) -> dict:
-    """The ``response``: in progress (``state`` None or unfinished: no output yet) or finished."""
+def call_item(call: ToolCall, status: str = "completed") -> dict:
+    """A function call the model made (``arguments`` empty while it is open)."""
+    return {"type": "function_call", "id": "fc_" + call.id.removeprefix("call_"), "call_id": call.id,
+            "name": call.name, "arguments": call.arguments if status == "completed" else "", "status": status}
+
+
+def output_items(ids: ResponseIds, state: ChoiceState) -> list[dict]:
+    """A finished choice's output: its message (when it has text or made no calls), then its calls."""
+    text = state.text if state.content is None else state.content
+    items = [message_item(ids, text, _status(state))] if text or not state.tool_calls else []
+    return items + [call_item(call) for call in state.tool_calls]
+
+
+def response_object(ids: ResponseIds, body: ResponsesRequest, model: str, state: ChoiceState | None,
+                    output: list[dict] | None = None) -> dict:
+    """The ``response``: in progress (``state`` None or unfinished: no output yet) or finished, its
+    output ``output`` (a stream's items in the order sent) or the state's."""
     status = _status(state)
     finished = status != "in_progress"
+    if finished and output is None:
+        output = output_items(ids, state)
     return {
         "id": ids.response_id, "object": "response", "created_at": ids.created_at, "status": status,
         "completed_at": int(time.time()) if finished else None,
         "error": None,
         "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
         "instructions": body.instructions, "max_output_tokens": body.max_output_tokens, "model": model,
-        "output": [message_item(ids, state)] if finished else [],
+        "output": output if finished else [],
         "parallel_tool_calls": True if body.parallel_tool_calls is None else body.parallel_tool_calls,
         "previous_response_id": None, "reasoning": None, "store": body.store,
         "temperature": 1.0 if body.temperature is None else body.temperature,
         "text": {"format": {"type": "text"}} if body.text is None or body.text.format is None
         else {"format": body.text.format.model_dump(by_alias=True, exclude_none=True)},
-        "tool_choice": body.tool_choice or "auto", "tools": [],
+        "tool_choice": body.tool_choice or "auto", "tools": list(body.tools or []),
         "top_p": 1.0 if body.top_p is None else body.top_p,
         "truncation": body.truncation or "disabled",
         "usage": response_usage(state) if finished else None,
@@ -79,10 +98,13 @@ def response_object(ids: ResponseIds, body: ResponsesRequest, model: str, state:
 
 
 class ResponseEvents:
-    """The events of one streamed response, numbered as they are made."""
+    """The events of one streamed response, numbered as they are made. Output items open as
+    their first piece comes: the message at its first text, each call when it is whole."""
 
     def __init__(self, ids: ResponseIds, body: ResponsesRequest, model: str) -> None:
         self.ids, self.body, self.model = ids, body, model
+        self.items: list[dict] = []  # the output items sent, each whole once done
+        self._text: str | None = None  # the open message's text (None: no message open)
         self._number = 0
 
     def _event(self, type_: str, **fields) -> dict:
@@ -91,26 +113,58 @@ class ResponseEvents:
         return event
 
     def _where(self) -> dict:
-        return {"item_id": self.ids.message_id, "output_index": 0, "content_index": 0}
+        return {"item_id": self.ids.message_id, "output_index": len(self.items), "content_index": 0}
 
     def start(self) -> list[dict]:
         response = response_object(self.ids, self.body, self.model, None)
         return [self._event("response.created", response=response),
-                self._event("response.in_progress", response=response),
-                self._event("response.output_item.added", output_index=0, item=message_item(self.ids, None)),
-                self._event("response.content_part.added", **self._where(), part=_text_part(""))]
+                self._event("response.in_progress", response=response)]
 
-    def delta(self, text: str) -> dict:
-        return self._event("response.output_text.delta", **self._where(), delta=text, logprobs=[])
+    def text(self, text: str) -> list[dict]:
+        """A piece of the message's text (opening the message first)."""
+        events = [] if self._text is not None else self._open_message()
+        self._text += text
+        return events + [self._event("response.output_text.delta", **self._where(), delta=text, logprobs=[])]
+
+    def call(self, call: ToolCall) -> list[dict]:
+        """A whole function call: the message before it is done."""
+        events = self._close_message("completed")
+        index = len(self.items)
+        item = call_item(call)
+        events += [self._event("response.output_item.added", output_index=index, item=call_item(call, "in_progress")),
+                   self._event("response.function_call_arguments.delta", item_id=item["id"], output_index=index,
+                               delta=call.arguments),
+                   self._event("response.function_call_arguments.done", item_id=item["id"], output_index=index,
+                               name=call.name, arguments=call.arguments),
+                   self._event("response.output_item.done", output_index=index, item=item)]
+        self.items.append(item)
+        return events
 
     def finish(self, state: ChoiceState) -> list[dict]:
-        """``state`` has finished: the closing events, the last one the whole response."""
-        response = response_object(self.ids, self.body, self.model, state)
+        """``state`` has finished: the open message (an empty one when nothing was sent) is done, then
+        the whole response."""
+        events = self._open_message() if self._text is None and not self.items else []
+        events += self._close_message(_status(state))
+        response = response_object(self.ids, self.body, self.model, state, self.items)
         last = "response.incomplete" if response["status"] == "incomplete" else "response.completed"
-        return [self._event("response.output_text.done", **self._where(), text=state.text, logprobs=[]),
-                self._event("response.content_part.done", **self._where(), part=_text_part(state.text)),
-                self._event("response.output_item.done", output_index=0, item=message_item(self.ids, state)),
-                self._event(last, response=response)]
+        return events + [self._event(last, response=response)]
 
     def error(self, message: str, code: str = "server_error") -> dict:
         return self._event("error", code=code, message=message, param=None)
+
+    def _open_message(self) -> list[dict]:
+        self._text = ""
+        return [self._event("response.output_item.added", output_index=len(self.items),
+                            item=message_item(self.ids, None, "in_progress")),
+                self._event("response.content_part.added", **self._where(), part=_text_part(""))]
+
+    def _close_message(self, status: str) -> list[dict]:
+        if self._text is None:
+            return []
+        text, where = self._text, self._where()
+        item = message_item(self.ids, text, status)
+        self._text = None
+        self.items.append(item)
+        return [self._event("response.output_text.done", **where, text=text, logprobs=[]),
+                self._event("response.content_part.done", **where, part=_text_part(text)),
+                self._event("response.output_item.done", output_index=where["output_index"], item=item)]

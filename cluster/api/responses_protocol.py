@@ -1,12 +1,14 @@
 """OpenAI's Responses API (``POST /v1/responses``): the request body, and the chat request it is served as.
 
-A response is one assistant message generated from ``input`` (a string, or a list of messages
-whose content is text) after ``instructions`` (a system message). It is served as the chat
-completion of those messages (``as_chat_request``), so it shares the chat path's template,
-sampling, structured outputs (``text.format``) and routing. What this server does not keep or run
-is refused with a 400 naming the field: stored state (``previous_response_id``, ``conversation``,
-``background``), tools, reasoning settings, ``include`` and ``top_logprobs``. ``store`` is accepted
-and has no effect: responses are not kept, so they cannot be retrieved later.
+A response is what the assistant says next after ``input`` (a string, or a list of items:
+messages whose content is text, and the ``function_call`` / ``function_call_output`` items of
+earlier tool calls) and ``instructions`` (a system message). It is served as the chat completion
+of those messages (``as_chat_request``), so it shares the chat path's template, sampling,
+structured outputs (``text.format``), function tools (flat ``{"type": "function", "name", ...}``
+specs, ``tool_choice``) and routing. What this server does not keep or run is refused with a 400
+naming the field: stored state (``previous_response_id``, ``conversation``, ``background``,
+``prompt``), built-in tools, reasoning settings, ``include`` and ``top_logprobs``. ``store`` is
+accepted and has no effect: responses are not kept, so they cannot be retrieved later.
 """
 
 from __future__ import annotations
@@ -74,10 +76,6 @@ class ResponsesRequest(_Body):
             if getattr(self, name) not in (None, False):
                 raise UnsupportedFieldError(name, f"{name} is not supported: this server keeps no responses or "
                                                   "prompts between requests")
-        if self.tools:
-            raise UnsupportedFieldError("tools", "tools are not supported on /v1/responses; use /v1/chat/completions")
-        if self.tool_choice not in (None, "none", "auto"):
-            raise UnsupportedFieldError("tool_choice", "tool_choice needs tools, which /v1/responses does not serve")
         if self.reasoning not in (None, {}):
             raise UnsupportedFieldError("reasoning", "reasoning settings are not supported for this model")
         if self.include:
@@ -86,15 +84,53 @@ class ResponsesRequest(_Body):
             raise UnsupportedFieldError("top_logprobs", "top_logprobs is not supported on /v1/responses")
 
     def messages(self) -> list[dict]:
-        """The chat messages: ``instructions`` as a system message, then ``input``."""
+        """The chat messages: ``instructions`` as a system message, then ``input`` (a function call
+        joins the assistant message before it, or starts one; its output is a tool message)."""
         messages = [{"role": "system", "content": self.instructions}] if self.instructions else []
         if isinstance(self.input, str):
             return messages + [{"role": "user", "content": self.input}]
         if not self.input:
             raise UnsupportedFieldError("input", "input is empty; send a string or at least one message")
         for position, item in enumerate(self.input):
-            messages.append(_message(item, position))
+            kind = item.get("type", "message")
+            if kind == "function_call":
+                call = _function_call(item, position)
+                if messages and messages[-1]["role"] == "assistant":
+                    messages[-1].setdefault("tool_calls", []).append(call)
+                else:
+                    messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
+            elif kind == "function_call_output":
+                messages.append(_function_output(item, position))
+            else:
+                messages.append(_message(item, position))
         return messages
+
+    def chat_tools(self) -> list[dict] | None:
+        """``tools`` in the chat shape (function tools only)."""
+        if not self.tools:
+            return None
+        if not isinstance(self.tools, list):
+            raise UnsupportedFieldError("tools", "tools must be a list of function tools")
+        tools = []
+        for position, tool in enumerate(self.tools):
+            if not isinstance(tool, dict) or tool.get("type") != "function" or not isinstance(tool.get("name"), str):
+                kind = tool.get("type") if isinstance(tool, dict) else type(tool).__name__
+                raise UnsupportedFieldError("tools", f"tools[{position}]: only function tools with a name are "
+                                                     f"served, got {kind!r}")
+            function = {key: tool[key] for key in ("name", "description", "parameters", "strict")
+                        if tool.get(key) is not None}
+            tools.append({"type": "function", "function": function})
+        return tools
+
+    def chat_tool_choice(self):
+        """``tool_choice`` in the chat shape."""
+        choice = self.tool_choice
+        if choice is None or choice in ("none", "auto", "required"):
+            return choice
+        if isinstance(choice, dict) and choice.get("type") == "function" and isinstance(choice.get("name"), str):
+            return {"type": "function", "function": {"name": choice["name"]}}
+        raise UnsupportedFieldError("tool_choice", "tool_choice must be none, auto, required or "
+                                                   f'{{"type": "function", "name": ...}}, got {choice!r}')
 
     def response_format(self) -> dict | None:
         """``text.format`` as chat's ``response_format``."""
@@ -115,8 +151,30 @@ class ResponsesRequest(_Body):
         body = {"model": self.model, "messages": self.messages(), "max_completion_tokens": self.max_output_tokens,
                 "temperature": self.temperature, "top_p": self.top_p, "response_format": self.response_format(),
                 "top_k": self.top_k, "min_p": self.min_p, "repetition_penalty": self.repetition_penalty,
-                "seed": self.seed}
+                "seed": self.seed, "tools": self.chat_tools(), "tool_choice": self.chat_tool_choice(),
+                "parallel_tool_calls": self.parallel_tool_calls}
         return ChatCompletionRequest.model_validate({k: v for k, v in body.items() if v is not None})
+
+
+def _function_call(item: dict, position: int) -> dict:
+    """A ``function_call`` input item as a chat tool call."""
+    fields = {key: item.get(key) for key in ("call_id", "name", "arguments")}
+    if not all(isinstance(value, str) for value in fields.values()):
+        raise UnsupportedFieldError("input", f"input[{position}]: a function_call needs call_id, name and "
+                                             "arguments (strings)")
+    return {"id": fields["call_id"], "type": "function",
+            "function": {"name": fields["name"], "arguments": fields["arguments"]}}
+
+
+def _function_output(item: dict, position: int) -> dict:
+    """A ``function_call_output`` input item as a chat tool message."""
+    output = item.get("output")
+    if isinstance(output, list):
+        output = _text(output, f"input[{position}].output")
+    if not isinstance(item.get("call_id"), str) or not isinstance(output, str):
+        raise UnsupportedFieldError("input", f"input[{position}]: a function_call_output needs call_id and output "
+                                             "(text)")
+    return {"role": "tool", "tool_call_id": item["call_id"], "content": output}
 
 
 def _message(item: dict, position: int) -> dict:
@@ -133,11 +191,16 @@ def _message(item: dict, position: int) -> dict:
         return {"role": role, "content": content}
     if not isinstance(content, list):
         raise UnsupportedFieldError("input", f"{where}: content must be a string or a list of text parts")
+    return {"role": role, "content": _text(content, where)}
+
+
+def _text(parts: list, where: str) -> str:
+    """Text content parts joined (any other kind refused)."""
     texts = []
-    for part in content:
+    for part in parts:
         if not isinstance(part, dict) or part.get("type") not in _TEXT_PARTS or not isinstance(part.get("text"), str):
             kind = part.get("type") if isinstance(part, dict) else type(part).__name__
             raise UnsupportedFieldError("input", f"{where}: content parts must be text ({', '.join(_TEXT_PARTS)}), "
                                                  f"got {kind!r}")
         texts.append(part["text"])
-    return {"role": role, "content": "".join(texts)}
+    return "".join(texts)

@@ -176,3 +176,36 @@ def test_bad_constraints_and_tools_are_400s_naming_the_field(client, fields, par
         client.chat.completions.create(model=MODEL, messages=ASK, max_tokens=4, **fields)
     assert err.value.status_code == 400 and err.value.body["param"] == param, err.value.body
     client.chat.completions.create(model=MODEL, messages=ASK, max_tokens=2)  # still serving
+
+
+def test_responses_api_function_calls_whole_and_streamed(client):
+    """/v1/responses with function tools (flat specs) and a forced call: function_call items whose
+    arguments validate, the same whole and through the client's stream helper; the call and its
+    output sent back as input items give the next turn."""
+    tools = [{"type": "function", "name": t["function"]["name"], "parameters": t["function"]["parameters"]}
+             for t in TOOLS]
+    request = dict(model=MODEL, input="Weather in Paris?", tools=tools, parallel_tool_calls=False,
+                   tool_choice={"type": "function", "name": "get_weather"}, max_output_tokens=200, temperature=0)
+    whole = client.responses.create(**request)
+    calls = [item for item in whole.output if item.type == "function_call"]
+    assert whole.status == "completed" and len(calls) == 1 and calls[0].name == "get_weather"
+    jsonschema.validate(json.loads(calls[0].arguments), WEATHER)
+    assert calls[0].call_id.startswith("call_")
+    with client.responses.stream(**request) as stream:
+        streamed = stream.get_final_response()
+    assert [(i.name, i.arguments) for i in streamed.output if i.type == "function_call"] == \
+        [(calls[0].name, calls[0].arguments)]
+    follow_up = [{"role": "user", "content": "Weather in Paris?"},
+                 {"type": "function_call", "call_id": calls[0].call_id, "name": calls[0].name,
+                  "arguments": calls[0].arguments},
+                 {"type": "function_call_output", "call_id": calls[0].call_id, "output": "sunny, 21 C"}]
+    answer = client.responses.create(model=MODEL, input=follow_up, tools=tools, tool_choice="none",
+                                     max_output_tokens=8, temperature=0)
+    messages = ASK + [{"role": "assistant", "content": None, "tool_calls": [
+        {"id": calls[0].call_id, "type": "function",
+         "function": {"name": calls[0].name, "arguments": calls[0].arguments}}]},
+        {"role": "tool", "tool_call_id": calls[0].call_id, "content": "sunny, 21 C"}]
+    chat = client.chat.completions.create(model=MODEL, messages=messages, tools=TOOLS, tool_choice="none",
+                                          max_tokens=8, temperature=0)
+    assert answer.output[0].type == "message" and answer.output_text == chat.choices[0].message.content
+    assert answer.usage.input_tokens == chat.usage.prompt_tokens

@@ -9,6 +9,7 @@ from pydantic import TypeAdapter
 
 from cluster.api.errors import UnsupportedFieldError
 from cluster.api.openai_responses import ChoiceState
+from cluster.api.tool_calls import Parsed, ToolCall
 from cluster.api.responses_output import ResponseEvents, ResponseIds, response_object
 from cluster.api.responses_protocol import ResponsesRequest
 from cluster.engine.protocol import GenerateDelta
@@ -39,8 +40,6 @@ def test_input_and_instructions_become_chat_messages():
 @pytest.mark.parametrize("fields, param", [
     ({"previous_response_id": "resp_1"}, "previous_response_id"),
     ({"background": True}, "background"),
-    ({"tools": [{"type": "function", "name": "f"}]}, "tools"),
-    ({"tool_choice": "required"}, "tool_choice"),
     ({"reasoning": {"effort": "high"}}, "reasoning"),
     ({"include": ["message.output_text.logprobs"]}, "include"),
     ({"top_logprobs": 3}, "top_logprobs"),
@@ -53,7 +52,8 @@ def test_what_is_not_served_is_named(fields, param):
 
 @pytest.mark.parametrize("items, words", [
     ([], "empty"),
-    ([{"type": "function_call_output", "call_id": "c", "output": "x"}], "function_call_output"),
+    ([{"type": "reasoning", "summary": []}], "reasoning"),
+    ([{"type": "function_call_output", "call_id": "c"}], "function_call_output"),
     ([{"role": "tool", "content": "x"}], "role"),
     ([{"role": "user", "content": [{"type": "input_image", "image_url": "u"}]}], "input_image"),
 ])
@@ -83,7 +83,7 @@ def test_the_response_parses_as_the_openai_clients_type():
 
 def test_stream_events_in_openais_order_and_numbered():
     events = ResponseEvents(ResponseIds(), request(), "m")
-    made = events.start() + [events.delta("Hel"), events.delta("lo")] + events.finish(_finished("Hello", "stop"))
+    made = events.start() + events.text("Hel") + events.text("lo") + events.finish(_finished("Hello", "stop"))
     parsed = [TypeAdapter(ResponseStreamEvent).validate_python(e) for e in made]
     assert [e.type for e in parsed] == [
         "response.created", "response.in_progress", "response.output_item.added", "response.content_part.added",
@@ -91,3 +91,50 @@ def test_stream_events_in_openais_order_and_numbered():
         "response.content_part.done", "response.output_item.done", "response.completed"]
     assert [e.sequence_number for e in parsed] == list(range(len(parsed)))
     assert parsed[-1].response.output_text == "Hello" and parsed[0].response.status == "in_progress"
+
+
+WEATHER = {"type": "function", "name": "get_weather", "description": "the weather in a city",
+           "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}
+
+
+def test_function_tools_and_earlier_calls_become_the_chat_request():
+    items = [{"role": "user", "content": "Weather in Paris?"},
+             {"type": "function_call", "call_id": "call_1", "name": "get_weather", "arguments": '{"city": "Paris"}'},
+             {"type": "function_call_output", "call_id": "call_1", "output": "sunny"}]
+    body = request(input=items, tools=[WEATHER], tool_choice={"type": "function", "name": "get_weather"})
+    assert body.messages()[1:] == [
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "call_1", "type": "function",
+             "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "sunny"}]
+    chat = body.as_chat_request()
+    chat.check_supported()
+    assert chat.tools[0].function.name == "get_weather" and chat.tools[0].function.parameters == WEATHER["parameters"]
+    assert chat.tool_choice.function.name == "get_weather"
+    for fields, param in [({"tools": [{"type": "web_search"}]}, "tools"),
+                          ({"tools": [WEATHER], "tool_choice": {"type": "file_search"}}, "tool_choice"),
+                          ({"input": [{"type": "function_call", "name": "f"}]}, "input")]:
+        with pytest.raises(UnsupportedFieldError) as err:
+            request(**fields).as_chat_request()
+        assert err.value.param == param
+
+
+def test_calls_are_function_call_items_whole_and_streamed():
+    call = ToolCall("get_weather", '{"city": "Paris"}', "call_abc")
+    state = _finished('<tool_call>{"name": "get_weather"}</tool_call>', "stop")
+    state.set_parsed(Parsed("", [call]))
+    whole = Response.model_validate(response_object(ResponseIds(), request(tools=[WEATHER]), "m", state))
+    (item,) = whole.output  # no text: no message
+    assert (item.type, item.call_id, item.name, item.arguments) == ("function_call", "call_abc", "get_weather",
+                                                                    '{"city": "Paris"}')
+    events = ResponseEvents(ResponseIds(), request(tools=[WEATHER]), "m")
+    made = events.start() + events.text("Let me check.") + events.call(call) + events.finish(state)
+    parsed = [TypeAdapter(ResponseStreamEvent).validate_python(e) for e in made]
+    assert [e.type for e in parsed][2:] == [
+        "response.output_item.added", "response.content_part.added", "response.output_text.delta",
+        "response.output_text.done", "response.content_part.done", "response.output_item.done",
+        "response.output_item.added", "response.function_call_arguments.delta",
+        "response.function_call_arguments.done", "response.output_item.done", "response.completed"]
+    final = parsed[-1].response
+    assert [o.type for o in final.output] == ["message", "function_call"] and final.output_text == "Let me check."
+    assert [e.output_index for e in parsed if e.type == "response.output_item.done"] == [0, 1]
