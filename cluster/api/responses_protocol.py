@@ -55,12 +55,12 @@ class ResponsesRequest(_Body):
     text: TextOptions | None = None
     truncation: Literal["auto", "disabled"] | None = None
     parallel_tool_calls: StrictBool | None = None
-    tool_choice: Any = None
+    tool_choice: Any = None  # checked by chat_tool_choice
+    tools: Any = None  # function tools only, checked by chat_tools
     # Refused unless empty (see the module's docstring), of any type so the 400 names them.
     previous_response_id: Any = None
     conversation: Any = None
     background: Any = None
-    tools: Any = None
     reasoning: Any = None
     include: Any = None
     top_logprobs: Any = None
