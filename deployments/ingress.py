@@ -78,6 +78,17 @@ def _error(status: int, message: str, type_: str = "invalid_request_error", para
     return JSONResponse(error_body(message, type_, param, code), status_code=status)
 
 
+async def _answer(answering, params: dict[str, str] | None = None):
+    """The response ``answering`` gives, or the error a replica or Serve refused it with (``params``
+    renames the field an error names)."""
+    try:
+        return await answering
+    except ApiError as err:
+        return _error(err.status, err.message, err.type, (params or {}).get(err.param, err.param))
+    except BackPressureError as err:
+        return _error(503, f"the server is overloaded, retry later ({err})", "server_error")
+
+
 @app.exception_handler(RequestValidationError)
 async def _validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
     first = exc.errors()[0] if exc.errors() else {}
@@ -176,23 +187,19 @@ class OpenAIIngress:
     async def responses(self, body: ResponsesRequest, request: Request):
         """OpenAI's Responses API, served as the chat completion of its messages
         (``cluster/api/responses_protocol.py``); nothing is stored."""
+        if (denied := self._check_key(request)) is not None:
+            return denied
         try:
             body.check_supported()
             chat = body.as_chat_request()
         except ValueError as err:
-            if (denied := self._check_key(request)) is not None:
-                return denied
             return _error(400, str(err), param=error_param(err))
         prepared = self._prepare(chat, request, chat=True, params=_RESPONSES_PARAMS)
         if isinstance(prepared, JSONResponse):
             return prepared
         (stream,), make_parser = prepared
-        try:
-            return await respond_response(stream, body, self.model_name, self.router, make_parser)
-        except ApiError as err:
-            return _error(err.status, err.message, err.type, _RESPONSES_PARAMS.get(err.param, err.param))
-        except BackPressureError as err:
-            return _error(503, f"the server is overloaded, retry later ({err})", "server_error")
+        return await _answer(respond_response(stream, body, self.model_name, self.router, make_parser),
+                             _RESPONSES_PARAMS)
 
     @app.post("/tokenize")
     async def tokenize(self, body: dict, request: Request):
@@ -266,12 +273,7 @@ class OpenAIIngress:
         if isinstance(prepared, JSONResponse):
             return prepared
         streams, make_parser = prepared
-        try:
-            return await respond(streams, body, chat, self.model_name, self.router, make_parser)
-        except ApiError as err:
-            return _error(err.status, err.message, err.type, err.param)
-        except BackPressureError as err:
-            return _error(503, f"the server is overloaded, retry later ({err})", "server_error")
+        return await _answer(respond(streams, body, chat, self.model_name, self.router, make_parser))
 
     def _prepare(self, body, request: Request, chat: bool, params: dict[str, str] | None = None):
         """The request's choice streams (not started) and its tool-call parser factory, or the
