@@ -107,6 +107,9 @@ class ServeConfig(_Strict):
         4096, ge=1, description="requests one ingress replica handles at once (Ray Serve's default of 5 "
         "would queue the rest in the proxy, in front of the engines' batching)"
     )
+    responses_store_size: int = Field(
+        1000, ge=0, description="Responses API responses kept for previous_response_id and GET /v1/responses/{id}, "
+        "in one store for the cluster; past it the least recently used is dropped (0: none kept, `store` is ignored)")
     groups: list[ReplicaGroupConfig] = Field(default_factory=lambda: [ReplicaGroupConfig()], min_length=1)
 
     @model_validator(mode="after")

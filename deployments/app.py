@@ -1,7 +1,8 @@
 """Build the Serve application from a validated config.
 
 One deployment per replica group (``replica-<group>``, with the group's resources,
-autoscaling and router) behind one ``ingress`` deployment. Works with
+autoscaling and router) behind one ``ingress`` deployment, beside the ``responses-store``
+(one replica, no CPU reserved) unless ``serve.responses_store_size`` is 0. Works with
 ``tandem serve CONFIG``, and with ``serve run deployments.app:app_builder
 config=configs/local.yaml`` / ``serve deploy`` (import path plus args). A KubeRay
 RayService passes the config inline: ``args: {config: {model: ..., serve: ...}}``.
@@ -21,6 +22,8 @@ from cluster.config_serve import ReplicaGroupConfig
 from cluster.planning.memory_plan import check_memory
 from deployments.ingress import OpenAIIngress
 from deployments.readiness import replica_deployment_name
+from deployments.response_store import DEPLOYMENT_NAME as STORE_DEPLOYMENT
+from deployments.response_store import ResponseStoreReplica
 from deployments.replica import TandemReplica
 from deployments.router import TandemRequestRouter
 
@@ -53,7 +56,13 @@ def build_app(config: TandemConfig | dict | str | Path) -> Application:
         name="ingress", ray_actor_options={"num_cpus": config.serve.ingress_num_cpus},
         max_ongoing_requests=config.serve.ingress_max_ongoing_requests, **ingress_scaling(config),
     )
-    return ingress.bind(data, replicas)
+    store = None
+    if config.serve.responses_store_size > 0:
+        store = serve.deployment(ResponseStoreReplica).options(
+            name=STORE_DEPLOYMENT, num_replicas=1, ray_actor_options={"num_cpus": 0},
+            max_ongoing_requests=config.serve.ingress_max_ongoing_requests,
+        ).bind(config.serve.responses_store_size)
+    return ingress.bind(data, replicas, store)
 
 
 def ingress_scaling(config: TandemConfig) -> dict:

@@ -2,14 +2,16 @@
 ``response`` or as its server-sent events (``cluster/api/responses_output.py``).
 
 The stream is closed exactly once, as in ``deployments/streams.py``: a client that goes away
-mid-stream aborts the request in the engine and frees its blocks.
+mid-stream aborts the request in the engine and frees its blocks. A finished response is handed
+to ``keep`` (the store) before it is answered, or before a stream's last event, so a client can
+retrieve or continue it the moment it has it; an unfinished one is not kept.
 """
 
 from __future__ import annotations
 
 import json
 import logging
-from typing import AsyncIterator, Callable
+from typing import AsyncIterator, Awaitable, Callable
 
 from fastapi.responses import JSONResponse, StreamingResponse
 
@@ -23,10 +25,13 @@ from deployments.streams import ChoiceStream
 logger = logging.getLogger("ray.serve")
 
 
+Keep = Callable[[dict], Awaitable[None]]
+
+
 async def respond_response(stream: ChoiceStream, body: ResponsesRequest, model: str, router: GroupRouter,
-                           make_parser: Callable[[], ToolCallParser] | None = None):
+                           make_parser: Callable[[], ToolCallParser] | None = None, keep: Keep | None = None):
     """Start the stream (raises ApiError for a refused request) and answer it; ``make_parser``:
-    the output may hold function calls (None: plain text)."""
+    the output may hold function calls (None: plain text); ``keep``: stores the finished response."""
     try:
         await stream.start(router)
     except BaseException:
@@ -34,7 +39,8 @@ async def respond_response(stream: ChoiceStream, body: ResponsesRequest, model: 
         raise
     ids = ResponseIds()
     if body.stream:
-        return StreamingResponse(_events(stream, body, model, ids, make_parser), media_type="text/event-stream")
+        return StreamingResponse(_events(stream, body, model, ids, make_parser, keep),
+                                 media_type="text/event-stream")
     state = ChoiceState(0)
     try:
         async for delta in stream.deltas():
@@ -43,11 +49,14 @@ async def respond_response(stream: ChoiceStream, body: ResponsesRequest, model: 
         stream.close()
     if make_parser is not None:
         state.set_parsed(make_parser().parse(state.text))
-    return JSONResponse(response_object(ids, body, model, state))
+    response = response_object(ids, body, model, state)
+    if keep is not None:
+        await keep(response)
+    return JSONResponse(response)
 
 
 async def _events(stream: ChoiceStream, body: ResponsesRequest, model: str, ids: ResponseIds,
-                  make_parser: Callable[[], ToolCallParser] | None) -> AsyncIterator[str]:
+                  make_parser: Callable[[], ToolCallParser] | None, keep: Keep | None) -> AsyncIterator[str]:
     events = ResponseEvents(ids, body, model)
     parser = make_parser() if make_parser is not None else None
     state = ChoiceState(0)
@@ -79,7 +88,10 @@ async def _events(stream: ChoiceStream, body: ResponsesRequest, model: str, ids:
             yield _sse(events.error("the replica's stream ended before the response finished"))
             finished = True
             return
-        for event in events.finish(state):
+        last_events = events.finish(state)
+        if keep is not None:
+            await keep(last_events[-1]["response"])
+        for event in last_events:
             yield _sse(event)
         finished = True
     finally:

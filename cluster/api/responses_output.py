@@ -85,7 +85,7 @@ def response_object(ids: ResponseIds, body: ResponsesRequest, model: str, state:
         "instructions": body.instructions, "max_output_tokens": body.max_output_tokens, "model": model,
         "output": output if finished else [],
         "parallel_tool_calls": True if body.parallel_tool_calls is None else body.parallel_tool_calls,
-        "previous_response_id": None, "reasoning": None, "store": body.store,
+        "previous_response_id": body.previous_response_id, "reasoning": None, "store": body.store,
         "temperature": 1.0 if body.temperature is None else body.temperature,
         "text": {"format": {"type": "text"}} if body.text is None or body.text.format is None
         else {"format": body.text.format.model_dump(by_alias=True, exclude_none=True)},

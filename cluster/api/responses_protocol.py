@@ -5,10 +5,11 @@ messages whose content is text, and the ``function_call`` / ``function_call_outp
 earlier tool calls) and ``instructions`` (a system message). It is served as the chat completion
 of those messages (``as_chat_request``), so it shares the chat path's template, sampling,
 structured outputs (``text.format``), function tools (flat ``{"type": "function", "name", ...}``
-specs, ``tool_choice``) and routing. What this server does not keep or run is refused with a 400
-naming the field: stored state (``previous_response_id``, ``conversation``, ``background``,
-``prompt``), built-in tools, reasoning settings, ``include`` and ``top_logprobs``. ``store`` is
-accepted and has no effect: responses are not kept, so they cannot be retrieved later.
+specs, ``tool_choice``) and routing. With ``previous_response_id`` the messages start from that
+stored response's context (``cluster/api/response_store.py``): its input and output, and those of
+the responses it continued, but not their instructions. What this server does not keep or run is
+refused with a 400 naming the field: conversations, background responses, stored prompts, built-in
+tools, reasoning settings, ``include`` and ``top_logprobs``.
 """
 
 from __future__ import annotations
@@ -57,8 +58,8 @@ class ResponsesRequest(_Body):
     parallel_tool_calls: StrictBool | None = None
     tool_choice: Any = None  # checked by chat_tool_choice
     tools: Any = None  # function tools only, checked by chat_tools
+    previous_response_id: StrictStr | None = None
     # Refused unless empty (see the module's docstring), of any type so the 400 names them.
-    previous_response_id: Any = None
     conversation: Any = None
     background: Any = None
     reasoning: Any = None
@@ -72,10 +73,10 @@ class ResponsesRequest(_Body):
     seed: StrictInt | None = None
 
     def check_supported(self) -> None:
-        for name in ("previous_response_id", "conversation", "background", "prompt"):
+        for name, what in (("conversation", "conversations (continue a response with previous_response_id)"),
+                           ("background", "background responses"), ("prompt", "stored prompts")):
             if getattr(self, name) not in (None, False):
-                raise UnsupportedFieldError(name, f"{name} is not supported: this server keeps no responses or "
-                                                  "prompts between requests")
+                raise UnsupportedFieldError(name, f"{name} is not supported: this server keeps no {what}")
         if self.reasoning not in (None, {}):
             raise UnsupportedFieldError("reasoning", "reasoning settings are not supported for this model")
         if self.include:
@@ -83,15 +84,18 @@ class ResponsesRequest(_Body):
         if self.top_logprobs not in (None, 0):
             raise UnsupportedFieldError("top_logprobs", "top_logprobs is not supported on /v1/responses")
 
-    def messages(self) -> list[dict]:
-        """The chat messages: ``instructions`` as a system message, then ``input`` (a function call
-        joins the assistant message before it, or starts one; its output is a tool message)."""
+    def messages(self, context: list[dict] = ()) -> list[dict]:
+        """The chat messages: ``instructions`` as a system message, then the ``context`` items of the
+        previous response, then ``input`` (a function call joins the assistant message before it, or
+        starts one; its output is a tool message)."""
         messages = [{"role": "system", "content": self.instructions}] if self.instructions else []
         if isinstance(self.input, str):
-            return messages + [{"role": "user", "content": self.input}]
-        if not self.input:
+            items = [{"role": "user", "content": self.input}]
+        elif not self.input:
             raise UnsupportedFieldError("input", "input is empty; send a string or at least one message")
-        for position, item in enumerate(self.input):
+        else:
+            items = self.input
+        for position, item in enumerate([*context, *items], start=-len(context)):
             kind = item.get("type", "message")
             if kind == "function_call":
                 call = _function_call(item, position)
@@ -146,9 +150,10 @@ class ResponsesRequest(_Body):
             schema["strict"] = fmt.strict
         return {"type": "json_schema", "json_schema": schema}
 
-    def as_chat_request(self) -> ChatCompletionRequest:
-        """The chat completion this response is served as (one choice, never streamed itself)."""
-        body = {"model": self.model, "messages": self.messages(), "max_completion_tokens": self.max_output_tokens,
+    def as_chat_request(self, context: list[dict] = ()) -> ChatCompletionRequest:
+        """The chat completion this response is served as (one choice, never streamed itself), after
+        the previous response's ``context``."""
+        body = {"model": self.model, "messages": self.messages(context), "max_completion_tokens": self.max_output_tokens,
                 "temperature": self.temperature, "top_p": self.top_p, "response_format": self.response_format(),
                 "top_k": self.top_k, "min_p": self.min_p, "repetition_penalty": self.repetition_penalty,
                 "seed": self.seed, "tools": self.chat_tools(), "tool_choice": self.chat_tool_choice(),

@@ -353,10 +353,52 @@ def test_responses_api_through_the_openai_client(client):
     with client.responses.stream(model=MODEL, input="Is it raining?", max_output_tokens=16, text=answer) as stream:
         final = stream.get_final_response()
     assert final.status == "completed" and final.output_text in ('"yes"', '"no"')
-    for fields, param in [({"previous_response_id": "resp_1"}, "previous_response_id"),
+    for fields, param in [({"conversation": "conv_1"}, "conversation"),
                           ({"max_output_tokens": 10**6}, "max_output_tokens"),  # the chat route's check, renamed
                           ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "u"}]}]},
                            "input")]:
         with pytest.raises(openai.BadRequestError) as err:
             client.responses.create(**{"model": MODEL, "input": "hi", **fields})
         assert err.value.body["param"] == param
+
+
+def test_responses_are_stored_continued_and_deleted(client):
+    """store / previous_response_id through the openai client: a continued response reads the stored
+    chain (not its instructions), exactly as the chat completion of those messages; retrieve,
+    input_items, delete, cancel, and the 404s for what is not stored."""
+    first = client.responses.create(model=MODEL, instructions="be brief", input="Tell a story", max_output_tokens=6,
+                                    temperature=0)
+    assert client.responses.retrieve(first.id) == first
+    second = client.responses.create(model=MODEL, previous_response_id=first.id, input="Go on", max_output_tokens=6,
+                                     temperature=0)
+    messages = [{"role": "user", "content": "Tell a story"}, {"role": "assistant", "content": first.output_text},
+                {"role": "user", "content": "Go on"}]
+    chat = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=6, temperature=0)
+    assert second.output_text == chat.choices[0].message.content
+    assert second.usage.input_tokens == chat.usage.prompt_tokens and second.previous_response_id == first.id
+    # Streamed, the response is stored before its last event: continued at once, from the stream's own id.
+    events = list(client.responses.create(model=MODEL, previous_response_id=second.id, input="More", stream=True,
+                                          max_output_tokens=4, temperature=0))
+    third = events[-1].response
+    assert client.responses.retrieve(third.id).output_text == third.output_text
+    chat = client.chat.completions.create(model=MODEL, messages=messages + [
+        {"role": "assistant", "content": second.output_text}, {"role": "user", "content": "More"}], max_tokens=4,
+        temperature=0)
+    assert third.output_text == chat.choices[0].message.content
+    items = list(client.responses.input_items.list(second.id))
+    assert [(i.type, i.role, i.content[0].text) for i in items] == [("message", "user", "Go on")]
+    assert client.responses.delete(first.id) is None  # the client returns nothing for a deletion
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(first.id)
+    assert client.responses.retrieve(second.id).output_text == second.output_text  # it keeps its own chain
+    unkept = client.responses.create(model=MODEL, input="hi", max_output_tokens=2, store=False)
+    assert unkept.store is False
+    for call in (lambda: client.responses.retrieve(unkept.id), lambda: client.responses.delete(first.id),
+                 lambda: client.responses.input_items.list(unkept.id)):
+        with pytest.raises(openai.NotFoundError):
+            call()
+    with pytest.raises(openai.NotFoundError) as err:
+        client.responses.create(model=MODEL, previous_response_id=unkept.id, input="hi", max_output_tokens=2)
+    assert err.value.body["param"] == "previous_response_id" and unkept.id in err.value.body["message"]
+    with pytest.raises(openai.BadRequestError):
+        client.responses.cancel(second.id)
