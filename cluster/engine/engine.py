@@ -88,8 +88,10 @@ class Engine:
         sampling_params: SamplingParams | None = None,
         request_id: str | None = None,
         cache_salt: str | None = None,
+        lora: str | None = None,
     ) -> Request:
-        """Validate and tokenize; raises ValueError saying what is wrong with the input."""
+        """Validate and tokenize; raises ValueError saying what is wrong with the input. ``lora``:
+        the name of the adapter (``model.lora_modules``) the request runs with."""
         params = sampling_params or SamplingParams()
         if isinstance(prompt, str):
             if not prompt:
@@ -131,7 +133,12 @@ class Engine:
             raise ValueError(f"request id {rid!r} is already in use")
         if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt):
             raise ParamError("cache_salt", "cache_salt must be a non-empty string when given")
-        request = Request(rid, prompt_ids, params, self.eos_token_id, prompt=text, cache_salt=cache_salt)
+        adapters = self.worker.runner.lora.slots if self.worker.runner.lora is not None else {}
+        if lora is not None and lora not in adapters:
+            known = ", ".join(adapters) or "none"
+            raise ParamError("model", f"no LoRA adapter {lora!r} is served here (adapters: {known})")
+        request = Request(rid, prompt_ids, params, self.eos_token_id, prompt=text, cache_salt=cache_salt,
+                          lora_name=lora)
         if params.bad_words:
             if self.tokenizer is None:
                 raise ParamError("bad_words", "bad_words need a tokenizer; this model has none")
@@ -158,8 +165,9 @@ class Engine:
         sampling_params: SamplingParams | None = None,
         request_id: str | None = None,
         cache_salt: str | None = None,
+        lora: str | None = None,
     ) -> str:
-        return self.add_prepared(self.make_request(prompt, sampling_params, request_id, cache_salt))
+        return self.add_prepared(self.make_request(prompt, sampling_params, request_id, cache_salt, lora))
 
     def add_prepared(self, request: Request, cumulative: bool = True) -> str:
         """Queue a request from ``make_request``. ``cumulative=False``: its outputs carry only

@@ -30,15 +30,21 @@ class LLM:
         prompts: str | list[int] | Sequence[str | list[int]],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = False,
+        lora: str | Sequence[str | None] | None = None,
     ) -> list[RequestOutput]:
-        """Outputs in the order of ``prompts``. Every prompt is validated before any runs."""
+        """Outputs in the order of ``prompts``. Every prompt is validated before any runs.
+        ``lora``: the adapter (a name of ``model.lora_modules``) of every prompt, or one per prompt."""
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
             sampling_params = [sampling_params or SamplingParams()] * len(prompts)
         if len(sampling_params) != len(prompts):
             raise ValueError(f"got {len(prompts)} prompts but {len(sampling_params)} sampling params")
-        requests = [self.engine.make_request(p, sp) for p, sp in zip(prompts, sampling_params)]
+        adapters = [lora] * len(prompts) if lora is None or isinstance(lora, str) else list(lora)
+        if len(adapters) != len(prompts):
+            raise ValueError(f"got {len(prompts)} prompts but {len(adapters)} LoRA adapter names")
+        requests = [self.engine.make_request(p, sp, lora=name)
+                    for p, sp, name in zip(prompts, sampling_params, adapters)]
         order = {r.request_id: i for i, r in enumerate(requests)}
         for r in requests:
             self.engine.add_prepared(r)

@@ -22,6 +22,7 @@ class SeqChunk(NamedTuple):
     token_ids: list[int]  # the tokens to compute, at positions start, start + 1, ...
     start: int  # tokens already in the KV cache before them
     num_logits: int  # how many of the last positions need logits (0 for a mid-prefill chunk)
+    lora_slot: int = 0  # the LoRA adapter its tokens run with (0: none; cluster/models/lora.py)
 
 
 @dataclass

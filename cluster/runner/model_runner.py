@@ -13,6 +13,7 @@ from typing import NamedTuple
 import torch
 
 from cluster.models.layers.flex_paged import FlexLayout
+from cluster.models.lora import LoRABatch, LoRAState
 from cluster.quant.kv_int8 import Int8KVCache, bytes_per_vector
 from cluster.runner.attention_choice import AttentionPlan
 from cluster.runner.decode_graphs import DecodeGraphs
@@ -90,7 +91,7 @@ def num_blocks_for_budget(spec: KVCacheSpec, budget_bytes: int) -> int:
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, num_blocks: int, spec: KVCacheSpec, device: torch.device,
                  batch_invariant: bool = False, verification: str = "auto", seeded_race: bool = False,
-                 attention: AttentionPlan = AttentionPlan()) -> None:
+                 attention: AttentionPlan = AttentionPlan(), lora: LoRAState | None = None) -> None:
         """``batch_invariant``: every step's attention goes through the compiled kernel, one
         query row at a time (the model must have been loaded for it, see ``load_model``).
         ``verification`` (``speculative.verification``): ``auto`` verifies seeded requests'
@@ -101,10 +102,12 @@ class ModelRunner:
         with a draft model: its drafts then couple with the target's tokens far more often).
         ``attention`` (``choose_attention``): the path ``gather`` copies each sequence's context
         out of the cache (plus the CPU kernel), ``flex`` reads it in place through the block
-        table, with its decode steps bucketed and (CUDA) replayed from graphs."""
+        table, with its decode steps bucketed and (CUDA) replayed from graphs. ``lora``: the
+        adapters attached to ``model`` (a chunk's ``lora_slot`` picks one)."""
         if verification not in ("auto", "rejection", "coupled"):
             raise ValueError(f"verification must be auto, rejection or coupled, got {verification!r}")
         self.model = model
+        self.lora = lora if lora is not None and lora.slots else None
         self.short_query_max = None if batch_invariant else SHORT_QUERY_MAX
         self.spec = spec
         self.device = device
@@ -172,9 +175,19 @@ class ModelRunner:
         [total num_logits, vocab_size] float32."""
         inputs = prepare_inputs(chunks, block_tables, self.spec.block_size, self.device, self.short_query_max,
                                 self.flex)
-        if self.graphs is not None and self.graphs.covers(inputs, len(chunks)):
+        lora = None
+        if self.lora is not None:
+            lora = LoRABatch.from_token_slots([c.lora_slot for c in chunks], [len(c.token_ids) for c in chunks],
+                                              self.device)
+        if lora is None and self.graphs is not None and self.graphs.covers(inputs, len(chunks)):
             return self.model.compute_logits(self.graphs.forward(inputs, len(chunks))).float()
-        hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.attn)
+        if lora is not None:
+            self.lora.batch = lora
+        try:
+            hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.attn)
+        finally:
+            if lora is not None:
+                self.lora.batch = None
         if inputs.logits_indices.numel() == 0:
             return hidden.new_empty(0, self.model.vocab_size, dtype=torch.float32)
         return self.model.compute_logits(hidden.index_select(0, inputs.logits_indices)).float()
@@ -209,7 +222,7 @@ class ModelRunner:
             num_prompt = _num_prompt_rows(request, start, len(tokens))
             # Prompt rows are the chunk's first; they need the logits of every position.
             num_logits = len(tokens) + len(proposed) if num_prompt else num_sampled
-            chunks.append(SeqChunk(tokens + proposed, start, num_logits))
+            chunks.append(SeqChunk(tokens + proposed, start, num_logits, self._lora_slot(request)))
             if num_prompt:
                 prompt_rows.append((request, slice(offset, offset + num_prompt), start + 1))
             if sched.samples:
@@ -229,6 +242,10 @@ class ModelRunner:
             bitmask = _bitmask_rows(token_bitmasks, [r for r, _ in spec], [len(d) + 1 for _, d in spec])
             results.update(self._verify(logits, rows, spec, drafts, bitmask))
         return StepResult(results, prompt_logprobs)
+
+    def _lora_slot(self, request) -> int:
+        name = getattr(request, "lora_name", None)
+        return 0 if name is None or self.lora is None else self.lora.slots[name]
 
     @staticmethod
     def _prompt_logprobs(logits: torch.Tensor, request, first: int) -> PromptLogprobs:

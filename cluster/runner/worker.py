@@ -12,6 +12,7 @@ from cluster.config import TandemConfig
 from cluster.kernels.packed_linear import pack_linears
 from cluster.models.layers.cpu_ops import attach_decode_ops
 from cluster.models.hf_folder import iter_lazy_weights, iter_weights
+from cluster.models.lora import LoRAState, attach_lora, load_adapter
 from cluster.models.loader import load_hf_config, load_tokenizer_if_present, resolve_model
 from cluster.models.registry import build_model, engine_max_model_len, resolve_dtype
 from cluster.parallel.group import TPGroup
@@ -55,7 +56,7 @@ class Worker:
         num_blocks = num_kv_blocks(config, loaded.spec, device)
         runner = ModelRunner(loaded.model, num_blocks, loaded.spec, device, config.model.batch_invariant,
                              config.speculative.verification, config.speculative.method == "draft",
-                             choose_attention(config, device, loaded.max_model_len))
+                             choose_attention(config, device, loaded.max_model_len), lora=loaded.lora)
         logger.info(
             "loaded %s (%s, %s) in %.1fs; KV cache: %d blocks of %d tokens",
             config.model.model, loaded.dtype, device, time.monotonic() - started, num_blocks, loaded.spec.block_size,
@@ -73,6 +74,7 @@ class LoadedModel(NamedTuple):
     dtype: torch.dtype
     max_model_len: int
     spec: KVCacheSpec  # this rank's KV heads
+    lora: LoRAState  # the adapters served beside the model (model.lora_modules)
 
 
 def load_model(config: TandemConfig, device: torch.device, tp: TPGroup | None = None) -> LoadedModel:
@@ -100,10 +102,12 @@ def load_model(config: TandemConfig, device: torch.device, tp: TPGroup | None = 
     attach_decode_ops(model, device, dtype, config.model.batch_invariant)
     if tp is not None:
         pack_parallel_linears(model, device, dtype)
+    lora = attach_lora(model, [load_adapter(name, path, model, config.model.max_lora_rank)
+                               for name, path in config.model.lora_modules.items()])
     cache_dtype = torch.int8 if config.cache.kv_cache_dtype == "int8" else None
     spec = KVCacheSpec(model.num_layers, model.num_kv_heads, model.head_dim, config.cache.block_size, dtype,
                        cache_dtype)
-    return LoadedModel(model, hf_config, tokenizer, dtype, max_model_len, spec)
+    return LoadedModel(model, hf_config, tokenizer, dtype, max_model_len, spec, lora)
 
 
 def num_kv_blocks(config: TandemConfig, spec: KVCacheSpec, device: torch.device) -> int:

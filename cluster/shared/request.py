@@ -45,6 +45,7 @@ class Request:
         prompt: str | None = None,
         arrival_time: float | None = None,
         cache_salt: str | None = None,
+        lora_name: str | None = None,
     ) -> None:
         self.request_id = request_id
         self.prompt = prompt
@@ -63,9 +64,11 @@ class Request:
         self.first_token_time: float | None = None
         self.waiting_steps = 0  # steps spent waiting, for waiting_served_ratio
         # Prefix cache: names of the request's full blocks, computed lazily, and what
-        # besides the tokens changes their KV (a salt keeps tenants' caches apart).
+        # besides the tokens changes their KV (a salt keeps tenants' caches apart, an
+        # adapter computes other K/V from the same tokens).
         self.cache_salt = cache_salt
-        self.extra_keys: tuple = (cache_salt,) if cache_salt else ()
+        self.lora_name = lora_name  # the LoRA adapter it runs with (None: the base model)
+        self.extra_keys: tuple = ((cache_salt,) if cache_salt else ()) + ((("lora", lora_name),) if lora_name else ())
         self.block_hashes: list = []
         # Speculative decoding: tokens whose K/V the draft model holds (never more than
         # the target's verified ``num_computed_tokens``; 0 again after preemption).

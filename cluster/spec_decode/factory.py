@@ -30,6 +30,7 @@ def build_speculation(config: TandemConfig, target_worker) -> tuple[Proposer | N
         num_blocks=target_worker.runner.num_blocks,
         tensor_parallel_size=1,  # the draft runs whole on the driver rank
         batch_invariant=False,  # the draft only proposes: its rounding never reaches the output
+        lora_modules={},  # adapters are the target's: the draft proposes for every request without one
     )
     draft = Worker.from_config(draft_config)
     check_vocab_compatible(target_worker.tokenizer, draft.tokenizer, target_worker.vocab_size, draft.vocab_size)

@@ -1,0 +1,133 @@
+"""LoRA adapters served beside their base model: outputs equal PEFT's (the library that makes the
+adapters), requests of different adapters and of the base model share a batch, an adapter's KV
+blocks are never another's prefix-cache hit, and adapters that cannot be served are refused by name."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from cluster.engine.llm import LLM
+from cluster.models.lora import LoRAError
+from cluster.shared.sampling_params import SamplingParams
+from tests.lora_helpers import peft_model, save_peft_adapter
+
+MAX_TOKENS = 16
+
+
+@pytest.fixture(scope="module")
+def adapters(tiny_llama_dir, tmp_path_factory):
+    root = tmp_path_factory.mktemp("lora")
+    return {"all": save_peft_adapter(tiny_llama_dir, root / "all", seed=1),
+            "qv": save_peft_adapter(tiny_llama_dir, root / "qv", seed=2, targets=["q_proj", "v_proj"], rank=8,
+                                    alpha=16, rslora=True)}
+
+
+def _prompts() -> list[list[int]]:
+    g = torch.Generator().manual_seed(3)
+    return [torch.randint(3, 256, (n,), generator=g).tolist() for n in (5, 23, 40)]
+
+
+def _greedy(model, prompts) -> list[list[int]]:
+    model.generation_config.eos_token_id = None
+    outs = []
+    for p in prompts:
+        ids = torch.tensor([p])
+        gen = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=MAX_TOKENS,
+                             do_sample=False, pad_token_id=0)
+        outs.append(gen[0, len(p):].tolist())
+    return outs
+
+
+@pytest.fixture(scope="module")
+def references(tiny_llama_dir, adapters):
+    from transformers import AutoModelForCausalLM
+
+    prompts = _prompts()
+    expected = {name: _greedy(peft_model(tiny_llama_dir, path), prompts) for name, path in adapters.items()}
+    expected[None] = _greedy(AutoModelForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.float32).eval(),
+                             prompts)
+    assert expected["all"] != expected[None] and expected["qv"] != expected[None]  # the adapters change the output
+    return prompts, expected
+
+
+@pytest.mark.parametrize("overrides", [{}, {"max_num_batched_tokens": 16, "num_blocks": 24}],
+                         ids=["whole", "chunked-and-preempted"])
+def test_mixed_batches_match_peft(tiny_llama_dir, adapters, references, overrides):
+    """Every prompt under each adapter and under none, all in one batch: PEFT's greedy tokens."""
+    prompts, expected = references
+    llm = LLM(str(tiny_llama_dir), device="cpu", dtype="float32", num_blocks=overrides.get("num_blocks", 128),
+              lora_modules={name: str(path) for name, path in adapters.items()},
+              **{k: v for k, v in overrides.items() if k != "num_blocks"})
+    names = [name for name in (None, "all", "qv") for _ in prompts]
+    outs = llm.generate(prompts * 3, SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True),
+                        lora=names)
+    got = [o.outputs[0].token_ids for o in outs]
+    assert got == [tokens for name in (None, "all", "qv") for tokens in expected[name]]
+    llm.engine.check_invariants()
+    assert llm.engine.block_manager.num_free_blocks == llm.engine.block_manager.pool.num_blocks
+
+
+def test_speculative_decoding_keeps_the_adapters_output(tiny_llama_dir, noisy_draft_dir, adapters, references):
+    """A draft model proposes without the adapter; the target verifies with it: PEFT's tokens still."""
+    prompts, expected = references
+    llm = LLM(str(tiny_llama_dir), device="cpu", dtype="float32", num_blocks=128,
+              lora_modules={"all": str(adapters["all"])}, method="draft", draft_model=str(noisy_draft_dir),
+              num_speculative_tokens=3)
+    outs = llm.generate(prompts, SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True), lora="all")
+    assert [o.outputs[0].token_ids for o in outs] == expected["all"]
+
+
+def test_an_adapters_blocks_are_not_the_base_models_cache_hits(tiny_llama_dir, adapters):
+    llm = LLM(str(tiny_llama_dir), device="cpu", dtype="float32", num_blocks=64,
+              lora_modules={"all": str(adapters["all"])})
+    prompt = list(range(3, 3 + 48))
+    params = SamplingParams(max_tokens=2, temperature=0)
+    llm.generate([prompt], params)
+    assert llm.generate([prompt], params, lora="all")[0].usage.cached_tokens == 0
+    assert llm.generate([prompt], params, lora="all")[0].usage.cached_tokens == 32  # its own blocks are
+    assert llm.generate([prompt], params)[0].usage.cached_tokens == 32
+
+
+def test_an_unknown_adapter_is_refused_by_name(tiny_llama_dir, adapters):
+    llm = LLM(str(tiny_llama_dir), device="cpu", dtype="float32", num_blocks=16,
+              lora_modules={"all": str(adapters["all"])})
+    with pytest.raises(ValueError, match="no LoRA adapter 'other'.*adapters: all"):
+        llm.generate([[5, 6]], SamplingParams(max_tokens=2), lora="other")
+
+
+def _edited(adapter, tmp_path, settings=None, tensors=None):
+    folder = tmp_path / "edited"
+    folder.mkdir()
+    config = json.loads((adapter / "adapter_config.json").read_text())
+    (folder / "adapter_config.json").write_text(json.dumps({**config, **(settings or {})}))
+    weights = load_file(str(adapter / "adapter_model.safetensors"))
+    save_file(tensors(weights) if tensors else weights, str(folder / "adapter_model.safetensors"))
+    return folder
+
+
+@pytest.mark.parametrize("settings, tensors, words", [
+    ({"use_dora": True}, None, "use_dora"),
+    ({"r": 128}, None, "max_lora_rank"),
+    ({"modules_to_save": ["lm_head"]}, None, "modules_to_save"),
+    (None, lambda w: {k: v for k, v in w.items() if "lora_B" not in k}, "without its pair"),
+    (None, lambda w: {**w, "base_model.model.lm_head.lora_A.weight": torch.zeros(4, 64)}, "lm_head"),
+    (None, lambda w: {k: v[:, :8].contiguous() if "lora_A" in k else v for k, v in w.items()}, "needs A"),
+])
+def test_adapters_that_cannot_be_served_are_refused_by_name(tiny_llama_dir, adapters, tmp_path, settings, tensors,
+                                                            words):
+    folder = _edited(adapters["all"], tmp_path, settings, tensors)
+    with pytest.raises(LoRAError, match=words):
+        LLM(str(tiny_llama_dir), device="cpu", dtype="float32", num_blocks=16, lora_modules={"bad": str(folder)})
+
+
+def test_lora_settings_are_checked(tiny_llama_dir, tiny_opt_dir, adapters):
+    from cluster.config import ConfigError
+
+    with pytest.raises(ConfigError, match="tensor_parallel_size"):
+        LLM(str(tiny_llama_dir), lora_modules={"all": str(adapters["all"])}, tensor_parallel_size=2)
+    with pytest.raises(LoRAError, match="Llama-family"):
+        LLM(str(tiny_opt_dir), device="cpu", num_blocks=16, lora_modules={"all": str(adapters["all"])})
