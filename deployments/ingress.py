@@ -126,10 +126,13 @@ class OpenAIIngress:
         self.tool_format = choose_tool_format(self.config.model.tool_call_format,
                                               getattr(self.tokenizer, "chat_template", None))
         self.shapes: dict[str, GroupShape] = {}
+        self.adapters: dict[str, dict[str, str]] = {}  # LoRA adapter -> {group that serves it: its folder}
         sizes = {}
         for group in serve_config.groups:
             engine_config = group_engine_config(self.config, group.name)
             model = engine_config.model
+            for adapter, folder in model.lora_modules.items():
+                self.adapters.setdefault(adapter, {})[group.name] = folder
             # A group that sets max_model_len needs no model files here (its replicas check it).
             max_model_len = model.max_model_len or engine_max_model_len(
                 None, load_hf_config(resolve_model(model.model, model.cache_dir)))
@@ -164,22 +167,27 @@ class OpenAIIngress:
 
     @app.get("/v1/models")
     async def models(self, request: Request):
+        """The served model, then its LoRA adapters."""
         if (denied := self._check_key(request)) is not None:
             return denied
-        return {"object": "list", "data": [self._model_card()]}
+        return {"object": "list", "data": [self._model_card(name) for name in [self.model_name, *self.adapters]]}
 
     @app.get("/v1/models/{model:path}")
     async def model(self, model: str, request: Request):
-        """OpenAI's retrieve: the served model's card, or 404."""
+        """OpenAI's retrieve: the served model's or an adapter's card, or 404."""
         if (denied := self._check_key(request)) is not None:
             return denied
-        return self._unknown_model(model, required=True) or self._model_card()
+        return self._unknown_model(model, required=True) or self._model_card(model)
 
-    def _model_card(self) -> dict:
-        """OpenAI's model object, with vLLM's ``root`` (the model served) and ``max_model_len``."""
-        return {"id": self.model_name, "object": "model", "created": self.created, "owned_by": "tandem",
-                "root": self.config.model.model, "parent": None,
-                "max_model_len": max(shape.max_model_len for shape in self.shapes.values())}
+    def _model_card(self, name: str) -> dict:
+        """OpenAI's model object, with vLLM's ``root`` (the model served, or an adapter's folder),
+        ``parent`` (an adapter's base model) and ``max_model_len``."""
+        groups = self.adapters.get(name, self.shapes)
+        root, parent = self.config.model.model, None
+        if name in self.adapters:
+            root, parent = next(iter(self.adapters[name].values())), self.model_name
+        return {"id": name, "object": "model", "created": self.created, "owned_by": "tandem", "root": root,
+                "parent": parent, "max_model_len": max(self.shapes[group].max_model_len for group in groups)}
 
     @app.post("/v1/completions")
     async def completions(self, body: CompletionRequest, request: Request):
@@ -211,7 +219,8 @@ class OpenAIIngress:
             return prepared
         (stream,), make_parser = prepared
         keep = partial(self._keep_response, input_items(body.input), context) if body.store else None
-        return await _answer(respond_response(stream, body, self.model_name, self.router, make_parser, keep),
+        return await _answer(respond_response(stream, body, self._answering_model(body.model), self.router,
+                                              make_parser, keep),
                              _RESPONSES_PARAMS)
 
     @app.get("/v1/responses/{response_id}")
@@ -352,7 +361,8 @@ class OpenAIIngress:
         if isinstance(prepared, JSONResponse):
             return prepared
         streams, make_parser = prepared
-        return await _answer(respond(streams, body, chat, self.model_name, self.router, make_parser))
+        return await _answer(respond(streams, body, chat, self._answering_model(body.model), self.router,
+                                     make_parser))
 
     def _prepare(self, body, request: Request, chat: bool, params: dict[str, str] | None = None):
         """The request's choice streams (not started) and its tool-call parser factory, or the
@@ -365,6 +375,9 @@ class OpenAIIngress:
         pinned = request.headers.get("x-tandem-group")
         if pinned is not None and pinned not in self.shapes:
             return _error(400, f"X-Tandem-Group names no replica group: {pinned!r}; groups: {', '.join(self.shapes)}")
+        if pinned is not None and body.model in self.adapters and pinned not in self.adapters[body.model]:
+            return _error(400, f"the replica group {pinned!r} does not serve the LoRA adapter {body.model!r}; groups "
+                               f"that do: {', '.join(self.adapters[body.model])}", param="model")
         try:
             body.check_supported()
             plan = body.tool_plan(self.tool_format) if chat else NO_TOOLS
@@ -384,11 +397,17 @@ class OpenAIIngress:
             make_parser = partial(ToolCallParser, self.tool_format, plan.max_calls)
         return streams, make_parser
 
+    def _answering_model(self, model: str) -> str:
+        """The ``model`` a response names: the adapter asked for, else the served model."""
+        return model if model in self.adapters else self.model_name
+
     def _unknown_model(self, model: str | None, required: bool = False) -> JSONResponse | None:
-        """The 404 for a model this server does not serve (None may be left out where not ``required``)."""
-        if model == self.model_name or (model is None and not required):
+        """The 404 for a model this server does not serve, the base model or an adapter (None may
+        be left out where not ``required``)."""
+        if model == self.model_name or model in self.adapters or (model is None and not required):
             return None
-        return _error(404, f"the model {model!r} does not exist; this server serves {self.model_name!r}",
+        served = ", ".join(repr(name) for name in [self.model_name, *self.adapters])
+        return _error(404, f"the model {model!r} does not exist; this server serves {served}",
                       "not_found_error", "model", "model_not_found")
 
     def _check_key(self, request: Request) -> JSONResponse | None:
@@ -440,14 +459,16 @@ class OpenAIIngress:
                        constraint: StructuredOutputs | None = None,
                        echoes: list[Echo | None] | None = None) -> list[ChoiceStream]:
         num_logprobs = body.num_logprobs if chat else body.logprobs
-        shapes = self.shapes if pinned is None else {pinned: self.shapes[pinned]}
+        lora = body.model if body.model in self.adapters else None
+        shapes = {group: shape for group, shape in self.shapes.items()
+                  if pinned in (None, group) and (lora is None or group in self.adapters[lora])}
         base_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         streams = []
         for p_index, token_ids in enumerate(prompts):
             for j in range(body.n):
                 index = p_index * body.n + j
                 requests = choice_requests(body, chat, f"{base_id}-{index}", token_ids, j, shapes,
-                                           self.prefix_blocks, num_logprobs, constraint)
+                                           self.prefix_blocks, num_logprobs, constraint, lora)
                 streams.append(ChoiceStream(index, p_index, requests, self.groups,
                                             echoes[p_index] if echoes else None,
                                             bool(body.return_tokens_as_token_ids)))

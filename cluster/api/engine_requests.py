@@ -59,10 +59,12 @@ def truncated_prompt(prompt_ids: list[int], keep: int | None, max_model_len: int
 
 def choice_requests(body, chat: bool, request_id: str, prompt_ids: list[int], choice: int,
                     shapes: dict[str, GroupShape], prefix_blocks: int, num_logprobs: int | None,
-                    constraint: StructuredOutputs | None = None) -> dict[str, GenerateRequest]:
+                    constraint: StructuredOutputs | None = None,
+                    lora: str | None = None) -> dict[str, GenerateRequest]:
     """One choice's ``GenerateRequest`` per group of ``shapes`` that can hold it (``choice``
     offsets the seed): the prompt and a given ``max_tokens`` fit the group's context. A prompt
     that fits no group goes to every group, whose engine refuses it with its own message.
+    ``lora``: the adapter it runs with (``shapes`` holds only groups that serve it).
 
     Raises ValueError (a ParamError) naming the offending field: from SamplingParams, or
     ``max_tokens`` when the prompt fits a context but the prompt and ``max_tokens`` fit none,
@@ -83,7 +85,8 @@ def choice_requests(body, chat: bool, request_id: str, prompt_ids: list[int], ch
         max_tokens = resolved_max_tokens(requested, chat, len(prompt_ids), shape.max_model_len)
         params = body.sampling_params(max_tokens, num_logprobs, choice, constraint)
         expected = ROUTING_DEFAULT_OUTPUT_TOKENS if requested is None and chat else max_tokens
-        hashes = leading_block_hashes(prompt_ids, shape.block_size, shape.hash_seed, prefix_blocks, body.cache_salt)
+        hashes = leading_block_hashes(prompt_ids, shape.block_size, shape.hash_seed, prefix_blocks, body.cache_salt,
+                                      lora)
         routing = RoutingRequest(len(prompt_ids), min(expected, max_tokens), hashes)
-        requests[group] = GenerateRequest(request_id, prompt_ids, params, body.cache_salt, routing)
+        requests[group] = GenerateRequest(request_id, prompt_ids, params, body.cache_salt, routing, lora)
     return requests

@@ -162,6 +162,9 @@ class VllmBackend:
         """The native engine's checks and messages, before vLLM sees the request."""
         ids = request.prompt_token_ids
         message = None
+        if request.lora is not None:
+            return ErrorInfo(400, f"no LoRA adapter {request.lora!r} is served here (vLLM groups serve none)",
+                             param="model")
         bad = [t for t in ids if not isinstance(t, int) or not 0 <= t < self.vocab_size]
         if bad:
             message = f"prompt token ids must be integers in [0, {self.vocab_size}), got {bad[:3]}"

@@ -84,13 +84,14 @@ class AsyncEngine:
         sampling_params: SamplingParams | None = None,
         request_id: str | None = None,
         cache_salt: str | None = None,
+        lora: str | None = None,
     ) -> AsyncIterator[RequestOutput]:
-        """Incremental outputs of one request; the last has ``finished=True``.
+        """Incremental outputs of one request (``lora``: its adapter); the last has ``finished=True``.
 
         Bad input raises ValueError, and a full queue (``max_queued_requests``)
         QueueFullError, before anything is queued.
         """
-        request = self.engine.make_request(prompt, sampling_params, request_id, cache_salt)
+        request = self.engine.make_request(prompt, sampling_params, request_id, cache_salt, lora)
         limit = self.engine.config.scheduler.max_queued_requests
         if limit is not None and self.num_waiting >= limit:
             raise QueueFullError(f"{self.num_waiting} requests are already waiting (max_queued_requests={limit})")

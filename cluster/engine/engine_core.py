@@ -82,7 +82,7 @@ class EngineCore:
             return
         try:
             prepared = self.engine.make_request(request.prompt_token_ids, request.sampling_params, rid,
-                                                request.cache_salt)
+                                                request.cache_salt, request.lora)
             self.engine.add_prepared(prepared, cumulative=False)  # the replica streams deltas
         except ValueError as err:
             self._out.deltas.append((rid, GenerateDelta(error=ErrorInfo(400, str(err), param=error_param(err)))))

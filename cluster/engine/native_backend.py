@@ -43,7 +43,7 @@ class NativeBackend:
     async def generate(self, request: GenerateRequest) -> AsyncIterator[GenerateDelta]:
         try:
             stream = self.engine.generate(request.prompt_token_ids, request.sampling_params, request.request_id,
-                                          request.cache_salt)
+                                          request.cache_salt, request.lora)
             first = await _first_or_error(stream)
         except QueueFullError as err:
             yield GenerateDelta(error=ErrorInfo(429, str(err), "rate_limit_error"))

@@ -30,6 +30,7 @@ class GenerateRequest:
     cache_salt: str | None = None
     # What the routers rank it by (built with the request at the ingress; None: not routed).
     routing: RoutingRequest | None = None
+    lora: str | None = None  # the LoRA adapter it runs with (model.lora_modules; None: the base model)
 
 
 @dataclass(frozen=True)

@@ -9,6 +9,12 @@ from cluster.shared.sampling_params import SamplingParams
 from cluster.structured.matcher import GrammarMatcher
 
 
+def cache_extra_keys(cache_salt: str | None, lora_name: str | None) -> tuple:
+    """What besides its tokens names a request's blocks in the prefix cache (``Request.extra_keys``;
+    the routers hash prompts with the same)."""
+    return ((cache_salt,) if cache_salt else ()) + ((("lora", lora_name),) if lora_name else ())
+
+
 class RequestStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
@@ -68,7 +74,7 @@ class Request:
         # adapter computes other K/V from the same tokens).
         self.cache_salt = cache_salt
         self.lora_name = lora_name  # the LoRA adapter it runs with (None: the base model)
-        self.extra_keys: tuple = ((cache_salt,) if cache_salt else ()) + ((("lora", lora_name),) if lora_name else ())
+        self.extra_keys: tuple = cache_extra_keys(cache_salt, lora_name)
         self.block_hashes: list = []
         # Speculative decoding: tokens whose K/V the draft model holds (never more than
         # the target's verified ``num_computed_tokens``; 0 again after preemption).

@@ -1,6 +1,6 @@
 """A real Ray Serve cluster on loopback, serving a tiny random-weight model (drafting
 for itself) in two replica groups: ``fast`` and ``slow`` (the same CPU, with every
-engine step stretched 3x to emulate a slower device)."""
+engine step stretched 3x to emulate a slower device); ``fast`` also serves a LoRA adapter."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ from cluster.models.tiny import TINY_CHAT_TEMPLATE, save_tiny_model, save_tiny_t
 
 API_KEY = "test-key"
 MODEL = "tiny-llama"
+LORA = "tiny-lora"  # the adapter the fast group serves beside MODEL
 
 
 def scrape_metrics(port: int) -> dict[str, list]:
@@ -44,7 +45,15 @@ def tiny_chat_model(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
-def serve_config(tiny_chat_model):
+def tiny_lora(tiny_chat_model, tmp_path_factory):
+    """A LoRA adapter of the tiny chat model, served by the ``fast`` group only."""
+    from tests.lora_helpers import save_peft_adapter
+
+    return save_peft_adapter(tiny_chat_model, tmp_path_factory.mktemp("tiny_lora"), seed=5)
+
+
+@pytest.fixture(scope="session")
+def serve_config(tiny_chat_model, tiny_lora):
     return config_from_dict({
         "model": {"model": str(tiny_chat_model), "max_model_len": 1024},
         "cache": {"num_blocks": 96, "block_size": 16},
@@ -55,7 +64,7 @@ def serve_config(tiny_chat_model):
             "port": _free_port(), "metrics_export_port": _free_port(),
             "served_model_name": MODEL, "api_key": API_KEY,
             "groups": [
-                {"name": "fast", "num_cpus": 0.5},
+                {"name": "fast", "num_cpus": 0.5, "engine": {"lora_modules": {LORA: str(tiny_lora)}}},
                 {"name": "slow", "num_cpus": 0.5, "step_time_scale": 3.0},
             ],
         },

@@ -1,0 +1,56 @@
+"""LoRA adapters through the openai client: a request names an adapter as its model and gets PEFT's
+output, the base model's requests beside it keep theirs, only the groups that serve an adapter
+receive its requests, and /v1/models lists the adapters under their base model."""
+
+from __future__ import annotations
+
+import openai
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from tests.lora_helpers import peft_model
+from tests.serve.conftest import LORA, MODEL
+
+PROMPT = [5, 40, 77, 120, 9, 33, 64, 81, 17]
+MAX_TOKENS = 10
+
+
+def _greedy(model) -> list[int]:
+    model.generation_config.eos_token_id = None
+    ids = torch.tensor([PROMPT])
+    out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=MAX_TOKENS,
+                         do_sample=False, pad_token_id=0)
+    return out[0, len(PROMPT):].tolist()
+
+
+def test_an_adapter_is_a_model_of_its_own(client, tiny_chat_model, tiny_lora):
+    cards = {card.id: card for card in client.models.list().data}
+    assert list(cards) == [MODEL, LORA]
+    assert cards[LORA].model_extra["parent"] == MODEL and cards[LORA].model_extra["root"] == str(tiny_lora)
+    assert client.models.retrieve(LORA).id == LORA
+    expected = {LORA: _greedy(peft_model(tiny_chat_model, tiny_lora)),
+                MODEL: _greedy(AutoModelForCausalLM.from_pretrained(tiny_chat_model, dtype=torch.float32).eval())}
+    assert expected[LORA] != expected[MODEL]
+    for model in (LORA, MODEL, LORA):  # the second adapter request may read the first's cached blocks
+        out = client.completions.create(model=model, prompt=PROMPT, max_tokens=MAX_TOKENS, temperature=0,
+                                        extra_body={"ignore_eos": True, "return_token_ids": True})
+        assert out.choices[0].model_extra["token_ids"] == expected[model], model
+        assert out.model == model
+    chunks = list(client.chat.completions.create(model=LORA, messages=[{"role": "user", "content": "hi"}],
+                                                 max_tokens=4, stream=True))
+    assert chunks[-1].choices[0].finish_reason is not None and chunks[0].model == LORA
+    response = client.responses.create(model=LORA, input="hi", max_output_tokens=4)
+    assert response.model == LORA and response.usage.output_tokens == 4
+
+
+def test_adapter_requests_go_only_where_the_adapter_is_served(client):
+    pinned = client.with_options(default_headers={"X-Tandem-Group": "slow"})
+    with pytest.raises(openai.BadRequestError) as err:
+        pinned.completions.create(model=LORA, prompt=PROMPT, max_tokens=2)
+    assert err.value.body["param"] == "model" and "fast" in err.value.body["message"]
+    fast = client.with_options(default_headers={"X-Tandem-Group": "fast"})
+    assert fast.completions.create(model=LORA, prompt=PROMPT, max_tokens=2).usage.completion_tokens == 2
+    with pytest.raises(openai.NotFoundError) as err:
+        client.completions.create(model="other-lora", prompt=PROMPT, max_tokens=2)
+    assert LORA in err.value.body["message"]
