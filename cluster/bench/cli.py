@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from cluster.bench import compare, offline, paper, prefix, quant, serve, served, spec
+from cluster.bench import compare, lora, offline, paper, prefix, quant, serve, served, spec
 from cluster.bench.structured import add_structured_parser
 
 # name, help, the module's argument adder, its run function
@@ -17,6 +17,8 @@ _BENCHMARKS = (
     ("paper", "arXiv 2310.18813 here: TPOT vs k per batch, k policies under traffic",
      paper.add_paper_args, paper.run_paper_bench),
     ("quant", "int8 kernels, quality and tok/s against float32", quant.add_quant_args, quant.run_quant_bench),
+    ("lora", "what LoRA adapters cost: one and several adapters against the base model, vLLM as a peer",
+     lora.add_lora_args, lora.run_lora_bench),
     ("serve", "load-test an OpenAI-compatible server (vllm bench serve metrics)",
      serve.add_serve_args, serve.run_serve_bench),
     ("served", "tandem serve against vLLM's server under vLLM's own client, at 2 requests/s and at "

@@ -29,15 +29,23 @@ _CHILD = r"""
 import json, sys
 from vllm import LLM, SamplingParams
 from vllm.inputs import TokensPrompt
+from vllm.lora.request import LoRARequest
 path, dtype, max_num_seqs, eager = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4] == "eager"
+adapters, max_lora_rank = json.loads(sys.argv[5]), int(sys.argv[6])
+lora = dict(enable_lora=True, max_loras=len(adapters), max_lora_rank=max_lora_rank) if adapters else {}
 llm = LLM(model=path, dtype=dtype, max_num_seqs=max_num_seqs, enable_prefix_caching=False, max_model_len=2048,
-          seed=0, enforce_eager=eager)
+          seed=0, enforce_eager=eager, **lora)
+requests = {name: LoRARequest(name, i + 1, folder) for i, (name, folder) in enumerate(adapters.items())}
 print("TANDEM " + json.dumps({"ready": True}), flush=True)
 for line in sys.stdin:
     job = json.loads(line)
     params = SamplingParams(max_tokens=job["output_len"], temperature=0.0, ignore_eos=True)
-    outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in job["prompts"]], params, use_tqdm=False)
-    print("TANDEM " + json.dumps({"tokens": sum(len(o.outputs[0].token_ids) for o in outs)}), flush=True)
+    names = job.get("adapters")
+    kwargs = {"lora_request": [requests[n] if n else None for n in names]} if names else {}
+    outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in job["prompts"]], params, use_tqdm=False,
+                        **kwargs)
+    ids = [list(o.outputs[0].token_ids) for o in outs]
+    print("TANDEM " + json.dumps({"tokens": sum(map(len, ids)), "token_ids": ids}), flush=True)
 """
 
 
@@ -45,8 +53,9 @@ class VllmRunner:
     """One vLLM engine in a child process; ``generate`` has the other runners' contract."""
 
     def __init__(self, python: Path, model_path: Path, dtype: str, max_num_seqs: int, threads: int,
-                 eager: bool = False) -> None:
-        """``eager``: vLLM's ``enforce_eager`` (no graph compilation: starts faster, may run slower)."""
+                 eager: bool = False, lora_modules: dict[str, str] | None = None, max_lora_rank: int = 64) -> None:
+        """``eager``: vLLM's ``enforce_eager`` (no graph compilation: starts faster, may run slower);
+        ``lora_modules``: LoRA adapters to serve (name -> PEFT folder), for ``generate``'s ``adapters``."""
         if not Path(python).exists():
             raise RuntimeError(f"no vLLM environment at {python}: build it with tests/vllm/make_env.sh "
                                "or pass --vllm-python")
@@ -55,7 +64,8 @@ class VllmRunner:
         env = dict(os.environ, OMP_NUM_THREADS=str(threads), VLLM_CPU_KVCACHE_SPACE=str(KV_CACHE_GIB),
                    VLLM_CPU_NUM_OF_RESERVED_CPU="0")
         self.proc = subprocess.Popen(
-            [str(python), "-c", _CHILD, str(model_path), dtype, str(max_num_seqs), "eager" if eager else "compiled"],
+            [str(python), "-c", _CHILD, str(model_path), dtype, str(max_num_seqs), "eager" if eager else "compiled",
+             json.dumps(lora_modules or {}), str(max_lora_rank)],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=sys.stderr, text=True, env=env)
         self._read()  # {"ready": true} once the model is loaded
 
@@ -69,10 +79,15 @@ class VllmRunner:
                 return json.loads(line[len(_ANSWER):])
             sys.stderr.write(line)
 
-    def generate(self, prompt_ids: list[list[int]], output_len: int) -> int:
-        self.proc.stdin.write(json.dumps({"prompts": prompt_ids, "output_len": output_len}) + "\n")
+    def generate(self, prompt_ids: list[list[int]], output_len: int, adapters: list[str | None] | None = None) -> int:
+        """Output tokens generated; ``adapters``: each prompt's LoRA adapter (None: the base model).
+        The tokens themselves are kept in ``last_token_ids``."""
+        self.proc.stdin.write(json.dumps({"prompts": prompt_ids, "output_len": output_len, "adapters": adapters})
+                              + "\n")
         self.proc.stdin.flush()
-        return self._read()["tokens"]
+        answer = self._read()
+        self.last_token_ids = answer["token_ids"]
+        return answer["tokens"]
 
     def close(self) -> None:
         if self.proc.poll() is None:

@@ -29,8 +29,9 @@ from torch import nn
 from cluster.models.llama import LlamaForCausalLM
 
 # PEFT's module name -> (the fused projection of Tandem's Llama layer, the part of it)
-_TARGETS = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2), "o_proj": ("o_proj", 0),
+_FUSED = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2), "o_proj": ("o_proj", 0),
             "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1), "down_proj": ("down_proj", 0)}
+TARGETS = tuple(_FUSED)  # the projections an adapter may target
 _KEY = re.compile(r"(?:^|\.)layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\.lora_([AB])\.weight$")
 
 
@@ -76,9 +77,9 @@ def load_adapter(name: str, path: str | Path, model: nn.Module, max_rank: int) -
     pairs: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
     for key, tensor in tensors.items():
         match = _KEY.search(key)
-        if match is None or match.group(2) not in _TARGETS:
+        if match is None or match.group(2) not in _FUSED:
             raise LoRAError(f"{where}: tensor {key!r} is not a LoRA weight of a supported projection "
-                            f"({', '.join(_TARGETS)})")
+                            f"({', '.join(TARGETS)})")
         layer, module, part = int(match.group(1)), match.group(2), match.group(3)
         pairs.setdefault((layer, module), {})[part] = tensor
     if not pairs:
@@ -88,7 +89,7 @@ def load_adapter(name: str, path: str | Path, model: nn.Module, max_rank: int) -
         if set(parts) != {"A", "B"}:
             raise LoRAError(f"{where}: layer {layer} {module} has lora_{''.join(parts)} without its pair")
         a, b = parts["A"], parts["B"]
-        expected_in, expected_out = _shape(hf_config, module)
+        expected_in, expected_out = projection_shape(hf_config, module)
         if layer >= hf_config.num_hidden_layers or a.shape != (rank, expected_in) or b.shape != (expected_out, rank):
             raise LoRAError(f"{where}: layer {layer} {module} has A {tuple(a.shape)} and B {tuple(b.shape)}; this "
                             f"model needs A ({rank}, {expected_in}) and B ({expected_out}, {rank}) in "
@@ -97,7 +98,7 @@ def load_adapter(name: str, path: str | Path, model: nn.Module, max_rank: int) -
     return adapter
 
 
-def _shape(hf_config, module: str) -> tuple[int, int]:
+def projection_shape(hf_config, module: str) -> tuple[int, int]:
     """(in, out) features of a Llama-family projection."""
     hidden, inter = hf_config.hidden_size, hf_config.intermediate_size
     head_dim = getattr(hf_config, "head_dim", None) or hidden // hf_config.num_attention_heads
@@ -193,7 +194,7 @@ def attach_lora(model: nn.Module, adapters: list[LoRAAdapter]) -> LoRAState:
             per_module: dict[str, dict[int, tuple[torch.Tensor, torch.Tensor]]] = {}
             for (layer_index, module), pair in adapter.weights.items():
                 if layer_index == index:
-                    fused, part = _TARGETS[module]
+                    fused, part = _FUSED[module]
                     per_module.setdefault(fused, {})[part] = pair
             for fused, parts in per_module.items():
                 if fused not in wrapped:
