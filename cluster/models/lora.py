@@ -109,21 +109,31 @@ def projection_shape(hf_config, module: str) -> tuple[int, int]:
 
 @dataclass(frozen=True)
 class LoRABatch:
-    """Which adapter slot each token of a step runs with: per slot present, the rows of its tokens
-    (None: every token)."""
+    """Which adapter slot each token of a step runs with: per slot present, its tokens' rows, a
+    slice when they are consecutive (the runner orders a step's requests by adapter so they are),
+    else their indices."""
 
-    groups: tuple[tuple[int, torch.Tensor | None], ...]
+    groups: tuple[tuple[int, slice | torch.Tensor], ...]
 
     @classmethod
     def from_token_slots(cls, slots: list[int], counts: list[int], device: torch.device) -> "LoRABatch | None":
         """``slots[i]`` for ``counts[i]`` consecutive tokens; None when no token has an adapter."""
-        present = sorted({slot for slot, count in zip(slots, counts) if slot and count})
+        runs: list[tuple[int, int, int]] = []  # (slot, first row, end row), consecutive chunks merged
+        row = 0
+        for slot, count in zip(slots, counts):
+            if count and runs and runs[-1][0] == slot and runs[-1][2] == row:
+                runs[-1] = (slot, runs[-1][1], row + count)
+            elif count:
+                runs.append((slot, row, row + count))
+            row += count
+        present = [run for run in runs if run[0]]
         if not present:
             return None
-        if len(present) == 1 and all(slot == present[0] for slot, count in zip(slots, counts) if count):
-            return cls(((present[0], None),))
+        if len({slot for slot, _, _ in present}) == len(present):
+            return cls(tuple((slot, slice(first, end)) for slot, first, end in present))
         per_token = torch.tensor(slots, device=device).repeat_interleave(torch.tensor(counts, device=device))
-        return cls(tuple((slot, (per_token == slot).nonzero().squeeze(1)) for slot in present))
+        return cls(tuple((slot, (per_token == slot).nonzero().squeeze(1))
+                         for slot in sorted({slot for slot, _, _ in present})))
 
 
 class LoRAState:
@@ -136,7 +146,9 @@ class LoRAState:
 
 
 class LoRALinear(nn.Module):
-    """A projection (fused or not) plus, per adapter slot, its low-rank update on each part it targets."""
+    """A projection (fused or not) plus, per adapter slot, its low-rank update: ``out += (x @ A.T) @ B.T``
+    with the A of every targeted part stacked ([sum r, in]) and their B placed block-diagonally in the
+    parts' columns ([out, sum r], zero for a part the adapter does not target), two matmuls per slot."""
 
     def __init__(self, base: nn.Module, part_sizes: list[int], state: LoRAState) -> None:
         super().__init__()
@@ -144,16 +156,17 @@ class LoRALinear(nn.Module):
         self.state = state
         self.offsets = [sum(part_sizes[:i]) for i in range(len(part_sizes))]
         self.sizes = part_sizes
-        # slot -> (A of every targeted part stacked [sum r, in], [(part, row range of A, B [size, r])])
-        self.updates: dict[int, tuple[torch.Tensor, list[tuple[int, slice, torch.Tensor]]]] = {}
+        self.updates: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # slot -> (A, B)
 
     def add(self, slot: int, parts: dict[int, tuple[torch.Tensor, torch.Tensor]], device, dtype) -> None:
-        a_rows, updates, row = [], [], 0
+        rank_total = sum(a.shape[0] for a, _ in parts.values())
+        b_full = torch.zeros(sum(self.sizes), rank_total)
+        a_rows, row = [], 0
         for part, (a, b) in sorted(parts.items()):
             a_rows.append(a)
-            updates.append((part, slice(row, row + a.shape[0]), b.to(device=device, dtype=dtype)))
+            b_full[self.offsets[part]:self.offsets[part] + self.sizes[part], row:row + a.shape[0]] = b
             row += a.shape[0]
-        self.updates[slot] = (torch.cat(a_rows).to(device=device, dtype=dtype), updates)
+        self.updates[slot] = (torch.cat(a_rows).to(device=device, dtype=dtype), b_full.to(device=device, dtype=dtype))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = self.base(x)
@@ -164,16 +177,11 @@ class LoRALinear(nn.Module):
             update = self.updates.get(slot)
             if update is None:
                 continue
-            a, parts = update
-            xs = x if rows is None else x.index_select(0, rows)
-            low = xs @ a.t()  # [tokens, sum r]
-            for part, low_rows, b in parts:
-                columns = out[:, self.offsets[part]:self.offsets[part] + self.sizes[part]]
-                delta = low[:, low_rows] @ b.t()
-                if rows is None:
-                    columns += delta
-                else:
-                    columns.index_add_(0, rows, delta)
+            a, b = update
+            if isinstance(rows, slice):
+                out[rows].addmm_(x[rows] @ a.t(), b.t())
+            else:
+                out.index_add_(0, rows, (x.index_select(0, rows) @ a.t()) @ b.t())
         return out
 
 

@@ -209,6 +209,9 @@ class ModelRunner:
         if not scheduled:
             return StepResult({}, {})
         draft_ids = drafts.token_ids if drafts is not None else {}
+        if self.lora is not None:  # each adapter's tokens in one run of rows (LoRABatch slices them)
+            order = sorted(range(len(scheduled)), key=lambda i: self._lora_slot(scheduled[i].request))
+            scheduled, block_tables = [scheduled[i] for i in order], [block_tables[i] for i in order]
         chunks, plain, spec = [], [], []
         rows: dict[str, slice] = {}  # per request that samples: its rows of ``logits``
         prompt_rows = []  # (request, its prompt rows of ``logits``, the position its first row predicts)

@@ -62,11 +62,12 @@ def test_mixed_batches_match_peft(tiny_llama_dir, adapters, references, override
     llm = LLM(str(tiny_llama_dir), device="cpu", dtype="float32", num_blocks=overrides.get("num_blocks", 128),
               lora_modules={name: str(path) for name, path in adapters.items()},
               **{k: v for k, v in overrides.items() if k != "num_blocks"})
-    names = [name for name in (None, "all", "qv") for _ in prompts]
-    outs = llm.generate(prompts * 3, SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True),
-                        lora=names)
+    # Interleaved, so the runner reorders each step's requests by adapter.
+    names = [name for _ in prompts for name in ("qv", None, "all")]
+    outs = llm.generate([p for p in prompts for _ in range(3)],
+                        SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True), lora=names)
     got = [o.outputs[0].token_ids for o in outs]
-    assert got == [tokens for name in (None, "all", "qv") for tokens in expected[name]]
+    assert got == [expected[name][i] for i in range(len(prompts)) for name in ("qv", None, "all")]
     llm.engine.check_invariants()
     assert llm.engine.block_manager.num_free_blocks == llm.engine.block_manager.pool.num_blocks
 
@@ -131,3 +132,33 @@ def test_lora_settings_are_checked(tiny_llama_dir, tiny_opt_dir, adapters):
         LLM(str(tiny_llama_dir), lora_modules={"all": str(adapters["all"])}, tensor_parallel_size=2)
     with pytest.raises(LoRAError, match="Llama-family"):
         LLM(str(tiny_opt_dir), device="cpu", num_blocks=16, lora_modules={"all": str(adapters["all"])})
+
+
+def test_tokens_of_an_adapter_apart_in_the_batch_get_its_update():
+    """Chunks of one adapter that are not next to each other (the runner orders them, other callers
+    may not): rows by index, each token with its own adapter's update or none."""
+    from cluster.models.lora import LoRABatch, LoRALinear, LoRAState
+
+    torch.manual_seed(0)
+    base = torch.nn.Linear(6, 5)
+    state = LoRAState([])
+    layer = LoRALinear(base, [3, 2], state)
+    updates = {slot: (torch.randn(2, 6), torch.randn(3, 2), torch.randn(2, 2)) for slot in (1, 2)}
+    for slot, (a, b0, b1) in updates.items():  # the same A for both parts: rows 0-1 and 2-3 of the stack
+        layer.add(slot, {0: (a, b0), 1: (a, b1)}, "cpu", torch.float32)
+    slots, counts = [1, 0, 2, 1], [2, 1, 3, 1]
+    batch = LoRABatch.from_token_slots(slots, counts, torch.device("cpu"))
+    assert not isinstance(batch.groups[0][1], slice)
+    x = torch.randn(7, 6)
+    state.batch = batch
+    got = layer(x)
+    state.batch = None
+    expected = base(x)
+    for row, slot in enumerate(s for s, c in zip(slots, counts) for _ in range(c)):
+        if slot:
+            a, b0, b1 = updates[slot]
+            expected[row] += torch.cat([b0 @ a @ x[row], b1 @ a @ x[row]])
+    torch.testing.assert_close(got, expected)
+    ordered = LoRABatch.from_token_slots([0, 1, 1, 2], [1, 2, 0, 3], torch.device("cpu"))
+    assert ordered.groups == ((1, slice(1, 3)), (2, slice(3, 6)))
+    assert LoRABatch.from_token_slots([0, 0], [3, 1], torch.device("cpu")) is None
