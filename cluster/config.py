@@ -51,8 +51,9 @@ class ModelConfig(_Strict):
         False, description="CUDA, flex attention: run decode steps eagerly instead of replaying the CUDA graph "
         "captured for their batch-size bucket at start-up (tensor-parallel ranks always run eagerly)")
     lora_modules: dict[str, str] = Field(
-        default_factory=dict, description="LoRA adapters served beside the model (Llama family, one process): "
-        "name -> the folder PEFT saved it in; a request runs with one by naming it as its model (docs/lora.md)")
+        default_factory=dict, description="LoRA adapters served beside the model (native engine: Llama family, one "
+        "process; vLLM: what vLLM serves): name -> the folder PEFT saved it in; a request runs with one by naming it "
+        "as its model (docs/lora.md)")
     max_lora_rank: int = Field(64, ge=1, description="the largest rank r of an adapter in lora_modules")
     tool_call_format: Literal["auto", "hermes", "llama3_json", "prompt"] = Field(
         "auto", description="how tools reach the prompt and calls come back (docs/structured-outputs.md): hermes "
@@ -193,10 +194,9 @@ class TandemConfig(_Strict):
             if not name.strip() or name in (self.model.model, self.serve.served_model_name):
                 raise ValueError(f"model.lora_modules: {name!r} cannot name an adapter (empty, or the base model's "
                                  "name: a request names an adapter as its model)")
-        if self.model.lora_modules and self.parallel.tensor_parallel_size > 1:
-            raise ValueError("model.lora_modules are served by one process; parallel.tensor_parallel_size must be 1")
-        if self.model.lora_modules and self.engine.backend == "vllm":
-            raise ValueError("model.lora_modules are served by the native engine; engine.backend must be native")
+        if self.model.lora_modules and self.parallel.tensor_parallel_size > 1 and self.engine.backend == "native":
+            raise ValueError("the native engine serves model.lora_modules in one process; "
+                             "parallel.tensor_parallel_size must be 1 (or the group must run vLLM)")
         limit = self.scheduler.max_num_batched_tokens
         if not self.scheduler.enable_chunked_prefill and self.model.max_model_len:
             if limit < self.model.max_model_len:

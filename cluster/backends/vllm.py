@@ -92,6 +92,10 @@ class VllmBackend:
                                                 stat_loggers=[stat_logger(self.recorder.record)])
         self.max_model_len = int(self.engine.model_config.max_model_len)
         self.block_size = int(self.engine.vllm_config.cache_config.block_size or config.cache.block_size)
+        from vllm.lora.request import LoRARequest  # here, not at the top: vLLM is optional
+
+        self._lora_requests = {name: LoRARequest(name, index + 1, folder)
+                               for index, (name, folder) in enumerate(config.model.lora_modules.items())}
         self._num_pending = 0  # requests handed to vLLM that no step has reported yet
         self._num_inflight = 0  # requests between acknowledgement and last delta (or abort)
         self._failed: str | None = None
@@ -114,7 +118,8 @@ class VllmBackend:
         prompt = self._TokensPrompt(prompt_token_ids=list(request.prompt_token_ids))
         if request.cache_salt is not None:
             prompt["cache_salt"] = request.cache_salt
-        stream = self.engine.generate(prompt, params, request.request_id)
+        lora = self._lora_requests[request.lora] if request.lora is not None else None
+        stream = self.engine.generate(prompt, params, request.request_id, lora_request=lora)
         self.recorder.submitted()
         self._num_pending += 1
         try:
@@ -162,8 +167,9 @@ class VllmBackend:
         """The native engine's checks and messages, before vLLM sees the request."""
         ids = request.prompt_token_ids
         message = None
-        if request.lora is not None:
-            return ErrorInfo(400, f"no LoRA adapter {request.lora!r} is served here (vLLM groups serve none)",
+        if request.lora is not None and request.lora not in self._lora_requests:
+            known = ", ".join(self._lora_requests) or "none"
+            return ErrorInfo(400, f"no LoRA adapter {request.lora!r} is served here (adapters: {known})",
                              param="model")
         bad = [t for t in ids if not isinstance(t, int) or not 0 <= t < self.vocab_size]
         if bad:

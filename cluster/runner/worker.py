@@ -80,6 +80,9 @@ class LoadedModel(NamedTuple):
 def load_model(config: TandemConfig, device: torch.device, tp: TPGroup | None = None) -> LoadedModel:
     """Build the model of ``config`` on ``device`` and load its weights (with ``tp``, only
     this rank's shard of each split tensor is read)."""
+    if tp is not None and config.model.lora_modules:
+        raise ValueError("the native engine serves model.lora_modules in one process, not split over "
+                         f"{tp.world_size} tensor-parallel ranks (a vLLM group serves them split)")
     source = resolve_model(config.model.model, config.model.cache_dir)
     hf_config = load_hf_config(source)
     tokenizer = load_tokenizer_if_present(source)

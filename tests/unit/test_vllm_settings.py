@@ -77,6 +77,16 @@ def test_draft_model_and_no_speculation():
     assert "speculative_config" not in plain.engine_args and plain.spec.policy == "none"
 
 
+def test_lora_adapters_enable_vllms_lora_for_all_of_them_at_once():
+    config = config_from_dict({"model": {"lora_modules": {"a": "/a", "b": "/b"}, "max_lora_rank": 32},
+                               "engine": {"backend": "vllm"}, "parallel": {"tensor_parallel_size": 2}})
+    args = vllm_settings(config, 2, "/m", None, None, True).engine_args
+    assert (args["enable_lora"], args["max_loras"], args["max_lora_rank"]) == (True, 2, 32)
+    assert "enable_lora" not in vllm_settings(_config(), 1, "/m", None, None, True).engine_args
+    with pytest.raises(ConfigError, match="tensor_parallel_size must be 1"):  # the native engine: one process
+        config_from_dict({"model": {"lora_modules": {"a": "/a"}}, "parallel": {"tensor_parallel_size": 2}})
+
+
 def _step(running, waiting, usage, spec=None, cache=(0, 0)):
     return SimpleNamespace(num_running_reqs=running, num_waiting_reqs=waiting, num_skipped_waiting_reqs=0,
                            kv_cache_usage=usage, spec_decoding_stats=spec,

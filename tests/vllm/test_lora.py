@@ -1,0 +1,87 @@
+"""LoRA adapters on both engines, on the embedded default model: a PEFT adapter served by Tandem's
+native engine and by a vLLM group (Tandem's ``VllmBackend``, which hands vLLM a ``LoRARequest``)
+gives PEFT's own greedy tokens on each, beside base-model requests that keep theirs."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import torch
+
+from cluster.config import config_from_dict
+from cluster.engine.backend import BackendContext
+from cluster.engine.llm import LLM
+from cluster.engine.protocol import GenerateRequest
+from cluster.models.loader import load_tokenizer, resolve_model
+from cluster.shared.sampling_params import SamplingParams
+from tests.lora_helpers import peft_model, save_peft_adapter
+
+PROMPTS = ["The capital of France is", "Write a haiku about the sea.", "List three prime numbers:"]
+MAX_TOKENS = 12
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    from transformers import AutoModelForCausalLM
+
+    path = resolve_model("smollm2-135m-instruct").path
+    adapter = save_peft_adapter(path, tmp_path_factory.mktemp("smollm2_lora"), seed=3, rank=8, alpha=16)
+    ids = [load_tokenizer(resolve_model("smollm2-135m-instruct"))(p)["input_ids"] for p in PROMPTS]
+
+    def greedy(model) -> list[list[int]]:
+        model.generation_config.eos_token_id = None
+        outs = []
+        for prompt in ids:
+            tensor = torch.tensor([prompt])
+            out = model.generate(input_ids=tensor, attention_mask=torch.ones_like(tensor), do_sample=False,
+                                 max_new_tokens=MAX_TOKENS, pad_token_id=0)
+            outs.append(out[0, len(prompt):].tolist())
+        return outs
+
+    expected = {"lora": greedy(peft_model(path, adapter)),
+                None: greedy(AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval())}
+    assert expected["lora"] != expected[None]
+    return path, adapter, ids, expected
+
+
+def test_the_native_engine_gives_pefts_tokens(setup):
+    path, adapter, ids, expected = setup
+    llm = LLM(str(path), dtype="float32", device="cpu", num_blocks=64, lora_modules={"lora": str(adapter)})
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True)
+    outs = llm.generate(ids * 2, params, lora=["lora"] * len(ids) + [None] * len(ids))
+    assert [o.outputs[0].token_ids for o in outs] == expected["lora"] + expected[None]
+
+
+def test_a_vllm_group_gives_pefts_tokens(setup):
+    from cluster.backends.vllm import VllmBackend
+
+    path, adapter, ids, expected = setup
+    config = config_from_dict({
+        "model": {"model": str(path), "dtype": "float32", "max_model_len": 256,
+                  "lora_modules": {"lora": str(adapter)}, "max_lora_rank": 8},
+        "cache": {"kv_cache_memory": "64MiB"}, "device": {"device": "cpu", "num_threads": 1},
+        "engine": {"backend": "vllm", "vllm_args": {"enforce_eager": True}},
+        "serve": {"groups": [{"name": "vllm", "engine": "vllm"}]},
+    })
+
+    async def run() -> list[list[int]]:
+        backend = VllmBackend(config, config.serve.groups[0], BackendContext())
+        try:
+            async def one(index: int, prompt: list[int], lora: str | None) -> list[int]:
+                params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True)
+                tokens = []
+                async for delta in backend.generate(GenerateRequest(f"r{index}", prompt, params, lora=lora)):
+                    assert delta.error is None, delta.error
+                    tokens += delta.token_ids
+                return tokens
+
+            jobs = [one(i, p, "lora") for i, p in enumerate(ids)] + [one(10 + i, p, None) for i, p in enumerate(ids)]
+            results = await asyncio.gather(*jobs)
+            refused = [d async for d in backend.generate(GenerateRequest("x", ids[0], SamplingParams(), lora="other"))]
+            assert refused[0].error.status == 400 and refused[0].error.param == "model"
+            return results
+        finally:
+            await backend.shutdown()
+
+    assert asyncio.run(run()) == expected["lora"] + expected[None]
