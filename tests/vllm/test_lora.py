@@ -1,6 +1,7 @@
 """LoRA adapters on both engines, on the embedded default model: a PEFT adapter served by Tandem's
 native engine and by a vLLM group (Tandem's ``VllmBackend``, which hands vLLM a ``LoRARequest``)
-gives PEFT's own greedy tokens on each, beside base-model requests that keep theirs."""
+gives PEFT's own greedy tokens on each, and base-model requests keep theirs (in the native engine
+in the same batch; in vLLM's CPU build only in a batch of their own, see docs/lora.md)."""
 
 from __future__ import annotations
 
@@ -76,8 +77,10 @@ def test_a_vllm_group_gives_pefts_tokens(setup):
                     tokens += delta.token_ids
                 return tokens
 
-            jobs = [one(i, p, "lora") for i, p in enumerate(ids)] + [one(10 + i, p, None) for i, p in enumerate(ids)]
-            results = await asyncio.gather(*jobs)
+            # Adapter and base requests in separate batches: vLLM 0.32's CPU build gives a request without
+            # an adapter the adapter's update when both are in one batch (docs/lora.md).
+            results = await asyncio.gather(*(one(i, p, "lora") for i, p in enumerate(ids)))
+            results += await asyncio.gather(*(one(10 + i, p, None) for i, p in enumerate(ids)))
             refused = [d async for d in backend.generate(GenerateRequest("x", ids[0], SamplingParams(), lora="other"))]
             assert refused[0].error.status == 400 and refused[0].error.param == "model"
             return results
