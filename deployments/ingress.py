@@ -7,9 +7,8 @@ or as server-sent events. Errors: 400 bad input, 401 wrong or missing API key, 4
 unknown model, 429 a replica's queue is full, 503 Serve's queue is full. vLLM's
 ``/tokenize`` and ``/detokenize`` answer from the ingress's tokenizer, rendering chat
 messages exactly as ``/v1/chat/completions`` does. ``/v1/responses`` (OpenAI's Responses API)
-runs as the chat completion of its messages (``deployments/responses_stream.py``); its responses
-are kept in the cluster's store (``deployments/response_store.py``) for ``previous_response_id``
-and ``/v1/responses/{id}``.
+and the stored responses are the routes of ``deployments/responses_routes.py`` (a mixin); the
+FastAPI app and OpenAI's error shape are ``deployments/http_app.py``.
 
 A request may pin its replica group with the header ``X-Tandem-Group: NAME`` (benchmarks
 and tests send the same workload to each group, e.g. a native and a vLLM one); the
@@ -29,14 +28,12 @@ import time
 import uuid
 from functools import partial
 
-from fastapi import FastAPI, Request
+from fastapi import Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from pydantic import ValidationError
 from ray import serve
-from ray.serve.exceptions import BackPressureError
 from ray.serve.handle import DeploymentHandle
-from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from cluster.api.auth import ApiKeys
 from cluster.api.engine_requests import GroupShape, choice_requests, truncated_prompt
@@ -49,9 +46,7 @@ from cluster.api.openai_protocol import (
     TokenizeCompletionRequest,
     UnsupportedFieldError,
 )
-from cluster.api.openai_responses import Echo, error_body, token_id_name
-from cluster.api.response_store import input_items, items_page
-from cluster.api.responses_protocol import ResponsesRequest
+from cluster.api.openai_responses import Echo, token_id_name
 from cluster.api.tool_calls import ToolCallParser
 from cluster.api.tool_formats import choose_tool_format, render_chat
 from cluster.api.tool_request import NO_TOOLS, ToolPlan, plan_tools
@@ -63,55 +58,18 @@ from cluster.models.loader import load_hf_config, load_tokenizer_if_present, res
 from cluster.models.registry import engine_max_model_len
 from cluster.routing.group_router import GroupRouter
 from cluster.structured.constraint import StructuredOutputs
+from deployments.http_app import answer, app
+from deployments.http_app import error_response as _error
 from deployments.metrics import RaySink
 from deployments.readiness import unready_groups
-from deployments.responses_stream import respond_response
-from deployments.streams import ApiError, ChoiceStream, respond
+from deployments.responses_routes import ResponsesRoutes
+from deployments.streams import ChoiceStream, respond
 
 logger = logging.getLogger(__name__)
 
-app = FastAPI(title="Tandem", description="OpenAI-compatible API of a Tandem cluster")
-# The chat fields a /v1/responses body becomes, by the names its errors give.
-_RESPONSES_PARAMS = {"max_completion_tokens": "max_output_tokens", "max_tokens": "max_output_tokens",
-                     "messages": "input", "prompt": "input", "response_format": "text"}
-
-
-def _error(status: int, message: str, type_: str = "invalid_request_error", param: str | None = None,
-           code: str | None = None) -> JSONResponse:
-    return JSONResponse(error_body(message, type_, param, code), status_code=status)
-
-
-async def _answer(answering, params: dict[str, str] | None = None):
-    """The response ``answering`` gives, or the error a replica or Serve refused it with (``params``
-    renames the field an error names)."""
-    try:
-        return await answering
-    except ApiError as err:
-        return _error(err.status, err.message, err.type, (params or {}).get(err.param, err.param))
-    except BackPressureError as err:
-        return _error(503, f"the server is overloaded, retry later ({err})", "server_error")
-
-
-@app.exception_handler(RequestValidationError)
-async def _validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
-    first = exc.errors()[0] if exc.errors() else {}
-    loc = [str(p) for p in first.get("loc", ()) if p != "body"]
-    if first.get("type") == "json_invalid":
-        return _error(400, "the request body is not valid JSON", code="invalid_json")
-    where = ".".join(loc) or "body"
-    return _error(400, f"{where}: {first.get('msg', 'invalid value')} (got {first.get('input')!r:.80})",
-                  param=loc[0] if loc else None)
-
-
-@app.exception_handler(StarletteHTTPException)
-async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
-    type_ = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
-    return _error(exc.status_code, str(exc.detail), type_)
-
-
 @serve.deployment
 @serve.ingress(app)
-class OpenAIIngress:
+class OpenAIIngress(ResponsesRoutes):
     def __init__(self, config: dict, groups: dict[str, DeploymentHandle],
                  store: DeploymentHandle | None = None) -> None:
         """``store``: the cluster's Responses API store (None: responses are not kept)."""
@@ -197,98 +155,6 @@ class OpenAIIngress:
     async def chat_completions(self, body: ChatCompletionRequest, request: Request):
         return await self._serve(body, request, chat=True)
 
-    @app.post("/v1/responses")
-    async def responses(self, body: ResponsesRequest, request: Request):
-        """OpenAI's Responses API, served as the chat completion of its messages after those of the
-        ``previous_response_id`` (``cluster/api/responses_protocol.py``); kept in the cluster's
-        store when ``store`` (``deployments/response_store.py``)."""
-        if (denied := self._check_key(request)) is not None:
-            return denied
-        if self.store is None:
-            body = body.model_copy(update={"store": False})  # nothing is kept, and the response says so
-        try:
-            body.check_supported()
-            context = await self._previous_context(body.previous_response_id)
-            chat = body.as_chat_request(context)
-        except ValueError as err:
-            return _error(400, str(err), param=error_param(err))
-        except ApiError as err:
-            return _error(err.status, err.message, err.type, err.param, "previous_response_not_found")
-        prepared = self._prepare(chat, request, chat=True, params=_RESPONSES_PARAMS)
-        if isinstance(prepared, JSONResponse):
-            return prepared
-        (stream,), make_parser = prepared
-        keep = partial(self._keep_response, input_items(body.input), context) if body.store else None
-        return await _answer(respond_response(stream, body, self._answering_model(body.model), self.router,
-                                              make_parser, keep),
-                             _RESPONSES_PARAMS)
-
-    @app.get("/v1/responses/{response_id}")
-    async def retrieve_response(self, response_id: str, request: Request, stream: bool = False):
-        """A stored response, as it was answered."""
-        if (denied := self._check_key(request)) is not None:
-            return denied
-        if stream:
-            return _error(400, "streaming a stored response again is not supported; retrieve it whole",
-                          param="stream")
-        stored = await self.store.response.remote(response_id) if self.store is not None else None
-        return stored if stored is not None else self._no_response(response_id)
-
-    @app.delete("/v1/responses/{response_id}")
-    async def delete_response(self, response_id: str, request: Request):
-        if (denied := self._check_key(request)) is not None:
-            return denied
-        if self.store is None or not await self.store.delete.remote(response_id):
-            return self._no_response(response_id)
-        return {"id": response_id, "object": "response", "deleted": True}
-
-    @app.post("/v1/responses/{response_id}/cancel")
-    async def cancel_response(self, response_id: str, request: Request):
-        """Only background responses can be cancelled, and this server runs none."""
-        if (denied := self._check_key(request)) is not None:
-            return denied
-        if self.store is None or await self.store.response.remote(response_id) is None:
-            return self._no_response(response_id)
-        return _error(400, "only background responses can be cancelled; this one has finished")
-
-    @app.get("/v1/responses/{response_id}/input_items")
-    async def response_input_items(self, response_id: str, request: Request, after: str | None = None,
-                                   limit: int = 20, order: str = "desc"):
-        """One page of a stored response's input items (OpenAI's list object)."""
-        if (denied := self._check_key(request)) is not None:
-            return denied
-        items = await self.store.input_items.remote(response_id) if self.store is not None else None
-        if items is None:
-            return self._no_response(response_id)
-        try:
-            return items_page(items, response_id, after, limit, order)
-        except ValueError as err:
-            return _error(400, str(err), param=error_param(err))
-
-    async def _previous_context(self, response_id: str | None) -> list[dict]:
-        """The items a response continuing ``response_id`` starts from (ApiError 404: none stored)."""
-        if response_id is None:
-            return []
-        if self.store is None:
-            raise UnsupportedFieldError("previous_response_id", "previous_response_id needs stored responses, and "
-                                                                "this server keeps none (serve.responses_store_size)")
-        context = await self.store.context.remote(response_id)
-        if context is None:
-            raise ApiError(404, f"Previous response with id '{response_id}' not found.",
-                           param="previous_response_id")
-        return context
-
-    async def _keep_response(self, items: list[dict], context: list[dict], response: dict) -> None:
-        """Store a finished response; a store that cannot be reached costs the response nothing but
-        its later retrieval (logged)."""
-        try:
-            await self.store.put.remote(response, items, [*context, *items, *response["output"]])
-        except Exception as err:
-            logger.warning("response %s was not stored: %s: %s", response["id"], type(err).__name__, err)
-
-    def _no_response(self, response_id: str) -> JSONResponse:
-        return _error(404, f"Response with id '{response_id}' not found.", param="response_id")
-
     @app.post("/tokenize")
     async def tokenize(self, body: dict, request: Request):
         """vLLM's ``/tokenize``: a ``prompt``, or ``messages`` rendered as chat completions would."""
@@ -361,7 +227,7 @@ class OpenAIIngress:
         if isinstance(prepared, JSONResponse):
             return prepared
         streams, make_parser = prepared
-        return await _answer(respond(streams, body, chat, self._answering_model(body.model), self.router,
+        return await answer(respond(streams, body, chat, self._answering_model(body.model), self.router,
                                      make_parser))
 
     def _prepare(self, body, request: Request, chat: bool, params: dict[str, str] | None = None):

@@ -24,6 +24,18 @@ def save_peft_adapter(base_dir: Path, path: Path, seed: int, targets: list[str] 
     return Path(path)
 
 
+def reference_greedy(model, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
+    """A transformers or PEFT model's greedy tokens for each prompt, EOS ignored (the reference)."""
+    model.generation_config.eos_token_id = None
+    outs = []
+    for prompt in prompts:
+        ids = torch.tensor([prompt])
+        out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_tokens,
+                             do_sample=False, pad_token_id=0)
+        outs.append(out[0, len(prompt):].tolist())
+    return outs
+
+
 def peft_model(base_dir: Path, adapter_dir: Path):
     """The base model with the adapter, as PEFT runs it (the reference)."""
     from peft import PeftModel

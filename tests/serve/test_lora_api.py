@@ -9,19 +9,11 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from tests.lora_helpers import peft_model
+from tests.lora_helpers import peft_model, reference_greedy
 from tests.serve.conftest import LORA, MODEL
 
 PROMPT = [5, 40, 77, 120, 9, 33, 64, 81, 17]
 MAX_TOKENS = 10
-
-
-def _greedy(model) -> list[int]:
-    model.generation_config.eos_token_id = None
-    ids = torch.tensor([PROMPT])
-    out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=MAX_TOKENS,
-                         do_sample=False, pad_token_id=0)
-    return out[0, len(PROMPT):].tolist()
 
 
 def test_an_adapter_is_a_model_of_its_own(client, tiny_chat_model, tiny_lora):
@@ -29,8 +21,9 @@ def test_an_adapter_is_a_model_of_its_own(client, tiny_chat_model, tiny_lora):
     assert list(cards) == [MODEL, LORA]
     assert cards[LORA].model_extra["parent"] == MODEL and cards[LORA].model_extra["root"] == str(tiny_lora)
     assert client.models.retrieve(LORA).id == LORA
-    expected = {LORA: _greedy(peft_model(tiny_chat_model, tiny_lora)),
-                MODEL: _greedy(AutoModelForCausalLM.from_pretrained(tiny_chat_model, dtype=torch.float32).eval())}
+    base = AutoModelForCausalLM.from_pretrained(tiny_chat_model, dtype=torch.float32).eval()
+    expected = {LORA: reference_greedy(peft_model(tiny_chat_model, tiny_lora), [PROMPT], MAX_TOKENS)[0],
+                MODEL: reference_greedy(base, [PROMPT], MAX_TOKENS)[0]}
     assert expected[LORA] != expected[MODEL]
     for model in (LORA, MODEL, LORA):  # the second adapter request may read the first's cached blocks
         out = client.completions.create(model=model, prompt=PROMPT, max_tokens=MAX_TOKENS, temperature=0,

@@ -13,7 +13,7 @@ from safetensors.torch import load_file, save_file
 from cluster.engine.llm import LLM
 from cluster.models.lora import LoRAError
 from cluster.shared.sampling_params import SamplingParams
-from tests.lora_helpers import peft_model, save_peft_adapter
+from tests.lora_helpers import peft_model, reference_greedy, save_peft_adapter
 
 MAX_TOKENS = 16
 
@@ -31,25 +31,15 @@ def _prompts() -> list[list[int]]:
     return [torch.randint(3, 256, (n,), generator=g).tolist() for n in (5, 23, 40)]
 
 
-def _greedy(model, prompts) -> list[list[int]]:
-    model.generation_config.eos_token_id = None
-    outs = []
-    for p in prompts:
-        ids = torch.tensor([p])
-        gen = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=MAX_TOKENS,
-                             do_sample=False, pad_token_id=0)
-        outs.append(gen[0, len(p):].tolist())
-    return outs
-
-
 @pytest.fixture(scope="module")
 def references(tiny_llama_dir, adapters):
     from transformers import AutoModelForCausalLM
 
     prompts = _prompts()
-    expected = {name: _greedy(peft_model(tiny_llama_dir, path), prompts) for name, path in adapters.items()}
-    expected[None] = _greedy(AutoModelForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.float32).eval(),
-                             prompts)
+    expected = {name: reference_greedy(peft_model(tiny_llama_dir, path), prompts, MAX_TOKENS)
+                for name, path in adapters.items()}
+    base = AutoModelForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.float32).eval()
+    expected[None] = reference_greedy(base, prompts, MAX_TOKENS)
     assert expected["all"] != expected[None] and expected["qv"] != expected[None]  # the adapters change the output
     return prompts, expected
 

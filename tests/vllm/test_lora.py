@@ -16,7 +16,7 @@ from cluster.engine.llm import LLM
 from cluster.engine.protocol import GenerateRequest
 from cluster.models.loader import load_tokenizer, resolve_model
 from cluster.shared.sampling_params import SamplingParams
-from tests.lora_helpers import peft_model, save_peft_adapter
+from tests.lora_helpers import peft_model, reference_greedy, save_peft_adapter
 
 PROMPTS = ["The capital of France is", "Write a haiku about the sea.", "List three prime numbers:"]
 MAX_TOKENS = 12
@@ -30,18 +30,9 @@ def setup(tmp_path_factory):
     adapter = save_peft_adapter(path, tmp_path_factory.mktemp("smollm2_lora"), seed=3, rank=8, alpha=16)
     ids = [load_tokenizer(resolve_model("smollm2-135m-instruct"))(p)["input_ids"] for p in PROMPTS]
 
-    def greedy(model) -> list[list[int]]:
-        model.generation_config.eos_token_id = None
-        outs = []
-        for prompt in ids:
-            tensor = torch.tensor([prompt])
-            out = model.generate(input_ids=tensor, attention_mask=torch.ones_like(tensor), do_sample=False,
-                                 max_new_tokens=MAX_TOKENS, pad_token_id=0)
-            outs.append(out[0, len(prompt):].tolist())
-        return outs
-
-    expected = {"lora": greedy(peft_model(path, adapter)),
-                None: greedy(AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval())}
+    base = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    expected = {"lora": reference_greedy(peft_model(path, adapter), ids, MAX_TOKENS),
+                None: reference_greedy(base, ids, MAX_TOKENS)}
     assert expected["lora"] != expected[None]
     return path, adapter, ids, expected
 
