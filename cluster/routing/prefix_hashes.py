@@ -5,8 +5,8 @@ estimate how much of a prompt that replica would not have to prefill. They must 
 value for value, what the engine's ``BlockManager`` assigns to ``request.block_hashes``:
 the same :class:`~cluster.kv.prefix_cache.BlockHasher` with the same block size and
 per-engine seed, and the same extra keys as ``Request.extra_keys`` (``cache_extra_keys``:
-the cache salt and the LoRA adapter, when given). A router that hashes with another seed or block size simply finds
-no matches: affinity is lost, nothing breaks.
+the cache salt and the LoRA adapter, when given). A router that hashes with another seed or
+block size simply finds no matches: affinity is lost, nothing breaks.
 """
 
 from __future__ import annotations
