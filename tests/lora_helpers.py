@@ -24,12 +24,13 @@ def save_peft_adapter(base_dir: Path, path: Path, seed: int, targets: list[str] 
     return Path(path)
 
 
-def reference_greedy(model, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
-    """A transformers or PEFT model's greedy tokens for each prompt, EOS ignored (the reference)."""
+def reference_greedy(model, prompts: list[list[int]], max_tokens: int, device: str = "cpu") -> list[list[int]]:
+    """A transformers or PEFT model's greedy tokens for each prompt, EOS ignored (the reference);
+    the model is on ``device``."""
     model.generation_config.eos_token_id = None
     outs = []
     for prompt in prompts:
-        ids = torch.tensor([prompt])
+        ids = torch.tensor([prompt], device=device)
         out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_tokens,
                              do_sample=False, pad_token_id=0)
         outs.append(out[0, len(prompt):].tolist())

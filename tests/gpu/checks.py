@@ -10,7 +10,9 @@ outputs part) and the caller turns an exception into ``error``. References no on
 - **kv**: a pool too small for the batch (requests preempted and recomputed) gives the tokens of a
   roomy one, with ``check_invariants`` after every step and every block free at the end
   (``tests/engine_helpers.run_to_completion``), and at least one preemption;
-- **sync**: no model forward (or CUDA-graph replay) synchronises with the host (CUDA only).
+- **sync**: no model forward (or CUDA-graph replay) synchronises with the host (CUDA only);
+- **lora**: requests of two adapters and of the base model in one batch give PEFT's greedy tokens
+  (PEFT made the adapters and runs the reference on the same device).
 """
 
 from __future__ import annotations
@@ -30,15 +32,15 @@ from report import CheckResult
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def _engine_helpers():
-    """tests/engine_helpers.py, loaded by path (a package named ``tests`` elsewhere must not win)."""
-    spec = importlib.util.spec_from_file_location("tandem_engine_helpers", ROOT / "tests" / "engine_helpers.py")
+def _test_helpers(name: str):
+    """tests/<name>.py, loaded by path (a package named ``tests`` elsewhere must not win)."""
+    spec = importlib.util.spec_from_file_location(f"tandem_{name}", ROOT / "tests" / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
 
 
-run_to_completion = _engine_helpers().run_to_completion
+run_to_completion = _test_helpers("engine_helpers").run_to_completion
 
 
 def random_prompts(seed: int, lengths: tuple[int, ...], vocab_size: int = 256) -> list[list[int]]:
@@ -174,3 +176,50 @@ def no_host_sync(name: str, model: str, device: str, prompts: list[list[int]], m
     release(engine)
     return CheckResult(name, "passed", f"{counts['forwards']} forward passes without a host synchronisation "
                        f"(attention {data['attention']}, CUDA graphs {'on' if data['cuda_graphs'] else 'off'})", data)
+
+
+def lora_parity(name: str, model_dir: Path, device: str, prompts: list[list[int]], max_tokens: int, work: Path,
+                **overrides) -> CheckResult:
+    """Each prompt under two PEFT adapters and under none, interleaved in one batch, equals PEFT's
+    greedy tokens. The adapter requests stop early, so the last steps run the base model alone: on
+    CUDA those replay the decode graphs, while steps with adapter tokens run eagerly."""
+    from transformers import AutoModelForCausalLM
+
+    from cluster.engine.llm import LLM
+
+    helpers = _test_helpers("lora_helpers")  # imports peft: a machine without it errors here alone
+    adapters = {"all": helpers.save_peft_adapter(model_dir, work / "lora-all", seed=1),
+                "qv": helpers.save_peft_adapter(model_dir, work / "lora-qv", seed=2, targets=["q_proj", "v_proj"],
+                                                rank=8, alpha=16, rslora=True)}
+    expected = {}
+    for adapter, path in adapters.items():
+        expected[adapter] = helpers.reference_greedy(helpers.peft_model(model_dir, path).to(device), prompts,
+                                                     max_tokens, device)
+    base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).to(device).eval()
+    expected[None] = helpers.reference_greedy(base, prompts, max_tokens, device)
+    del base
+    release()
+    llm = LLM(str(model_dir), device=device, dtype="float32", lora_modules={k: str(v) for k, v in adapters.items()},
+              **overrides)
+    order = [(i, adapter) for i in range(len(prompts)) for adapter in ("qv", None, "all")]
+    short = max_tokens // 3
+    params = [SamplingParams(max_tokens=max_tokens if adapter is None else short, temperature=0, ignore_eos=True)
+              for _, adapter in order]
+    outs = llm.generate([prompts[i] for i, _ in order], params, lora=[adapter for _, adapter in order])
+    engine = llm.engine
+    engine.check_invariants()
+    all_free = engine.block_manager.num_free_blocks == engine.block_manager.pool.num_blocks
+    graphs = engine.worker.runner.graphs is not None
+    release(engine)
+    want = [expected[adapter][i][:max_tokens if adapter is None else short] for i, adapter in order]
+    ok, data = compare(want, [o.outputs[0].token_ids for o in outs])
+    changed = all(expected[a] != expected[None] for a in adapters)
+    data.update(all_blocks_free=all_free, cuda_graphs=graphs, adapters_change_output=changed)
+    if ok and not changed:
+        return CheckResult(name, "failed", "an adapter left the output unchanged: the check exercised nothing", data)
+    if ok and not all_free:
+        return CheckResult(name, "failed", "tokens equal PEFT's, but KV blocks were left in use", data)
+    detail = (f"{len(order)} requests (2 adapters and the base, interleaved) equal PEFT's greedy tokens; "
+              f"CUDA graphs {'on' if graphs else 'off'}" if ok else
+              f"{len(data['mismatches'])} of {len(order)} outputs differ from PEFT's")
+    return CheckResult(name, "passed" if ok else "failed", detail, data)

@@ -40,7 +40,7 @@ import suite  # noqa: E402
 REQUIRED = {"torch": "torch", "transformers": "transformers", "tokenizers": "tokenizers",
             "safetensors": "safetensors", "numpy": "numpy", "yaml": "pyyaml", "jinja2": "jinja2",
             "pydantic": "pydantic", "xxhash": "xxhash", "llguidance": "llguidance"}
-OPTIONAL = {"gguf": "gguf"}  # converts the carried embedded model
+OPTIONAL = {"gguf": "gguf", "peft": "peft"}  # converts the carried embedded model; makes the LoRA check's adapters
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:

@@ -25,6 +25,7 @@ RUN = ["parity/tiny-llama", "parity/tiny-qwen2", "parity/tiny-opt", "parity/tiny
        "parity/tiny-llama-flex", "speculative/tiny-ngram",
        "speculative/tiny-draft", "kv/preemption", "kv/preemption-draft"]
 SYNC = "sync/tiny-llama"  # CUDA only: skipped in the dry run
+LORA = "lora/tiny-llama"
 EMBEDDED = ["embedded/weights", "parity/smollm2-135m", "speculative/smollm2-ngram", "speculative/smollm2-draft"]
 
 
@@ -42,13 +43,13 @@ def test_the_dry_run_reports_every_check_and_passes_those_it_runs(dry_run):
     proc, doc, text = dry_run
     assert proc.returncode == 0, text
     status = {c["name"]: (c["status"], c["detail"]) for c in doc["checks"]}
-    assert list(status) == [*RUN, SYNC, *EMBEDDED, "throughput"]
-    assert all(status[name][0] == "passed" for name in [*RUN, "throughput"]), text
+    assert list(status) == [*RUN, SYNC, LORA, *EMBEDDED, "throughput"]
+    assert all(status[name][0] == "passed" for name in [*RUN, LORA, "throughput"]), text
     assert all(status[name] == ("skipped", "--quick: tiny models only") for name in EMBEDDED)
     assert status[SYNC] == ("skipped", "CUDA only: synchronisation is a CUDA notion")
-    assert doc["summary"] == {"passed": 10, "failed": 0, "skipped": 5, "error": 0}
+    assert doc["summary"] == {"passed": 11, "failed": 0, "skipped": 5, "error": 0}
     assert doc["settings"]["device"] == "cpu" and doc["environment"]["missing_required"] == []
-    assert "10 passed, 0 failed, 5 skipped, 0 error" in text
+    assert "11 passed, 0 failed, 5 skipped, 0 error" in text
 
 
 def test_speculation_and_preemption_were_exercised(dry_run):
@@ -61,6 +62,9 @@ def test_speculation_and_preemption_were_exercised(dry_run):
     for name in ("kv/preemption", "kv/preemption-draft"):
         assert data[name]["mismatches"] == [] and data[name]["num_preemptions"] > 0
     assert data["parity/tiny-llama"] == {"num_outputs": 5, "mismatches": []}
+    lora = data[LORA]
+    assert lora["mismatches"] == [] and lora["num_outputs"] == 9
+    assert lora["adapters_change_output"] and lora["all_blocks_free"]
 
 
 def test_the_throughput_table_has_both_systems_at_every_batch_size(dry_run):
@@ -157,7 +161,7 @@ def test_a_missing_package_is_reported_for_every_check_instead_of_a_crash(gpu_mo
     assert validate.main(args) == 1
     doc = json.loads((tmp_path / "validate.json").read_text())
     assert doc["environment"]["missing_required"] == ["tandem-no-such-package"]
-    assert [c["name"] for c in doc["checks"]] == [*RUN, SYNC, *EMBEDDED, "throughput"]
+    assert [c["name"] for c in doc["checks"]] == [*RUN, SYNC, LORA, *EMBEDDED, "throughput"]
     assert {c["status"] for c in doc["checks"]} == {"error"}
     assert all("cannot run without tandem-no-such-package" in c["detail"] for c in doc["checks"])
     assert doc["throughput"] is None
@@ -177,7 +181,7 @@ def test_a_step_that_breaks_is_an_error_for_each_check_it_left_undone(gpu_module
     assert validate.main(args) == 1
     doc = json.loads((tmp_path / "validate.json").read_text())
     status = {c["name"]: (c["status"], c["detail"]) for c in doc["checks"]}
-    assert list(status) == [*RUN, SYNC, *EMBEDDED, "throughput"]
+    assert list(status) == [*RUN, SYNC, LORA, *EMBEDDED, "throughput"]
     assert all(status[name] == ("error", "OSError: disk full") for name in RUN)
     assert status["throughput"][0] == "error"  # no tiny model to measure
     assert all(status[name][0] == "skipped" for name in EMBEDDED)
