@@ -107,13 +107,18 @@ def projection_shape(hf_config, module: str) -> tuple[int, int]:
             "gate_proj": (hidden, inter), "up_proj": (hidden, inter), "down_proj": (inter, hidden)}[module]
 
 
-@dataclass(frozen=True)
+@dataclass
 class LoRABatch:
-    """Which adapter slot each token of a step runs with: per slot present, its tokens' rows, a
-    slice when they are consecutive (the runner orders a step's requests by adapter so they are),
-    else their indices."""
+    """Which adapter slot each token of a step runs with. When the adapter tokens are one run of
+    rows of one adapter (the runner orders a step's requests by adapter), ``run`` slices them;
+    otherwise ``token_slots`` holds every token's slot, and each projection computes the update
+    of every adapter present for every row at once, keeping each row's own (``mask``)."""
 
-    groups: tuple[tuple[int, slice | torch.Tensor], ...]
+    present: tuple[int, ...]  # the adapter slots with tokens in this step, ascending
+    num_tokens: int
+    run: tuple[int, slice] | None = None
+    token_slots: torch.Tensor | None = None  # [num_tokens] when run is None
+    _masks: dict = field(default_factory=dict, repr=False)
 
     @classmethod
     def from_token_slots(cls, slots: list[int], counts: list[int], device: torch.device) -> "LoRABatch | None":
@@ -129,11 +134,20 @@ class LoRABatch:
         present = [run for run in runs if run[0]]
         if not present:
             return None
-        if len({slot for slot, _, _ in present}) == len(present):
-            return cls(tuple((slot, slice(first, end)) for slot, first, end in present))
-        per_token = torch.tensor(slots, device=device).repeat_interleave(torch.tensor(counts, device=device))
-        return cls(tuple((slot, (per_token == slot).nonzero().squeeze(1))
-                         for slot in sorted({slot for slot, _, _ in present})))
+        slots_present = tuple(sorted({slot for slot, _, _ in present}))
+        if len(present) == 1:
+            slot, first, end = present[0]
+            return cls(slots_present, row, run=(slot, slice(first, end)))
+        per_token = [slot for slot, count in zip(slots, counts) for _ in range(count)]
+        return cls(slots_present, row, token_slots=torch.tensor(per_token, dtype=torch.int64).to(device))
+
+    def mask(self, column_slots: torch.Tensor, key, dtype: torch.dtype) -> torch.Tensor:
+        """[num_tokens, columns]: 1 where a column (a rank of some adapter) is the token's adapter's,
+        else 0; made once per step for every projection whose present adapters' columns are ``key``."""
+        held = self._masks.get(key)
+        if held is None:
+            held = self._masks[key] = (self.token_slots[:, None] == column_slots[None, :]).to(dtype)
+        return held
 
 
 class LoRAState:
@@ -146,9 +160,14 @@ class LoRAState:
 
 
 class LoRALinear(nn.Module):
-    """A projection (fused or not) plus, per adapter slot, its low-rank update: ``out += (x @ A.T) @ B.T``
-    with the A of every targeted part stacked ([sum r, in]) and their B placed block-diagonally in the
-    parts' columns ([out, sum r], zero for a part the adapter does not target), two matmuls per slot."""
+    """A projection (fused or not) plus, per adapter slot, its low-rank update: ``out += (x @ A.T) @ B.T``.
+
+    Every adapter's A is stacked into one ``a`` ([sum of ranks, in]; per adapter, the A of each part
+    it targets) and every B into one ``b`` ([out, sum of ranks]; an adapter's B placed in its parts'
+    columns, zero for a part it does not target), in slot order. A step of one adapter's run of rows
+    takes its columns (two matmuls on those rows); a step mixing adapters takes the columns from the
+    first adapter present to the last, for every row, with each row's other adapters' ranks masked
+    out: two matmuls and a multiply whatever the number of adapters."""
 
     def __init__(self, base: nn.Module, part_sizes: list[int], state: LoRAState) -> None:
         super().__init__()
@@ -156,9 +175,13 @@ class LoRALinear(nn.Module):
         self.state = state
         self.offsets = [sum(part_sizes[:i]) for i in range(len(part_sizes))]
         self.sizes = part_sizes
-        self.updates: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # slot -> (A, B)
+        self.columns: dict[int, tuple[int, int]] = {}  # slot -> its ranks' columns [start, end) of a and b
+        self.a = self.b = self.column_slots = None
 
     def add(self, slot: int, parts: dict[int, tuple[torch.Tensor, torch.Tensor]], device, dtype) -> None:
+        """Stack ``slot``'s update after those added before (slots are added in ascending order)."""
+        if self.columns and slot <= max(self.columns):
+            raise ValueError(f"LoRA slot {slot} added after slot {max(self.columns)}")
         rank_total = sum(a.shape[0] for a, _ in parts.values())
         b_full = torch.zeros(sum(self.sizes), rank_total)
         a_rows, row = [], 0
@@ -166,22 +189,36 @@ class LoRALinear(nn.Module):
             a_rows.append(a)
             b_full[self.offsets[part]:self.offsets[part] + self.sizes[part], row:row + a.shape[0]] = b
             row += a.shape[0]
-        self.updates[slot] = (torch.cat(a_rows).to(device=device, dtype=dtype), b_full.to(device=device, dtype=dtype))
+        a_new, b_new = torch.cat(a_rows).to(device=device, dtype=dtype), b_full.to(device=device, dtype=dtype)
+        start = 0 if self.a is None else self.a.shape[0]
+        self.columns[slot] = (start, start + rank_total)
+        slots_new = torch.full((rank_total,), slot, dtype=torch.int64, device=device)
+        if self.a is None:
+            self.a, self.b, self.column_slots = a_new, b_new, slots_new
+        else:
+            self.a = torch.cat([self.a, a_new])
+            self.b = torch.cat([self.b, b_new], dim=1)
+            self.column_slots = torch.cat([self.column_slots, slots_new])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = self.base(x)
         batch = self.state.batch
         if batch is None:
             return out
-        for slot, rows in batch.groups:
-            update = self.updates.get(slot)
-            if update is None:
-                continue
-            a, b = update
-            if isinstance(rows, slice):
-                out[rows].addmm_(x[rows] @ a.t(), b.t())
-            else:
-                out.index_add_(0, rows, (x.index_select(0, rows) @ a.t()) @ b.t())
+        if batch.run is not None:
+            slot, rows = batch.run
+            if slot in self.columns:
+                start, end = self.columns[slot]
+                out[rows].addmm_(x[rows] @ self.a[start:end].t(), self.b[:, start:end].t())
+            return out
+        spans = tuple(self.columns[slot] for slot in batch.present if slot in self.columns)
+        if not spans:
+            return out
+        start, end, n = spans[0][0], spans[-1][1], batch.num_tokens
+        # Projections whose present adapters sit in the same columns share a mask (columns of
+        # adapters absent from the step are zero in it, whichever adapter they are).
+        mask = batch.mask(self.column_slots[start:end], spans, x.dtype)
+        out[:n].addmm_((x[:n] @ self.a[start:end].t()).mul_(mask), self.b[:, start:end].t())
         return out
 
 

@@ -124,31 +124,43 @@ def test_lora_settings_are_checked(tiny_llama_dir, tiny_opt_dir, adapters):
         LLM(str(tiny_opt_dir), device="cpu", num_blocks=16, lora_modules={"all": str(adapters["all"])})
 
 
-def test_tokens_of_an_adapter_apart_in_the_batch_get_its_update():
-    """Chunks of one adapter that are not next to each other (the runner orders them, other callers
-    may not): rows by index, each token with its own adapter's update or none."""
+@pytest.mark.parametrize("slots, counts", [([1, 0, 2, 1], [2, 1, 3, 1]), ([0, 1, 1, 3], [1, 2, 1, 3]),
+                                           ([2, 0, 2], [1, 4, 2]), ([0, 3, 0], [2, 2, 3])],
+                         ids=["apart", "ordered-skipping-a-slot", "one-adapter-apart", "one-run"])
+def test_every_token_gets_its_own_adapters_update(slots, counts):
+    """Any layout of a step's tokens (the runner orders them by adapter; other callers may not):
+    each row gets its own adapter's update or none, whether the step is one adapter's run of rows
+    or mixes adapters (then masked); a projection an adapter does not target (slot 2 here) is
+    left alone for its rows."""
     from cluster.models.lora import LoRABatch, LoRALinear, LoRAState
 
     torch.manual_seed(0)
     base = torch.nn.Linear(6, 5)
     state = LoRAState([])
     layer = LoRALinear(base, [3, 2], state)
-    updates = {slot: (torch.randn(2, 6), torch.randn(3, 2), torch.randn(2, 2)) for slot in (1, 2)}
+    ranks = {1: 2, 3: 4}
+    updates = {slot: (torch.randn(r, 6), torch.randn(3, r), torch.randn(2, r)) for slot, r in ranks.items()}
     for slot, (a, b0, b1) in updates.items():  # the same A for both parts: rows 0-1 and 2-3 of the stack
         layer.add(slot, {0: (a, b0), 1: (a, b1)}, "cpu", torch.float32)
-    slots, counts = [1, 0, 2, 1], [2, 1, 3, 1]
     batch = LoRABatch.from_token_slots(slots, counts, torch.device("cpu"))
-    assert not isinstance(batch.groups[0][1], slice)
-    x = torch.randn(7, 6)
+    assert (batch.run is None) == (len([s for s in slots if s]) > 1)
+    x = torch.randn(sum(counts), 6)
     state.batch = batch
     got = layer(x)
     state.batch = None
     expected = base(x)
     for row, slot in enumerate(s for s, c in zip(slots, counts) for _ in range(c)):
-        if slot:
+        if slot in updates:
             a, b0, b1 = updates[slot]
             expected[row] += torch.cat([b0 @ a @ x[row], b1 @ a @ x[row]])
     torch.testing.assert_close(got, expected)
-    ordered = LoRABatch.from_token_slots([0, 1, 1, 2], [1, 2, 0, 3], torch.device("cpu"))
-    assert ordered.groups == ((1, slice(1, 3)), (2, slice(3, 6)))
+
+
+def test_a_step_of_one_adapters_run_is_sliced_and_a_step_without_adapters_is_none():
+    from cluster.models.lora import LoRABatch
+
+    ordered = LoRABatch.from_token_slots([0, 1, 1, 0], [1, 2, 0, 3], torch.device("cpu"))
+    assert (ordered.run, ordered.present, ordered.num_tokens) == ((1, slice(1, 3)), (1,), 6)
+    mixed = LoRABatch.from_token_slots([0, 1, 2], [1, 2, 3], torch.device("cpu"))
+    assert mixed.run is None and mixed.present == (1, 2) and mixed.token_slots.tolist() == [0, 1, 1, 2, 2, 2]
     assert LoRABatch.from_token_slots([0, 0], [3, 1], torch.device("cpu")) is None
