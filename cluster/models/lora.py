@@ -211,10 +211,10 @@ class LoRALinear(nn.Module):
                 start, end = self.columns[slot]
                 out[rows].addmm_(x[rows] @ self.a[start:end].t(), self.b[:, start:end].t())
             return out
-        spans = tuple(self.columns[slot] for slot in batch.present if slot in self.columns)
+        spans = tuple((slot, self.columns[slot]) for slot in batch.present if slot in self.columns)
         if not spans:
             return out
-        start, end, n = spans[0][0], spans[-1][1], batch.num_tokens
+        start, end, n = spans[0][1][0], spans[-1][1][1], batch.num_tokens
         # Projections whose present adapters sit in the same columns share a mask (columns of
         # adapters absent from the step are zero in it, whichever adapter they are).
         mask = batch.mask(self.column_slots[start:end], spans, x.dtype)

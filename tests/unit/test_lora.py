@@ -164,3 +164,26 @@ def test_a_step_of_one_adapters_run_is_sliced_and_a_step_without_adapters_is_non
     mixed = LoRABatch.from_token_slots([0, 1, 2], [1, 2, 3], torch.device("cpu"))
     assert mixed.run is None and mixed.present == (1, 2) and mixed.token_slots.tolist() == [0, 1, 1, 2, 2, 2]
     assert LoRABatch.from_token_slots([0, 0], [3, 1], torch.device("cpu")) is None
+
+
+def test_projections_with_the_same_columns_for_other_adapters_do_not_share_a_mask():
+    """Two projections of one step where different adapters sit in the same columns (one adapter
+    targets only the first, another only the second): each keeps its own adapter's update."""
+    from cluster.models.lora import LoRABatch, LoRALinear, LoRAState
+
+    torch.manual_seed(1)
+    state = LoRAState([])
+    first, second = LoRALinear(torch.nn.Linear(4, 3), [3], state), LoRALinear(torch.nn.Linear(4, 3), [3], state)
+    a1, b1, a2, b2, a3, b3 = torch.randn(2, 4), torch.randn(3, 2), torch.randn(2, 4), torch.randn(3, 2), \
+        torch.randn(2, 4), torch.randn(3, 2)
+    first.add(1, {0: (a1, b1)}, "cpu", torch.float32)
+    first.add(3, {0: (a3, b3)}, "cpu", torch.float32)
+    second.add(2, {0: (a2, b2)}, "cpu", torch.float32)
+    second.add(3, {0: (a3, b3)}, "cpu", torch.float32)
+    state.batch = LoRABatch.from_token_slots([1, 2, 3], [1, 1, 1], torch.device("cpu"))
+    x = torch.randn(3, 4)
+    got_first, got_second = first(x), second(x)
+    state.batch = None
+    torch.testing.assert_close(got_first, first.base(x) + torch.stack([b1 @ a1 @ x[0], x.new_zeros(3), b3 @ a3 @ x[2]]))
+    torch.testing.assert_close(got_second, second.base(x) + torch.stack([x.new_zeros(3), b2 @ a2 @ x[1],
+                                                                         b3 @ a3 @ x[2]]))
