@@ -159,46 +159,54 @@ class LoRAState:
         self.batch: LoRABatch | None = None
 
 
-class LoRALinear(nn.Module):
-    """A projection (fused or not) plus, per adapter slot, its low-rank update: ``out += (x @ A.T) @ B.T``.
+class _PartStack:
+    """The updates of one part of a projection (its output columns ``[offset, end)``): the A of every
+    adapter that targets it stacked into ``a`` ([sum of ranks, in]) and their B transposed and
+    stacked into ``bt`` ([sum of ranks, size]; rows of one contiguous block are a faster right-hand
+    side than columns of B), in slot order."""
 
-    Every adapter's A is stacked into one ``a`` ([sum of ranks, in]; per adapter, the A of each part
-    it targets) and every B into one ``b`` ([out, sum of ranks]; an adapter's B placed in its parts'
-    columns, zero for a part it does not target), in slot order. A step of one adapter's run of rows
-    takes its columns (two matmuls on those rows); a step mixing adapters takes the columns from the
-    first adapter present to the last, for every row, with each row's other adapters' ranks masked
-    out: two matmuls and a multiply whatever the number of adapters."""
+    def __init__(self, offset: int, size: int) -> None:
+        self.offset, self.end = offset, offset + size
+        self.columns: dict[int, tuple[int, int]] = {}  # slot -> its ranks' columns [start, end) of a and b
+        self.a = self.bt = self.column_slots = None
+
+    def add(self, slot: int, a: torch.Tensor, b: torch.Tensor) -> None:
+        start = 0 if self.a is None else self.a.shape[0]
+        self.columns[slot] = (start, start + a.shape[0])
+        slots = torch.full((a.shape[0],), slot, dtype=torch.int64, device=a.device)
+        bt = b.t().contiguous()
+        if self.a is None:
+            self.a, self.bt, self.column_slots = a.contiguous(), bt, slots
+        else:
+            self.a, self.bt = torch.cat([self.a, a]), torch.cat([self.bt, bt])
+            self.column_slots = torch.cat([self.column_slots, slots])
+
+
+class LoRALinear(nn.Module):
+    """A projection (fused or not) plus, per adapter slot, its low-rank update on each part it
+    targets: ``out[:, part] += (x @ A.T) @ B.T``.
+
+    Each part keeps its adapters stacked (``_PartStack``). A step of one adapter's run of rows
+    takes that adapter's columns (two matmuls per part on those rows); a step mixing adapters takes
+    the columns from the first adapter present to the last, for every row, with each row's other
+    adapters' ranks masked out: two matmuls and a multiply per part, whatever the number of
+    adapters. Parts never hold another part's zeros: a decode step reads each adapter's weights
+    once, and its cost is those bytes."""
 
     def __init__(self, base: nn.Module, part_sizes: list[int], state: LoRAState) -> None:
         super().__init__()
         self.base = base
         self.state = state
-        self.offsets = [sum(part_sizes[:i]) for i in range(len(part_sizes))]
-        self.sizes = part_sizes
-        self.columns: dict[int, tuple[int, int]] = {}  # slot -> its ranks' columns [start, end) of a and b
-        self.a = self.b = self.column_slots = None
+        self.parts = [_PartStack(sum(part_sizes[:i]), size) for i, size in enumerate(part_sizes)]
+        self.last_slot = 0
 
     def add(self, slot: int, parts: dict[int, tuple[torch.Tensor, torch.Tensor]], device, dtype) -> None:
-        """Stack ``slot``'s update after those added before (slots are added in ascending order)."""
-        if self.columns and slot <= max(self.columns):
-            raise ValueError(f"LoRA slot {slot} added after slot {max(self.columns)}")
-        rank_total = sum(a.shape[0] for a, _ in parts.values())
-        b_full = torch.zeros(sum(self.sizes), rank_total)
-        a_rows, row = [], 0
+        """Stack ``slot``'s update (per part index, A [r, in] and B [part size, r]) after those added before."""
+        if slot <= self.last_slot:
+            raise ValueError(f"LoRA slot {slot} added after slot {self.last_slot}")
+        self.last_slot = slot
         for part, (a, b) in sorted(parts.items()):
-            a_rows.append(a)
-            b_full[self.offsets[part]:self.offsets[part] + self.sizes[part], row:row + a.shape[0]] = b
-            row += a.shape[0]
-        a_new, b_new = torch.cat(a_rows).to(device=device, dtype=dtype), b_full.to(device=device, dtype=dtype)
-        start = 0 if self.a is None else self.a.shape[0]
-        self.columns[slot] = (start, start + rank_total)
-        slots_new = torch.full((rank_total,), slot, dtype=torch.int64, device=device)
-        if self.a is None:
-            self.a, self.b, self.column_slots = a_new, b_new, slots_new
-        else:
-            self.a = torch.cat([self.a, a_new])
-            self.b = torch.cat([self.b, b_new], dim=1)
-            self.column_slots = torch.cat([self.column_slots, slots_new])
+            self.parts[part].add(slot, a.to(device=device, dtype=dtype), b.to(device=device, dtype=dtype))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = self.base(x)
@@ -207,18 +215,21 @@ class LoRALinear(nn.Module):
             return out
         if batch.run is not None:
             slot, rows = batch.run
-            if slot in self.columns:
-                start, end = self.columns[slot]
-                out[rows].addmm_(x[rows] @ self.a[start:end].t(), self.b[:, start:end].t())
+            for part in self.parts:
+                if slot in part.columns:
+                    start, end = part.columns[slot]
+                    out[rows, part.offset:part.end].addmm_(x[rows] @ part.a[start:end].t(), part.bt[start:end])
             return out
-        spans = tuple((slot, self.columns[slot]) for slot in batch.present if slot in self.columns)
-        if not spans:
-            return out
-        start, end, n = spans[0][1][0], spans[-1][1][1], batch.num_tokens
-        # Projections whose present adapters sit in the same columns share a mask (columns of
-        # adapters absent from the step are zero in it, whichever adapter they are).
-        mask = batch.mask(self.column_slots[start:end], spans, x.dtype)
-        out[:n].addmm_((x[:n] @ self.a[start:end].t()).mul_(mask), self.b[:, start:end].t())
+        n = batch.num_tokens
+        for part in self.parts:
+            spans = tuple((slot, part.columns[slot]) for slot in batch.present if slot in part.columns)
+            if not spans:
+                continue
+            start, end = spans[0][1][0], spans[-1][1][1]
+            # Parts whose present adapters sit in the same columns share a mask (columns of
+            # adapters absent from the step are zero in it, whichever adapter they are).
+            mask = batch.mask(part.column_slots[start:end], spans, x.dtype)
+            out[:n, part.offset:part.end].addmm_((x[:n] @ part.a[start:end].t()).mul_(mask), part.bt[start:end])
         return out
 
 

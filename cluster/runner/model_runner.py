@@ -209,7 +209,7 @@ class ModelRunner:
         if not scheduled:
             return StepResult({}, {})
         draft_ids = drafts.token_ids if drafts is not None else {}
-        if self.lora is not None:  # each adapter's tokens in one run of rows (LoRABatch slices them)
+        if self.lora is not None:  # one adapter among base requests is then one run of rows (LoRABatch.run)
             order = sorted(range(len(scheduled)), key=lambda i: self._lora_slot(scheduled[i].request))
             scheduled, block_tables = [scheduled[i] for i in order], [block_tables[i] for i in order]
         chunks, plain, spec = [], [], []

@@ -199,3 +199,16 @@ def test_the_step_profile_runs_on_the_cpu_and_writes_its_rows(tmp_path):
     assert [r["batch_size"] for r in report["rows"]] == [1, 3]
     assert all(r["wall_ms"] > 0 and "kernel_ms" not in r for r in report["rows"])  # no kernel time off CUDA
     assert "function calls" in report["cprofile_top"]  # cProfile's own header, at the largest batch
+
+
+@pytest.mark.slow
+def test_the_step_profile_times_lora_workloads_on_the_cpu(tmp_path):
+    script = ROOT / "tests" / "gpu" / "step_profile.py"
+    proc = subprocess.run([sys.executable, str(script), "--device", "cpu", "--batch-sizes", "4", "--steps", "2",
+                           "--warmup", "1", "--lora", "2", "--stash", str(tmp_path / "stash"),
+                           "--carry", str(tmp_path / "nothing-carried"), "--out", str(tmp_path)],
+                          cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = json.loads((tmp_path / "step_profile.json").read_text())["rows"]
+    assert [(r["batch_size"], r["workload"]) for r in rows] == [(4, "base"), (4, "one"), (4, "mixed")]
+    assert all(r["wall_ms"] > 0 for r in rows)
