@@ -98,13 +98,19 @@ def load_adapter(name: str, path: str | Path, model: nn.Module, max_rank: int) -
     return adapter
 
 
+def projection_features(hidden: int, intermediate: int, q_size: int, kv_size: int, module: str) -> tuple[int, int]:
+    """(in, out) features of a Llama-family projection, from the layer's sizes."""
+    return {"q_proj": (hidden, q_size), "k_proj": (hidden, kv_size), "v_proj": (hidden, kv_size),
+            "o_proj": (q_size, hidden), "gate_proj": (hidden, intermediate), "up_proj": (hidden, intermediate),
+            "down_proj": (intermediate, hidden)}[module]
+
+
 def projection_shape(hf_config, module: str) -> tuple[int, int]:
-    """(in, out) features of a Llama-family projection."""
-    hidden, inter = hf_config.hidden_size, hf_config.intermediate_size
+    """(in, out) features of a Llama-family projection of a transformers config."""
+    hidden = hf_config.hidden_size
     head_dim = getattr(hf_config, "head_dim", None) or hidden // hf_config.num_attention_heads
-    q, kv = hf_config.num_attention_heads * head_dim, hf_config.num_key_value_heads * head_dim
-    return {"q_proj": (hidden, q), "k_proj": (hidden, kv), "v_proj": (hidden, kv), "o_proj": (q, hidden),
-            "gate_proj": (hidden, inter), "up_proj": (hidden, inter), "down_proj": (inter, hidden)}[module]
+    return projection_features(hidden, hf_config.intermediate_size, hf_config.num_attention_heads * head_dim,
+                               hf_config.num_key_value_heads * head_dim, module)
 
 
 @dataclass

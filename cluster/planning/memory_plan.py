@@ -3,10 +3,11 @@
 Per group and per rank, for the native engine: the target's weights (split over tensor-parallel
 ranks), the draft's (whole, on rank 0, where the draft runs), the target's KV pool
 (``cache.kv_cache_memory`` is a budget **per rank**; ``cache.num_blocks`` is exact; else
-``kv_cache_fraction`` of what is free on the device after the target's weights), the draft's KV
+``kv_cache_fraction`` of what is free on the device after the target's weights and adapters), the draft's KV
 pool (as many blocks as the target's, rank 0), an activation workspace for
 ``max_num_batched_tokens``, and what a GPU reserves before the engine allocates
-(``device_kinds.GPU_RESERVED_BYTES``). A vLLM group (``engine.backend: vllm``) differs as
+(``device_kinds.GPU_RESERVED_BYTES``), and the LoRA adapters of ``model.lora_modules``
+(:mod:`cluster.planning.lora_memory`). A vLLM group (``engine.backend: vllm``) differs as
 :mod:`cluster.planning.vllm_memory` says: its weight quantization is vLLM's, the draft is split
 over the ranks, and the KV budget is one pool for the target's and the draft's layers. A group
 whose busiest rank needs more than one device of its kind offers is refused with the numbers and
@@ -28,6 +29,7 @@ from cluster.config import ConfigError, TandemConfig, group_engine_config
 from cluster.kernels.packed_linear import onednn_packs
 from cluster.planning import vllm_memory
 from cluster.planning.device_kinds import device_memory_bytes, known_kinds
+from cluster.planning.lora_memory import lora_bytes
 from cluster.planning.model_shapes import ModelShape, model_shape
 from cluster.quant.kv_int8 import bytes_per_vector
 
@@ -44,11 +46,12 @@ class RankPlan:
     draft_kv_cache: int
     activations: int
     reserved: int
+    lora: int = 0  # LoRA adapters' weights on this rank
 
     @property
     def total(self) -> int:
         return (self.target_weights + self.draft_weights + self.kv_cache + self.draft_kv_cache + self.activations
-                + self.reserved)
+                + self.reserved + self.lora)
 
 
 @dataclass
@@ -159,6 +162,9 @@ def _plan_group(config: TandemConfig, name: str) -> GroupPlan:
     budget_block = target_block + draft_block if vllm else target_block  # what cache.kv_cache_memory pays for
     k = spec.num_speculative_tokens if spec.method != "none" else 0
     activations = _activation_bytes(config, target, dtype_bytes, tp, k)
+    adapters, lora_note = lora_bytes(config, target, dtype_bytes, tp, vllm)
+    if lora_note:
+        plan.notes.append(f"{lora_note}: {_gib(adapters)} per rank")
 
     cache = config.cache
     if cache.num_blocks is not None:
@@ -167,15 +173,16 @@ def _plan_group(config: TandemConfig, name: str) -> GroupPlan:
         num_blocks = cache.memory_bytes() // budget_block
     elif device_bytes is not None and vllm:
         utilization = vllm_memory.gpu_memory_utilization(config)
-        free = int(device_bytes * utilization) - reserved - target_weights - draft_weights - activations
+        free = int(device_bytes * utilization) - reserved - target_weights - draft_weights - activations - adapters
         num_blocks = max(0, free) // budget_block
         plan.notes.append(f"gpu_memory_utilization {utilization} of one {kind}, less weights, activations and "
                           f"CUDA's share: {_gib(num_blocks * budget_block)} of KV cache per rank")
     elif device_bytes is not None:
-        free = device_bytes - reserved - target_weights
+        free = device_bytes - reserved - target_weights - adapters
         num_blocks = max(0, int(free * cache.kv_cache_fraction)) // target_block
+        after = "target's weights and LoRA adapters" if adapters else "target's weights"
         plan.notes.append(f"kv_cache_fraction {cache.kv_cache_fraction} of the {_gib(free)} free after the "
-                          f"target's weights on one {kind}: {_gib(num_blocks * target_block)} per rank")
+                          f"{after} on one {kind}: {_gib(num_blocks * target_block)} per rank")
     else:
         plan.notes.append("KV cache: a share of free memory on an unknown device: not counted")
         num_blocks = 0
@@ -183,7 +190,7 @@ def _plan_group(config: TandemConfig, name: str) -> GroupPlan:
     for rank in range(tp):
         has_draft = vllm or rank == 0  # vLLM splits the draft like the target; the native engine runs it on rank 0
         plan.ranks.append(RankPlan(rank, target_weights, draft_weights if has_draft else 0, num_blocks * target_block,
-                                   num_blocks * draft_block if has_draft else 0, activations, reserved))
+                                   num_blocks * draft_block if has_draft else 0, activations, reserved, adapters))
     if device_bytes is not None:
         busiest = max(plan.ranks, key=lambda r: r.total)
         if busiest.total > device_bytes:
@@ -215,7 +222,8 @@ def _refusal(plan: GroupPlan, rank: RankPlan, bytes_per_block: int, device_bytes
     return (f"serve.groups[{plan.group}] does not fit one {plan.device_kind} ({_gib(device_bytes)}): rank "
             f"{rank.rank} needs {_gib(rank.total)} = target weights {_gib(rank.target_weights)} + draft weights "
             f"{_gib(rank.draft_weights)} + KV cache {_gib(rank.kv_cache)} + draft KV cache {_gib(rank.draft_kv_cache)}"
-            f" + activations {_gib(rank.activations)} + reserved {_gib(rank.reserved)}; {fix}")
+            f" + activations {_gib(rank.activations)} + reserved {_gib(rank.reserved)}"
+            f"{f' + LoRA adapters {_gib(rank.lora)}' if rank.lora else ''}; {fix}")
 
 
 def _gib(value: int) -> str:
@@ -225,14 +233,14 @@ def _gib(value: int) -> str:
 def format_plans(plans: list[GroupPlan]) -> str:
     """The plan as a text table, one row per rank, then each group's notes and verdict."""
     header = (f"{'group':<10} {'rank':>4} {'target':>10} {'draft':>10} {'KV cache':>10} {'draft KV':>10} "
-              f"{'activ.':>10} {'reserved':>10} {'total':>10} {'device':>10}")
+              f"{'activ.':>10} {'reserved':>10} {'LoRA':>10} {'total':>10} {'device':>10}")
     lines = [header, "-" * len(header)]
     for plan in plans:
         for r in plan.ranks:
             device = _gib(plan.device_bytes) if plan.device_bytes else "?"
             lines.append(f"{plan.group:<10} {r.rank:>4} {_gib(r.target_weights):>10} {_gib(r.draft_weights):>10} "
                          f"{_gib(r.kv_cache):>10} {_gib(r.draft_kv_cache):>10} {_gib(r.activations):>10} "
-                         f"{_gib(r.reserved):>10} {_gib(r.total):>10} {device:>10}")
+                         f"{_gib(r.reserved):>10} {_gib(r.lora):>10} {_gib(r.total):>10} {device:>10}")
         lines.append(f"  {plan.group}: {plan.device_kind}, tensor parallel {plan.tensor_parallel_size}, "
                      f"{plan.backend} engine, {plan.dtype}, quantization {plan.quantization}; "
                      f"KV cache holds {plan.kv_tokens:,} tokens per replica")

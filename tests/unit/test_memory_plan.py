@@ -184,3 +184,56 @@ def test_cli_check_and_k8s_render_refuse(tmp_path, capsys):
     assert main(["k8s", "render", str(bad), "--out", str(tmp_path / "k8s")]) == 2
     assert "does not fit one H100" in capsys.readouterr().err
     assert not (tmp_path / "k8s").exists()
+
+
+def test_lora_adapters_are_counted_at_the_size_the_engine_holds_them(tiny_llama_dir, tmp_path):
+    """Two PEFT adapters (every projection at rank 4; q and v at rank 8): the plan's LoRA bytes are
+    the engine's stacked A and B, and PEFT's saved tensors, to the byte; an adapter not readable
+    here is counted at max_lora_rank on every projection, and said so."""
+    from safetensors.torch import load_file
+
+    from cluster.models.lora import LoRALinear
+    from tests.lora_helpers import save_peft_adapter
+
+    adapters = {"all": str(save_peft_adapter(tiny_llama_dir, tmp_path / "all", seed=1)),
+                "qv": str(save_peft_adapter(tiny_llama_dir, tmp_path / "qv", seed=2, targets=["q_proj", "v_proj"],
+                                            rank=8))}
+    engine = make_engine(tiny_llama_dir, dtype="float32", num_blocks=16, lora_modules=adapters)
+    plan = plan_memory(engine.config)[0]
+    held = sum(t.numel() * t.element_size() for m in engine.worker.runner.model.modules() if isinstance(m, LoRALinear)
+               for part in m.parts if part.a is not None for t in (part.a, part.bt))
+    saved = sum(t.numel() * 4 for path in adapters.values()
+                for t in load_file(str(Path(path) / "adapter_model.safetensors")).values())
+    assert plan.ranks[0].lora == held == saved > 0
+    assert any(n.startswith("LoRA: 2 adapters, each at its own rank and targets") for n in plan.notes)
+
+    shape = model_shape(str(tiny_llama_dir))
+    missing = config_from_dict({"model": {"model": str(tiny_llama_dir), "dtype": "float32", "max_lora_rank": 8,
+                                          "lora_modules": {"elsewhere": str(tmp_path / "not-here")}},
+                                "cache": {"num_blocks": 16}})
+    plan = plan_memory(missing)[0]
+    # in + out of the seven projections: q, k, v, o, gate, up, down each read or write the hidden size once
+    per_layer = 8 * (7 * shape.hidden_size + 3 * shape.intermediate_size + 2 * shape.num_heads * shape.head_dim
+                     + 2 * shape.num_kv_heads * shape.head_dim)
+    assert plan.ranks[0].lora == 4 * per_layer * shape.num_layers
+    assert any("elsewhere not readable here" in n for n in plan.notes)
+
+
+def test_vllm_groups_count_lora_buffers_for_every_adapter_at_max_rank():
+    """SmolLM2-135M, two adapters, max_lora_rank 16, bfloat16: 2 x 16 x 10,176 values a layer
+    (the seven projections' in + out), 30 layers; halved where tensor parallelism splits them."""
+    def plan(tp: int):
+        data = {"model": {"model": "smollm2-135m-instruct", "dtype": "bfloat16", "max_lora_rank": 16,
+                          "lora_modules": {"a": "/adapters/a", "b": "/adapters/b"}},
+                "engine": {"backend": "vllm"}, "cache": {"num_blocks": 64},
+                "parallel": {"tensor_parallel_size": tp},
+                "serve": {"groups": [{"name": "g", "device_kind": "H100", "tensor_parallel_size": tp}]}}
+        return plan_memory(config_from_dict(data))[0]
+
+    assert plan(1).ranks[0].lora == 2 * 16 * 10_176 * 30 * 2
+    column, row = 576 + 576 + 2 * (576 + 192) + 2 * (576 + 1536), 576 + 576 + 1536 + 576  # in + out
+    split = 16 * (576 + 576 // 2 + 2 * (576 + 192 // 2) + 2 * (576 + 1536 // 2)) + 16 * (576 // 2 + 576 + 1536 // 2
+                                                                                         + 576)
+    assert column + row == 10_176
+    assert [r.lora for r in plan(2).ranks] == [2 * split * 30 * 2] * 2
+    assert any("vLLM's buffers for 2 adapters at max_lora_rank 16" in n for n in plan(1).notes)
