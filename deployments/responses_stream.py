@@ -16,7 +16,7 @@ from typing import AsyncIterator, Awaitable, Callable
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from cluster.api.openai_responses import ChoiceState
-from cluster.api.responses_output import ResponseEvents, ResponseIds, response_object
+from cluster.api.responses_output import ResponseEvents, ResponseIds, output_logprobs, response_object
 from cluster.api.responses_protocol import ResponsesRequest
 from cluster.api.tool_calls import ToolCallParser
 from cluster.routing.group_router import GroupRouter
@@ -61,12 +61,14 @@ async def _events(stream: ChoiceStream, body: ResponsesRequest, model: str, ids:
     parser = make_parser() if make_parser is not None else None
     state = ChoiceState(0)
     finished = False
+    pending: list[dict] = []  # logprobs of tokens whose text has not gone out yet (when asked for)
     try:
         for event in events.start():
             yield _sse(event)
         try:
             async for delta in stream.deltas():
                 state.add(delta)
+                pending += output_logprobs(body, delta.logprobs or []) or []
                 if parser is None:
                     content, calls = delta.text, []
                 else:  # text goes out as it is known not to be a call; each call once it is whole
@@ -75,8 +77,10 @@ async def _events(stream: ChoiceStream, body: ResponsesRequest, model: str, ids:
                     if delta.finish_reason is not None:
                         last = parser.finish()
                         content, calls = content + last.content, calls + list(last.calls)
-                for event in events.text(content) if content else []:
-                    yield _sse(event)
+                if content:
+                    for event in events.text(content, pending):
+                        yield _sse(event)
+                    pending = []
                 for call in calls:
                     for event in events.call(call):
                         yield _sse(event)
@@ -88,6 +92,7 @@ async def _events(stream: ChoiceStream, body: ResponsesRequest, model: str, ids:
             yield _sse(events.error("the replica's stream ended before the response finished"))
             finished = True
             return
+        events.more_logprobs(pending)
         last_events = events.finish(state)
         if keep is not None:
             await keep(last_events[-1]["response"])

@@ -9,7 +9,9 @@ events come in the order OpenAI sends them, each numbered (``sequence_number``):
 ``response.output_text.done``, ``response.content_part.done``, ``response.output_item.done``; for
 each call ``response.output_item.added``, ``response.function_call_arguments.delta`` and
 ``.done``, ``response.output_item.done``; last ``response.completed`` (or ``response.incomplete``).
-An engine failure mid-stream is an ``error`` event.
+An engine failure mid-stream is an ``error`` event. Asked for (``include``), the output tokens'
+logprobs go in the ``output_text`` part (token, logprob, bytes, ``top_logprobs``) and, streamed,
+with each text delta (token, logprob, ``top_logprobs``, as OpenAI's delta event holds them).
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ import time
 import uuid
 from dataclasses import dataclass, field
 
-from cluster.api.openai_responses import ChoiceState
+from cluster.api.openai_responses import ChoiceState, chat_logprobs
 from cluster.api.tool_calls import ToolCall
 from cluster.api.responses_protocol import ResponsesRequest
 
@@ -46,14 +48,26 @@ def _status(state: ChoiceState | None) -> str:
     return "incomplete" if state.finish_reason == "length" else "completed"
 
 
-def _text_part(text: str) -> dict:
-    return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
+def _text_part(text: str, logprobs: list[dict] | None = None) -> dict:
+    return {"type": "output_text", "text": text, "annotations": [], "logprobs": logprobs or []}
 
 
-def message_item(ids: ResponseIds, text: str | None, status: str) -> dict:
+def message_item(ids: ResponseIds, text: str | None, status: str, logprobs: list[dict] | None = None) -> dict:
     """The assistant's message: no content while it is open (``text`` None), else its text."""
-    content = [] if text is None else [_text_part(text)]
+    content = [] if text is None else [_text_part(text, logprobs)]
     return {"type": "message", "id": ids.message_id, "status": status, "role": "assistant", "content": content}
+
+
+def output_logprobs(body: ResponsesRequest, entries) -> list[dict] | None:
+    """The ``output_text`` logprobs of these tokens' entries, None when the request did not ask."""
+    return chat_logprobs(entries, body.top_logprobs or 0)["content"] if body.wants_logprobs() else None
+
+
+def _delta_logprobs(entries: list[dict]) -> list[dict]:
+    """Logprobs as a text delta event holds them: no bytes."""
+    return [{"token": e["token"], "logprob": e["logprob"],
+             "top_logprobs": [{"token": t["token"], "logprob": t["logprob"]} for t in e["top_logprobs"]]}
+            for e in entries]
 
 
 def call_item(call: ToolCall, status: str = "completed") -> dict:
@@ -62,10 +76,11 @@ def call_item(call: ToolCall, status: str = "completed") -> dict:
             "name": call.name, "arguments": call.arguments if status == "completed" else "", "status": status}
 
 
-def output_items(ids: ResponseIds, state: ChoiceState) -> list[dict]:
-    """A finished choice's output: its message (when it has text or made no calls), then its calls."""
+def output_items(ids: ResponseIds, state: ChoiceState, logprobs: list[dict] | None = None) -> list[dict]:
+    """A finished choice's output: its message (when it has text or made no calls; ``logprobs``: its
+    tokens', every output token's), then its calls."""
     text = state.text if state.content is None else state.content
-    items = [message_item(ids, text, _status(state))] if text or not state.tool_calls else []
+    items = [message_item(ids, text, _status(state), logprobs)] if text or not state.tool_calls else []
     return items + [call_item(call) for call in state.tool_calls]
 
 
@@ -76,7 +91,7 @@ def response_object(ids: ResponseIds, body: ResponsesRequest, model: str, state:
     status = _status(state)
     finished = status != "in_progress"
     if finished and output is None:
-        output = output_items(ids, state)
+        output = output_items(ids, state, output_logprobs(body, state.logprobs))
     return {
         "id": ids.response_id, "object": "response", "created_at": ids.created_at, "status": status,
         "completed_at": int(time.time()) if finished else None,
@@ -105,6 +120,7 @@ class ResponseEvents:
         self.ids, self.body, self.model = ids, body, model
         self.items: list[dict] = []  # the output items sent, each whole once done
         self._text: str | None = None  # the open message's text (None: no message open)
+        self._logprobs: list[dict] = []  # the open message's tokens' logprobs, when asked for
         self._number = 0
 
     def _event(self, type_: str, **fields) -> dict:
@@ -120,11 +136,19 @@ class ResponseEvents:
         return [self._event("response.created", response=response),
                 self._event("response.in_progress", response=response)]
 
-    def text(self, text: str) -> list[dict]:
-        """A piece of the message's text (opening the message first)."""
+    def text(self, text: str, logprobs: list[dict] = ()) -> list[dict]:
+        """A piece of the message's text (opening the message first), with its tokens' ``logprobs``
+        (``output_logprobs`` entries) when asked for."""
         events = [] if self._text is not None else self._open_message()
         self._text += text
-        return events + [self._event("response.output_text.delta", **self._where(), delta=text, logprobs=[])]
+        self._logprobs.extend(logprobs)
+        return events + [self._event("response.output_text.delta", **self._where(), delta=text,
+                                     logprobs=_delta_logprobs(logprobs))]
+
+    def more_logprobs(self, logprobs: list[dict]) -> None:
+        """Logprobs of tokens that sent no text (the last ones, say): the open message's still."""
+        if self._text is not None:
+            self._logprobs.extend(logprobs)
 
     def call(self, call: ToolCall) -> list[dict]:
         """A whole function call: the message before it is done."""
@@ -161,10 +185,10 @@ class ResponseEvents:
     def _close_message(self, status: str) -> list[dict]:
         if self._text is None:
             return []
-        text, where = self._text, self._where()
-        item = message_item(self.ids, text, status)
-        self._text = None
+        text, where, logprobs = self._text, self._where(), self._logprobs
+        item = message_item(self.ids, text, status, logprobs)
+        self._text, self._logprobs = None, []
         self.items.append(item)
-        return [self._event("response.output_text.done", **where, text=text, logprobs=[]),
-                self._event("response.content_part.done", **where, part=_text_part(text)),
+        return [self._event("response.output_text.done", **where, text=text, logprobs=_delta_logprobs(logprobs)),
+                self._event("response.content_part.done", **where, part=_text_part(text, logprobs)),
                 self._event("response.output_item.done", output_index=where["output_index"], item=item)]

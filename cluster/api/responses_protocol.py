@@ -7,9 +7,11 @@ of those messages (``as_chat_request``), so it shares the chat path's template, 
 structured outputs (``text.format``), function tools (flat ``{"type": "function", "name", ...}``
 specs, ``tool_choice``) and routing. With ``previous_response_id`` the messages start from that
 stored response's context (``cluster/api/response_store.py``): its input and output, and those of
-the responses it continued, but not their instructions. What this server does not keep or run is
-refused with a 400 naming the field: conversations, background responses, stored prompts, built-in
-tools, reasoning settings, ``include`` and ``top_logprobs``.
+the responses it continued, but not their instructions. ``include: ["message.output_text.logprobs"]``
+asks for the output tokens' logprobs (with ``top_logprobs`` alternatives each, 0 to 20), served as
+the chat request's ``logprobs``. What this server does not keep or run is refused with a 400 naming
+the field: conversations, background responses, stored prompts, built-in tools, reasoning
+settings, and any other ``include``.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from cluster.api.errors import UnsupportedFieldError
 from cluster.api.openai_protocol import ChatCompletionRequest
 
 _ROLES = ("user", "assistant", "system", "developer")
+OUTPUT_LOGPROBS = "message.output_text.logprobs"  # the one ``include`` value served
 _TEXT_PARTS = ("input_text", "output_text", "text")
 
 
@@ -63,8 +66,8 @@ class ResponsesRequest(_Body):
     conversation: Any = None
     background: Any = None
     reasoning: Any = None
-    include: Any = None
-    top_logprobs: Any = None
+    include: Any = None  # checked by check_supported: a list holding OUTPUT_LOGPROBS at most
+    top_logprobs: StrictInt | None = Field(None, ge=0, le=20)
     prompt: Any = None
     # vLLM's sampling extras, as on the other routes
     top_k: StrictInt | None = None
@@ -79,10 +82,14 @@ class ResponsesRequest(_Body):
                 raise UnsupportedFieldError(name, f"{name} is not supported: this server keeps no {what}")
         if self.reasoning not in (None, {}):
             raise UnsupportedFieldError("reasoning", "reasoning settings are not supported for this model")
-        if self.include:
-            raise UnsupportedFieldError("include", f"include is not supported (got {self.include!r})")
-        if self.top_logprobs not in (None, 0):
-            raise UnsupportedFieldError("top_logprobs", "top_logprobs is not supported on /v1/responses")
+        if self.include is not None:
+            others = self.include if not isinstance(self.include, list) else \
+                [item for item in self.include if item != OUTPUT_LOGPROBS]
+            if others:
+                raise UnsupportedFieldError("include", f"include may hold {OUTPUT_LOGPROBS!r} only (got {others!r})")
+
+    def wants_logprobs(self) -> bool:
+        return isinstance(self.include, list) and OUTPUT_LOGPROBS in self.include
 
     def messages(self, context: list[dict] = ()) -> list[dict]:
         """The chat messages: ``instructions`` as a system message, then the ``context`` items of the
@@ -158,6 +165,8 @@ class ResponsesRequest(_Body):
                 "top_k": self.top_k, "min_p": self.min_p, "repetition_penalty": self.repetition_penalty,
                 "seed": self.seed, "tools": self.chat_tools(), "tool_choice": self.chat_tool_choice(),
                 "parallel_tool_calls": self.parallel_tool_calls}
+        if self.wants_logprobs():
+            body.update(logprobs=True, top_logprobs=self.top_logprobs or 0)
         return ChatCompletionRequest.model_validate({k: v for k, v in body.items() if v is not None})
 
 

@@ -364,6 +364,33 @@ def test_responses_api_through_the_openai_client(client):
         assert err.value.body["param"] == param
 
 
+def test_responses_output_logprobs_through_the_openai_client(client):
+    """include message.output_text.logprobs with top_logprobs: the output tokens' logprobs are the chat
+    completion's of the same messages, whole and streamed (the deltas' together); another include
+    and a top_logprobs past 20 are 400s naming their field."""
+    messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "Tell a story"}]
+    chat = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=6, temperature=0, logprobs=True,
+                                          top_logprobs=2)
+    expected = [(t.token, round(t.logprob, 4), [(a.token, round(a.logprob, 4)) for a in t.top_logprobs])
+                for t in chat.choices[0].logprobs.content]
+    fields = dict(model=MODEL, instructions="be brief", input="Tell a story", max_output_tokens=6, temperature=0,
+                  include=["message.output_text.logprobs"], top_logprobs=2)
+    whole = client.responses.create(**fields)
+    part = whole.output[0].content[0]
+    assert [(lp.token, round(lp.logprob, 4), [(a.token, round(a.logprob, 4)) for a in lp.top_logprobs])
+            for lp in part.logprobs] == expected
+    assert len(expected) == whole.usage.output_tokens == 6 and all(len(e[2]) == 2 for e in expected)
+    events = list(client.responses.create(**fields, stream=True))
+    streamed = [(lp.token, round(lp.logprob, 4)) for e in events if e.type == "response.output_text.delta"
+                for lp in e.logprobs]
+    assert streamed == [(token, logprob) for token, logprob, _ in expected]
+    assert client.responses.create(**{**fields, "include": None}).output[0].content[0].logprobs == []
+    for bad, param in [({"include": ["file_search_call.results"]}, "include"), ({"top_logprobs": 21}, "top_logprobs")]:
+        with pytest.raises(openai.BadRequestError) as err:
+            client.responses.create(**{**fields, **bad})
+        assert err.value.body["param"] == param
+
+
 def test_responses_are_stored_continued_and_deleted(client):
     """store / previous_response_id through the openai client: a continued response reads the stored
     chain (not its instructions), exactly as the chat completion of those messages; retrieve,

@@ -13,6 +13,7 @@ from cluster.api.tool_calls import Parsed, ToolCall
 from cluster.api.responses_output import ResponseEvents, ResponseIds, response_object
 from cluster.api.responses_protocol import ResponsesRequest
 from cluster.engine.protocol import GenerateDelta
+from cluster.shared.outputs import Logprob
 
 
 def request(**fields) -> ResponsesRequest:
@@ -41,8 +42,8 @@ def test_input_and_instructions_become_chat_messages():
     ({"conversation": "conv_1"}, "conversation"),
     ({"background": True}, "background"),
     ({"reasoning": {"effort": "high"}}, "reasoning"),
-    ({"include": ["message.output_text.logprobs"]}, "include"),
-    ({"top_logprobs": 3}, "top_logprobs"),
+    ({"include": ["message.output_text.logprobs", "file_search_call.results"]}, "include"),
+    ({"include": "message.output_text.logprobs"}, "include"),
 ])
 def test_what_is_not_served_is_named(fields, param):
     with pytest.raises(UnsupportedFieldError) as err:
@@ -138,3 +139,51 @@ def test_calls_are_function_call_items_whole_and_streamed():
     final = parsed[-1].response
     assert [o.type for o in final.output] == ["message", "function_call"] and final.output_text == "Let me check."
     assert [e.output_index for e in parsed if e.type == "response.output_item.done"] == [0, 1]
+
+
+def _with_logprobs(text_pieces: list[str], reason: str = "stop") -> tuple[ChoiceState, list[GenerateDelta]]:
+    """A choice of one token per piece, each with the sampled token (rank 1) and two others."""
+    deltas = []
+    for i, piece in enumerate(text_pieces):
+        entry = {10 + i: Logprob(-0.1 * (i + 1), 1, piece), 50: Logprob(-2.0, 2, "x"), 60: Logprob(-3.0, 3, "y")}
+        deltas.append(GenerateDelta(text=piece, token_ids=[10 + i], logprobs=[entry], num_prompt_tokens=4,
+                                    num_output_tokens=i + 1,
+                                    finish_reason=reason if i == len(text_pieces) - 1 else None))
+    state = ChoiceState(0)
+    for delta in deltas:
+        state.add(delta)
+    return state, deltas
+
+
+def test_output_logprobs_are_served_when_included():
+    """include message.output_text.logprobs: the chat request asks for logprobs with top_logprobs
+    alternatives; each output token's logprob is in the output_text part, in the openai client's
+    types, whole and streamed (the deltas' logprobs together are the part's, less the bytes)."""
+    body = request(include=["message.output_text.logprobs"], top_logprobs=2)
+    chat = body.as_chat_request()
+    chat.check_supported()
+    assert chat.logprobs is True and chat.top_logprobs == 2
+    assert not request(top_logprobs=2).as_chat_request().logprobs  # without include: none, as vLLM
+
+    state, deltas = _with_logprobs(["Hel", "lo"])
+    got = Response.model_validate(response_object(ResponseIds(), body, "m", state))
+    part = got.output[0].content[0]
+    assert [(lp.token, lp.logprob) for lp in part.logprobs] == [("Hel", -0.1), ("lo", -0.2)]
+    assert [[(t.token, t.logprob) for t in lp.top_logprobs] for lp in part.logprobs] == \
+        [[("Hel", -0.1), ("x", -2.0)], [("lo", -0.2), ("x", -2.0)]]
+    assert part.logprobs[0].bytes == list(b"Hel")
+    plain = Response.model_validate(response_object(ResponseIds(), request(), "m", state))
+    assert plain.output[0].content[0].logprobs == []
+
+    events = ResponseEvents(ResponseIds(), body, "m")
+    from cluster.api.responses_output import output_logprobs
+    made = events.start()
+    for delta in deltas:
+        made += events.text(delta.text, output_logprobs(body, delta.logprobs))
+    made += events.finish(state)
+    parsed = [TypeAdapter(ResponseStreamEvent).validate_python(e) for e in made]
+    streamed = [(lp.token, lp.logprob) for e in parsed if e.type == "response.output_text.delta" for lp in e.logprobs]
+    assert streamed == [(lp.token, lp.logprob) for lp in part.logprobs]
+    done = next(e for e in parsed if e.type == "response.output_text.done")
+    assert [(lp.token, lp.logprob) for lp in done.logprobs] == streamed
+    assert parsed[-1].response.output[0].content[0].logprobs == part.logprobs
