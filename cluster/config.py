@@ -98,6 +98,11 @@ class SchedulerConfig(_Strict):
         "at least running * ratio of them (or one waited 20 steps); 0 admits at once, like vLLM"
     )
     max_queued_requests: int | None = Field(None, ge=1)
+    policy: Literal["fcfs", "priority"] = Field(
+        "fcfs", description="fcfs: first come, first served; priority: waiting requests by their priority "
+        "(lower first, then arrival), and the lowest-priority running request is the one preempted "
+        "(vLLM's scheduling_policy)"
+    )
 
 
 class SpeculativeConfig(_Strict):

@@ -85,12 +85,15 @@ class OpenAIIngress(ResponsesRoutes):
                                               getattr(self.tokenizer, "chat_template", None))
         self.shapes: dict[str, GroupShape] = {}
         self.adapters: dict[str, dict[str, str]] = {}  # LoRA adapter -> {group that serves it: its folder}
+        self.priority_groups: set[str] = set()  # groups whose engines schedule by priority (scheduler.policy)
         sizes = {}
         for group in serve_config.groups:
             engine_config = group_engine_config(self.config, group.name)
             model = engine_config.model
             for adapter, folder in model.lora_modules.items():
                 self.adapters.setdefault(adapter, {})[group.name] = folder
+            if engine_config.scheduler.policy == "priority":
+                self.priority_groups.add(group.name)
             # A group that sets max_model_len needs no model files here (its replicas check it).
             max_model_len = model.max_model_len or engine_max_model_len(
                 None, load_hf_config(resolve_model(model.model, model.cache_dir)))
@@ -328,6 +331,8 @@ class OpenAIIngress(ResponsesRoutes):
         lora = body.model if body.model in self.adapters else None
         shapes = {group: shape for group, shape in self.shapes.items()
                   if pinned in (None, group) and (lora is None or group in self.adapters[lora])}
+        if body.priority and shapes.keys() & self.priority_groups:  # else every group's engine refuses it by name
+            shapes = {group: shape for group, shape in shapes.items() if group in self.priority_groups}
         base_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         streams = []
         for p_index, token_ids in enumerate(prompts):

@@ -47,7 +47,6 @@ MAX_N = 16
 VLLM_UNSUPPORTED = {
     "use_beam_search": (False,),
     "logits_processors": (None, []),
-    "priority": (0,),
 }
 # apply_chat_template's own arguments, which chat_template_kwargs may not set.
 _RENDER_ARGUMENTS = frozenset({
@@ -98,10 +97,10 @@ class _SamplingFields(_Body):
     prompt_logprobs: StrictInt | None = None
     return_token_ids: StrictBool = False  # the output's token ids in each choice, the prompt's beside them
     return_tokens_as_token_ids: StrictBool | None = None  # logprobs name tokens "token_id:N", not by their text
+    priority: StrictInt = 0  # where it queues under the engine's scheduler.policy priority (lower first)
     # VLLM_UNSUPPORTED, of any type: kept only to be refused by name
     use_beam_search: Any = False
     logits_processors: Any = None
-    priority: Any = 0
 
     def check_supported(self) -> None:
         for name, defaults in VLLM_UNSUPPORTED.items():
@@ -182,6 +181,7 @@ class _SamplingFields(_Body):
             allowed_token_ids=self.allowed_token_ids,
             bad_words=list(self.bad_words or []),
             structured_outputs=structured_outputs,
+            priority=self.priority,
         )
 
 

@@ -41,7 +41,7 @@ from cluster.routing.policy import peak_tokens_per_second
 from cluster.routing.stats import EngineLoad
 from cluster.routing.step_times import StepTimeTracker
 from cluster.shared.outputs import Logprob
-from cluster.shared.sampling_params import SamplingParams
+from cluster.shared.sampling_params import SamplingParams, check_priority
 from cluster.spec_decode.latency_model import power_of_two_sizes
 from cluster.spec_decode.profile_data import SpeculationProfile
 from cluster.structured.constraint import vllm_fields
@@ -119,7 +119,8 @@ class VllmBackend:
         if request.cache_salt is not None:
             prompt["cache_salt"] = request.cache_salt
         lora = self._lora_requests[request.lora] if request.lora is not None else None
-        stream = self.engine.generate(prompt, params, request.request_id, lora_request=lora)
+        stream = self.engine.generate(prompt, params, request.request_id, lora_request=lora,
+                                      priority=request.sampling_params.priority)
         self.recorder.submitted()
         self._num_pending += 1
         try:
@@ -167,6 +168,10 @@ class VllmBackend:
         """The native engine's checks and messages, before vLLM sees the request."""
         ids = request.prompt_token_ids
         message = None
+        try:
+            check_priority(request.sampling_params, self.config.scheduler.policy)
+        except ValueError as err:
+            return ErrorInfo(400, str(err), param=error_param(err))
         if request.lora is not None and request.lora not in self._lora_requests:
             known = ", ".join(self._lora_requests) or "none"
             return ErrorInfo(400, f"no LoRA adapter {request.lora!r} is served here (adapters: {known})",

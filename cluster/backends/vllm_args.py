@@ -8,6 +8,7 @@ What maps:
 | ``model.dtype``, ``max_model_len``, ``seed`` | ``dtype`` (``auto`` stays ``auto``), ``max_model_len``, ``seed`` |
 | ``cache.block_size``, ``enable_prefix_caching``, ``kv_cache_memory`` | ``block_size``, ``enable_prefix_caching``, ``kv_cache_memory_bytes`` |
 | ``scheduler.max_num_seqs``, ``max_num_batched_tokens``, ``enable_chunked_prefill`` | the same names |
+| ``scheduler.policy`` (``fcfs``, ``priority``) | ``scheduling_policy`` (a request's ``priority`` goes to ``generate``) |
 | ``speculative.method: ngram`` / ``draft`` | ``speculative_config``: ``{method: ngram, prompt_lookup_min/max}`` / ``{method: draft_model, model}`` with ``num_speculative_tokens`` |
 | ``speculative.ngram_draft_per_match_token`` | nothing: vLLM's lookup drafts ``k`` tokens after every match, however short |
 | ``speculative.controller: table`` / ``adaptive`` with a profile | the profile's batch-size -> k table as ``num_speculative_tokens_per_batch_size`` (inclusive ranges ``[start, end, k]``), when the installed vLLM has that option; otherwise a fixed k (see :class:`SpecPlan`) |
@@ -65,6 +66,7 @@ def vllm_settings(config: TandemConfig, tensor_parallel_size: int, model_path: s
         "max_num_seqs": s.max_num_seqs,
         "max_num_batched_tokens": s.max_num_batched_tokens,
         "enable_chunked_prefill": s.enable_chunked_prefill,
+        "scheduling_policy": s.policy,
         "tensor_parallel_size": tensor_parallel_size,
         "disable_log_stats": False,
         # Structured outputs through llguidance, the native engine's library, so that a request's

@@ -26,7 +26,7 @@ from cluster.runner.start import start_worker
 from cluster.runner.worker import Worker
 from cluster.shared.outputs import CompletionOutput, Logprob, RequestOutput, RequestTimes, TokenLogprobs, Usage
 from cluster.shared.request import Request, RequestStatus
-from cluster.shared.sampling_params import SamplingParams
+from cluster.shared.sampling_params import SamplingParams, check_priority
 from cluster.spec_decode.controller import BatchState, StepObservation
 from cluster.spec_decode.factory import build_speculation
 from cluster.spec_decode.stats import SpecDecodeStats
@@ -133,6 +133,7 @@ class Engine:
             raise ValueError(f"request id {rid!r} is already in use")
         if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt):
             raise ParamError("cache_salt", "cache_salt must be a non-empty string when given")
+        check_priority(params, self.config.scheduler.policy)
         adapters = self.worker.runner.lora.slots if self.worker.runner.lora is not None else {}
         if lora is not None and lora not in adapters:
             known = ", ".join(adapters) or "none"

@@ -5,8 +5,11 @@ running requests (``max_num_seqs``):
 
 1. Running requests first, in arrival order: one token for a decoding request, the
    next chunk for one still in prefill. When blocks run out, the newest running
-   request is preempted (blocks freed, recomputed later) until the older one fits.
-2. Then waiting requests, first come first served, each with as much of its prompt
+   request is preempted (blocks freed, recomputed later) until the older one fits;
+   under ``policy: priority``, the running request of the lowest priority (the largest
+   ``priority`` value, the newest among equals), as in vLLM.
+2. Then waiting requests, first come first served (``policy: priority``: by priority, lower
+   first, then arrival; a preempted request queues by the same order), each with as much of its prompt
    as the remaining budget allows (chunked prefill). While requests are running,
    waiting ones are admitted only when there are at least
    ``floor(num_running * waiting_served_ratio)`` of them, or the oldest has waited
@@ -53,7 +56,23 @@ class Scheduler:
         if request.request_id in self.requests:
             raise ValueError(f"request id {request.request_id!r} is already in use")
         self.requests[request.request_id] = request
-        self.waiting.append(request)
+        self._enqueue(request, front=False)
+
+    def _enqueue(self, request: Request, front: bool) -> None:
+        """Into the waiting queue: at its end (new) or its front (preempted) first come, first served;
+        by (priority, arrival) under the priority policy."""
+        if self.config.policy != "priority":
+            self.waiting.appendleft(request) if front else self.waiting.append(request)
+            return
+        key = _priority_key(request)
+        position = next((i for i, r in enumerate(self.waiting) if _priority_key(r) > key), len(self.waiting))
+        self.waiting.insert(position, request)
+
+    def _victim(self) -> Request:
+        """The running request to preempt when blocks run out."""
+        if self.config.policy == "priority":
+            return max(self.running, key=_priority_key)
+        return self.running[-1]
 
     def finish_request(self, request_id: str, status: RequestStatus) -> Request | None:
         """Finish (or abort) a request now and free its blocks. Unknown ids are ignored."""
@@ -100,10 +119,13 @@ class Scheduler:
             while not self.block_manager.allocate_slots(
                 request.request_id, request.num_computed_tokens, num_new, num_drafts
             ):
-                victim = self.running[-1]
-                self._preempt(victim, out)
+                victim = self._victim()
+                position = self.running.index(victim)
+                budget += self._preempt(victim, out)
                 if victim is request:
                     break
+                if position < i:  # one scheduled before it this step (priority policy): the list moved up
+                    i -= 1
             if request.status is not RequestStatus.RUNNING:
                 break  # it preempted itself: nothing after it is left either
             out.scheduled.append(ScheduledRequest(request, request.num_computed_tokens, num_new, num_drafts))
@@ -182,7 +204,8 @@ class Scheduler:
     def _is_decoding(request: Request, num_new: int) -> bool:
         return request.num_output_tokens > 0 and request.num_computed_tokens + num_new == request.num_tokens
 
-    def _preempt(self, request: Request, out: SchedulerOutput) -> None:
+    def _preempt(self, request: Request, out: SchedulerOutput) -> int:
+        """Free ``request``'s blocks and queue it again; returns the tokens it had been given this step."""
         self.running.remove(request)
         self.block_manager.free(request.request_id)
         request.status = RequestStatus.PREEMPTED
@@ -190,9 +213,11 @@ class Scheduler:
         request.draft_num_computed_tokens = 0
         request.num_preemptions += 1
         self.num_preemptions += 1
-        self.waiting.appendleft(request)
+        self._enqueue(request, front=True)
         out.preempted.append(request)
+        given = sum(s.num_new_tokens + s.num_draft_tokens for s in out.scheduled if s.request is request)
         out.scheduled[:] = [s for s in out.scheduled if s.request is not request]
+        return given
 
     # ---- after the model ran ----------------------------------------------------
     def update(
@@ -248,3 +273,7 @@ class Scheduler:
             if r.request_id in self.block_manager.block_tables and r.num_computed_tokens == 0:
                 if self.block_manager.block_tables[r.request_id]:
                     raise AssertionError(f"waiting {r} holds blocks")
+
+
+def _priority_key(request: Request) -> tuple[int, float]:
+    return request.sampling_params.priority, request.arrival_time

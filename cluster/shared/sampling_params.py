@@ -46,6 +46,8 @@ class SamplingParams:
     bad_words: list[str] = field(default_factory=list)
     # The output must match this (JSON schema, regex, choice, grammar); None: free text.
     structured_outputs: StructuredOutputs | None = None
+    # Where the request queues under scheduler.policy priority: lower first (vLLM's priority).
+    priority: int = 0
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -86,6 +88,8 @@ class SamplingParams:
                                                  or not isinstance(self.prompt_logprobs, int)
                                                  or not 0 <= self.prompt_logprobs <= 20):
             raise bad("prompt_logprobs", "an integer in [0, 20] or None")
+        if not isinstance(self.priority, int) or isinstance(self.priority, bool):
+            raise bad("priority", "an integer (lower is served first)")
         if not isinstance(self.min_tokens, int) or not 0 <= self.min_tokens <= self.max_tokens:
             raise bad("min_tokens", f"an integer in [0, max_tokens={self.max_tokens}]")
         if any(not isinstance(s, str) or not s for s in self.stop):
@@ -115,3 +119,10 @@ class SamplingParams:
             or self.frequency_penalty != 0
             or self.repetition_penalty != 1.0
         )
+
+
+def check_priority(params: SamplingParams, policy: str) -> None:
+    """A priority other than 0 is served only under ``scheduler.policy: priority``: ParamError otherwise."""
+    if params.priority != 0 and policy != "priority":
+        raise ParamError("priority", f"priority is {params.priority}, but this engine serves requests first come, "
+                                     "first served (priority needs scheduler.policy: priority)")

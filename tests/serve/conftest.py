@@ -1,6 +1,7 @@
 """A real Ray Serve cluster on loopback, serving a tiny random-weight model (drafting
 for itself) in two replica groups: ``fast`` and ``slow`` (the same CPU, with every
-engine step stretched 3x to emulate a slower device); ``fast`` also serves a LoRA adapter."""
+engine step stretched 3x to emulate a slower device); ``fast`` also serves a LoRA adapter, and
+``slow`` schedules by priority (``scheduler.policy: priority``)."""
 
 from __future__ import annotations
 
@@ -65,7 +66,7 @@ def serve_config(tiny_chat_model, tiny_lora):
             "served_model_name": MODEL, "api_key": API_KEY,
             "groups": [
                 {"name": "fast", "num_cpus": 0.5, "engine": {"lora_modules": {LORA: str(tiny_lora)}}},
-                {"name": "slow", "num_cpus": 0.5, "step_time_scale": 3.0},
+                {"name": "slow", "num_cpus": 0.5, "step_time_scale": 3.0, "engine": {"policy": "priority"}},
             ],
         },
     })

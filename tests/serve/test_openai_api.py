@@ -364,6 +364,22 @@ def test_responses_api_through_the_openai_client(client):
         assert err.value.body["param"] == param
 
 
+def test_a_priority_goes_to_the_groups_that_schedule_by_it(client):
+    """vLLM's priority field: served by the group whose scheduler.policy is priority (the router sends
+    it there), refused by name when pinned to a first-come-first-served group; 0 goes anywhere."""
+    served = client.completions.create(model=MODEL, prompt="hi", max_tokens=3, temperature=0,
+                                       extra_body={"priority": -2})
+    pinned = client.completions.create(model=MODEL, prompt="hi", max_tokens=3, temperature=0,
+                                       extra_body={"priority": -2}, extra_headers={"X-Tandem-Group": "slow"})
+    assert served.choices[0].text == pinned.choices[0].text and served.usage.completion_tokens == 3
+    with pytest.raises(openai.BadRequestError) as err:
+        client.completions.create(model=MODEL, prompt="hi", max_tokens=3, extra_body={"priority": 2},
+                                  extra_headers={"X-Tandem-Group": "fast"})
+    assert err.value.body["param"] == "priority" and "scheduler.policy: priority" in err.value.body["message"]
+    client.completions.create(model=MODEL, prompt="hi", max_tokens=1, extra_body={"priority": 0},
+                              extra_headers={"X-Tandem-Group": "fast"})
+
+
 def test_responses_output_logprobs_through_the_openai_client(client):
     """include message.output_text.logprobs with top_logprobs: the output tokens' logprobs are the chat
     completion's of the same messages, whole and streamed (the deltas' together); another include

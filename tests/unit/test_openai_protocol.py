@@ -147,8 +147,6 @@ def test_required_fields():
     # vLLM's extras that Tandem does not implement: refused rather than silently ignored
     (chat, {"use_beam_search": True}, "use_beam_search"),
     (completion, {"logits_processors": ["x"]}, "logits_processors"),
-    (chat, {"priority": 1}, "priority"),
-    (completion, {"priority": False}, "priority"),  # not 0: a different type is not the default
     (chat, {"chat_template": "{{ messages }}"}, "chat_template"),
     (chat, {"continue_final_message": True}, "continue_final_message"),  # add_generation_prompt defaults on
     (chat, {"continue_final_message": True, "add_generation_prompt": False}, "continue_final_message"),  # user last
@@ -165,6 +163,16 @@ def test_vllm_extras_at_their_defaults_are_accepted():
     for body in both(prompt_logprobs=None, use_beam_search=False,
                      logits_processors=None, priority=0, return_tokens_as_token_ids=False):
         body.check_supported()
+
+
+def test_priority_reaches_the_sampling_params():
+    """vLLM's priority goes to the engine, which serves it under scheduler.policy priority (and
+    refuses it otherwise: tests/unit/test_priority_scheduling.py)."""
+    for body in both(priority=-3):
+        body.check_supported()
+        assert body.sampling_params(4, None, 0).priority == -3
+    with pytest.raises(ValidationError):
+        chat(priority=False)  # a boolean is not a priority
 
 
 def test_echo_and_prompt_logprobs_map_as_vllms():
