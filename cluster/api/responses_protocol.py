@@ -74,6 +74,7 @@ class ResponsesRequest(_Body):
     min_p: float | None = Field(None, ge=0, le=1)
     repetition_penalty: float | None = Field(None, gt=0)
     seed: StrictInt | None = None
+    priority: StrictInt = 0  # vLLM's, as on the other routes (scheduler.policy priority)
 
     def check_supported(self) -> None:
         for name, what in (("conversation", "conversations (continue a response with previous_response_id)"),
@@ -164,7 +165,7 @@ class ResponsesRequest(_Body):
                 "temperature": self.temperature, "top_p": self.top_p, "response_format": self.response_format(),
                 "top_k": self.top_k, "min_p": self.min_p, "repetition_penalty": self.repetition_penalty,
                 "seed": self.seed, "tools": self.chat_tools(), "tool_choice": self.chat_tool_choice(),
-                "parallel_tool_calls": self.parallel_tool_calls}
+                "parallel_tool_calls": self.parallel_tool_calls, "priority": self.priority or None}
         if self.wants_logprobs():
             body.update(logprobs=True, top_logprobs=self.top_logprobs or 0)
         return ChatCompletionRequest.model_validate({k: v for k, v in body.items() if v is not None})

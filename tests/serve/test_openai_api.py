@@ -378,6 +378,12 @@ def test_a_priority_goes_to_the_groups_that_schedule_by_it(client):
     assert err.value.body["param"] == "priority" and "scheduler.policy: priority" in err.value.body["message"]
     client.completions.create(model=MODEL, prompt="hi", max_tokens=1, extra_body={"priority": 0},
                               extra_headers={"X-Tandem-Group": "fast"})
+    with pytest.raises(openai.BadRequestError) as err:  # the Responses API takes it too
+        client.responses.create(model=MODEL, input="hi", max_output_tokens=2, extra_body={"priority": 2},
+                                extra_headers={"X-Tandem-Group": "fast"})
+    assert err.value.body["param"] == "priority"
+    assert client.responses.create(model=MODEL, input="hi", max_output_tokens=2,
+                                   extra_body={"priority": 2}).usage.output_tokens == 2
 
 
 def test_responses_output_logprobs_through_the_openai_client(client):

@@ -164,6 +164,7 @@ def test_output_logprobs_are_served_when_included():
     chat.check_supported()
     assert chat.logprobs is True and chat.top_logprobs == 2
     assert not request(top_logprobs=2).as_chat_request().logprobs  # without include: none, as vLLM
+    assert request(priority=-1).as_chat_request().priority == -1  # vLLM's priority, as on the chat route
 
     state, deltas = _with_logprobs(["Hel", "lo"])
     got = Response.model_validate(response_object(ResponseIds(), body, "m", state))
