@@ -54,7 +54,15 @@ class ModelConfig(_Strict):
         default_factory=dict, description="LoRA adapters served beside the model (native engine: Llama family, one "
         "process; vLLM: what vLLM serves): name -> the folder PEFT saved it in; a request runs with one by naming it "
         "as its model (docs/lora.md)")
-    max_lora_rank: int = Field(64, ge=1, description="the largest rank r of an adapter in lora_modules")
+    max_lora_rank: int = Field(64, ge=1, description="the largest rank r of an adapter (lora_modules or lora_dir)")
+    lora_dir: str | None = Field(
+        None, description="a folder of adapter folders (as PEFT saves them), each served on demand under its folder's "
+        "name: a request naming one that is not loaded loads it (vLLM's filesystem LoRA resolver, Ray Serve LLM's "
+        "dynamic_lora_loading_path); docs/lora.md")
+    max_loras: int = Field(
+        8, ge=1, description="with lora_dir: the most adapters loaded at once, lora_modules included; the least "
+        "recently used one that no request in the engine holds is unloaded to make room, and a request waits while "
+        "every one is held")
     tool_call_format: Literal["auto", "hermes", "llama3_json", "prompt"] = Field(
         "auto", description="how tools reach the prompt and calls come back (docs/structured-outputs.md): hermes "
         "(the chat template takes tools=, calls are <tool_call> blocks: Qwen 2.5), llama3_json (the template takes "
@@ -199,9 +207,13 @@ class TandemConfig(_Strict):
             if not name.strip() or name in (self.model.model, self.serve.served_model_name):
                 raise ValueError(f"model.lora_modules: {name!r} cannot name an adapter (empty, or the base model's "
                                  "name: a request names an adapter as its model)")
-        if self.model.lora_modules and self.parallel.tensor_parallel_size > 1 and self.engine.backend == "native":
-            raise ValueError("the native engine serves model.lora_modules in one process; "
-                             "parallel.tensor_parallel_size must be 1 (or the group must run vLLM)")
+        adapters = self.model.lora_modules or self.model.lora_dir
+        if adapters and self.parallel.tensor_parallel_size > 1 and self.engine.backend == "native":
+            raise ValueError("the native engine serves LoRA adapters (model.lora_modules, model.lora_dir) in one "
+                             "process; parallel.tensor_parallel_size must be 1 (or the group must run vLLM)")
+        if self.model.lora_dir is not None and self.model.max_loras <= len(self.model.lora_modules):
+            raise ValueError(f"model.max_loras ({self.model.max_loras}) leaves no room for adapters from "
+                             f"model.lora_dir beside the {len(self.model.lora_modules)} of model.lora_modules")
         limit = self.scheduler.max_num_batched_tokens
         if not self.scheduler.enable_chunked_prefill and self.model.max_model_len:
             if limit < self.model.max_model_len:

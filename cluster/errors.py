@@ -10,6 +10,10 @@ class ParamError(ValueError):
         self.param = param
 
 
+class NotFoundError(ParamError):
+    """Bad input that names something not there (a model or an adapter): HTTP 404, not 400."""
+
+
 def require_unicode(text: str, param: str, error: type[ParamError] = ParamError) -> None:
     """Raise ``error`` (a ParamError) when ``text`` cannot be UTF-8 (a lone surrogate, which
     JSON's ``\\udcff`` escapes can carry and tokenizers refuse with an unhelpful TypeError)."""

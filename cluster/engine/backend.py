@@ -25,8 +25,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, AsyncIterator, Callable, Protocol
 
-from cluster.engine.protocol import GenerateDelta, GenerateRequest
-from cluster.errors import ParamError
+from cluster.engine.protocol import ErrorInfo, GenerateDelta, GenerateRequest
+from cluster.errors import NotFoundError, ParamError
 from cluster.routing.stats import EngineLoad
 
 if TYPE_CHECKING:
@@ -85,6 +85,14 @@ class EngineBackend(Protocol):
     def check_health(self) -> None: ...
 
     async def shutdown(self) -> None: ...
+
+
+def input_error(err: ValueError) -> ErrorInfo:
+    """The error a request gets for bad input: 404 for something it names that is not there
+    (``NotFoundError``: an unknown adapter), else 400."""
+    if isinstance(err, NotFoundError):
+        return ErrorInfo(404, str(err), "not_found_error", err.param, "model_not_found")
+    return ErrorInfo(400, str(err), param=error_param(err))
 
 
 def error_param(err: BaseException) -> str | None:

@@ -16,6 +16,7 @@ from cluster.config import TandemConfig
 from cluster.engine.bad_words import bad_word_token_ids
 from cluster.engine.detokenizer import IncrementalDetokenizer
 from cluster.engine.grammars import Grammars
+from cluster.engine.lora_adapters import LoRAAdapters
 from cluster.engine.scheduler import Scheduler
 from cluster.engine.stats import EngineStats
 from cluster.errors import ParamError, require_unicode
@@ -72,6 +73,7 @@ class Engine:
             hash_seed=_hash_seed(config),
         )
         self.scheduler = Scheduler(config.scheduler, self.block_manager, self.max_model_len)
+        self.adapters = LoRAAdapters(config, self.worker.runner.lora, self.worker.runner.model, self.block_manager.pool)
         self.eos_token_id = self.worker.eos_token_id
         self.vocab_size = self.worker.vocab_size
         self._states: dict[str, _OutputState] = {}
@@ -91,7 +93,8 @@ class Engine:
         lora: str | None = None,
     ) -> Request:
         """Validate and tokenize; raises ValueError saying what is wrong with the input. ``lora``:
-        the name of the adapter (``model.lora_modules``) the request runs with."""
+        the name of the adapter (``model.lora_modules``, or a folder of ``model.lora_dir``) the
+        request runs with."""
         params = sampling_params or SamplingParams()
         if isinstance(prompt, str):
             if not prompt:
@@ -129,15 +132,12 @@ class Engine:
         if any(t >= self.vocab_size for t in params.logit_bias):
             raise ParamError("logit_bias", f"logit_bias token ids must be below the vocabulary size {self.vocab_size}")
         rid = request_id if request_id is not None else f"req-{next(self._ids)}"
-        if rid in self.scheduler.requests:
+        if rid in self.scheduler.requests or any(r.request_id == rid for r, _ in self.adapters.waiting):
             raise ValueError(f"request id {rid!r} is already in use")
         if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt):
             raise ParamError("cache_salt", "cache_salt must be a non-empty string when given")
         check_priority(params, self.config.scheduler.policy)
-        adapters = self.worker.runner.lora.slots if self.worker.runner.lora is not None else {}
-        if lora is not None and lora not in adapters:
-            known = ", ".join(adapters) or "none"
-            raise ParamError("model", f"no LoRA adapter {lora!r} is served here (adapters: {known})")
+        self.adapters.resolve(lora)
         request = Request(rid, prompt_ids, params, self.eos_token_id, prompt=text, cache_salt=cache_salt,
                           lora_name=lora)
         if params.bad_words:
@@ -174,8 +174,9 @@ class Engine:
         """Queue a request from ``make_request``. ``cumulative=False``: its outputs carry only
         what each step added (``text``, ``token_ids`` and ``logprobs`` are the deltas), as
         vLLM's ``RequestOutputKind.DELTA`` does, which spares a stream copying its whole output
-        at every step."""
-        self.scheduler.add_request(request)
+        at every step. A request whose adapter has no room yet waits in ``adapters``."""
+        if self.adapters.add(request, self.scheduler.requests.values()):
+            self.scheduler.add_request(request)
         params = request.sampling_params
         detok = None
         if self.tokenizer is not None:
@@ -190,16 +191,20 @@ class Engine:
 
     def abort(self, request_id: str) -> None:
         """Stop a request now and free its blocks; unknown or finished ids are ignored."""
+        self.adapters.drop(request_id)
         self.scheduler.finish_request(request_id, RequestStatus.FINISHED_ABORTED)
         self.worker.runner.free_request(request_id)
         self._states.pop(request_id, None)
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished()
+        return self.scheduler.has_unfinished() or bool(self.adapters.waiting)
 
     # ---- the loop ---------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         started = time.perf_counter()
+        if self.adapters.waiting:
+            for request in self.adapters.admit_waiting(list(self.scheduler.requests.values())):
+                self.scheduler.add_request(request)
         k = self._choose_k()
         out = self.scheduler.schedule(num_lookahead_tokens=k)
         tables = [self.block_manager.get_block_table(s.request.request_id) for s in out.scheduled]

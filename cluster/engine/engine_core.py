@@ -25,7 +25,7 @@ from multiprocessing.connection import Connection
 
 from cluster.config import config_from_dict
 from cluster.engine.async_engine import timed_step
-from cluster.engine.backend import error_param
+from cluster.engine.backend import input_error
 from cluster.engine.core_messages import (AbortRequest, AddRequest, CallRequest, CallResult, CoreMessage, CoreReady,
                                           CoreSnapshot, CoreStart, Shutdown)
 from cluster.engine.engine import Engine
@@ -85,7 +85,7 @@ class EngineCore:
                                                 request.cache_salt, request.lora)
             self.engine.add_prepared(prepared, cumulative=False)  # the replica streams deltas
         except ValueError as err:
-            self._out.deltas.append((rid, GenerateDelta(error=ErrorInfo(400, str(err), param=error_param(err)))))
+            self._out.deltas.append((rid, GenerateDelta(error=input_error(err))))
             return
         self._out.deltas.append((rid, GenerateDelta(accepted=True, num_prompt_tokens=len(request.prompt_token_ids))))
 

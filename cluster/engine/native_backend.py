@@ -14,7 +14,7 @@ from typing import AsyncIterator
 from cluster.config import TandemConfig, with_overrides
 from cluster.config_serve import ReplicaGroupConfig
 from cluster.engine.async_engine import AsyncEngine, EngineDeadError
-from cluster.engine.backend import BackendContext, EngineUnhealthyError, SpecState, error_param
+from cluster.engine.backend import BackendContext, EngineUnhealthyError, SpecState, input_error
 from cluster.engine.engine import Engine
 from cluster.engine.engine_view import EngineView, output_delta
 from cluster.engine.protocol import ErrorInfo, GenerateDelta, GenerateRequest, QueueFullError
@@ -49,7 +49,7 @@ class NativeBackend:
             yield GenerateDelta(error=ErrorInfo(429, str(err), "rate_limit_error"))
             return
         except ValueError as err:
-            yield GenerateDelta(error=ErrorInfo(400, str(err), param=error_param(err)))
+            yield GenerateDelta(error=input_error(err))
             return
         except EngineDeadError as err:  # the engine failed before this request's first token
             self._failed = str(err)

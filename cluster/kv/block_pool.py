@@ -18,6 +18,7 @@ in use is never in the queue, so a referenced prefix is never evicted. Lookup, h
 from __future__ import annotations
 
 from collections import OrderedDict
+from typing import Callable
 
 from cluster.kv.prefix_cache import BlockHash
 
@@ -104,6 +105,14 @@ class BlockPool:
         """The names of every block findable in the prefix cache now (used or free), as a
         snapshot list in no particular order."""
         return [self.block_hash[b] for b in self._cached.values()]
+
+    def forget(self, named: Callable[[BlockHash], bool]) -> int:
+        """Drop the cached names ``named`` picks from blocks no request holds (their KV is no longer
+        what the name says); how many."""
+        stale = [b for b in self._cached.values() if self.ref_cnt[b] == 0 and named(self.block_hash[b])]
+        for b in stale:
+            self._evict(b)
+        return len(stale)
 
     def _evict(self, block_id: int) -> None:
         block_hash = self.block_hash[block_id]

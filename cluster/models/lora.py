@@ -157,12 +157,41 @@ class LoRABatch:
 
 
 class LoRAState:
-    """The adapters an engine serves (slot i + 1 holds adapter i) and the step's batch, read by
-    every ``LoRALinear`` of the model."""
+    """The adapters an engine serves and the step's batch, read by every ``LoRALinear`` of the model.
 
-    def __init__(self, adapters: list[LoRAAdapter]) -> None:
-        self.slots = {adapter.name: index + 1 for index, adapter in enumerate(adapters)}
+    Each adapter added gets the next slot (1, 2, ...; slot 0 is the base model), never one used
+    before, so a projection's columns stay in slot order as adapters come and go."""
+
+    def __init__(self, modules: list[dict[str, "LoRALinear"]], device: torch.device, dtype: torch.dtype) -> None:
+        self.slots: dict[str, int] = {}
         self.batch: LoRABatch | None = None
+        self.modules = modules  # per layer: fused projection name -> its wrapper
+        self.device, self.dtype = device, dtype
+        self._next_slot = 1
+
+    def add(self, adapter: LoRAAdapter) -> int:
+        """Stack ``adapter`` onto the wrapped projections it targets; its slot."""
+        if adapter.name in self.slots:
+            raise ValueError(f"LoRA adapter {adapter.name!r} is already loaded")
+        per_module: dict[tuple[int, str], dict[int, tuple[torch.Tensor, torch.Tensor]]] = {}
+        for (layer, module), pair in adapter.weights.items():
+            fused, part = _FUSED[module]
+            if fused not in self.modules[layer]:
+                raise LoRAError(f"LoRA adapter {adapter.name!r} targets {module} of layer {layer}, which no adapter "
+                                "loaded at start targets (model.lora_dir wraps every projection)")
+            per_module.setdefault((layer, fused), {})[part] = pair
+        slot, self._next_slot = self._next_slot, self._next_slot + 1
+        for (layer, fused), parts in per_module.items():
+            self.modules[layer][fused].add(slot, parts, self.device, self.dtype)
+        self.slots[adapter.name] = slot
+        return slot
+
+    def remove(self, name: str) -> None:
+        """Drop an adapter's columns from every projection (no step may be running)."""
+        slot = self.slots.pop(name)
+        for layer in self.modules:
+            for module in layer.values():
+                module.remove(slot)
 
 
 class _PartStack:
@@ -186,6 +215,17 @@ class _PartStack:
         else:
             self.a, self.bt = torch.cat([self.a, a]), torch.cat([self.bt, bt])
             self.column_slots = torch.cat([self.column_slots, slots])
+
+    def remove(self, slot: int) -> None:
+        if slot not in self.columns:
+            return
+        start, end = self.columns.pop(slot)
+        keep = lambda t: torch.cat([t[:start], t[end:]])  # noqa: E731
+        self.a, self.bt, self.column_slots = keep(self.a), keep(self.bt), keep(self.column_slots)
+        width = end - start
+        self.columns = {s: (lo - width, hi - width) if lo >= end else (lo, hi) for s, (lo, hi) in self.columns.items()}
+        if not self.columns:
+            self.a = self.bt = self.column_slots = None
 
 
 class LoRALinear(nn.Module):
@@ -214,6 +254,10 @@ class LoRALinear(nn.Module):
         for part, (a, b) in sorted(parts.items()):
             self.parts[part].add(slot, a.to(device=device, dtype=dtype), b.to(device=device, dtype=dtype))
 
+    def remove(self, slot: int) -> None:
+        for part in self.parts:
+            part.remove(slot)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = self.base(x)
         batch = self.state.batch
@@ -239,29 +283,25 @@ class LoRALinear(nn.Module):
         return out
 
 
-def attach_lora(model: nn.Module, adapters: list[LoRAAdapter]) -> LoRAState:
-    """Wrap every projection an adapter targets; the model then reads ``state.batch`` each step."""
-    state = LoRAState(adapters)
-    if not adapters:
-        return state
+def attach_lora(model: nn.Module, adapters: list[LoRAAdapter], every_projection: bool = False) -> LoRAState | None:
+    """Wrap every projection an adapter targets (``every_projection``: all seven in every layer,
+    for adapters added later) and add ``adapters``; the model then reads ``state.batch`` each step.
+    None when there is nothing to wrap."""
+    if not adapters and not every_projection:
+        return None
     if not isinstance(model, LlamaForCausalLM):
         raise LoRAError(f"LoRA adapters are served for Llama-family models, not {type(model).__name__}")
-    layers = model.layers
     weight = model.embed_tokens.weight  # the model's device and dtype
-    for index, layer in enumerate(layers):
+    state = LoRAState([], weight.device, weight.dtype)
+    targeted = {(layer, _FUSED[module][0]) for adapter in adapters for layer, module in adapter.weights}
+    for index, layer in enumerate(model.layers):
         sizes = {"qkv_proj": [layer.q_size, layer.kv_size, layer.kv_size], "o_proj": [model.config.hidden_size],
                  "gate_up_proj": [layer.intermediate_size] * 2, "down_proj": [model.config.hidden_size]}
-        wrapped: dict[str, LoRALinear] = {}
-        for adapter in adapters:
-            per_module: dict[str, dict[int, tuple[torch.Tensor, torch.Tensor]]] = {}
-            for (layer_index, module), pair in adapter.weights.items():
-                if layer_index == index:
-                    fused, part = _FUSED[module]
-                    per_module.setdefault(fused, {})[part] = pair
-            for fused, parts in per_module.items():
-                if fused not in wrapped:
-                    wrapped[fused] = LoRALinear(getattr(layer, fused), sizes[fused], state)
-                wrapped[fused].add(state.slots[adapter.name], parts, weight.device, weight.dtype)
+        wrapped = {fused: LoRALinear(getattr(layer, fused), part_sizes, state) for fused, part_sizes in sizes.items()
+                   if every_projection or (index, fused) in targeted}
         for fused, module in wrapped.items():
             setattr(layer, fused, module)
+        state.modules.append(wrapped)
+    for adapter in adapters:
+        state.add(adapter)
     return state

@@ -107,7 +107,7 @@ class ModelRunner:
         if verification not in ("auto", "rejection", "coupled"):
             raise ValueError(f"verification must be auto, rejection or coupled, got {verification!r}")
         self.model = model
-        self.lora = lora if lora is not None and lora.slots else None
+        self.lora = lora
         self.short_query_max = None if batch_invariant else SHORT_QUERY_MAX
         self.spec = spec
         self.device = device

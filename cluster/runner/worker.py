@@ -74,14 +74,14 @@ class LoadedModel(NamedTuple):
     dtype: torch.dtype
     max_model_len: int
     spec: KVCacheSpec  # this rank's KV heads
-    lora: LoRAState  # the adapters served beside the model (model.lora_modules)
+    lora: LoRAState | None  # the adapters served beside the model (None: no projection wrapped)
 
 
 def load_model(config: TandemConfig, device: torch.device, tp: TPGroup | None = None) -> LoadedModel:
     """Build the model of ``config`` on ``device`` and load its weights (with ``tp``, only
     this rank's shard of each split tensor is read)."""
-    if tp is not None and config.model.lora_modules:
-        raise ValueError("the native engine serves model.lora_modules in one process, not split over "
+    if tp is not None and (config.model.lora_modules or config.model.lora_dir):
+        raise ValueError("the native engine serves LoRA adapters in one process, not split over "
                          f"{tp.world_size} tensor-parallel ranks (a vLLM group serves them split)")
     source = resolve_model(config.model.model, config.model.cache_dir)
     hf_config = load_hf_config(source)
@@ -106,7 +106,8 @@ def load_model(config: TandemConfig, device: torch.device, tp: TPGroup | None = 
     if tp is not None:
         pack_parallel_linears(model, device, dtype)
     lora = attach_lora(model, [load_adapter(name, path, model, config.model.max_lora_rank)
-                               for name, path in config.model.lora_modules.items()])
+                               for name, path in config.model.lora_modules.items()],
+                       every_projection=config.model.lora_dir is not None)
     cache_dtype = torch.int8 if config.cache.kv_cache_dtype == "int8" else None
     spec = KVCacheSpec(model.num_layers, model.num_kv_heads, model.head_dim, config.cache.block_size, dtype,
                        cache_dtype)

@@ -136,7 +136,7 @@ def test_every_token_gets_its_own_adapters_update(slots, counts):
 
     torch.manual_seed(0)
     base = torch.nn.Linear(6, 5)
-    state = LoRAState([])
+    state = LoRAState([], torch.device("cpu"), torch.float32)
     layer = LoRALinear(base, [3, 2], state)
     ranks = {1: 2, 3: 4}
     updates = {slot: (torch.randn(r, 6), torch.randn(3, r), torch.randn(2, r)) for slot, r in ranks.items()}
@@ -172,7 +172,7 @@ def test_projections_with_the_same_columns_for_other_adapters_do_not_share_a_mas
     from cluster.models.lora import LoRABatch, LoRALinear, LoRAState
 
     torch.manual_seed(1)
-    state = LoRAState([])
+    state = LoRAState([], torch.device("cpu"), torch.float32)
     first, second = LoRALinear(torch.nn.Linear(4, 3), [3], state), LoRALinear(torch.nn.Linear(4, 3), [3], state)
     a1, b1, a2, b2, a3, b3 = torch.randn(2, 4), torch.randn(3, 2), torch.randn(2, 4), torch.randn(3, 2), \
         torch.randn(2, 4), torch.randn(3, 2)
@@ -187,3 +187,32 @@ def test_projections_with_the_same_columns_for_other_adapters_do_not_share_a_mas
     torch.testing.assert_close(got_first, first.base(x) + torch.stack([b1 @ a1 @ x[0], x.new_zeros(3), b3 @ a3 @ x[2]]))
     torch.testing.assert_close(got_second, second.base(x) + torch.stack([x.new_zeros(3), b2 @ a2 @ x[1],
                                                                          b3 @ a3 @ x[2]]))
+
+
+def test_an_adapter_removed_leaves_the_others_columns_right():
+    """Slots 1, 2, 3 stacked, 2 removed, 4 added after: rows of 1, 3 and 4 in one mixed step each get
+    their own update, whether the step mixes them (masked) or is one adapter's run (sliced)."""
+    from cluster.models.lora import LoRABatch, LoRALinear, LoRAState
+
+    torch.manual_seed(2)
+    state = LoRAState([], torch.device("cpu"), torch.float32)
+    layer = LoRALinear(torch.nn.Linear(4, 5), [3, 2], state)
+    updates = {slot: (torch.randn(r, 4), torch.randn(3, r), torch.randn(2, r)) for slot, r in ((1, 2), (2, 3), (3, 1))}
+    for slot, (a, b0, b1) in updates.items():
+        layer.add(slot, {0: (a, b0), 1: (a, b1)}, "cpu", torch.float32)
+    layer.remove(2)
+    del updates[2]
+    updates[4] = (torch.randn(2, 4), torch.randn(3, 2), torch.randn(2, 2))
+    layer.add(4, {0: updates[4][:2], 1: (updates[4][0], updates[4][2])}, "cpu", torch.float32)
+    assert layer.parts[0].columns == {1: (0, 2), 3: (2, 3), 4: (3, 5)} and layer.parts[0].a.shape == (5, 4)
+    for slots in ([1, 0, 3, 4], [0, 3]):
+        x = torch.randn(len(slots), 4)
+        state.batch = LoRABatch.from_token_slots(slots, [1] * len(slots), torch.device("cpu"))
+        got = layer(x)
+        state.batch = None
+        expected = layer.base(x)
+        for row, slot in enumerate(slots):
+            if slot:
+                a, b0, b1 = updates[slot]
+                expected[row] += torch.cat([b0 @ a @ x[row], b1 @ a @ x[row]])
+        torch.testing.assert_close(got, expected)

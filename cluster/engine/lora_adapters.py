@@ -1,0 +1,116 @@
+"""Which LoRA adapters an engine holds: those of ``model.lora_modules``, loaded at start and kept,
+and those of ``model.lora_dir``, loaded when a request first names one.
+
+At most ``model.max_loras`` adapters are loaded at once. A request whose adapter is not loaded
+makes room by unloading the least recently used adapter from ``lora_dir`` that no request in the
+engine (waiting or running) holds; while every one is held, the request waits here, in arrival
+order, and joins the scheduler once a holder finishes (as vLLM's scheduler holds back a request
+whose adapter would exceed its ``max_loras``). Unloading an adapter drops its blocks' names from the
+prefix cache, so an adapter loaded again (its folder may have changed) never reads the KV of
+the one before.
+
+Reading an adapter's folder (``resolve``, when a request is made) and stacking it onto the model
+(``add`` and ``admit_waiting``, between steps) are apart, so an engine stepping in another thread only changes the
+model between steps.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from typing import Iterable
+
+from cluster.config import TandemConfig
+from cluster.errors import NotFoundError, ParamError
+from cluster.kv.block_pool import BlockPool
+from cluster.models.lora import LoRAAdapter, LoRAState, load_adapter
+from cluster.shared.lora_dir import adapter_folder
+from cluster.shared.request import Request
+
+
+class LoRAAdapters:
+    def __init__(self, config: TandemConfig, state: LoRAState | None, model, pool: BlockPool) -> None:
+        self.state, self.model, self.pool = state, model, pool
+        self.static = frozenset(config.model.lora_modules)
+        self.lora_dir = config.model.lora_dir
+        self.max_loras = config.model.max_loras
+        self.max_rank = config.model.max_lora_rank
+        # Requests whose adapter has no room yet, in arrival order, each with its adapter as read.
+        self.waiting: list[tuple[Request, LoRAAdapter | None]] = []
+        self.num_loads = self.num_unloads = 0
+        self._recent: OrderedDict[str, None] = OrderedDict()  # loaded from lora_dir, least recently used first
+        self._read: dict[str, LoRAAdapter] = {}  # read by resolve, not stacked yet
+
+    @property
+    def loaded(self) -> list[str]:
+        return list(self.state.slots) if self.state is not None else []
+
+    def resolve(self, name: str | None) -> None:
+        """Check that ``name`` (None: the base model) can be served; reads its folder when it is
+        an adapter of ``lora_dir`` not loaded. ParamError (NotFoundError: no such adapter) says why not."""
+        if name is None or name in self.loaded or name in self._read:
+            return
+        if self.lora_dir is None:
+            raise ParamError("model", f"no LoRA adapter {name!r} is served here (adapters: "
+                                      f"{', '.join(self.loaded) or 'none'})")
+        if len(self._read) >= self.max_loras:  # read for requests refused before they were added
+            self._read.clear()
+        self._read[name] = self._load(name)
+
+    def _load(self, name: str) -> LoRAAdapter:
+        folder = adapter_folder(self.lora_dir, name)
+        if folder is None:
+            raise NotFoundError("model", f"the model {name!r} does not exist: no adapter folder {name!r} (with "
+                                         f"adapter_config.json) in model.lora_dir {self.lora_dir}")
+        return load_adapter(name, folder, self.model, self.max_rank)
+
+    def add(self, request: Request, live: Iterable[Request]) -> bool:
+        """Whether ``request`` may join the scheduler now (its adapter loaded, unloading an idle one
+        if there is no room); else it waits here. Raises LoRAError when its folder no longer loads."""
+        name = request.lora_name
+        if name is None or name in self.static:
+            return True
+        adapter = None if name in self.state.slots else (self._read.pop(name, None) or self._load(name))
+        if self._stack(name, adapter, live):
+            return True
+        self.waiting.append((request, adapter))
+        return False
+
+    def _stack(self, name: str, adapter: LoRAAdapter | None, live: Iterable[Request]) -> bool:
+        if name in self.state.slots:
+            self._recent.move_to_end(name)
+            return True
+        if len(self.state.slots) >= self.max_loras:
+            held = {r.lora_name for r in live}
+            idle = next((n for n in self._recent if n not in held), None)
+            if idle is None:
+                return False
+            self._unload(idle)
+        self.state.add(adapter)
+        self._recent[name] = None
+        self.num_loads += 1
+        return True
+
+    def _unload(self, name: str) -> None:
+        self.state.remove(name)
+        del self._recent[name]
+        key = ("lora", name)
+        self.pool.forget(lambda block_hash: key in block_hash.extra_keys)
+        self.num_unloads += 1
+
+    def admit_waiting(self, live: list[Request]) -> list[Request]:
+        """The waiting requests whose adapter is now loaded, in arrival order (``live``: the
+        scheduler's requests; those returned join it)."""
+        admitted, still = [], []
+        for request, adapter in self.waiting:
+            if self._stack(request.lora_name, adapter, live + admitted):
+                admitted.append(request)
+            else:
+                still.append((request, adapter))
+        self.waiting = still
+        return admitted
+
+    def drop(self, request_id: str) -> bool:
+        """Forget a waiting request (aborted); whether it was waiting here."""
+        before = len(self.waiting)
+        self.waiting = [entry for entry in self.waiting if entry[0].request_id != request_id]
+        return len(self.waiting) != before

@@ -1,0 +1,140 @@
+"""Adapters served on demand from ``model.lora_dir``: loaded when a request first names one, at most
+``max_loras`` at once (the least recently used idle one unloaded, its prefix-cache blocks forgotten),
+a request waiting while every adapter is held, outputs equal to PEFT's throughout."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from cluster.config import TandemConfig, with_overrides
+from cluster.engine.backend import input_error
+from cluster.engine.llm import LLM
+from cluster.errors import NotFoundError
+from cluster.models.lora import LoRAError
+from cluster.shared.sampling_params import SamplingParams
+from tests.lora_helpers import peft_model, reference_greedy, save_peft_adapter
+
+MAX_TOKENS = 12
+GREEDY = SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def lora_dir(tiny_llama_dir, tmp_path_factory):
+    root = tmp_path_factory.mktemp("adapters")
+    save_peft_adapter(tiny_llama_dir, root / "all", seed=1)
+    save_peft_adapter(tiny_llama_dir, root / "qv", seed=2, targets=["q_proj", "v_proj"], rank=8, alpha=16)
+    (root / "not-an-adapter").mkdir()
+    return root
+
+
+@pytest.fixture(scope="module")
+def references(tiny_llama_dir, lora_dir):
+    from transformers import AutoModelForCausalLM
+
+    g = torch.Generator().manual_seed(4)
+    prompts = [torch.randint(3, 256, (n,), generator=g).tolist() for n in (7, 33)]
+    expected = {name: reference_greedy(peft_model(tiny_llama_dir, lora_dir / name), prompts, MAX_TOKENS)
+                for name in ("all", "qv")}
+    base = AutoModelForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.float32).eval()
+    expected[None] = reference_greedy(base, prompts, MAX_TOKENS)
+    assert len({str(v) for v in expected.values()}) == 3  # each adapter changes the output
+    return prompts, expected
+
+
+def _llm(tiny_llama_dir, lora_dir, max_loras, num_blocks=128):
+    return LLM(str(tiny_llama_dir), device="cpu", dtype="float32", num_blocks=num_blocks, lora_dir=str(lora_dir),
+               max_loras=max_loras)
+
+
+def _run(llm, prompts, names):
+    outs = llm.generate([p for p in prompts for _ in names], GREEDY, lora=[n for _ in prompts for n in names])
+    return [o.outputs[0].token_ids for o in outs]
+
+
+def _expected(expected, prompts, names):
+    return [expected[name][i] for i in range(len(prompts)) for name in names]
+
+
+def test_adapters_load_on_demand_and_match_peft(tiny_llama_dir, lora_dir, references):
+    prompts, expected = references
+    llm = _llm(tiny_llama_dir, lora_dir, max_loras=4)
+    assert llm.engine.adapters.loaded == []
+    names = ["qv", None, "all"]
+    assert _run(llm, prompts, names) == _expected(expected, prompts, names)
+    assert sorted(llm.engine.adapters.loaded) == ["all", "qv"] and llm.engine.adapters.num_loads == 2
+    llm.engine.check_invariants()
+
+
+def test_a_request_waits_while_every_adapter_is_held(tiny_llama_dir, lora_dir, references):
+    """One adapter at a time: the qv requests wait behind the running all requests, then qv takes the
+    slot once they finish; every output is PEFT's and every block comes back."""
+    prompts, expected = references
+    llm = _llm(tiny_llama_dir, lora_dir, max_loras=1)
+    names = ["all", "qv", None]
+    assert _run(llm, prompts, names) == _expected(expected, prompts, names)
+    adapters = llm.engine.adapters
+    assert (adapters.loaded, adapters.num_loads, adapters.num_unloads, adapters.waiting) == (["qv"], 2, 1, [])
+    llm.engine.check_invariants()
+    assert llm.engine.block_manager.num_free_blocks == llm.engine.block_manager.pool.num_blocks
+
+
+def test_an_unloaded_adapters_cached_blocks_are_forgotten(tiny_llama_dir, lora_dir):
+    prompt = list(range(3, 3 + 48))
+    params = SamplingParams(max_tokens=2, temperature=0)
+    for max_loras, cached_after_the_other in ((2, 32), (1, 0)):
+        llm = _llm(tiny_llama_dir, lora_dir, max_loras=max_loras, num_blocks=64)
+        llm.generate([prompt], params, lora="all")
+        assert llm.generate([prompt], params, lora="all")[0].usage.cached_tokens == 32
+        llm.generate([prompt], params, lora="qv")  # with one slot, unloads all
+        assert llm.generate([prompt], params, lora="all")[0].usage.cached_tokens == cached_after_the_other
+        assert llm.generate([prompt], params)[0].usage.cached_tokens == 0  # never another model's blocks
+
+
+def test_a_waiting_request_can_be_aborted(tiny_llama_dir, lora_dir):
+    engine = _llm(tiny_llama_dir, lora_dir, max_loras=1, num_blocks=32).engine
+    engine.add_request([5, 6, 7], GREEDY, "held", lora="all")
+    engine.add_request([5, 6, 7], GREEDY, "waiting", lora="qv")
+    assert [r.request_id for r, _ in engine.adapters.waiting] == ["waiting"]
+    with pytest.raises(ValueError, match="already in use"):
+        engine.add_request([5], GREEDY, "waiting")
+    engine.step()
+    engine.abort("waiting")
+    assert engine.adapters.waiting == []
+    while engine.has_unfinished():
+        engine.step()
+    assert engine.adapters.loaded == ["all"] and engine.adapters.num_loads == 1
+    engine.check_invariants()
+    assert engine.block_manager.num_free_blocks == engine.block_manager.pool.num_blocks
+
+
+@pytest.mark.parametrize("name", ["missing", "not-an-adapter", "../qv", "qv/", ".hidden", ""])
+def test_a_name_with_no_adapter_folder_is_not_found(tiny_llama_dir, lora_dir, name):
+    llm = _llm(tiny_llama_dir, lora_dir, max_loras=2, num_blocks=16)
+    with pytest.raises(NotFoundError, match="does not exist.*model.lora_dir") as caught:
+        llm.generate([[5, 6]], GREEDY, lora=name)
+    error = input_error(caught.value)
+    assert (error.status, error.param, error.code) == (404, "model", "model_not_found")
+    assert not llm.engine.has_unfinished()
+
+
+def test_an_adapter_that_cannot_be_served_is_refused_by_name(tiny_llama_dir, lora_dir, tmp_path):
+    bad = tmp_path / "dora"
+    bad.mkdir()
+    settings = json.loads((lora_dir / "all" / "adapter_config.json").read_text())
+    (bad / "adapter_config.json").write_text(json.dumps({**settings, "use_dora": True}))
+    (bad / "adapter_model.safetensors").write_bytes((lora_dir / "all" / "adapter_model.safetensors").read_bytes())
+    llm = _llm(tiny_llama_dir, tmp_path, max_loras=2, num_blocks=16)
+    with pytest.raises(LoRAError, match="'dora'.*use_dora=True is not supported") as caught:
+        llm.generate([[5, 6]], GREEDY, lora="dora")
+    assert input_error(caught.value).status == 400
+
+
+def test_lora_dir_settings_are_checked(tiny_llama_dir, lora_dir):
+    with pytest.raises(ValueError, match="max_loras \\(1\\) leaves no room"):
+        with_overrides(TandemConfig(), model=str(tiny_llama_dir), lora_dir=str(lora_dir), max_loras=1,
+                       lora_modules={"all": str(lora_dir / "all")})
+    with pytest.raises(ValueError, match="in one process"):
+        with_overrides(TandemConfig(), model=str(tiny_llama_dir), lora_dir=str(lora_dir), tensor_parallel_size=2)
