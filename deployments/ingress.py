@@ -27,6 +27,7 @@ import logging
 import time
 import uuid
 from functools import partial
+from pathlib import Path
 
 from fastapi import Request
 from fastapi.exceptions import RequestValidationError
@@ -48,6 +49,7 @@ from cluster.api.openai_protocol import (
 )
 from cluster.api.openai_responses import Echo, token_id_name
 from cluster.api.tool_calls import ToolCallParser
+from cluster.shared.lora_dir import adapter_folder, is_adapter_name, listed_adapters
 from cluster.api.tool_formats import choose_tool_format, render_chat
 from cluster.api.tool_request import NO_TOOLS, ToolPlan, plan_tools
 from cluster.config import config_from_dict, group_engine_config
@@ -85,6 +87,7 @@ class OpenAIIngress(ResponsesRoutes):
                                               getattr(self.tokenizer, "chat_template", None))
         self.shapes: dict[str, GroupShape] = {}
         self.adapters: dict[str, dict[str, str]] = {}  # LoRA adapter -> {group that serves it: its folder}
+        self.lora_dirs: dict[str, str] = {}  # group -> the folder it loads adapters from on demand (model.lora_dir)
         self.priority_groups: set[str] = set()  # groups whose engines schedule by priority (scheduler.policy)
         sizes = {}
         for group in serve_config.groups:
@@ -92,6 +95,8 @@ class OpenAIIngress(ResponsesRoutes):
             model = engine_config.model
             for adapter, folder in model.lora_modules.items():
                 self.adapters.setdefault(adapter, {})[group.name] = folder
+            if model.lora_dir is not None:
+                self.lora_dirs[group.name] = model.lora_dir
             if engine_config.scheduler.policy == "priority":
                 self.priority_groups.add(group.name)
             # A group that sets max_model_len needs no model files here (its replicas check it).
@@ -128,10 +133,14 @@ class OpenAIIngress(ResponsesRoutes):
 
     @app.get("/v1/models")
     async def models(self, request: Request):
-        """The served model, then its LoRA adapters."""
+        """The served model, then its LoRA adapters (those of ``lora_modules``, then those in each
+        ``lora_dir`` this replica can read)."""
         if (denied := self._check_key(request)) is not None:
             return denied
-        return {"object": "list", "data": [self._model_card(name) for name in [self.model_name, *self.adapters]]}
+        names = dict.fromkeys([self.model_name, *self.adapters])
+        for lora_dir in self.lora_dirs.values():
+            names.update(dict.fromkeys(listed_adapters(lora_dir)))
+        return {"object": "list", "data": [self._model_card(name) for name in names]}
 
     @app.get("/v1/models/{model:path}")
     async def model(self, model: str, request: Request):
@@ -143,10 +152,10 @@ class OpenAIIngress(ResponsesRoutes):
     def _model_card(self, name: str) -> dict:
         """OpenAI's model object, with vLLM's ``root`` (the model served, or an adapter's folder),
         ``parent`` (an adapter's base model) and ``max_model_len``."""
-        groups = self.adapters.get(name, self.shapes)
+        groups = self._adapter_groups(name) or self.shapes
         root, parent = self.config.model.model, None
-        if name in self.adapters:
-            root, parent = next(iter(self.adapters[name].values())), self.model_name
+        if name != self.model_name:
+            root, parent = next(iter(groups.values())), self.model_name
         return {"id": name, "object": "model", "created": self.created, "owned_by": "tandem", "root": root,
                 "parent": parent, "max_model_len": max(self.shapes[group].max_model_len for group in groups)}
 
@@ -244,9 +253,10 @@ class OpenAIIngress(ResponsesRoutes):
         pinned = request.headers.get("x-tandem-group")
         if pinned is not None and pinned not in self.shapes:
             return _error(400, f"X-Tandem-Group names no replica group: {pinned!r}; groups: {', '.join(self.shapes)}")
-        if pinned is not None and body.model in self.adapters and pinned not in self.adapters[body.model]:
+        adapter_groups = self._adapter_groups(body.model)
+        if pinned is not None and adapter_groups and pinned not in adapter_groups:
             return _error(400, f"the replica group {pinned!r} does not serve the LoRA adapter {body.model!r}; groups "
-                               f"that do: {', '.join(self.adapters[body.model])}", param="model")
+                               f"that do: {', '.join(adapter_groups)}", param="model")
         try:
             body.check_supported()
             plan = body.tool_plan(self.tool_format) if chat else NO_TOOLS
@@ -268,14 +278,31 @@ class OpenAIIngress(ResponsesRoutes):
 
     def _answering_model(self, model: str) -> str:
         """The ``model`` a response names: the adapter asked for, else the served model."""
-        return model if model in self.adapters else self.model_name
+        return model if self._adapter_groups(model) else self.model_name
+
+    def _adapter_groups(self, name: str | None) -> dict[str, str]:
+        """{group: folder} of the groups that serve ``name`` as a LoRA adapter: those whose
+        ``lora_modules`` name it, and those whose ``lora_dir`` holds it, or that cannot be read here
+        (their engines then answer 404 for a folder that is not there); empty: not an adapter."""
+        if name is None or name == self.model_name:
+            return {}
+        groups = dict(self.adapters.get(name, {}))
+        for group, lora_dir in self.lora_dirs.items():
+            folder = adapter_folder(lora_dir, name)
+            if folder is None and is_adapter_name(name) and not Path(lora_dir).expanduser().is_dir():
+                folder = Path(lora_dir).expanduser() / name
+            if folder is not None:
+                groups.setdefault(group, str(folder))
+        return groups
 
     def _unknown_model(self, model: str | None, required: bool = False) -> JSONResponse | None:
         """The 404 for a model this server does not serve, the base model or an adapter (None may
         be left out where not ``required``)."""
-        if model == self.model_name or model in self.adapters or (model is None and not required):
+        if model == self.model_name or (model is None and not required) or self._adapter_groups(model):
             return None
         served = ", ".join(repr(name) for name in [self.model_name, *self.adapters])
+        if self.lora_dirs:
+            served += f" and the adapter folders of {', '.join(sorted(set(self.lora_dirs.values())))}"
         return _error(404, f"the model {model!r} does not exist; this server serves {served}",
                       "not_found_error", "model", "model_not_found")
 
@@ -328,9 +355,10 @@ class OpenAIIngress(ResponsesRoutes):
                        constraint: StructuredOutputs | None = None,
                        echoes: list[Echo | None] | None = None) -> list[ChoiceStream]:
         num_logprobs = body.num_logprobs if chat else body.logprobs
-        lora = body.model if body.model in self.adapters else None
+        adapter_groups = self._adapter_groups(body.model)
+        lora = body.model if adapter_groups else None
         shapes = {group: shape for group, shape in self.shapes.items()
-                  if pinned in (None, group) and (lora is None or group in self.adapters[lora])}
+                  if pinned in (None, group) and (lora is None or group in adapter_groups)}
         if body.priority and shapes.keys() & self.priority_groups:  # else every group's engine refuses it by name
             shapes = {group: shape for group, shape in shapes.items() if group in self.priority_groups}
         base_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"

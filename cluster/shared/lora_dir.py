@@ -8,10 +8,15 @@ from pathlib import Path
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._+-]*")  # one folder name, never a path
 
 
+def is_adapter_name(name: str) -> bool:
+    """Whether ``name`` could name an adapter of a ``lora_dir``: one plain folder name."""
+    return bool(_NAME.fullmatch(name))
+
+
 def adapter_folder(lora_dir: str, name: str) -> Path | None:
     """The folder of the adapter ``name`` in ``lora_dir``: None when ``name`` is not one plain folder
     name or the folder holds no ``adapter_config.json`` (from here)."""
-    if not _NAME.fullmatch(name):
+    if not is_adapter_name(name):
         return None
     folder = Path(lora_dir).expanduser() / name
     return folder if (folder / "adapter_config.json").is_file() else None

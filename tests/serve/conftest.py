@@ -1,7 +1,8 @@
 """A real Ray Serve cluster on loopback, serving a tiny random-weight model (drafting
 for itself) in two replica groups: ``fast`` and ``slow`` (the same CPU, with every
 engine step stretched 3x to emulate a slower device); ``fast`` also serves a LoRA adapter, and
-``slow`` schedules by priority (``scheduler.policy: priority``)."""
+``slow`` schedules by priority (``scheduler.policy: priority``) and loads adapters on demand from a
+folder of two (``model.lora_dir``, one loaded at a time)."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from cluster.models.tiny import TINY_CHAT_TEMPLATE, save_tiny_model, save_tiny_t
 API_KEY = "test-key"
 MODEL = "tiny-llama"
 LORA = "tiny-lora"  # the adapter the fast group serves beside MODEL
+DIR_LORAS = ("dir-a", "dir-b")  # the adapters in the slow group's model.lora_dir
 
 
 def scrape_metrics(port: int) -> dict[str, list]:
@@ -54,7 +56,18 @@ def tiny_lora(tiny_chat_model, tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
-def serve_config(tiny_chat_model, tiny_lora):
+def tiny_lora_dir(tiny_chat_model, tmp_path_factory):
+    """A folder of two adapters of the tiny chat model (DIR_LORAS), the slow group's model.lora_dir."""
+    from tests.lora_helpers import save_peft_adapter
+
+    root = tmp_path_factory.mktemp("tiny_lora_dir")
+    save_peft_adapter(tiny_chat_model, root / DIR_LORAS[0], seed=6)
+    save_peft_adapter(tiny_chat_model, root / DIR_LORAS[1], seed=7, targets=["q_proj", "v_proj"], rank=8)
+    return root
+
+
+@pytest.fixture(scope="session")
+def serve_config(tiny_chat_model, tiny_lora, tiny_lora_dir):
     return config_from_dict({
         "model": {"model": str(tiny_chat_model), "max_model_len": 1024},
         "cache": {"num_blocks": 96, "block_size": 16},
@@ -66,7 +79,7 @@ def serve_config(tiny_chat_model, tiny_lora):
             "served_model_name": MODEL, "api_key": API_KEY,
             "groups": [
                 {"name": "fast", "num_cpus": 0.5, "engine": {"lora_modules": {LORA: str(tiny_lora)}}},
-                {"name": "slow", "num_cpus": 0.5, "step_time_scale": 3.0, "engine": {"policy": "priority"}},
+                {"name": "slow", "num_cpus": 0.5, "step_time_scale": 3.0, "engine": {"policy": "priority", "lora_dir": str(tiny_lora_dir), "max_loras": 1}},
             ],
         },
     })

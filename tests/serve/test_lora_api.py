@@ -1,8 +1,11 @@
 """LoRA adapters through the openai client: a request names an adapter as its model and gets PEFT's
 output, the base model's requests beside it keep theirs, only the groups that serve an adapter
-receive its requests, and /v1/models lists the adapters under their base model."""
+receive its requests, and /v1/models lists the adapters under their base model; a group with a
+``lora_dir`` loads its adapters on demand, one at a time here."""
 
 from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
 
 import openai
 import pytest
@@ -10,7 +13,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from tests.lora_helpers import peft_model, reference_greedy
-from tests.serve.conftest import LORA, MODEL
+from tests.serve.conftest import DIR_LORAS, LORA, MODEL
 
 PROMPT = [5, 40, 77, 120, 9, 33, 64, 81, 17]
 MAX_TOKENS = 10
@@ -18,7 +21,7 @@ MAX_TOKENS = 10
 
 def test_an_adapter_is_a_model_of_its_own(client, tiny_chat_model, tiny_lora):
     cards = {card.id: card for card in client.models.list().data}
-    assert list(cards) == [MODEL, LORA]
+    assert list(cards) == [MODEL, LORA, *DIR_LORAS]
     assert cards[LORA].model_extra["parent"] == MODEL and cards[LORA].model_extra["root"] == str(tiny_lora)
     assert client.models.retrieve(LORA).id == LORA
     base = AutoModelForCausalLM.from_pretrained(tiny_chat_model, dtype=torch.float32).eval()
@@ -47,3 +50,27 @@ def test_adapter_requests_go_only_where_the_adapter_is_served(client):
     with pytest.raises(openai.NotFoundError) as err:
         client.completions.create(model="other-lora", prompt=PROMPT, max_tokens=2)
     assert LORA in err.value.body["message"]
+
+
+def test_adapters_of_a_lora_dir_load_on_demand(client, tiny_chat_model, tiny_lora_dir):
+    """Both adapters of the slow group's folder at once, with room for one: each request gets PEFT's
+    output (one adapter waits for the other's requests, then takes its place)."""
+    card = client.models.retrieve(DIR_LORAS[1])
+    assert card.model_extra["parent"] == MODEL and card.model_extra["root"] == str(tiny_lora_dir / DIR_LORAS[1])
+    expected = {name: reference_greedy(peft_model(tiny_chat_model, tiny_lora_dir / name), [PROMPT], MAX_TOKENS)[0]
+                for name in DIR_LORAS}
+    assert expected[DIR_LORAS[0]] != expected[DIR_LORAS[1]]
+    names = [*DIR_LORAS, *DIR_LORAS]
+    with ThreadPoolExecutor(len(names)) as pool:
+        outs = list(pool.map(lambda name: client.completions.create(
+            model=name, prompt=PROMPT, max_tokens=MAX_TOKENS, temperature=0,
+            extra_body={"ignore_eos": True, "return_token_ids": True}), names))
+    for name, out in zip(names, outs):
+        assert out.choices[0].model_extra["token_ids"] == expected[name] and out.model == name
+    with pytest.raises(openai.NotFoundError) as err:
+        client.completions.create(model="dir-c", prompt=PROMPT, max_tokens=2)
+    assert str(tiny_lora_dir) in err.value.body["message"] and err.value.body["param"] == "model"
+    pinned = client.with_options(default_headers={"X-Tandem-Group": "fast"})
+    with pytest.raises(openai.BadRequestError) as err:
+        pinned.completions.create(model=DIR_LORAS[0], prompt=PROMPT, max_tokens=2)
+    assert "slow" in err.value.body["message"]
