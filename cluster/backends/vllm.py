@@ -31,6 +31,7 @@ from typing import AsyncIterator
 import torch
 
 from cluster.backends.vllm_args import SpecPlan, VllmSettings, vllm_settings
+from cluster.backends.vllm_lora import VllmAdapters
 from cluster.backends.vllm_stats import VllmStatsRecorder
 from cluster.config import TandemConfig
 from cluster.config_serve import ReplicaGroupConfig
@@ -92,10 +93,7 @@ class VllmBackend:
                                                 stat_loggers=[stat_logger(self.recorder.record)])
         self.max_model_len = int(self.engine.model_config.max_model_len)
         self.block_size = int(self.engine.vllm_config.cache_config.block_size or config.cache.block_size)
-        from vllm.lora.request import LoRARequest  # here, not at the top: vLLM is optional
-
-        self._lora_requests = {name: LoRARequest(name, index + 1, folder)
-                               for index, (name, folder) in enumerate(config.model.lora_modules.items())}
+        self.adapters = VllmAdapters(config, self.engine)
         self._num_pending = 0  # requests handed to vLLM that no step has reported yet
         self._num_inflight = 0  # requests between acknowledgement and last delta (or abort)
         self._failed: str | None = None
@@ -118,7 +116,10 @@ class VllmBackend:
         prompt = self._TokensPrompt(prompt_token_ids=list(request.prompt_token_ids))
         if request.cache_salt is not None:
             prompt["cache_salt"] = request.cache_salt
-        lora = self._lora_requests[request.lora] if request.lora is not None else None
+        lora = await self.adapters.request_for(request.lora)
+        if isinstance(lora, ErrorInfo):
+            yield GenerateDelta(error=lora)
+            return
         stream = self.engine.generate(prompt, params, request.request_id, lora_request=lora,
                                       priority=request.sampling_params.priority)
         self.recorder.submitted()
@@ -172,10 +173,8 @@ class VllmBackend:
             check_priority(request.sampling_params, self.config.scheduler.policy)
         except ValueError as err:
             return ErrorInfo(400, str(err), param=error_param(err))
-        if request.lora is not None and request.lora not in self._lora_requests:
-            known = ", ".join(self._lora_requests) or "none"
-            return ErrorInfo(400, f"no LoRA adapter {request.lora!r} is served here (adapters: {known})",
-                             param="model")
+        if (problem := self.adapters.check(request.lora)) is not None:
+            return problem
         bad = [t for t in ids if not isinstance(t, int) or not 0 <= t < self.vocab_size]
         if bad:
             message = f"prompt token ids must be integers in [0, {self.vocab_size}), got {bad[:3]}"

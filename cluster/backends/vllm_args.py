@@ -82,7 +82,9 @@ def vllm_settings(config: TandemConfig, tensor_parallel_size: int, model_path: s
         args["kv_cache_memory_bytes"] = memory
     elif c.num_blocks is not None:
         args["num_gpu_blocks_override"] = c.num_blocks
-    if m.lora_modules:  # every adapter may be in one batch, as in the native engine
+    if m.lora_dir is not None:  # as many loaded, and in one batch, as the native engine holds
+        args.update(enable_lora=True, max_loras=m.max_loras, max_cpu_loras=m.max_loras, max_lora_rank=m.max_lora_rank)
+    elif m.lora_modules:  # every adapter may be in one batch, as in the native engine
         args.update(enable_lora=True, max_loras=len(m.lora_modules), max_lora_rank=m.max_lora_rank)
     spec = _spec_plan(config, profile_table, has_batch_size_schedule)
     if spec.method != "none":

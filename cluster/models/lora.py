@@ -113,6 +113,12 @@ def projection_shape(hf_config, module: str) -> tuple[int, int]:
                                hf_config.num_key_value_heads * head_dim, module)
 
 
+def adapter_bytes(hf_config, rank: int, element_size: int) -> int:
+    """The most one adapter of rank ``rank`` can take: every projection of every layer."""
+    features = sum(sum(projection_shape(hf_config, module)) for module in TARGETS)
+    return rank * features * hf_config.num_hidden_layers * element_size
+
+
 @dataclass
 class LoRABatch:
     """Which adapter slot each token of a step runs with. When the adapter tokens are one run of

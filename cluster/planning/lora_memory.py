@@ -4,10 +4,12 @@ The native engine holds each adapter at its own size (``cluster/models/lora.py``
 padding): per layer and targeted projection, ``r x (in + out)`` values in the model's dtype,
 ``r`` and the targets read from the adapter's ``adapter_config.json``. An adapter whose folder is
 not readable where the plan is made (a path on the serving nodes) is counted at
-``model.max_lora_rank`` on every projection, and the plan says so.
+``model.max_lora_rank`` on every projection, and the plan says so. With ``model.lora_dir``, the
+rest of ``model.max_loras`` is counted as adapters at ``max_lora_rank`` on every projection: the
+most that adapters loaded on demand can take.
 
 vLLM allocates its LoRA buffers at start-up for ``max_loras`` adapters (Tandem sets it to the
-number of adapters) at ``max_lora_rank`` on every projection, whatever the adapters hold; a
+number of adapters, or to ``model.max_loras`` with a ``lora_dir``) at ``max_lora_rank`` on every projection, whatever the adapters hold; a
 column-parallel projection (q, k, v, gate, up) splits its ``B`` over the tensor-parallel ranks, a
 row-parallel one (o, down) its ``A``.
 """
@@ -52,13 +54,15 @@ def _declared(path: str) -> tuple[int, list[str]] | None:
 
 def lora_bytes(config: TandemConfig, shape: ModelShape, dtype_bytes: int, tp: int, vllm: bool) -> tuple[int, str | None]:
     """Bytes of the group's adapters on one rank, and a note for the plan (None without adapters)."""
-    adapters = config.model.lora_modules
-    if not adapters:
+    adapters, lora_dir = config.model.lora_modules, config.model.lora_dir
+    if not adapters and lora_dir is None:
         return 0, None
     max_rank = config.model.max_lora_rank
+    on_demand = config.model.max_loras - len(adapters) if lora_dir is not None else 0
     if vllm:
-        values = len(adapters) * _per_rank_values(shape, max_rank, TARGETS, tp)
-        return values * dtype_bytes, (f"LoRA: vLLM's buffers for {len(adapters)} adapters at max_lora_rank "
+        count = len(adapters) + on_demand
+        values = count * _per_rank_values(shape, max_rank, TARGETS, tp)
+        return values * dtype_bytes, (f"LoRA: vLLM's buffers for {count} adapters at max_lora_rank "
                                       f"{max_rank} on every projection")
     values, unread = 0, []
     for name, path in adapters.items():
@@ -67,7 +71,10 @@ def lora_bytes(config: TandemConfig, shape: ModelShape, dtype_bytes: int, tp: in
             unread.append(name)
             declared = (max_rank, list(TARGETS))
         values += _per_rank_values(shape, *declared, tp)
+    values += on_demand * _per_rank_values(shape, max_rank, TARGETS, tp)
     note = f"LoRA: {len(adapters)} adapters, each at its own rank and targets"
+    if on_demand:
+        note += f", and room for {on_demand} from model.lora_dir at max_lora_rank {max_rank} on every projection"
     if unread:
         note += (f"; {', '.join(unread)} not readable here (no adapter_config.json): counted at max_lora_rank "
                  f"{max_rank} on every projection")

@@ -12,7 +12,7 @@ from cluster.config import TandemConfig
 from cluster.kernels.packed_linear import pack_linears
 from cluster.models.layers.cpu_ops import attach_decode_ops
 from cluster.models.hf_folder import iter_lazy_weights, iter_weights
-from cluster.models.lora import LoRAState, attach_lora, load_adapter
+from cluster.models.lora import LoRAState, adapter_bytes, attach_lora, load_adapter
 from cluster.models.loader import load_hf_config, load_tokenizer_if_present, resolve_model
 from cluster.models.registry import build_model, engine_max_model_len, resolve_dtype
 from cluster.parallel.group import TPGroup
@@ -53,7 +53,7 @@ class Worker:
         device = default_device(config.device.device)
         started = time.monotonic()
         loaded = load_model(config, device)
-        num_blocks = num_kv_blocks(config, loaded.spec, device)
+        num_blocks = num_kv_blocks(config, loaded.spec, device, on_demand_lora_bytes(config, loaded))
         runner = ModelRunner(loaded.model, num_blocks, loaded.spec, device, config.model.batch_invariant,
                              config.speculative.verification, config.speculative.method == "draft",
                              choose_attention(config, device, loaded.max_model_len), lora=loaded.lora)
@@ -114,12 +114,23 @@ def load_model(config: TandemConfig, device: torch.device, tp: TPGroup | None = 
     return LoadedModel(model, hf_config, tokenizer, dtype, max_model_len, spec, lora)
 
 
-def num_kv_blocks(config: TandemConfig, spec: KVCacheSpec, device: torch.device) -> int:
-    """The pool size: ``cache.num_blocks``, else what the memory budget of this device holds."""
+def on_demand_lora_bytes(config: TandemConfig, loaded: LoadedModel) -> int:
+    """Room kept for adapters ``model.lora_dir`` may load: the rest of ``max_loras``, each at
+    ``max_lora_rank`` on every projection (0 without a ``lora_dir``)."""
+    if config.model.lora_dir is None:
+        return 0
+    slots = config.model.max_loras - len(config.model.lora_modules)
+    return slots * adapter_bytes(loaded.hf_config, config.model.max_lora_rank, loaded.dtype.itemsize)
+
+
+def num_kv_blocks(config: TandemConfig, spec: KVCacheSpec, device: torch.device, reserved_bytes: int = 0) -> int:
+    """The pool size: ``cache.num_blocks``, else what the memory budget of this device holds
+    (with no fixed budget, ``kv_cache_fraction`` of its free memory less ``reserved_bytes``, as the
+    memory plan counts it)."""
     num_blocks = config.cache.num_blocks
     if num_blocks is None:
         budget = config.cache.memory_bytes()
         if budget is None:
-            budget = int(free_device_memory(device) * config.cache.kv_cache_fraction)
+            budget = int((free_device_memory(device) - reserved_bytes) * config.cache.kv_cache_fraction)
         num_blocks = num_blocks_for_budget(spec, budget)
     return num_blocks

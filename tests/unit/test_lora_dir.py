@@ -138,3 +138,15 @@ def test_lora_dir_settings_are_checked(tiny_llama_dir, lora_dir):
                        lora_modules={"all": str(lora_dir / "all")})
     with pytest.raises(ValueError, match="in one process"):
         with_overrides(TandemConfig(), model=str(tiny_llama_dir), lora_dir=str(lora_dir), tensor_parallel_size=2)
+
+
+def test_the_room_kept_for_an_adapter_is_one_on_every_projection(tiny_llama_dir, lora_dir):
+    """``adapter_bytes`` (what the worker keeps free per on-demand slot) equals the float32 tensors
+    PEFT saved for a rank-4 adapter on all seven projections."""
+    from safetensors.torch import load_file
+    from transformers import AutoConfig
+
+    from cluster.models.lora import adapter_bytes
+
+    saved = sum(t.numel() * 4 for t in load_file(str(lora_dir / "all" / "adapter_model.safetensors")).values())
+    assert adapter_bytes(AutoConfig.from_pretrained(tiny_llama_dir), 4, 4) == saved

@@ -217,6 +217,12 @@ def test_lora_adapters_are_counted_at_the_size_the_engine_holds_them(tiny_llama_
                      + 2 * shape.num_kv_heads * shape.head_dim)
     assert plan.ranks[0].lora == 4 * per_layer * shape.num_layers
     assert any("elsewhere not readable here" in n for n in plan.notes)
+    # A lora_dir: the rest of max_loras at max_lora_rank on every projection, beside the one above.
+    on_demand = config_from_dict({"model": {**missing.model.model_dump(), "lora_dir": str(tmp_path), "max_loras": 3},
+                                  "cache": {"num_blocks": 16}})
+    plan = plan_memory(on_demand)[0]
+    assert plan.ranks[0].lora == 3 * 4 * per_layer * shape.num_layers
+    assert any("room for 2 from model.lora_dir at max_lora_rank 8" in n for n in plan.notes)
 
 
 def test_vllm_groups_count_lora_buffers_for_every_adapter_at_max_rank():
@@ -237,3 +243,8 @@ def test_vllm_groups_count_lora_buffers_for_every_adapter_at_max_rank():
     assert column + row == 10_176
     assert [r.lora for r in plan(2).ranks] == [2 * split * 30 * 2] * 2
     assert any("vLLM's buffers for 2 adapters at max_lora_rank 16" in n for n in plan(1).notes)
+    on_demand = config_from_dict({"model": {"model": "smollm2-135m-instruct", "dtype": "bfloat16", "max_lora_rank": 16,
+                                            "lora_dir": "/adapters", "max_loras": 3},
+                                  "engine": {"backend": "vllm"}, "cache": {"num_blocks": 64},
+                                  "serve": {"groups": [{"name": "g", "device_kind": "H100"}]}})
+    assert plan_memory(on_demand)[0].ranks[0].lora == 3 * 16 * 10_176 * 30 * 2  # vLLM's max_loras buffers

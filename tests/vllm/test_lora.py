@@ -79,3 +79,42 @@ def test_a_vllm_group_gives_pefts_tokens(setup):
             await backend.shutdown()
 
     assert asyncio.run(run()) == expected["lora"] + expected[None]
+
+
+def test_a_vllm_group_loads_adapters_from_its_lora_dir(setup, tmp_path):
+    """``model.lora_dir`` on a vLLM group: an adapter folder named by a request is handed to vLLM and
+    gives PEFT's tokens; a folder that is not there is a 404 and one vLLM cannot load a 400, and the
+    engine serves on."""
+    import shutil
+
+    from cluster.backends.vllm import VllmBackend
+
+    path, adapter, ids, expected = setup
+    shutil.copytree(adapter, tmp_path / "mine")
+    shutil.copytree(adapter, tmp_path / "broken")
+    (tmp_path / "broken" / "adapter_model.safetensors").write_bytes(b"not a safetensors file")
+    config = config_from_dict({
+        "model": {"model": str(path), "dtype": "float32", "max_model_len": 256, "lora_dir": str(tmp_path),
+                  "max_loras": 1, "max_lora_rank": 8},
+        "cache": {"kv_cache_memory": "64MiB"}, "device": {"device": "cpu", "num_threads": 1},
+        "engine": {"backend": "vllm", "vllm_args": {"enforce_eager": True}},
+        "serve": {"groups": [{"name": "vllm", "engine": "vllm"}]},
+    })
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True)
+
+    async def run():
+        backend = VllmBackend(config, config.serve.groups[0], BackendContext())
+        try:
+            async def one(rid: str, prompt: list[int], lora: str | None):
+                return [d async for d in backend.generate(GenerateRequest(rid, prompt, params, lora=lora))]
+
+            missing, broken = await one("m", ids[0], "missing"), await one("b", ids[0], "broken")
+            served = await asyncio.gather(*(one(f"r{i}", p, "mine") for i, p in enumerate(ids)))
+            return missing, broken, served
+        finally:
+            await backend.shutdown()
+
+    missing, broken, served = asyncio.run(run())
+    assert (missing[0].error.status, missing[0].error.code) == (404, "model_not_found")
+    assert broken[0].error.status == 400 and "'broken' cannot be loaded" in broken[0].error.message
+    assert [[t for d in deltas for t in d.token_ids] for deltas in served] == expected["lora"]

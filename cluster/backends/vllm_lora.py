@@ -1,0 +1,55 @@
+"""The LoRA adapters of a vLLM group: ``model.lora_modules``, and the folders of ``model.lora_dir``,
+each handed to vLLM the first time a request names it.
+
+An adapter from ``lora_dir`` gets the next ``LoRARequest`` id and is loaded through vLLM's
+``add_lora`` before its first request, so an adapter vLLM cannot load is that request's 400 (as
+vLLM's server answers for its own LoRA resolvers), not a failed step; vLLM then keeps at most
+``max_cpu_loras`` of them (``model.max_loras``), least recently used out first, and reloads an
+adapter it dropped when a request names it again.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+from cluster.config import TandemConfig
+from cluster.engine.protocol import ErrorInfo
+from cluster.shared.lora_dir import adapter_folder
+
+
+class VllmAdapters:
+    def __init__(self, config: TandemConfig, engine) -> None:
+        from vllm.lora.request import LoRARequest  # here, not at the top: vLLM is optional
+
+        self._make = LoRARequest
+        self.engine = engine
+        self.lora_dir = config.model.lora_dir
+        self._ids = itertools.count(1)
+        self.requests = {name: LoRARequest(name, next(self._ids), folder)
+                         for name, folder in config.model.lora_modules.items()}
+
+    def check(self, name: str | None) -> ErrorInfo | None:
+        """Why ``name`` cannot be served here (None: it can, or it is the base model)."""
+        if name is None or name in self.requests:
+            return None
+        if self.lora_dir is None:
+            return ErrorInfo(400, f"no LoRA adapter {name!r} is served here (adapters: "
+                                  f"{', '.join(self.requests) or 'none'})", param="model")
+        if adapter_folder(self.lora_dir, name) is None:
+            return ErrorInfo(404, f"the model {name!r} does not exist: no adapter folder {name!r} (with "
+                                  f"adapter_config.json) in model.lora_dir {self.lora_dir}", "not_found_error",
+                             "model", "model_not_found")
+        return None
+
+    async def request_for(self, name: str | None):
+        """``name``'s LoRARequest (None for the base model), handed to vLLM first when it comes from
+        ``lora_dir``; an ErrorInfo when vLLM cannot load it. ``check`` it first."""
+        if name is None or name in self.requests:
+            return self.requests.get(name)
+        request = self.requests[name] = self._make(name, next(self._ids), str(adapter_folder(self.lora_dir, name)))
+        try:
+            await self.engine.add_lora(request)
+        except Exception as err:  # vLLM's message says what is wrong with the folder
+            del self.requests[name]
+            return ErrorInfo(400, f"LoRA adapter {name!r} cannot be loaded: {err}", param="model")
+        return request
