@@ -72,7 +72,7 @@ class AsyncEngine:
     @property
     def num_waiting(self) -> int:
         """Requests queued in the engine or about to be."""
-        return self.engine.scheduler.num_waiting + len(self._pending_adds)
+        return self.engine.num_waiting + len(self._pending_adds)
 
     @property
     def tokenizer(self):

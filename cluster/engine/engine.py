@@ -196,6 +196,11 @@ class Engine:
         self.worker.runner.free_request(request_id)
         self._states.pop(request_id, None)
 
+    @property
+    def num_waiting(self) -> int:
+        """Requests waiting: in the scheduler's queue, or for their adapter to be loaded."""
+        return self.scheduler.num_waiting + len(self.adapters.waiting)
+
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished() or bool(self.adapters.waiting)
 
@@ -338,7 +343,7 @@ class Engine:
         bm, sched = self.block_manager, self.scheduler
         return EngineStats(
             num_running=sched.num_running,
-            num_waiting=sched.num_waiting,
+            num_waiting=self.num_waiting,
             kv_cache_usage=bm.usage,
             num_preemptions=sched.num_preemptions,
             num_computed_tokens=sched.num_computed_tokens_total,

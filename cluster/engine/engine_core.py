@@ -76,8 +76,8 @@ class EngineCore:
         request = message.request
         rid = request.request_id
         limit = self.config.scheduler.max_queued_requests
-        if limit is not None and self.engine.scheduler.num_waiting >= limit:
-            text = f"{self.engine.scheduler.num_waiting} requests are already waiting (max_queued_requests={limit})"
+        if limit is not None and self.engine.num_waiting >= limit:
+            text = f"{self.engine.num_waiting} requests are already waiting (max_queued_requests={limit})"
             self._out.deltas.append((rid, GenerateDelta(error=ErrorInfo(429, text, "rate_limit_error"))))
             return
         try:

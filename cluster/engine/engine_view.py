@@ -45,7 +45,7 @@ class EngineView:
         self.step_times = step_times
         self.config = config
         # Requests queued in the engine, plus any a host holds before handing them over.
-        self._num_waiting = num_waiting or (lambda: engine.scheduler.num_waiting)
+        self._num_waiting = num_waiting or (lambda: engine.num_waiting)
 
     def load(self, prefix_depth: int) -> EngineLoad:
         engine = self.engine
@@ -100,4 +100,6 @@ class EngineView:
             "num_free_blocks": pool.num_free_blocks,
             "num_preemptions": stats.num_preemptions,
             "prefix_cache_hit_rate": stats.prefix_cache_hit_rate,
+            "lora_adapters": {"loaded": engine.adapters.loaded, "loads": engine.adapters.num_loads,
+                              "unloads": engine.adapters.num_unloads},
         }

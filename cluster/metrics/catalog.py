@@ -105,6 +105,11 @@ METRICS: tuple[MetricSpec, ...] = (
     _g("tandem_capacity_tokens_per_second", "tokens/s",
        "predicted peak output-token throughput: max over batch sizes of b * E(k) / step time, from the "
        "replica's step-time curve (profile corrected by live timings), current k and acceptance"),
+    _g("tandem_lora_adapters_loaded", "adapters", "LoRA adapters loaded in the engine (lora_modules and those "
+       "loaded on demand from lora_dir; native engine, when it serves adapters)"),
+    _g("tandem_lora_requests_waiting", "requests", "requests waiting for their adapter to be loaded: every one "
+       "of max_loras held (also counted in num_requests_waiting)"),
+    _c("tandem_lora_adapter_loads", "adapters", "adapters loaded on demand from lora_dir"),
     _c("tandem_router_decisions", "requests", "requests the ingress sent to each replica group",
        labels=("group",), source="ingress"),
 )

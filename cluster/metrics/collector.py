@@ -161,6 +161,11 @@ class EngineMetricsCollector:
         self._advance("prefix_cache_queries", stats.prefix_cache_queries)
         self._advance("prefix_cache_hits", stats.prefix_cache_hits)
         self._advance("num_preemptions", stats.num_preemptions)
+        if engine.worker.runner.lora is not None:
+            adapters = engine.adapters
+            self.sink.set("tandem_lora_adapters_loaded", len(adapters.loaded))
+            self.sink.set("tandem_lora_requests_waiting", len(adapters.waiting))
+            self._advance("tandem_lora_adapter_loads", adapters.num_loads)
         controller = engine.controller
         if controller is None:
             return

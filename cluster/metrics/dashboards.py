@@ -142,6 +142,12 @@ REPLICAS = DashboardSpec(
                     f"max by (group, replica) (ray_kv_cache_usage_perc{_R})", unit="percentunit"),
         _by_replica("Preemptions/s", "Requests preempted (to be recomputed) for lack of KV blocks.",
                     f"sum by (group, replica) (rate(ray_num_preemptions_total{_R}{RATE}))", unit="ops"),
+        _by_replica("LoRA adapters loaded", "Adapters loaded in the engine (lora_modules and those loaded on "
+                    "demand from lora_dir, at most max_loras).",
+                    f"max by (group, replica) (ray_tandem_lora_adapters_loaded{_R})"),
+        _by_replica("Requests waiting for an adapter", "Requests whose adapter waits for room: every one of "
+                    "max_loras held by requests in the engine.",
+                    f"sum by (group, replica) (ray_tandem_lora_requests_waiting{_R})"),
         Row("Speculation"),
         Panel("Speculation length k against batch size",
               "Lines: the k the controller chose for the latest step (left axis). Dashed, right axis: "

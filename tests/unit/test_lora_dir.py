@@ -13,6 +13,7 @@ from cluster.config import TandemConfig, with_overrides
 from cluster.engine.backend import input_error
 from cluster.engine.llm import LLM
 from cluster.errors import NotFoundError
+from cluster.metrics.collector import EngineMetricsCollector, MemorySink
 from cluster.models.lora import LoRAError
 from cluster.shared.sampling_params import SamplingParams
 from tests.lora_helpers import peft_model, reference_greedy, save_peft_adapter
@@ -98,6 +99,13 @@ def test_a_waiting_request_can_be_aborted(tiny_llama_dir, lora_dir):
     engine.add_request([5, 6, 7], GREEDY, "held", lora="all")
     engine.add_request([5, 6, 7], GREEDY, "waiting", lora="qv")
     assert [r.request_id for r, _ in engine.adapters.waiting] == ["waiting"]
+    assert engine.num_waiting == engine.stats().num_waiting == 2  # the router and metrics count it
+    sink = MemorySink()
+    EngineMetricsCollector(engine, sink).poll()
+    assert {name: sink.gauges[(name, ())] for name in ("tandem_lora_adapters_loaded", "tandem_lora_requests_waiting",
+                                                       "num_requests_waiting")} == {
+        "tandem_lora_adapters_loaded": 1, "tandem_lora_requests_waiting": 1, "num_requests_waiting": 2}
+    assert sink.counters[("tandem_lora_adapter_loads", ())] == 1
     with pytest.raises(ValueError, match="already in use"):
         engine.add_request([5], GREEDY, "waiting")
     engine.step()
