@@ -20,7 +20,7 @@ from pathlib import Path, PurePosixPath
 
 import yaml
 
-from cluster.config import ConfigError, TandemConfig, config_from_dict
+from cluster.config import ConfigError, TandemConfig, config_from_dict, group_engine_config
 from cluster.k8s.alerts import prometheus_rule
 from cluster.k8s.disruption import disruption_budgets
 from cluster.k8s.monitoring import pod_monitors
@@ -83,10 +83,16 @@ def with_ingress_replicas(config: TandemConfig, embedded: dict) -> dict:
 
 
 def check_paths_on_volume(config: TandemConfig, mount_paths: list[str]) -> None:
-    """ConfigError unless every model and profile path lies under one of ``mount_paths``."""
+    """ConfigError unless every model, adapter and profile path lies under one of ``mount_paths``."""
     paths = {"model.model": config.model.model, "speculative.draft_model": config.speculative.draft_model,
-             "speculative.profile": config.speculative.profile}
-    paths.update({f"serve.groups[{g.name}].profile": g.profile for g in config.serve.groups})
+             "speculative.profile": config.speculative.profile, "model.lora_dir": config.model.lora_dir}
+    paths.update({f"model.lora_modules.{name}": folder for name, folder in config.model.lora_modules.items()})
+    for group in config.serve.groups:
+        model = group_engine_config(config, group.name).model
+        paths[f"serve.groups[{group.name}].profile"] = group.profile
+        paths.setdefault(f"serve.groups[{group.name}].engine.lora_dir", model.lora_dir)
+        paths.update({f"serve.groups[{group.name}].engine.lora_modules.{name}": folder
+                      for name, folder in model.lora_modules.items() if name not in config.model.lora_modules})
     roots = [PurePosixPath(m) for m in mount_paths]
     for key, value in paths.items():
         if value is None:
@@ -94,7 +100,7 @@ def check_paths_on_volume(config: TandemConfig, mount_paths: list[str]) -> None:
         path = PurePosixPath(value)
         if not path.is_absolute() or not any(root in path.parents for root in roots):
             raise ConfigError(
-                f"{key} is {value!r}: on Kubernetes every model and profile is read from the weights volume, "
+                f"{key} is {value!r}: on Kubernetes every model, adapter and profile is read from the weights volume, "
                 f"so give an absolute path under {' or '.join(mount_paths) or 'a mounted volume'} "
                 "(kubernetes.model_volume.mount_path); nothing is downloaded at start")
 

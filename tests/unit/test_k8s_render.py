@@ -84,6 +84,7 @@ def test_models_and_profiles_must_come_from_the_volume(tmp_path):
         (("model", "model"), "smollm2-135m-instruct", "model.model is 'smollm2-135m-instruct'"),
         (("speculative", "draft_model"), "drafts/llama-1b", "speculative.draft_model"),
         (("model", "model"), "/models-other/llama", "under /models"),
+        (("model", "lora_dir"), "adapters", "model.lora_dir is 'adapters'"),
     ]:
         broken = copy.deepcopy(data)
         broken[key[0]][key[1]] = value
@@ -95,6 +96,11 @@ def test_models_and_profiles_must_come_from_the_volume(tmp_path):
     broken["serve"]["groups"][0]["profile"] = "profiles/l4.json"  # relative: beside the file on this machine only
     path.write_text(yaml.safe_dump(broken))
     with pytest.raises(ConfigError, match=r"serve.groups\[l4\].profile"):
+        read_config(path)
+    broken = copy.deepcopy(data)
+    broken["serve"]["groups"][0]["engine"] = {"lora_modules": {"sql": "/tmp/sql-lora"}}
+    path.write_text(yaml.safe_dump(broken))
+    with pytest.raises(ConfigError, match=r"serve.groups\[l4\].engine.lora_modules.sql is '/tmp/sql-lora'"):
         read_config(path)
 
 
