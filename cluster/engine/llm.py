@@ -33,7 +33,8 @@ class LLM:
         lora: str | Sequence[str | None] | None = None,
     ) -> list[RequestOutput]:
         """Outputs in the order of ``prompts``. Every prompt is validated before any runs.
-        ``lora``: the adapter (a name of ``model.lora_modules``) of every prompt, or one per prompt."""
+        ``lora``: the adapter (a name of ``model.lora_modules`` or a folder of ``model.lora_dir``) of
+        every prompt, or one per prompt."""
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
