@@ -10,8 +10,8 @@ prefix cache, so an adapter loaded again (its folder may have changed) never rea
 the one before.
 
 Reading an adapter's folder (``resolve``, when a request is made) and stacking it onto the model
-(``add`` and ``admit_waiting``, between steps) are apart, so an engine stepping in another thread only changes the
-model between steps.
+(``add`` and ``admit_waiting``, between steps) are apart, so an engine stepping in another
+thread only changes the model between steps.
 """
 
 from __future__ import annotations
@@ -47,7 +47,7 @@ class LoRAAdapters:
     def resolve(self, name: str | None) -> None:
         """Check that ``name`` (None: the base model) can be served; reads its folder when it is
         an adapter of ``lora_dir`` not loaded. ParamError (NotFoundError: no such adapter) says why not."""
-        if name is None or name in self.loaded or name in self._read:
+        if name is None or (self.state is not None and name in self.state.slots) or name in self._read:
             return
         if self.lora_dir is None:
             raise ParamError("model", f"no LoRA adapter {name!r} is served here (adapters: "
@@ -70,7 +70,8 @@ class LoRAAdapters:
         if name is None or name in self.static:
             return True
         adapter = None if name in self.state.slots else (self._read.pop(name, None) or self._load(name))
-        if self._stack(name, adapter, live):
+        # Behind requests already waiting for room, an adapter to load waits too (arrival order).
+        if (adapter is None or not self.waiting) and self._stack(name, adapter, live):
             return True
         self.waiting.append((request, adapter))
         return False

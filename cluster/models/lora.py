@@ -226,8 +226,8 @@ class _PartStack:
         if slot not in self.columns:
             return
         start, end = self.columns.pop(slot)
-        keep = lambda t: torch.cat([t[:start], t[end:]])  # noqa: E731
-        self.a, self.bt, self.column_slots = keep(self.a), keep(self.bt), keep(self.column_slots)
+        self.a, self.bt, self.column_slots = (torch.cat([t[:start], t[end:]]) for t in (self.a, self.bt,
+                                                                                       self.column_slots))
         width = end - start
         self.columns = {s: (lo - width, hi - width) if lo >= end else (lo, hi) for s, (lo, hi) in self.columns.items()}
         if not self.columns:
