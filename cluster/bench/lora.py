@@ -10,6 +10,11 @@ environment (``offline_vllm.VllmRunner``: the same threads on every core). Each 
 short warm-up, then the best of ``--repeats`` timed runs. Reported: output tok/s, each
 workload over its system's ``base`` (the cost of adapters), Tandem over vLLM, and how many
 requests' greedy tokens the two systems agree on (rounding may split a near tie).
+
+``--max-loras N`` (fewer than ``--num-adapters``) serves the adapters on demand instead: Tandem
+from a ``model.lora_dir`` holding them with ``model.max_loras`` N, vLLM with ``max_loras`` and
+``max_cpu_loras`` N; the ``mixed`` workload then has requests wait for room and adapters loaded
+again and again, and measures what that swapping costs each system.
 """
 
 from __future__ import annotations
@@ -44,6 +49,8 @@ def add_lora_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--output-len", type=positive_int, default=64)
     parser.add_argument("--rank", type=positive_int, default=16)
     parser.add_argument("--num-adapters", type=positive_int, default=4)
+    parser.add_argument("--max-loras", type=positive_int,
+                        help="adapters held at once, loaded on demand (default: every adapter, loaded at start)")
     parser.add_argument("--repeats", type=positive_int, default=2)
     parser.add_argument("--systems", default="tandem,vllm", type=lambda t: [s for s in t.split(",") if s],
                         help="tandem and/or vllm")
@@ -83,9 +90,12 @@ class Cell:
 
 
 class _TandemLoRA:
-    def __init__(self, model: str, dtype: str, max_num_seqs: int, adapters: dict[str, str], rank: int) -> None:
-        self.llm = LLM(model, dtype=dtype, max_num_seqs=max_num_seqs, kv_cache_memory="2GiB",
-                       lora_modules=adapters, max_lora_rank=rank)
+    def __init__(self, model: str, dtype: str, max_num_seqs: int, adapters: dict[str, str], rank: int,
+                 lora_dir: str | None = None, max_loras: int | None = None) -> None:
+        """``max_loras``: serve the adapters from ``lora_dir`` on demand, that many at once."""
+        where = dict(lora_dir=lora_dir, max_loras=max_loras) if max_loras else dict(lora_modules=adapters)
+        self.llm = LLM(model, dtype=dtype, max_num_seqs=max_num_seqs, kv_cache_memory="2GiB", max_lora_rank=rank,
+                       **where)
         self.last_token_ids: list[list[int]] = []
 
     def generate(self, prompt_ids: list[list[int]], output_len: int, adapters: list[str | None]) -> int:
@@ -120,11 +130,12 @@ def run_lora_bench(args: argparse.Namespace) -> dict:
         for system in args.systems:
             console.print(f"loading {system} with {len(adapters)} adapters of rank {args.rank}")
             if system == "tandem":
-                runner = _TandemLoRA(str(source.path), args.dtype, max(args.batch_sizes), adapters, args.rank)
+                runner = _TandemLoRA(str(source.path), args.dtype, max(args.batch_sizes), adapters, args.rank, tmp,
+                                     args.max_loras)
             elif system == "vllm":
                 runner = VllmRunner(args.vllm_python or DEFAULT_VLLM_PYTHON, source.path, args.dtype,
                                     max(args.batch_sizes), torch.get_num_threads(), lora_modules=adapters,
-                                    max_lora_rank=args.rank)
+                                    max_lora_rank=args.rank, max_loras=args.max_loras)
             else:
                 raise SystemExit(f"--systems: unknown system {system!r} (tandem, vllm)")
             try:
@@ -165,6 +176,7 @@ def _report(args, cells: list[Cell], tokens: dict) -> dict:
                 row["same_tokens"] = f"{sum(a == b for a, b in pairs)}/{len(pairs)}"
             rows.append(row)
     return {"model": args.model, "dtype": args.dtype, "rank": args.rank, "num_adapters": args.num_adapters,
+            "max_loras": args.max_loras,
             "output_len": args.output_len, "threads": torch.get_num_threads(), "repeats": args.repeats,
             "systems": args.systems, "rows": rows, "cells": [asdict(c) for c in cells]}
 
@@ -172,8 +184,9 @@ def _report(args, cells: list[Cell], tokens: dict) -> dict:
 def _print(console: Console, result: dict) -> None:
     systems = result["systems"]
     both = {"tandem", "vllm"} <= set(systems)
-    table = Table(title=f"LoRA: {result['num_adapters']} adapters of rank {result['rank']} on every projection, "
-                        f"{result['dtype']}, {result['output_len']} tokens, output tok/s", box=box.SIMPLE)
+    held = f", {result['max_loras']} held at once (on demand)" if result["max_loras"] else ""
+    table = Table(title=f"LoRA: {result['num_adapters']} adapters of rank {result['rank']} on every projection"
+                        f"{held}, {result['dtype']}, {result['output_len']} tokens, output tok/s", box=box.SIMPLE)
     table.add_column("batch", justify="right")
     table.add_column("workload")
     for system in systems:

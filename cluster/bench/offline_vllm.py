@@ -32,7 +32,9 @@ from vllm.inputs import TokensPrompt
 from vllm.lora.request import LoRARequest
 path, dtype, max_num_seqs, eager = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4] == "eager"
 adapters, max_lora_rank = json.loads(sys.argv[5]), int(sys.argv[6])
-lora = dict(enable_lora=True, max_loras=len(adapters), max_lora_rank=max_lora_rank) if adapters else {}
+max_loras = int(sys.argv[7]) or len(adapters)  # vLLM reads an adapter it dropped from its folder again
+lora = dict(enable_lora=True, max_loras=max_loras, max_cpu_loras=max_loras,
+            max_lora_rank=max_lora_rank) if adapters else {}
 llm = LLM(model=path, dtype=dtype, max_num_seqs=max_num_seqs, enable_prefix_caching=False, max_model_len=2048,
           seed=0, enforce_eager=eager, **lora)
 requests = {name: LoRARequest(name, i + 1, folder) for i, (name, folder) in enumerate(adapters.items())}
@@ -53,9 +55,11 @@ class VllmRunner:
     """One vLLM engine in a child process; ``generate`` has the other runners' contract."""
 
     def __init__(self, python: Path, model_path: Path, dtype: str, max_num_seqs: int, threads: int,
-                 eager: bool = False, lora_modules: dict[str, str] | None = None, max_lora_rank: int = 64) -> None:
+                 eager: bool = False, lora_modules: dict[str, str] | None = None, max_lora_rank: int = 64,
+                 max_loras: int | None = None) -> None:
         """``eager``: vLLM's ``enforce_eager`` (no graph compilation: starts faster, may run slower);
-        ``lora_modules``: LoRA adapters to serve (name -> PEFT folder), for ``generate``'s ``adapters``."""
+        ``lora_modules``: LoRA adapters to serve (name -> PEFT folder), for ``generate``'s ``adapters``;
+        ``max_loras``: how many vLLM holds at once (``max_loras`` and ``max_cpu_loras``; default all)."""
         if not Path(python).exists():
             raise RuntimeError(f"no vLLM environment at {python}: build it with tests/vllm/make_env.sh "
                                "or pass --vllm-python")
@@ -65,7 +69,7 @@ class VllmRunner:
                    VLLM_CPU_NUM_OF_RESERVED_CPU="0")
         self.proc = subprocess.Popen(
             [str(python), "-c", _CHILD, str(model_path), dtype, str(max_num_seqs), "eager" if eager else "compiled",
-             json.dumps(lora_modules or {}), str(max_lora_rank)],
+             json.dumps(lora_modules or {}), str(max_lora_rank), str(max_loras or 0)],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=sys.stderr, text=True, env=env)
         self._read()  # {"ready": true} once the model is loaded
 

@@ -1,8 +1,8 @@
 """A real Ray Serve cluster on loopback, serving a tiny random-weight model (drafting
 for itself) in two replica groups: ``fast`` and ``slow`` (the same CPU, with every
-engine step stretched 3x to emulate a slower device); ``fast`` also serves a LoRA adapter, and
-``slow`` schedules by priority (``scheduler.policy: priority``) and loads adapters on demand from a
-folder of two (``model.lora_dir``, one loaded at a time)."""
+engine step stretched 3x to emulate a slower device); ``fast`` also serves a LoRA adapter and loads
+more on demand from a folder of two (``model.lora_dir``, room for one beside the first), and
+``slow`` schedules by priority (``scheduler.policy: priority``)."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from cluster.models.tiny import TINY_CHAT_TEMPLATE, save_tiny_model, save_tiny_t
 API_KEY = "test-key"
 MODEL = "tiny-llama"
 LORA = "tiny-lora"  # the adapter the fast group serves beside MODEL
-DIR_LORAS = ("dir-a", "dir-b")  # the adapters in the slow group's model.lora_dir
+DIR_LORAS = ("dir-a", "dir-b")  # the adapters in the fast group's model.lora_dir
 
 
 def scrape_metrics(port: int) -> dict[str, list]:
@@ -57,7 +57,7 @@ def tiny_lora(tiny_chat_model, tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def tiny_lora_dir(tiny_chat_model, tmp_path_factory):
-    """A folder of two adapters of the tiny chat model (DIR_LORAS), the slow group's model.lora_dir."""
+    """A folder of two adapters of the tiny chat model (DIR_LORAS), the fast group's model.lora_dir."""
     from tests.lora_helpers import save_peft_adapter
 
     root = tmp_path_factory.mktemp("tiny_lora_dir")
@@ -78,8 +78,9 @@ def serve_config(tiny_chat_model, tiny_lora, tiny_lora_dir):
             "port": _free_port(), "metrics_export_port": _free_port(),
             "served_model_name": MODEL, "api_key": API_KEY,
             "groups": [
-                {"name": "fast", "num_cpus": 0.5, "engine": {"lora_modules": {LORA: str(tiny_lora)}}},
-                {"name": "slow", "num_cpus": 0.5, "step_time_scale": 3.0, "engine": {"policy": "priority", "lora_dir": str(tiny_lora_dir), "max_loras": 1}},
+                {"name": "fast", "num_cpus": 0.5, "engine": {"lora_modules": {LORA: str(tiny_lora)},
+                                                             "lora_dir": str(tiny_lora_dir), "max_loras": 2}},
+                {"name": "slow", "num_cpus": 0.5, "step_time_scale": 3.0, "engine": {"policy": "priority"}},
             ],
         },
     })

@@ -1,7 +1,7 @@
 """LoRA adapters through the openai client: a request names an adapter as its model and gets PEFT's
 output, the base model's requests beside it keep theirs, only the groups that serve an adapter
 receive its requests, and /v1/models lists the adapters under their base model; a group with a
-``lora_dir`` loads its adapters on demand, one at a time here."""
+``lora_dir`` loads its adapters on demand, one at a time here (beside the one it keeps)."""
 
 from __future__ import annotations
 
@@ -53,8 +53,8 @@ def test_adapter_requests_go_only_where_the_adapter_is_served(client):
 
 
 def test_adapters_of_a_lora_dir_load_on_demand(client, tiny_chat_model, tiny_lora_dir):
-    """Both adapters of the slow group's folder at once, with room for one: each request gets PEFT's
-    output (one adapter waits for the other's requests, then takes its place)."""
+    """Both adapters of the fast group's folder at once, with room for one beside its own adapter:
+    each request gets PEFT's output (one adapter waits for the other's requests, then takes its place)."""
     card = client.models.retrieve(DIR_LORAS[1])
     assert card.model_extra["parent"] == MODEL and card.model_extra["root"] == str(tiny_lora_dir / DIR_LORAS[1])
     expected = {name: reference_greedy(peft_model(tiny_chat_model, tiny_lora_dir / name), [PROMPT], MAX_TOKENS)[0]
@@ -70,7 +70,7 @@ def test_adapters_of_a_lora_dir_load_on_demand(client, tiny_chat_model, tiny_lor
     with pytest.raises(openai.NotFoundError) as err:
         client.completions.create(model="dir-c", prompt=PROMPT, max_tokens=2)
     assert str(tiny_lora_dir) in err.value.body["message"] and err.value.body["param"] == "model"
-    pinned = client.with_options(default_headers={"X-Tandem-Group": "fast"})
+    pinned = client.with_options(default_headers={"X-Tandem-Group": "slow"})
     with pytest.raises(openai.BadRequestError) as err:
         pinned.completions.create(model=DIR_LORAS[0], prompt=PROMPT, max_tokens=2)
-    assert "slow" in err.value.body["message"]
+    assert "fast" in err.value.body["message"]
