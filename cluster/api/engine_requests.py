@@ -87,6 +87,6 @@ def choice_requests(body, chat: bool, request_id: str, prompt_ids: list[int], ch
         expected = ROUTING_DEFAULT_OUTPUT_TOKENS if requested is None and chat else max_tokens
         hashes = leading_block_hashes(prompt_ids, shape.block_size, shape.hash_seed, prefix_blocks, body.cache_salt,
                                       lora)
-        routing = RoutingRequest(len(prompt_ids), min(expected, max_tokens), hashes)
+        routing = RoutingRequest(len(prompt_ids), min(expected, max_tokens), hashes, lora)
         requests[group] = GenerateRequest(request_id, prompt_ids, params, body.cache_salt, routing, lora)
     return requests

@@ -65,6 +65,8 @@ class EngineView:
             speed_factor=times.speed_factor,
             cached_prefix_hashes=engine.block_manager.cached_prefix_hashes(prefix_depth),
             block_size=engine.block_manager.block_size,
+            lora_adapters=frozenset(engine.adapters.loaded),
+            lora_load_seconds=engine.adapters.mean_load_seconds,
         )
 
     def capacity_tokens_per_second(self) -> float:

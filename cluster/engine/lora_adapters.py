@@ -16,6 +16,7 @@ thread only changes the model between steps.
 
 from __future__ import annotations
 
+import time
 from collections import OrderedDict
 from typing import Iterable
 
@@ -37,8 +38,15 @@ class LoRAAdapters:
         # Requests whose adapter has no room yet, in arrival order, each with its adapter as read.
         self.waiting: list[tuple[Request, LoRAAdapter | None]] = []
         self.num_loads = self.num_unloads = 0
+        self.load_seconds = 0.0  # reading and stacking the adapters loaded on demand, in all
         self._recent: OrderedDict[str, None] = OrderedDict()  # loaded from lora_dir, least recently used first
         self._read: dict[str, LoRAAdapter] = {}  # read by resolve, not stacked yet
+        self._read_seconds: dict[str, float] = {}  # how long the latest read of each took
+
+    @property
+    def mean_load_seconds(self) -> float:
+        """What loading an adapter from ``lora_dir`` has taken here on average (0: none yet)."""
+        return self.load_seconds / self.num_loads if self.num_loads else 0.0
 
     @property
     def loaded(self) -> list[str]:
@@ -54,6 +62,7 @@ class LoRAAdapters:
                                       f"{', '.join(self.loaded) or 'none'})")
         if len(self._read) >= self.max_loras:  # read for requests refused before they were added
             self._read.clear()
+            self._read_seconds.clear()
         self._read[name] = self._load(name)
 
     def _load(self, name: str) -> LoRAAdapter:
@@ -61,7 +70,10 @@ class LoRAAdapters:
         if folder is None:
             raise NotFoundError("model", f"the model {name!r} does not exist: no adapter folder {name!r} (with "
                                          f"adapter_config.json) in model.lora_dir {self.lora_dir}")
-        return load_adapter(name, folder, self.model, self.max_rank)
+        started = time.perf_counter()
+        adapter = load_adapter(name, folder, self.model, self.max_rank)
+        self._read_seconds[name] = time.perf_counter() - started
+        return adapter
 
     def add(self, request: Request, live: Iterable[Request]) -> bool:
         """Whether ``request`` may join the scheduler now (its adapter loaded, unloading an idle one
@@ -86,7 +98,9 @@ class LoRAAdapters:
             if idle is None:
                 return False
             self._unload(idle)
+        started = time.perf_counter()
         self.state.add(adapter)
+        self.load_seconds += time.perf_counter() - started + self._read_seconds.pop(name, 0.0)
         self._recent[name] = None
         self.num_loads += 1
         return True

@@ -43,6 +43,7 @@ class PredictedCost(NamedTuple):
     total_seconds: float  # queue + prefill + decode: this request's own completion time
     delay_to_others_seconds: float = 0.0  # summed slow-down of the requests already running there
     cost_seconds: float = 0.0  # total + delay_to_others: what the ranking minimises
+    adapter_load_seconds: float = 0.0  # loading the request's LoRA adapter there first (0: loaded)
 
 
 class RankResult(NamedTuple):
@@ -143,7 +144,9 @@ def predict_completion_seconds(request: RoutingRequest, stats: ReplicaStats, num
       decode = n / E * s(b) for the request's expected_output_tokens n.
     * prefill = (num_prompt_tokens - matched) * prefill_seconds_per_token, where
       matched is the cached prefix (:func:`matched_prefix_tokens`);
-      affinity_seconds_saved = matched * prefill_seconds_per_token.
+      affinity_seconds_saved = matched * prefill_seconds_per_token. A request whose LoRA
+      adapter the replica has not loaded adds the replica's mean load time to its prefill
+      (the engine loads it between two steps, so it delays the running requests alike).
     * queue: when L + 1 > max_num_seqs the request waits for excess = L + 1 - max_num_seqs
       slots to free up. Assuming the requests ahead are like this one (its prompt, its
       prefix hit, its n), a full replica spends on each of them its prefill
@@ -179,7 +182,10 @@ def predict_completion_seconds(request: RoutingRequest, stats: ReplicaStats, num
     decode_seconds = decode_steps * step_seconds
 
     matched = matched_prefix_tokens(request, stats)
-    prefill_seconds = (request.num_prompt_tokens - matched) * stats.prefill_seconds_per_token
+    adapter_seconds = 0.0
+    if request.lora is not None and request.lora not in stats.lora_adapters:
+        adapter_seconds = stats.lora_load_seconds
+    prefill_seconds = (request.num_prompt_tokens - matched) * stats.prefill_seconds_per_token + adapter_seconds
     saved = matched * stats.prefill_seconds_per_token
 
     excess = load + 1 - max_num_seqs
@@ -193,7 +199,7 @@ def predict_completion_seconds(request: RoutingRequest, stats: ReplicaStats, num
         delay_to_others = load * (prefill_seconds + max(slower_step, 0.0) * (decode_steps / 2))
     total = queue_seconds + prefill_seconds + decode_seconds
     return PredictedCost(batch_size, step_seconds, tokens_per_step, matched, queue_seconds, prefill_seconds,
-                         decode_seconds, saved, total, delay_to_others, total + delay_to_others)
+                         decode_seconds, saved, total, delay_to_others, total + delay_to_others, adapter_seconds)
 
 
 # ---- ranking ------------------------------------------------------------------------

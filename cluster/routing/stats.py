@@ -37,6 +37,10 @@ class EngineLoad:
     # of some prompt; the router matches a request's leading block hashes against them.
     cached_prefix_hashes: frozenset[int] = field(default_factory=frozenset)
     block_size: int = 16
+    # LoRA adapters loaded now, and the mean seconds a load from model.lora_dir has taken (0: none
+    # measured); a request for an adapter not loaded pays that before its prefill.
+    lora_adapters: frozenset[str] = field(default_factory=frozenset)
+    lora_load_seconds: float = 0.0
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -52,6 +56,7 @@ class ReplicaStats(EngineLoad):
         data = asdict(self)
         data["step_time_curve"] = [list(p) for p in self.step_time_curve]
         data["cached_prefix_hashes"] = sorted(self.cached_prefix_hashes)
+        data["lora_adapters"] = sorted(self.lora_adapters)
         return data
 
     @classmethod
@@ -60,6 +65,7 @@ class ReplicaStats(EngineLoad):
         values = {k: v for k, v in data.items() if k in known}
         values["step_time_curve"] = tuple((int(b), float(t)) for b, t in values.get("step_time_curve", ()))
         values["cached_prefix_hashes"] = frozenset(int(h) for h in values.get("cached_prefix_hashes", ()))
+        values["lora_adapters"] = frozenset(values.get("lora_adapters", ()))
         return cls(**values)
 
 
@@ -71,6 +77,7 @@ class RoutingRequest:
     expected_output_tokens: int
     # Engine block hashes of the prompt's leading full blocks, in order (block 0 first).
     prefix_hashes: tuple[int, ...] = ()
+    lora: str | None = None  # the LoRA adapter it runs with
 
 
 class Candidate(NamedTuple):  # a NamedTuple: one per replica per request

@@ -11,10 +11,12 @@ import torch
 
 from cluster.config import TandemConfig, with_overrides
 from cluster.engine.backend import input_error
+from cluster.engine.engine_view import EngineView
 from cluster.engine.llm import LLM
 from cluster.errors import NotFoundError
 from cluster.metrics.collector import EngineMetricsCollector, MemorySink
 from cluster.models.lora import LoRAError
+from cluster.routing.step_times import StepTimeTracker
 from cluster.shared.sampling_params import SamplingParams
 from tests.lora_helpers import peft_model, reference_greedy, save_peft_adapter
 
@@ -67,6 +69,9 @@ def test_adapters_load_on_demand_and_match_peft(tiny_llama_dir, lora_dir, refere
     assert _run(llm, prompts, names) == _expected(expected, prompts, names)
     assert sorted(llm.engine.adapters.loaded) == ["all", "qv"] and llm.engine.adapters.num_loads == 2
     llm.engine.check_invariants()
+    # What the router reads: the adapters loaded and what a load took (routing/policy.py).
+    load = EngineView(llm.engine, StepTimeTracker(), llm.engine.config).load(4)
+    assert load.lora_adapters == {"all", "qv"} and load.lora_load_seconds > 0
 
 
 def test_a_request_waits_while_every_adapter_is_held(tiny_llama_dir, lora_dir, references):

@@ -146,6 +146,33 @@ def test_prefix_affinity_wins_and_saves_matched_prefill():
     assert result.predicted_seconds["cold"] - result.predicted_seconds["warm"] == pytest.approx(0.032 * 3)
 
 
+def test_a_replica_with_the_adapter_loaded_is_spared_its_load_time():
+    """A LoRA request: the replica without the adapter pays its mean load time (0.2 s) on the prefill,
+    for the request and for the 2 requests running there; a base request, or a replica that has
+    measured no load yet, costs the same on both."""
+    request = RoutingRequest(num_prompt_tokens=50, expected_output_tokens=100, lora="sql")
+    cold = _stats("cold", num_running=2, lora_adapters=frozenset({"chat"}), lora_load_seconds=0.2)
+    warm = _stats("warm", num_running=2, lora_adapters=frozenset({"sql"}), lora_load_seconds=0.2)
+    candidates = [Candidate("cold", cold), Candidate("warm", warm)]
+    result = rank_replicas(request, candidates, NOW, random.Random(0))
+    assert result.replica_ids == ("warm", "cold")
+    assert (result.costs["cold"].adapter_load_seconds, result.costs["warm"].adapter_load_seconds) == (0.2, 0.0)
+    assert result.costs["cold"].prefill_seconds - result.costs["warm"].prefill_seconds == pytest.approx(0.2)
+    assert result.predicted_seconds["cold"] - result.predicted_seconds["warm"] == pytest.approx(0.2 * 3)
+    costs = rank_replicas(REQUEST, candidates, NOW, random.Random(0)).predicted_seconds
+    assert costs["cold"] == pytest.approx(costs["warm"])
+    unmeasured = [Candidate("cold", _stats("cold", num_running=2)), Candidate("warm", warm)]
+    costs = rank_replicas(request, unmeasured, NOW, random.Random(0)).predicted_seconds
+    assert costs["cold"] == pytest.approx(costs["warm"])
+
+
+def test_replica_stats_round_trip_through_a_dict():
+    stats = _stats("r", lora_adapters=frozenset({"b", "a"}), lora_load_seconds=0.3,
+                   cached_prefix_hashes=frozenset({5, 1}))
+    data = stats.to_dict()
+    assert data["lora_adapters"] == ["a", "b"] and ReplicaStats.from_dict(data) == stats
+
+
 def test_prefix_match_takes_the_deepest_hash_and_leaves_the_last_token():
     request = RoutingRequest(num_prompt_tokens=50, expected_output_tokens=10, prefix_hashes=(11, 12, 13))
     # Names are chained: a hit on block 1 means blocks 0..1 are cached, even unpublished.
