@@ -49,7 +49,6 @@ from cluster.api.openai_protocol import (
 )
 from cluster.api.openai_responses import Echo, token_id_name
 from cluster.api.tool_calls import ToolCallParser
-from cluster.shared.lora_dir import adapter_folder, is_adapter_name, listed_adapters
 from cluster.api.tool_formats import choose_tool_format, render_chat
 from cluster.api.tool_request import NO_TOOLS, ToolPlan, plan_tools
 from cluster.config import config_from_dict, group_engine_config
@@ -59,6 +58,7 @@ from cluster.kv.prefix_cache import engine_hash_seed
 from cluster.models.loader import load_hf_config, load_tokenizer_if_present, resolve_model
 from cluster.models.registry import engine_max_model_len
 from cluster.routing.group_router import GroupRouter
+from cluster.shared.lora_dir import adapter_folder, is_adapter_name, listed_adapters
 from cluster.structured.constraint import StructuredOutputs
 from deployments.http_app import answer, app
 from deployments.http_app import error_response as _error
