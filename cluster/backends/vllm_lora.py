@@ -13,8 +13,9 @@ from __future__ import annotations
 import itertools
 
 from cluster.config import TandemConfig
+from cluster.engine.backend import input_error
 from cluster.engine.protocol import ErrorInfo
-from cluster.shared.lora_dir import adapter_folder
+from cluster.shared.lora_dir import adapter_folder, no_adapter
 
 
 class VllmAdapters:
@@ -36,9 +37,7 @@ class VllmAdapters:
             return ErrorInfo(400, f"no LoRA adapter {name!r} is served here (adapters: "
                                   f"{', '.join(self.requests) or 'none'})", param="model")
         if adapter_folder(self.lora_dir, name) is None:
-            return ErrorInfo(404, f"the model {name!r} does not exist: no adapter folder {name!r} (with "
-                                  f"adapter_config.json) in model.lora_dir {self.lora_dir}", "not_found_error",
-                             "model", "model_not_found")
+            return input_error(no_adapter(self.lora_dir, name))
         return None
 
     async def request_for(self, name: str | None):

@@ -21,10 +21,10 @@ from collections import OrderedDict
 from typing import Iterable
 
 from cluster.config import TandemConfig
-from cluster.errors import NotFoundError, ParamError
+from cluster.errors import ParamError
 from cluster.kv.block_pool import BlockPool
 from cluster.models.lora import LoRAAdapter, LoRAState, load_adapter
-from cluster.shared.lora_dir import adapter_folder
+from cluster.shared.lora_dir import adapter_folder, no_adapter
 from cluster.shared.request import Request
 
 
@@ -68,8 +68,7 @@ class LoRAAdapters:
     def _load(self, name: str) -> LoRAAdapter:
         folder = adapter_folder(self.lora_dir, name)
         if folder is None:
-            raise NotFoundError("model", f"the model {name!r} does not exist: no adapter folder {name!r} (with "
-                                         f"adapter_config.json) in model.lora_dir {self.lora_dir}")
+            raise no_adapter(self.lora_dir, name)
         started = time.perf_counter()
         adapter = load_adapter(name, folder, self.model, self.max_rank)
         self._read_seconds[name] = time.perf_counter() - started

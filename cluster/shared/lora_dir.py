@@ -5,6 +5,8 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
+from cluster.errors import NotFoundError
+
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._+-]*")  # one folder name, never a path
 
 
@@ -30,3 +32,9 @@ def listed_adapters(lora_dir: str) -> dict[str, str]:
     except OSError:
         return {}
     return {entry.name: str(entry) for entry in entries if adapter_folder(lora_dir, entry.name) is not None}
+
+
+def no_adapter(lora_dir: str, name: str) -> NotFoundError:
+    """The 404 of a request naming ``name``, which ``lora_dir`` holds no adapter folder for."""
+    return NotFoundError("model", f"the model {name!r} does not exist: no adapter folder {name!r} (with "
+                                  f"adapter_config.json) in model.lora_dir {lora_dir}")
