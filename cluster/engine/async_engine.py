@@ -91,6 +91,9 @@ class AsyncEngine:
         Bad input raises ValueError, and a full queue (``max_queued_requests``)
         QueueFullError, before anything is queued.
         """
+        adapters = self.engine.adapters
+        if adapters.needs_read(lora):  # read the adapter's folder off the event loop
+            adapters.keep(await asyncio.to_thread(adapters.read, lora))
         request = self.engine.make_request(prompt, sampling_params, request_id, cache_salt, lora)
         limit = self.engine.config.scheduler.max_queued_requests
         if limit is not None and self.num_waiting >= limit:

@@ -198,8 +198,8 @@ class Engine:
 
     @property
     def num_waiting(self) -> int:
-        """Requests waiting: in the scheduler's queue, or for their adapter to be loaded."""
-        return self.scheduler.num_waiting + len(self.adapters.waiting)
+        """Requests waiting: in the scheduler's queue, or for their adapter to be read or loaded."""
+        return self.scheduler.num_waiting + len(self.adapters.waiting) + self.adapters.num_reading
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished() or bool(self.adapters.waiting)

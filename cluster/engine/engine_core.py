@@ -41,6 +41,7 @@ logger = logging.getLogger("cluster.engine.engine_core")
 
 SNAPSHOT_PERIOD_S = 0.05  # how stale the router's view of this engine may be while it steps
 IDLE_POLL_S = 1.0  # an idle core still refreshes its gauges this often (Ray drops stale ones)
+READ_POLL_S = 0.005  # how often a core with nothing to step looks whether an adapter read ended
 
 
 class EngineCore:
@@ -80,6 +81,19 @@ class EngineCore:
             text = f"{self.engine.num_waiting} requests are already waiting (max_queued_requests={limit})"
             self._out.deltas.append((rid, GenerateDelta(error=ErrorInfo(429, text, "rate_limit_error"))))
             return
+        adapters = self.engine.adapters
+        try:
+            if adapters.needs_read(request.lora):  # read in a thread; the engine steps on meanwhile
+                adapters.read_later(request.lora, rid, message)
+                return
+        except ValueError as err:
+            self._out.deltas.append((rid, GenerateDelta(error=input_error(err))))
+            return
+        self._admit(message)
+
+    def _admit(self, message: AddRequest) -> None:
+        request = message.request
+        rid = request.request_id
         try:
             prepared = self.engine.make_request(request.prompt_token_ids, request.sampling_params, rid,
                                                 request.cache_salt, request.lora)
@@ -88,6 +102,16 @@ class EngineCore:
             self._out.deltas.append((rid, GenerateDelta(error=input_error(err))))
             return
         self._out.deltas.append((rid, GenerateDelta(accepted=True, num_prompt_tokens=len(request.prompt_token_ids))))
+
+    def take_reads(self) -> None:
+        """Admit the requests whose adapter has been read; fail those whose adapter could not be."""
+        for message, error in self.engine.adapters.reads_done():
+            if error is None:
+                self._admit(message)
+                continue
+            info = (input_error(error) if isinstance(error, ValueError)
+                    else ErrorInfo(500, f"reading LoRA adapter {message.request.lora!r} failed: {error}", "server_error"))
+            self._out.deltas.append((message.request.request_id, GenerateDelta(error=info)))
 
     def _abort(self, request_id: str) -> None:
         if request_id in self.engine.scheduler.requests:
@@ -148,6 +172,8 @@ class EngineCore:
         while True:
             started = clock()
             timeout = 0.0 if self.engine.has_unfinished() else IDLE_POLL_S
+            if timeout and self.engine.adapters.num_reading:
+                timeout = READ_POLL_S
             idle = 0.0
             handled = False
             while True:
@@ -164,6 +190,7 @@ class EngineCore:
                 if not self.handle(message):
                     return
                 handled, timeout = True, 0.0
+            self.take_reads()
             stepping = clock()
             record = None
             if self.engine.has_unfinished() and self.step():
@@ -200,6 +227,7 @@ def main(argv: list[str]) -> int:
     except (EOFError, BrokenPipeError, ConnectionResetError):
         pass  # the replica went away
     finally:
+        engine.adapters.close()
         engine.worker.close()
     return 0
 

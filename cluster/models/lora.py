@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import load_file
 from torch import nn
 
@@ -59,7 +60,12 @@ def load_adapter(name: str, path: str | Path, model: nn.Module, max_rank: int) -
     config_file, weights_file = folder / "adapter_config.json", folder / "adapter_model.safetensors"
     if not config_file.is_file() or not weights_file.is_file():
         raise LoRAError(f"{where}: expected adapter_config.json and adapter_model.safetensors, as PEFT saves them")
-    settings = json.loads(config_file.read_text())
+    try:
+        settings = json.loads(config_file.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise LoRAError(f"{where}: adapter_config.json cannot be read: {err}") from None
+    if not isinstance(settings, dict):
+        raise LoRAError(f"{where}: adapter_config.json holds {type(settings).__name__}, not PEFT's settings object")
     if settings.get("peft_type", "LORA") != "LORA":
         raise LoRAError(f"{where}: peft_type is {settings.get('peft_type')!r}; only LORA adapters are served")
     for key, allowed in (("use_dora", (False, None)), ("bias", ("none", None)), ("modules_to_save", (None, [])),
@@ -73,7 +79,10 @@ def load_adapter(name: str, path: str | Path, model: nn.Module, max_rank: int) -
         raise LoRAError(f"{where}: per-module ranks or alphas (rank_pattern, alpha_pattern) are not supported")
     alpha = settings.get("lora_alpha", rank)
     scale = alpha / math.sqrt(rank) if settings.get("use_rslora") else alpha / rank
-    tensors = load_file(str(weights_file))
+    try:
+        tensors = load_file(str(weights_file))
+    except (OSError, SafetensorError) as err:
+        raise LoRAError(f"{where}: {weights_file.name} cannot be read: {err}") from None
     pairs: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
     for key, tensor in tensors.items():
         match = _KEY.search(key)

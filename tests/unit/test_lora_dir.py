@@ -4,15 +4,22 @@ a request waiting while every adapter is held, outputs equal to PEFT's throughou
 
 from __future__ import annotations
 
+import asyncio
 import json
+import threading
+import time
 
 import pytest
 import torch
 
 from cluster.config import TandemConfig, with_overrides
+from cluster.engine.async_engine import AsyncEngine
 from cluster.engine.backend import input_error
+from cluster.engine.core_messages import AbortRequest, AddRequest
+from cluster.engine.engine_core import EngineCore
 from cluster.engine.engine_view import EngineView
 from cluster.engine.llm import LLM
+from cluster.engine.protocol import GenerateRequest
 from cluster.errors import NotFoundError
 from cluster.metrics.collector import EngineMetricsCollector, MemorySink
 from cluster.models.lora import LoRAError
@@ -133,16 +140,28 @@ def test_a_name_with_no_adapter_folder_is_not_found(tiny_llama_dir, lora_dir, na
     assert not llm.engine.has_unfinished()
 
 
-def test_an_adapter_that_cannot_be_served_is_refused_by_name(tiny_llama_dir, lora_dir, tmp_path):
-    bad = tmp_path / "dora"
-    bad.mkdir()
+def _broken_adapter(lora_dir, folder, how: str) -> None:
+    """A copy of adapter ``all`` in ``folder``, broken as ``how`` says."""
+    folder.mkdir()
     settings = json.loads((lora_dir / "all" / "adapter_config.json").read_text())
-    (bad / "adapter_config.json").write_text(json.dumps({**settings, "use_dora": True}))
-    (bad / "adapter_model.safetensors").write_bytes((lora_dir / "all" / "adapter_model.safetensors").read_bytes())
+    weights = (lora_dir / "all" / "adapter_model.safetensors").read_bytes()
+    config = {"dora": json.dumps({**settings, "use_dora": True}), "json": "{r: 4", "list": "[4]"}
+    (folder / "adapter_config.json").write_text(config.get(how, json.dumps(settings)))
+    (folder / "adapter_model.safetensors").write_bytes(weights[:100] if how == "truncated" else weights)
+
+
+BROKEN = {"dora": "use_dora=True is not supported", "json": "adapter_config.json cannot be read",
+          "list": "adapter_config.json holds list", "truncated": "adapter_model.safetensors cannot be read"}
+
+
+@pytest.mark.parametrize("how", sorted(BROKEN))
+def test_an_adapter_that_cannot_be_served_is_refused_by_name(tiny_llama_dir, lora_dir, tmp_path, how):
+    _broken_adapter(lora_dir, tmp_path / how, how)
     llm = _llm(tiny_llama_dir, tmp_path, max_loras=2, num_blocks=16)
-    with pytest.raises(LoRAError, match="'dora'.*use_dora=True is not supported") as caught:
-        llm.generate([[5, 6]], GREEDY, lora="dora")
+    with pytest.raises(LoRAError, match=f"'{how}'.*{BROKEN[how]}") as caught:
+        llm.generate([[5, 6]], GREEDY, lora=how)
     assert input_error(caught.value).status == 400
+    assert llm.generate([[5, 6]], GREEDY)[0].outputs[0].token_ids  # the engine serves on
 
 
 def test_lora_dir_settings_are_checked(tiny_llama_dir, lora_dir):
@@ -163,3 +182,92 @@ def test_the_room_kept_for_an_adapter_is_one_on_every_projection(tiny_llama_dir,
 
     saved = sum(t.numel() * 4 for t in load_file(str(lora_dir / "all" / "adapter_model.safetensors")).values())
     assert adapter_bytes(AutoConfig.from_pretrained(tiny_llama_dir), 4, 4) == saved
+
+
+def _deltas(core, until) -> dict[str, list]:
+    """Step the core (admitting what its reads let in) until ``until()``; each request's deltas."""
+    seen: dict[str, list] = {}
+    for _ in range(500):
+        if until():
+            return seen
+        core.take_reads()
+        if core.engine.has_unfinished():
+            assert core.step()
+        else:
+            time.sleep(0.01)  # a read under way in its thread
+        message = core.take_message(time.monotonic())
+        for rid, delta in (message.deltas if message is not None else []):
+            seen.setdefault(rid, []).append(delta)
+    raise AssertionError("the engine core did not get there")
+
+
+def _tokens(deltas) -> list[int]:
+    assert deltas[0].accepted and all(d.error is None for d in deltas)
+    return [t for d in deltas for t in d.token_ids]
+
+
+def test_the_engine_core_steps_on_while_an_adapter_is_read(tiny_llama_dir, lora_dir, references, monkeypatch):
+    """The engine core reads an adapter's folder in a thread: a base request runs to its end while
+    that read is held; then the adapter's requests (one read for both) are admitted and give PEFT's
+    tokens. A request aborted during the read is forgotten: no delta, no block."""
+    prompts, expected = references
+    engine = _llm(tiny_llama_dir, lora_dir, max_loras=2).engine
+    core, adapters, release, reads = EngineCore(engine), engine.adapters, threading.Event(), []
+    read = adapters.read
+
+    def held_read(name):
+        reads.append(name)
+        assert release.wait(timeout=60)
+        return read(name)
+
+    monkeypatch.setattr(adapters, "read", held_read)
+    for rid, prompt, lora in (("base", 0, None), ("qv-0", 0, "qv"), ("qv-1", 1, "qv"), ("gone", 1, "qv")):
+        core.handle(AddRequest(GenerateRequest(rid, prompts[prompt], GREEDY, lora=lora)))
+    assert (adapters.num_reading, engine.num_waiting) == (3, 4)  # counted for the router and the queue cap
+    core.handle(AbortRequest("gone"))
+    seen = _deltas(core, lambda: not engine.has_unfinished())
+    assert _tokens(seen.pop("base")) == expected[None][0] and seen == {}  # nothing of the adapter's yet
+    assert adapters.num_reading == 2 and adapters.loaded == []
+    release.set()
+    seen = _deltas(core, lambda: reads and not adapters.num_reading and not engine.has_unfinished())
+    assert reads == ["qv"] and set(seen) == {"qv-0", "qv-1"}
+    assert [_tokens(seen[f"qv-{i}"]) for i in (0, 1)] == expected["qv"]
+    assert adapters.loaded == ["qv"] and adapters.mean_load_seconds > 0
+    engine.check_invariants()
+    assert engine.block_manager.num_free_blocks == engine.block_manager.pool.num_blocks
+
+
+def test_an_adapter_the_engine_core_cannot_read_fails_its_requests_alone(tiny_llama_dir, lora_dir, tmp_path):
+    """A folder read in the core's thread that does not load: each request naming it gets the 400
+    naming why, and the core serves on."""
+    _broken_adapter(lora_dir, tmp_path / "broken", "truncated")
+    engine = _llm(tiny_llama_dir, tmp_path, max_loras=2, num_blocks=16).engine
+    core = EngineCore(engine)
+    for rid, lora in (("a", "broken"), ("b", "broken"), ("base", None)):
+        core.handle(AddRequest(GenerateRequest(rid, [5, 6, 7], GREEDY, lora=lora)))
+    seen = _deltas(core, lambda: not engine.adapters.num_reading and not engine.has_unfinished())
+    for rid in ("a", "b"):
+        (delta,) = seen[rid]
+        assert delta.error.status == 400 and "'broken'" in delta.error.message and "cannot be read" in delta.error.message
+    assert len(_tokens(seen["base"])) == MAX_TOKENS
+    engine.check_invariants()
+    assert engine.block_manager.num_free_blocks == engine.block_manager.pool.num_blocks
+
+
+def test_the_async_engine_reads_an_adapter_off_its_event_loop(tiny_llama_dir, lora_dir, references):
+    prompts, expected = references
+    engine = AsyncEngine(_llm(tiny_llama_dir, lora_dir, max_loras=2).engine)
+
+    async def tokens(lora):
+        return [t for out in [o async for o in engine.generate(prompts[1], GREEDY, lora=lora)][-1:]
+                for t in out.outputs[0].token_ids]
+
+    async def run():
+        try:
+            return await asyncio.gather(tokens("all"), tokens(None))
+        finally:
+            await engine.shutdown()
+
+    assert asyncio.run(run()) == [expected["all"][1], expected[None][1]]
+    with pytest.raises(NotFoundError):
+        asyncio.run(tokens("missing"))
