@@ -240,6 +240,7 @@ class VllmBackend:
             speed_factor=self.step_times.speed_factor,
             # vLLM hashes blocks its own way: no prefix affinity to this group's replicas.
             cached_prefix_hashes=frozenset(), block_size=self.block_size,
+            lora_adapters=self.adapters.loaded, lora_load_seconds=self.adapters.mean_load_seconds,
         )
 
     def capacity_tokens_per_second(self) -> float:

@@ -84,13 +84,14 @@ def test_a_vllm_group_gives_pefts_tokens(setup):
 def test_a_vllm_group_loads_adapters_from_its_lora_dir(setup, tmp_path):
     """``model.lora_dir`` on a vLLM group: an adapter folder named by a request is handed to vLLM and
     gives PEFT's tokens; a folder that is not there is a 404 and one vLLM cannot load a 400, and the
-    engine serves on."""
+    engine serves on. The replica publishes the adapter vLLM holds (room for one)."""
     import shutil
 
     from cluster.backends.vllm import VllmBackend
 
     path, adapter, ids, expected = setup
     shutil.copytree(adapter, tmp_path / "mine")
+    shutil.copytree(adapter, tmp_path / "other")
     shutil.copytree(adapter, tmp_path / "broken")
     (tmp_path / "broken" / "adapter_model.safetensors").write_bytes(b"not a safetensors file")
     config = config_from_dict({
@@ -110,11 +111,16 @@ def test_a_vllm_group_loads_adapters_from_its_lora_dir(setup, tmp_path):
 
             missing, broken = await one("m", ids[0], "missing"), await one("b", ids[0], "broken")
             served = await asyncio.gather(*(one(f"r{i}", p, "mine") for i, p in enumerate(ids)))
-            return missing, broken, served
+            holding_mine = backend.load(0)
+            await one("o", ids[0], "other")
+            return missing, broken, served, holding_mine, backend.load(0)
         finally:
             await backend.shutdown()
 
-    missing, broken, served = asyncio.run(run())
+    missing, broken, served, holding_mine, holding_other = asyncio.run(run())
+    # What the router reads: the adapter vLLM holds, and what handing it to vLLM took.
+    assert holding_mine.lora_adapters == {"mine"} and holding_mine.lora_load_seconds > 0
+    assert holding_other.lora_adapters == {"other"}
     assert (missing[0].error.status, missing[0].error.code) == (404, "model_not_found")
     assert broken[0].error.status == 400 and "'broken' cannot be loaded" in broken[0].error.message
     assert [[t for d in deltas for t in d.token_ids] for deltas in served] == expected["lora"]
