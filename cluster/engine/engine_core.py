@@ -109,8 +109,8 @@ class EngineCore:
             if error is None:
                 self._admit(message)
                 continue
-            info = (input_error(error) if isinstance(error, ValueError)
-                    else ErrorInfo(500, f"reading LoRA adapter {message.request.lora!r} failed: {error}", "server_error"))
+            info = input_error(error) if isinstance(error, ValueError) else ErrorInfo(
+                500, f"reading LoRA adapter {message.request.lora!r} failed: {error}", "server_error")
             self._out.deltas.append((message.request.request_id, GenerateDelta(error=info)))
 
     def _abort(self, request_id: str) -> None:
