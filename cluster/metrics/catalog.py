@@ -107,8 +107,8 @@ METRICS: tuple[MetricSpec, ...] = (
        "replica's step-time curve (profile corrected by live timings), current k and acceptance"),
     _g("tandem_lora_adapters_loaded", "adapters", "LoRA adapters loaded in the engine (lora_modules and those "
        "loaded on demand from lora_dir; native engine, when it serves adapters)"),
-    _g("tandem_lora_requests_waiting", "requests", "requests waiting for their adapter to be loaded: every one "
-       "of max_loras held (also counted in num_requests_waiting)"),
+    _g("tandem_lora_requests_waiting", "requests", "requests waiting for their adapter: its folder being read, "
+       "or every one of max_loras held (also counted in num_requests_waiting)"),
     _c("tandem_lora_adapter_loads", "adapters", "adapters loaded on demand from lora_dir"),
     _c("tandem_router_decisions", "requests", "requests the ingress sent to each replica group",
        labels=("group",), source="ingress"),

@@ -164,7 +164,7 @@ class EngineMetricsCollector:
         if engine.worker.runner.lora is not None:
             adapters = engine.adapters
             self.sink.set("tandem_lora_adapters_loaded", len(adapters.loaded))
-            self.sink.set("tandem_lora_requests_waiting", len(adapters.waiting))
+            self.sink.set("tandem_lora_requests_waiting", len(adapters.waiting) + adapters.num_reading)
             self._advance("tandem_lora_adapter_loads", adapters.num_loads)
         controller = engine.controller
         if controller is None:

@@ -224,6 +224,9 @@ def test_the_engine_core_steps_on_while_an_adapter_is_read(tiny_llama_dir, lora_
     for rid, prompt, lora in (("base", 0, None), ("qv-0", 0, "qv"), ("qv-1", 1, "qv"), ("gone", 1, "qv")):
         core.handle(AddRequest(GenerateRequest(rid, prompts[prompt], GREEDY, lora=lora)))
     assert (adapters.num_reading, engine.num_waiting) == (3, 4)  # counted for the router and the queue cap
+    sink = MemorySink()
+    EngineMetricsCollector(engine, sink).poll()
+    assert sink.gauges[("tandem_lora_requests_waiting", ())] == 3
     core.handle(AbortRequest("gone"))
     seen = _deltas(core, lambda: not engine.has_unfinished())
     assert _tokens(seen.pop("base")) == expected[None][0] and seen == {}  # nothing of the adapter's yet
