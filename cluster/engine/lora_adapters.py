@@ -44,12 +44,11 @@ class LoRAAdapters:
         self.max_loras = config.model.max_loras
         self.max_rank = config.model.max_lora_rank
         # Requests whose adapter has no room yet, in arrival order, each with its adapter as read.
-        self.waiting: list[tuple[Request, LoRAAdapter | None]] = []
+        self.waiting: list[tuple[Request, ReadAdapter | None]] = []
         self.num_loads = self.num_unloads = 0
         self.load_seconds = 0.0  # reading and stacking the adapters loaded on demand, in all
         self._recent: OrderedDict[str, None] = OrderedDict()  # loaded from lora_dir, least recently used first
-        self._read: dict[str, LoRAAdapter] = {}  # read by resolve, not stacked yet
-        self._read_seconds: dict[str, float] = {}  # how long the latest read of each took
+        self._read: dict[str, ReadAdapter] = {}  # read by resolve, not stacked yet
         self._reader: ThreadPoolExecutor | None = None  # started by the first read_later
         # Reads under way beside the loop: per adapter, the read and the items parked for it.
         self._reading: dict[str, tuple[Future, list[tuple[str, Any]]]] = {}
@@ -95,9 +94,7 @@ class LoRAAdapters:
         """Hold an adapter ``read`` for the requests about to name it (``add`` stacks it)."""
         if len(self._read) >= self.max_loras:  # read for requests refused before they were added
             self._read.clear()
-            self._read_seconds.clear()
-        self._read[read.adapter.name] = read.adapter
-        self._read_seconds[read.adapter.name] = read.seconds
+        self._read[read.adapter.name] = read
 
     def resolve(self, name: str | None) -> None:
         """Check that ``name`` can be served, reading its folder here if it must be read."""
@@ -136,18 +133,16 @@ class LoRAAdapters:
         name = request.lora_name
         if name is None or name in self.static:
             return True
-        adapter = None
+        read = None
         if name not in self.state.slots:
-            adapter = self._read.pop(name, None)
-            if adapter is None:
-                adapter, self._read_seconds[name] = self.read(name)
+            read = self._read.pop(name, None) or self.read(name)
         # Behind requests already waiting for room, an adapter to load waits too (arrival order).
-        if (adapter is None or not self.waiting) and self._stack(name, adapter, live):
+        if (read is None or not self.waiting) and self._stack(name, read, live):
             return True
-        self.waiting.append((request, adapter))
+        self.waiting.append((request, read))
         return False
 
-    def _stack(self, name: str, adapter: LoRAAdapter | None, live: Iterable[Request]) -> bool:
+    def _stack(self, name: str, read: ReadAdapter | None, live: Iterable[Request]) -> bool:
         if name in self.state.slots:
             self._recent.move_to_end(name)
             return True
@@ -158,8 +153,8 @@ class LoRAAdapters:
                 return False
             self._unload(idle)
         started = time.perf_counter()
-        self.state.add(adapter)
-        self.load_seconds += time.perf_counter() - started + self._read_seconds.pop(name, 0.0)
+        self.state.add(read.adapter)
+        self.load_seconds += time.perf_counter() - started + read.seconds
         self._recent[name] = None
         self.num_loads += 1
         return True
@@ -175,11 +170,11 @@ class LoRAAdapters:
         """The waiting requests whose adapter is now loaded, in arrival order (``live``: the
         scheduler's requests; those returned join it)."""
         admitted, still = [], []
-        for request, adapter in self.waiting:
-            if self._stack(request.lora_name, adapter, live + admitted):
+        for request, read in self.waiting:
+            if self._stack(request.lora_name, read, live + admitted):
                 admitted.append(request)
             else:
-                still.append((request, adapter))
+                still.append((request, read))
         self.waiting = still
         return admitted
 
