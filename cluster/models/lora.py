@@ -28,6 +28,7 @@ from safetensors.torch import load_file
 from torch import nn
 
 from cluster.models.llama import LlamaForCausalLM
+from cluster.models.lora_stack import PartStack
 
 # PEFT's module name -> (the fused projection of Tandem's Llama layer, the part of it)
 _FUSED = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2), "o_proj": ("o_proj", 0),
@@ -133,13 +134,22 @@ class LoRABatch:
     """Which adapter slot each token of a step runs with. When the adapter tokens are one run of
     rows of one adapter (the runner orders a step's requests by adapter), ``run`` slices them;
     otherwise ``token_slots`` holds every token's slot, and each projection computes the update
-    of every adapter present for every row at once, keeping each row's own (``mask``)."""
+    of every adapter present for every row at once, keeping each row's own (``mask``).
+    ``every_row`` (a CUDA graph's step, :meth:`static`): the same over every row of every
+    stack, whichever adapters the tensor ``token_slots`` will name when the graph replays."""
 
     present: tuple[int, ...]  # the adapter slots with tokens in this step, ascending
     num_tokens: int
     run: tuple[int, slice] | None = None
     token_slots: torch.Tensor | None = None  # [num_tokens] when run is None
+    every_row: bool = False
     _masks: dict = field(default_factory=dict, repr=False)
+
+    @classmethod
+    def static(cls, token_slots: torch.Tensor) -> "LoRABatch":
+        """A step whose token slots are read from ``token_slots`` when it runs (0: no adapter);
+        its projections read whole stacks, reserved (``LoRAState.reserve``) so they never move."""
+        return cls((), token_slots.shape[0], token_slots=token_slots, every_row=True)
 
     @classmethod
     def from_token_slots(cls, slots: list[int], counts: list[int], device: torch.device) -> "LoRABatch | None":
@@ -208,57 +218,35 @@ class LoRAState:
             for module in layer.values():
                 module.remove(slot)
 
-
-class _PartStack:
-    """The updates of one part of a projection (its output columns ``[offset, end)``): the A of every
-    adapter that targets it stacked into ``a`` ([sum of ranks, in]) and their B transposed and
-    stacked into ``bt`` ([sum of ranks, size]; rows of one contiguous block are a faster right-hand
-    side than columns of B), in slot order."""
-
-    def __init__(self, offset: int, size: int) -> None:
-        self.offset, self.end = offset, offset + size
-        self.columns: dict[int, tuple[int, int]] = {}  # slot -> its ranks' columns [start, end) of a and b
-        self.a = self.bt = self.column_slots = None
-
-    def add(self, slot: int, a: torch.Tensor, b: torch.Tensor) -> None:
-        start = 0 if self.a is None else self.a.shape[0]
-        self.columns[slot] = (start, start + a.shape[0])
-        slots = torch.full((a.shape[0],), slot, dtype=torch.int64, device=a.device)
-        bt = b.t().contiguous()
-        if self.a is None:
-            self.a, self.bt, self.column_slots = a.contiguous(), bt, slots
-        else:
-            self.a, self.bt = torch.cat([self.a, a]), torch.cat([self.bt, bt])
-            self.column_slots = torch.cat([self.column_slots, slots])
-
-    def remove(self, slot: int) -> None:
-        if slot not in self.columns:
-            return
-        start, end = self.columns.pop(slot)
-        self.a, self.bt, self.column_slots = (torch.cat([t[:start], t[end:]]) for t in (self.a, self.bt,
-                                                                                       self.column_slots))
-        width = end - start
-        self.columns = {s: (lo - width, hi - width) if lo >= end else (lo, hi) for s, (lo, hi) in self.columns.items()}
-        if not self.columns:
-            self.a = self.bt = self.column_slots = None
+    def reserve(self) -> None:
+        """Allocate every stack at its capacity, once: adapters added or removed later are written
+        into the same tensors (what a CUDA graph captured over them needs)."""
+        for layer in self.modules:
+            for module in layer.values():
+                for part in module.parts:
+                    part.reserve(self.device, self.dtype)
 
 
 class LoRALinear(nn.Module):
     """A projection (fused or not) plus, per adapter slot, its low-rank update on each part it
     targets: ``out[:, part] += (x @ A.T) @ B.T``.
 
-    Each part keeps its adapters stacked (``_PartStack``). A step of one adapter's run of rows
+    Each part keeps its adapters stacked (``PartStack``). A step of one adapter's run of rows
     takes that adapter's columns (two matmuls per part on those rows); a step mixing adapters takes
     the columns from the first adapter present to the last, for every row, with each row's other
     adapters' ranks masked out: two matmuls and a multiply per part, whatever the number of
     adapters. Parts never hold another part's zeros: a decode step reads each adapter's weights
-    once, and its cost is those bytes."""
+    once, and its cost is those bytes. A CUDA graph's step (``LoRABatch.every_row``) reads every
+    part's whole stack, so it costs the capacity's bytes, whatever is loaded."""
 
-    def __init__(self, base: nn.Module, part_sizes: list[int], state: LoRAState) -> None:
+    def __init__(self, base: nn.Module, part_sizes: list[int], in_features: int, capacities: list[int],
+                 state: LoRAState) -> None:
+        """``capacities``: per part, the most adapter rows it may hold (``PartStack``)."""
         super().__init__()
         self.base = base
         self.state = state
-        self.parts = [_PartStack(sum(part_sizes[:i]), size) for i, size in enumerate(part_sizes)]
+        self.parts = [PartStack(sum(part_sizes[:i]), size, in_features, capacity)
+                      for i, (size, capacity) in enumerate(zip(part_sizes, capacities))]
         self.last_slot = 0
 
     def add(self, slot: int, parts: dict[int, tuple[torch.Tensor, torch.Tensor]], device, dtype) -> None:
@@ -277,6 +265,12 @@ class LoRALinear(nn.Module):
         out = self.base(x)
         batch = self.state.batch
         if batch is None:
+            return out
+        if batch.every_row:
+            for part in self.parts:
+                if part.capacity:
+                    mask = (batch.token_slots[:, None] == part.column_slots[None, :]).to(x.dtype)
+                    out[:, part.offset:part.end].addmm_((x @ part.a.t()).mul_(mask), part.bt)
             return out
         if batch.run is not None:
             slot, rows = batch.run
@@ -298,22 +292,34 @@ class LoRALinear(nn.Module):
         return out
 
 
-def attach_lora(model: nn.Module, adapters: list[LoRAAdapter], every_projection: bool = False) -> LoRAState | None:
-    """Wrap every projection an adapter targets (``every_projection``: all seven in every layer,
-    for adapters added later) and add ``adapters``; the model then reads ``state.batch`` each step.
-    None when there is nothing to wrap."""
-    if not adapters and not every_projection:
+def attach_lora(model: nn.Module, adapters: list[LoRAAdapter], on_demand: int = 0,
+                max_rank: int = 0) -> LoRAState | None:
+    """Wrap every projection an adapter targets and add ``adapters``; the model then reads
+    ``state.batch`` each step. ``on_demand``: how many adapters of rank up to ``max_rank`` may be
+    added later (``model.lora_dir``), any projection of any layer, so then all seven of every layer
+    are wrapped, with that room in their capacity. None when there is nothing to wrap."""
+    if not adapters and not on_demand:
         return None
     if not isinstance(model, LlamaForCausalLM):
         raise LoRAError(f"LoRA adapters are served for Llama-family models, not {type(model).__name__}")
     weight = model.embed_tokens.weight  # the model's device and dtype
     state = LoRAState([], weight.device, weight.dtype)
-    targeted = {(layer, _FUSED[module][0]) for adapter in adapters for layer, module in adapter.weights}
+    ranks: dict[tuple[int, str, int], int] = {}  # (layer, fused projection, part) -> rows its adapters take
+    for adapter in adapters:
+        for layer, module in adapter.weights:
+            key = (layer, *_FUSED[module])
+            ranks[key] = ranks.get(key, 0) + adapter.rank
+    room = on_demand * max_rank
+    hidden = model.config.hidden_size
     for index, layer in enumerate(model.layers):
-        sizes = {"qkv_proj": [layer.q_size, layer.kv_size, layer.kv_size], "o_proj": [model.config.hidden_size],
-                 "gate_up_proj": [layer.intermediate_size] * 2, "down_proj": [model.config.hidden_size]}
-        wrapped = {fused: LoRALinear(getattr(layer, fused), part_sizes, state) for fused, part_sizes in sizes.items()
-                   if every_projection or (index, fused) in targeted}
+        shapes = {"qkv_proj": ([layer.q_size, layer.kv_size, layer.kv_size], hidden), "o_proj": ([hidden], layer.q_size),
+                  "gate_up_proj": ([layer.intermediate_size] * 2, hidden),
+                  "down_proj": ([hidden], layer.intermediate_size)}
+        wrapped = {}
+        for fused, (part_sizes, in_features) in shapes.items():
+            capacities = [ranks.get((index, fused, part), 0) + room for part in range(len(part_sizes))]
+            if any(capacities):
+                wrapped[fused] = LoRALinear(getattr(layer, fused), part_sizes, in_features, capacities, state)
         for fused, module in wrapped.items():
             setattr(layer, fused, module)
         state.modules.append(wrapped)

@@ -8,6 +8,12 @@ first ``n`` rows of its static output are the step's hidden states. The ``B - n`
 rows hold no blocks (their attention output is zero) and write their K/V into a scratch
 block that no sequence owns, so they change nothing anyone reads.
 
+With LoRA adapters attached, each bucket has a second graph, captured with the adapters'
+updates (``LoRABatch.static``): a decode step with adapter tokens copies each row's adapter slot
+into the bucket's ``lora_slots`` too and replays that one. Its projections read every adapter
+stack whole, reserved at capacity first (``LoRAState.reserve``), so adapters loaded after the
+capture are in the tensors the graph reads.
+
 Capture needs CUDA; :class:`DecodeGraphs` with ``capture=False`` runs the same static
 tensors through the model eagerly, which is how the CPU tests check the padding and the
 static copies (a captured graph replays exactly those kernels on those tensors).
@@ -22,6 +28,7 @@ import torch
 
 from cluster.models.layers.attention import AttentionMetadata
 from cluster.models.layers.flex_paged import FlexLayout, FlexPagedMetadata, paged_block_mask
+from cluster.models.lora import LoRABatch, LoRAState
 from cluster.runner.input_batch import ModelInputs
 
 logger = logging.getLogger(__name__)
@@ -43,19 +50,25 @@ class _Bucket:
     kv_num_blocks: torch.Tensor  # [B, 1, 1] int32
     kv_indices: torch.Tensor  # [B, 1, 1, table_width] int32
     flex: FlexPagedMetadata
+    lora_slots: torch.Tensor | None = None  # [B]: each row's adapter slot (0: none), with LoRA attached
     hidden: torch.Tensor | None = None  # [B, hidden_size]: the captured forward's output
     graph: object | None = None  # torch.cuda.CUDAGraph once captured
+    lora_hidden: torch.Tensor | None = None  # the same, of the forward with the adapters' updates
+    lora_graph: object | None = None
 
 
 class DecodeGraphs:
     def __init__(self, model: torch.nn.Module, kv_caches: torch.Tensor, layout: FlexLayout, block_size: int,
-                 scratch_slot: int, device: torch.device, capture: bool) -> None:
+                 scratch_slot: int, device: torch.device, capture: bool, lora: LoRAState | None = None) -> None:
         """``layout.decode_buckets``: the batch sizes to build; ``scratch_slot``: the first slot of
-        a cache block outside the block manager's pool. ``capture`` needs CUDA."""
+        a cache block outside the block manager's pool. ``capture`` needs CUDA. ``lora``: the
+        adapters attached to ``model`` (their stacks are reserved here)."""
         if capture and device.type != "cuda":
             raise ValueError(f"CUDA graphs are captured on CUDA, not {device.type}")
-        self.model, self.kv_caches, self.layout = model, kv_caches, layout
+        self.model, self.kv_caches, self.layout, self.lora = model, kv_caches, layout, lora
         self.scratch_slot, self.device, self.capture = scratch_slot, device, capture
+        if lora is not None:
+            lora.reserve()
         self.buckets = {b: self._static(b, block_size) for b in layout.decode_buckets}
         self.max_rows = max(self.buckets)
         if capture:
@@ -68,8 +81,10 @@ class DecodeGraphs:
                 and inputs.logits_indices.numel() == num_seqs)
 
     @torch.inference_mode()
-    def forward(self, inputs: ModelInputs, num_seqs: int) -> torch.Tensor:
-        """The step's hidden states, [num_seqs, hidden_size] (only where :meth:`covers`)."""
+    def forward(self, inputs: ModelInputs, num_seqs: int, lora_slots: torch.Tensor | None = None) -> torch.Tensor:
+        """The step's hidden states, [num_seqs, hidden_size] (only where :meth:`covers`).
+        ``lora_slots`` ([num_seqs] on the device): each sequence's adapter slot, for a step with
+        adapter tokens (needs ``lora``)."""
         flex = inputs.attn.flex
         bucket = self.buckets[flex.num_rows]
         bucket.input_ids[:num_seqs].copy_(inputs.input_ids)
@@ -83,12 +98,17 @@ class DecodeGraphs:
         bucket.flex.table.copy_(flex.table)
         bucket.flex.block_position.copy_(flex.block_position)
         bucket.flex.query_pos.copy_(flex.query_pos)
+        if lora_slots is not None:
+            bucket.lora_slots[:num_seqs].copy_(lora_slots)
+            bucket.lora_slots[num_seqs:].zero_()
+            if bucket.lora_graph is not None:
+                bucket.lora_graph.replay()
+                return bucket.lora_hidden[:num_seqs]
+            return self._run(bucket, with_lora=True)[:num_seqs]
         if bucket.graph is not None:
             bucket.graph.replay()
-            hidden = bucket.hidden
-        else:
-            hidden = self._run(bucket)
-        return hidden[:num_seqs]
+            return bucket.hidden[:num_seqs]
+        return self._run(bucket)[:num_seqs]
 
     def _static(self, rows: int, block_size: int) -> _Bucket:
         layout, device = self.layout, self.device
@@ -108,10 +128,17 @@ class DecodeGraphs:
         slot_mapping = torch.full((rows,), self.scratch_slot, dtype=torch.int64, device=device)
         meta = AttentionMetadata(slot_mapping=slot_mapping, context_slots=None, attn_mask=None, query_pad_index=None,
                                  num_seqs=rows, max_query_len=1, flex=flex)
-        return _Bucket(zeros(rows), zeros(rows), slot_mapping, meta, kv_num_blocks, kv_indices, flex)
+        return _Bucket(zeros(rows), zeros(rows), slot_mapping, meta, kv_num_blocks, kv_indices, flex,
+                       zeros(rows) if self.lora is not None else None)
 
-    def _run(self, bucket: _Bucket) -> torch.Tensor:
-        return self.model(bucket.input_ids, bucket.positions, self.kv_caches, bucket.meta)
+    def _run(self, bucket: _Bucket, with_lora: bool = False) -> torch.Tensor:
+        if not with_lora:
+            return self.model(bucket.input_ids, bucket.positions, self.kv_caches, bucket.meta)
+        self.lora.batch = LoRABatch.static(bucket.lora_slots)
+        try:
+            return self.model(bucket.input_ids, bucket.positions, self.kv_caches, bucket.meta)
+        finally:
+            self.lora.batch = None
 
     def _capture_all(self) -> None:
         """Warm up (compiling each bucket's kernels) and capture, largest bucket first, all in one
@@ -120,12 +147,18 @@ class DecodeGraphs:
         with torch.inference_mode():
             for rows in sorted(self.buckets, reverse=True):
                 bucket = self.buckets[rows]
-                for _ in range(2):
-                    self._run(bucket)
-                torch.cuda.synchronize(self.device)
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=pool):
-                    bucket.hidden = self._run(bucket)
-                bucket.graph, pool = graph, graph.pool()
+                for with_lora in (False, True) if self.lora is not None else (False,):
+                    for _ in range(2):
+                        self._run(bucket, with_lora)
+                    torch.cuda.synchronize(self.device)
+                    graph = torch.cuda.CUDAGraph()
+                    with torch.cuda.graph(graph, pool=pool):
+                        hidden = self._run(bucket, with_lora)
+                    pool = graph.pool()
+                    if with_lora:
+                        bucket.lora_graph, bucket.lora_hidden = graph, hidden
+                    else:
+                        bucket.graph, bucket.hidden = graph, hidden
         torch.cuda.synchronize(self.device)
-        logger.info("captured CUDA graphs of decode steps for batch sizes %s", sorted(self.buckets))
+        logger.info("captured CUDA graphs of decode steps for batch sizes %s%s", sorted(self.buckets),
+                    ", each also with LoRA adapters" if self.lora is not None else "")

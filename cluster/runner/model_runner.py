@@ -134,7 +134,7 @@ class ModelRunner:
         self.graphs = None
         if attention.cuda_graphs:
             self.graphs = DecodeGraphs(model, self.kv_caches, self.flex, spec.block_size,
-                                       num_blocks * spec.block_size, device, capture=True)
+                                       num_blocks * spec.block_size, device, capture=True, lora=lora)
 
     def free_request(self, request_id: str) -> None:
         if self.own_seeds is not None:
@@ -175,12 +175,14 @@ class ModelRunner:
         [total num_logits, vocab_size] float32."""
         inputs = prepare_inputs(chunks, block_tables, self.spec.block_size, self.device, self.short_query_max,
                                 self.flex)
+        slots = [c.lora_slot for c in chunks] if self.lora is not None else []
+        if self.graphs is not None and self.graphs.covers(inputs, len(chunks)):
+            # A decode step: one token per chunk, so the chunks' slots are the tokens'.
+            lora_slots = torch.tensor(slots, device=self.device) if any(slots) else None
+            return self.model.compute_logits(self.graphs.forward(inputs, len(chunks), lora_slots)).float()
         lora = None
-        if self.lora is not None:
-            lora = LoRABatch.from_token_slots([c.lora_slot for c in chunks], [len(c.token_ids) for c in chunks],
-                                              self.device)
-        if lora is None and self.graphs is not None and self.graphs.covers(inputs, len(chunks)):
-            return self.model.compute_logits(self.graphs.forward(inputs, len(chunks))).float()
+        if any(slots):
+            lora = LoRABatch.from_token_slots(slots, [len(c.token_ids) for c in chunks], self.device)
         if lora is not None:
             self.lora.batch = lora
         try:

@@ -105,9 +105,10 @@ def load_model(config: TandemConfig, device: torch.device, tp: TPGroup | None = 
     attach_decode_ops(model, device, dtype, config.model.batch_invariant)
     if tp is not None:
         pack_parallel_linears(model, device, dtype)
+    on_demand = config.model.max_loras - len(config.model.lora_modules) if config.model.lora_dir else 0
     lora = attach_lora(model, [load_adapter(name, path, model, config.model.max_lora_rank)
                                for name, path in config.model.lora_modules.items()],
-                       every_projection=config.model.lora_dir is not None)
+                       on_demand, config.model.max_lora_rank)
     cache_dtype = torch.int8 if config.cache.kv_cache_dtype == "int8" else None
     spec = KVCacheSpec(model.num_layers, model.num_kv_heads, model.head_dim, config.cache.block_size, dtype,
                        cache_dtype)

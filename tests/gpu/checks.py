@@ -180,17 +180,19 @@ def no_host_sync(name: str, model: str, device: str, prompts: list[list[int]], m
 
 def lora_parity(name: str, model_dir: Path, device: str, prompts: list[list[int]], max_tokens: int, work: Path,
                 **overrides) -> CheckResult:
-    """Each prompt under two PEFT adapters and under none, interleaved in one batch, equals PEFT's
-    greedy tokens. The adapter requests stop early, so the last steps run the base model alone: on
-    CUDA those replay the decode graphs, while steps with adapter tokens run eagerly."""
+    """Each prompt under two PEFT adapters (one loaded at start, one from ``lora_dir`` when first
+    asked for) and under none, interleaved in one batch, equals PEFT's greedy tokens. The adapter
+    requests stop early, so the last steps run the base model alone. On
+    CUDA, decode steps replay graphs: those with adapter tokens the bucket's LoRA graph (counted:
+    the check fails if none did), the last ones the base graph."""
     from transformers import AutoModelForCausalLM
 
     from cluster.engine.llm import LLM
 
     helpers = _test_helpers("lora_helpers")  # imports peft: a machine without it errors here alone
     adapters = {"all": helpers.save_peft_adapter(model_dir, work / "lora-all", seed=1),
-                "qv": helpers.save_peft_adapter(model_dir, work / "lora-qv", seed=2, targets=["q_proj", "v_proj"],
-                                                rank=8, alpha=16, rslora=True)}
+                "qv": helpers.save_peft_adapter(model_dir, work / "lora-dir" / "qv", seed=2,
+                                                targets=["q_proj", "v_proj"], rank=8, alpha=16, rslora=True)}
     expected = {}
     for adapter, path in adapters.items():
         expected[adapter] = helpers.reference_greedy(helpers.peft_model(model_dir, path).to(device), prompts,
@@ -199,8 +201,18 @@ def lora_parity(name: str, model_dir: Path, device: str, prompts: list[list[int]
     expected[None] = helpers.reference_greedy(base, prompts, max_tokens, device)
     del base
     release()
-    llm = LLM(str(model_dir), device=device, dtype="float32", lora_modules={k: str(v) for k, v in adapters.items()},
-              **overrides)
+    # "all" loaded at start, "qv" from lora_dir at its first request: after the graphs were captured
+    llm = LLM(str(model_dir), device=device, dtype="float32", lora_modules={"all": str(adapters["all"])},
+              lora_dir=str(work / "lora-dir"), max_loras=2, max_lora_rank=8, **overrides)
+    replays = {"lora": 0, "base": 0}
+    captured = llm.engine.worker.runner.graphs
+    if captured is not None:
+        forward = captured.forward
+
+        def counted(inputs, num_seqs, lora_slots=None):
+            replays["base" if lora_slots is None else "lora"] += 1
+            return forward(inputs, num_seqs, lora_slots)
+        captured.forward = counted
     order = [(i, adapter) for i in range(len(prompts)) for adapter in ("qv", None, "all")]
     short = max_tokens // 3
     params = [SamplingParams(max_tokens=max_tokens if adapter is None else short, temperature=0, ignore_eos=True)
@@ -214,12 +226,17 @@ def lora_parity(name: str, model_dir: Path, device: str, prompts: list[list[int]
     want = [expected[adapter][i][:max_tokens if adapter is None else short] for i, adapter in order]
     ok, data = compare(want, [o.outputs[0].token_ids for o in outs])
     changed = all(expected[a] != expected[None] for a in adapters)
-    data.update(all_blocks_free=all_free, cuda_graphs=graphs, adapters_change_output=changed)
+    data.update(all_blocks_free=all_free, cuda_graphs=graphs, adapters_change_output=changed,
+                graph_steps_with_adapters=replays["lora"], graph_steps_base=replays["base"])
     if ok and not changed:
         return CheckResult(name, "failed", "an adapter left the output unchanged: the check exercised nothing", data)
+    if ok and graphs and not replays["lora"]:
+        return CheckResult(name, "failed", "no decode step with adapter tokens replayed a CUDA graph", data)
     if ok and not all_free:
         return CheckResult(name, "failed", "tokens equal PEFT's, but KV blocks were left in use", data)
-    detail = (f"{len(order)} requests (2 adapters and the base, interleaved) equal PEFT's greedy tokens; "
-              f"CUDA graphs {'on' if graphs else 'off'}" if ok else
+    detail = (f"{len(order)} requests (2 adapters, one from lora_dir, and the base, interleaved) equal PEFT's "
+              "greedy tokens; "
+              f"CUDA graphs {'on' if graphs else 'off'} ({replays['lora']} steps with adapters, "
+              f"{replays['base']} without)" if ok else
               f"{len(data['mismatches'])} of {len(order)} outputs differ from PEFT's")
     return CheckResult(name, "passed" if ok else "failed", detail, data)

@@ -11,8 +11,9 @@ of ``Engine.step`` over ``--steps`` decode steps; on CUDA, the kernel time of th
 ``torch.profiler`` (the sum of every device kernel's own time, over the steps); and, at the largest
 batch, cProfile's top functions by own time. ``--lora N`` serves N random rank-16 adapters and
 times each batch three ways: base requests only, every request with one adapter, and the N
-adapters round robin (CUDA graphs on: steps with adapter tokens run eagerly). Prints a table,
-writes ``step_profile.json``.
+adapters round robin. On CUDA every workload runs with CUDA graphs (steps with adapter tokens
+replay each bucket's LoRA graph) and then without (``enforce_eager``). Prints a table, writes
+``step_profile.json``.
 """
 
 from __future__ import annotations
@@ -123,7 +124,7 @@ def main(argv: list[str] | None = None) -> int:
         _, path = throughput_model(False, {}, None, Path(work))
         adapters = lora_adapters(path, args.lora, Path(work)) if args.lora else {}
         names = list(adapters)
-        for eager in ((False, True) if cuda and not adapters else (False,)):
+        for eager in ((False, True) if cuda else (False,)):
             llm = LLM(str(path), dtype=dtype, device=args.device, max_num_seqs=max(batch_sizes),
                       kv_cache_memory="4GiB" if cuda else "256MiB", enforce_eager=eager,
                       **(dict(lora_modules=adapters, max_lora_rank=16) if adapters else {}))

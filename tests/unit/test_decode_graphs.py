@@ -77,3 +77,50 @@ def test_buckets_end_at_max_num_seqs():
     assert decode_buckets(1) == (1,)
     assert decode_buckets(40) == (1, 2, 4, 8, 16, 24, 32, 40)
     assert decode_buckets(300)[-2:] == (256, 300)
+
+
+def test_decode_steps_with_adapters_read_the_reserved_stacks_adapters_loaded_later_included(tiny_llama_dir,
+                                                                                            tmp_path):
+    """With LoRA attached, a decode step with adapter tokens runs through the bucket's ``lora_slots``
+    and reads every stack whole (what the second graph of each bucket replays): its hidden states
+    equal the eager LoRA path's, for adapters loaded before the graphs and after them (``lora_dir``:
+    the stacks are reserved at capacity, so the captured tensors hold them), after an unload, and
+    for a step of base rows alone (the padding rows' slot 0)."""
+    from cluster.models.lora import LoRABatch, load_adapter
+    from tests.lora_helpers import save_peft_adapter
+
+    adapters = tmp_path / "adapters"
+    save_peft_adapter(tiny_llama_dir, adapters / "all", seed=1)
+    save_peft_adapter(tiny_llama_dir, adapters / "qv", seed=2, targets=["q_proj", "v_proj"], rank=8, alpha=16)
+    config = config_from_dict({"model": {"model": str(tiny_llama_dir), "dtype": "float32", "attention": "flex",
+                                         "lora_modules": {"all": str(adapters / "all")}, "lora_dir": str(adapters),
+                                         "max_loras": 3, "max_lora_rank": 8},
+                               "cache": {"block_size": BLOCK}, "device": {"device": "cpu"}})
+    loaded = load_model(config, CPU)
+    state, spec = loaded.lora, loaded.spec
+    cache = torch.randn(spec.num_layers, 2, (NUM_BLOCKS + 1) * BLOCK, spec.num_kv_heads, spec.head_dim,
+                        generator=torch.Generator().manual_seed(0))
+    graphs = DecodeGraphs(loaded.model, cache, LAYOUT, BLOCK, SCRATCH, CPU, capture=False, lora=state)
+    stacks = [part.a for layer in state.modules for module in layer.values() for part in module.parts]
+    state.add(load_adapter("qv", adapters / "qv", loaded.model, 8))  # after the "capture"
+    plain_cache = cache.clone()
+    all_slot, qv_slot = state.slots["all"], state.slots["qv"]
+    steps = [[all_slot, 0, qv_slot, qv_slot, 0], [0, all_slot, qv_slot], [0, 0]]
+    for step, slots in enumerate(steps):
+        if step == 2:
+            state.remove("all")
+        chunks, tables = _decode_step(len(slots), step)
+        inputs = prepare_inputs(chunks, tables, BLOCK, CPU, flex=LAYOUT)
+        assert graphs.covers(inputs, len(slots))
+        with torch.inference_mode():
+            replayed = graphs.forward(inputs, len(slots), torch.tensor(slots))
+            state.batch = LoRABatch.from_token_slots(slots, [1] * len(slots), CPU)
+            plain = loaded.model(inputs.input_ids, inputs.positions, plain_cache, inputs.attn)
+            state.batch = None
+            base = loaded.model(inputs.input_ids, inputs.positions, plain_cache.clone(), inputs.attn)
+        torch.testing.assert_close(replayed, plain, rtol=1e-5, atol=1e-5)
+        if any(slots):
+            assert not torch.allclose(replayed, base, rtol=1e-3, atol=1e-3)  # the adapters changed something
+    after = [part.a for layer in state.modules for module in layer.values() for part in module.parts]
+    assert len(after) == len(stacks) and all(a is b for a, b in zip(after, stacks))  # never moved
+    assert {a.shape[0] for a in stacks} == {4 + 2 * 8}  # "all" (rank 4), and room for 2 more of max_lora_rank

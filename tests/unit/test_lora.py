@@ -4,6 +4,7 @@ blocks are never another's prefix-cache hit, and adapters that cannot be served 
 
 from __future__ import annotations
 
+import itertools
 import json
 
 import pytest
@@ -130,14 +131,16 @@ def test_lora_settings_are_checked(tiny_llama_dir, tiny_opt_dir, adapters):
 def test_every_token_gets_its_own_adapters_update(slots, counts):
     """Any layout of a step's tokens (the runner orders them by adapter; other callers may not):
     each row gets its own adapter's update or none, whether the step is one adapter's run of rows
-    or mixes adapters (then masked); a projection an adapter does not target (slot 2 here) is
-    left alone for its rows."""
+    or mixes adapters (then masked) or is a CUDA graph's step over the whole reserved stacks
+    (``LoRABatch.static``); a projection an adapter does not target (slot 2 here) is left alone
+    for its rows."""
     from cluster.models.lora import LoRABatch, LoRALinear, LoRAState
 
     torch.manual_seed(0)
     base = torch.nn.Linear(6, 5)
     state = LoRAState([], torch.device("cpu"), torch.float32)
-    layer = LoRALinear(base, [3, 2], state)
+    layer = LoRALinear(base, [3, 2], 6, [9, 9], state)
+    state.modules.append({"proj": layer})
     ranks = {1: 2, 3: 4}
     updates = {slot: (torch.randn(r, 6), torch.randn(3, r), torch.randn(2, r)) for slot, r in ranks.items()}
     for slot, (a, b0, b1) in updates.items():  # the same A for both parts: rows 0-1 and 2-3 of the stack
@@ -147,13 +150,19 @@ def test_every_token_gets_its_own_adapters_update(slots, counts):
     x = torch.randn(sum(counts), 6)
     state.batch = batch
     got = layer(x)
+    token_slots = [s for s, c in zip(slots, counts) for _ in range(c)]
+    state.reserve()  # 9 rows, 6 of them used: the other 3 are zero and belong to no slot
+    assert layer.parts[0].a.shape == (9, 6) and layer.parts[0].column_slots.tolist()[6:] == [-1] * 3
+    state.batch = LoRABatch.static(torch.tensor(token_slots))
+    got_static = layer(x)
     state.batch = None
     expected = base(x)
-    for row, slot in enumerate(s for s, c in zip(slots, counts) for _ in range(c)):
+    for row, slot in enumerate(token_slots):
         if slot in updates:
             a, b0, b1 = updates[slot]
             expected[row] += torch.cat([b0 @ a @ x[row], b1 @ a @ x[row]])
     torch.testing.assert_close(got, expected)
+    torch.testing.assert_close(got_static, expected)
 
 
 def test_a_step_of_one_adapters_run_is_sliced_and_a_step_without_adapters_is_none():
@@ -173,7 +182,8 @@ def test_projections_with_the_same_columns_for_other_adapters_do_not_share_a_mas
 
     torch.manual_seed(1)
     state = LoRAState([], torch.device("cpu"), torch.float32)
-    first, second = LoRALinear(torch.nn.Linear(4, 3), [3], state), LoRALinear(torch.nn.Linear(4, 3), [3], state)
+    first, second = (LoRALinear(torch.nn.Linear(4, 3), [3], 4, [9], state)
+                     for _ in range(2))
     a1, b1, a2, b2, a3, b3 = torch.randn(2, 4), torch.randn(3, 2), torch.randn(2, 4), torch.randn(3, 2), \
         torch.randn(2, 4), torch.randn(3, 2)
     first.add(1, {0: (a1, b1)}, "cpu", torch.float32)
@@ -189,14 +199,20 @@ def test_projections_with_the_same_columns_for_other_adapters_do_not_share_a_mas
                                                                          b3 @ a3 @ x[2]]))
 
 
-def test_an_adapter_removed_leaves_the_others_columns_right():
+@pytest.mark.parametrize("reserved", [False, True], ids=["grown", "reserved"])
+def test_an_adapter_removed_leaves_the_others_columns_right(reserved):
     """Slots 1, 2, 3 stacked, 2 removed, 4 added after: rows of 1, 3 and 4 in one mixed step each get
-    their own update, whether the step mixes them (masked) or is one adapter's run (sliced)."""
+    their own update, whether the step mixes them (masked) or is one adapter's run (sliced) or,
+    with the stacks reserved first (they never move then), a CUDA graph's step over every row."""
     from cluster.models.lora import LoRABatch, LoRALinear, LoRAState
 
     torch.manual_seed(2)
     state = LoRAState([], torch.device("cpu"), torch.float32)
-    layer = LoRALinear(torch.nn.Linear(4, 5), [3, 2], state)
+    layer = LoRALinear(torch.nn.Linear(4, 5), [3, 2], 4, [8, 8], state)
+    state.modules.append({"proj": layer})
+    if reserved:
+        state.reserve()
+    first = layer.parts[0].a
     updates = {slot: (torch.randn(r, 4), torch.randn(3, r), torch.randn(2, r)) for slot, r in ((1, 2), (2, 3), (3, 1))}
     for slot, (a, b0, b1) in updates.items():
         layer.add(slot, {0: (a, b0), 1: (a, b1)}, "cpu", torch.float32)
@@ -204,10 +220,16 @@ def test_an_adapter_removed_leaves_the_others_columns_right():
     del updates[2]
     updates[4] = (torch.randn(2, 4), torch.randn(3, 2), torch.randn(2, 2))
     layer.add(4, {0: updates[4][:2], 1: (updates[4][0], updates[4][2])}, "cpu", torch.float32)
-    assert layer.parts[0].columns == {1: (0, 2), 3: (2, 3), 4: (3, 5)} and layer.parts[0].a.shape == (5, 4)
-    for slots in ([1, 0, 3, 4], [0, 3]):
+    part = layer.parts[0]
+    assert part.columns == {1: (0, 2), 3: (2, 3), 4: (3, 5)} and part.used == 5
+    assert part.a.shape == ((8, 4) if reserved else (6, 4))  # grown to the most it held, 6 rows
+    assert part.column_slots.tolist()[5:] == [-1] * (part.a.shape[0] - 5) and not part.a[5:].any()
+    assert (part.a is first) == reserved
+    forms = ["eager", "static"] if reserved else ["eager"]
+    for slots, form in itertools.product(([1, 0, 3, 4], [0, 3]), forms):
         x = torch.randn(len(slots), 4)
-        state.batch = LoRABatch.from_token_slots(slots, [1] * len(slots), torch.device("cpu"))
+        state.batch = (LoRABatch.from_token_slots(slots, [1] * len(slots), torch.device("cpu")) if form == "eager"
+                       else LoRABatch.static(torch.tensor(slots)))
         got = layer(x)
         state.batch = None
         expected = layer.base(x)
@@ -216,3 +238,15 @@ def test_an_adapter_removed_leaves_the_others_columns_right():
                 a, b0, b1 = updates[slot]
                 expected[row] += torch.cat([b0 @ a @ x[row], b1 @ a @ x[row]])
         torch.testing.assert_close(got, expected)
+
+
+def test_a_stack_refuses_more_rows_than_its_capacity():
+    from cluster.models.lora_stack import PartStack
+
+    part = PartStack(0, 3, 4, capacity=4)
+    part.add(1, torch.randn(3, 4), torch.randn(3, 3))
+    with pytest.raises(ValueError, match="needs 2 rows; 1 of 4 are free"):
+        part.add(2, torch.randn(2, 4), torch.randn(3, 2))
+    part.reserve(torch.device("cpu"), torch.float32)
+    with pytest.raises(RuntimeError, match="never reallocates"):
+        part._allocate(8, torch.device("cpu"), torch.float32)
