@@ -312,8 +312,8 @@ def attach_lora(model: nn.Module, adapters: list[LoRAAdapter], on_demand: int = 
     room = on_demand * max_rank
     hidden = model.config.hidden_size
     for index, layer in enumerate(model.layers):
-        shapes = {"qkv_proj": ([layer.q_size, layer.kv_size, layer.kv_size], hidden), "o_proj": ([hidden], layer.q_size),
-                  "gate_up_proj": ([layer.intermediate_size] * 2, hidden),
+        shapes = {"qkv_proj": ([layer.q_size, layer.kv_size, layer.kv_size], hidden),
+                  "o_proj": ([hidden], layer.q_size), "gate_up_proj": ([layer.intermediate_size] * 2, hidden),
                   "down_proj": ([hidden], layer.intermediate_size)}
         wrapped = {}
         for fused, (part_sizes, in_features) in shapes.items():
