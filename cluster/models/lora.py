@@ -223,8 +223,7 @@ class LoRAState:
         into the same tensors (what a CUDA graph captured over them needs)."""
         for layer in self.modules:
             for module in layer.values():
-                for part in module.parts:
-                    part.reserve(self.device, self.dtype)
+                module.reserve(self.device, self.dtype)
 
 
 class LoRALinear(nn.Module):
@@ -261,16 +260,32 @@ class LoRALinear(nn.Module):
         for part in self.parts:
             part.remove(slot)
 
+    def reserve(self, device: torch.device, dtype: torch.dtype) -> None:
+        """Reserve the parts' stacks with their A and row slots in one tensor each, parts one
+        after the other, so a CUDA graph's step multiplies and masks them all at once."""
+        rows = sum(part.capacity for part in self.parts)
+        self.a = torch.zeros(rows, self.parts[0].in_features, dtype=dtype, device=device)
+        self.column_slots = torch.full((rows,), -1, dtype=torch.int64, device=device)
+        start = 0
+        for part in self.parts:
+            end = start + part.capacity
+            part.reserve(device, dtype, self.a[start:end], self.column_slots[start:end])
+            start = end
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = self.base(x)
         batch = self.state.batch
         if batch is None:
             return out
-        if batch.every_row:
+        if batch.every_row:  # reserved: one product and one mask over every part's rows
+            mine = batch.token_slots[:, None] == self.column_slots[None, :]
+            shrunk = torch.where(mine, x @ self.a.t(), 0)
+            start = 0
             for part in self.parts:
                 if part.capacity:
-                    mask = (batch.token_slots[:, None] == part.column_slots[None, :]).to(x.dtype)
-                    out[:, part.offset:part.end].addmm_((x @ part.a.t()).mul_(mask), part.bt)
+                    end = start + part.capacity
+                    out[:, part.offset:part.end].addmm_(shrunk[:, start:end], part.bt)
+                    start = end
             return out
         if batch.run is not None:
             slot, rows = batch.run

@@ -56,18 +56,23 @@ class PartStack:
         self.used = used - width
         self.columns = {s: (lo - width, hi - width) if lo >= end else (lo, hi) for s, (lo, hi) in self.columns.items()}
 
-    def reserve(self, device: torch.device, dtype: torch.dtype) -> None:
-        """Allocate the tensors at capacity (keeping what they hold); they never move again."""
-        if self.capacity and (self.a is None or self.a.shape[0] < self.capacity):
-            self._allocate(self.capacity, device, dtype)
+    def reserve(self, device: torch.device, dtype: torch.dtype, a: torch.Tensor | None = None,
+                column_slots: torch.Tensor | None = None) -> None:
+        """Allocate the tensors at capacity (keeping what they hold); they never move again.
+        ``a`` ([capacity, in], zero) and ``column_slots`` ([capacity], -1): rows of tensors shared
+        with the projection's other parts, to hold this part's instead of its own."""
+        if self.capacity and (self.a is None or self.a.shape[0] < self.capacity or a is not None):
+            self._allocate(self.capacity, device, dtype, a, column_slots)
         self.reserved = True
 
-    def _allocate(self, rows: int, device: torch.device, dtype: torch.dtype) -> None:
+    def _allocate(self, rows: int, device: torch.device, dtype: torch.dtype, a: torch.Tensor | None = None,
+                  column_slots: torch.Tensor | None = None) -> None:
         if self.reserved:
             raise RuntimeError("a reserved LoRA stack never reallocates")
-        a = torch.zeros(rows, self.in_features, dtype=dtype, device=device)
+        if a is None:
+            a = torch.zeros(rows, self.in_features, dtype=dtype, device=device)
+            column_slots = torch.full((rows,), -1, dtype=torch.int64, device=device)
         bt = torch.zeros(rows, self.end - self.offset, dtype=dtype, device=device)
-        column_slots = torch.full((rows,), -1, dtype=torch.int64, device=device)
         if self.a is not None:
             a[:self.used], bt[:self.used] = self.a[:self.used], self.bt[:self.used]
             column_slots[:self.used] = self.column_slots[:self.used]

@@ -12,8 +12,8 @@ of ``Engine.step`` over ``--steps`` decode steps; on CUDA, the kernel time of th
 batch, cProfile's top functions by own time. ``--lora N`` serves N random rank-16 adapters and
 times each batch three ways: base requests only, every request with one adapter, and the N
 adapters round robin. On CUDA every workload runs with CUDA graphs (steps with adapter tokens
-replay each bucket's LoRA graph) and then without (``enforce_eager``). Prints a table, writes
-``step_profile.json``.
+replay each bucket's LoRA graph) and then without (``enforce_eager``; not with ``--graphs-only``).
+Prints a table, writes ``step_profile.json``.
 """
 
 from __future__ import annotations
@@ -108,6 +108,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="where carried wheels are installed (as validate.py's --stash)")
     parser.add_argument("--carry", type=Path, default=HERE / "carry", help="this call's carried folders")
     parser.add_argument("--lora", type=int, default=0, help="serve this many random rank-16 adapters (see above)")
+    parser.add_argument("--graphs-only", action="store_true", help="on CUDA, skip the enforce_eager runs")
     args = parser.parse_args(argv)
     stage = carry.stage(args.carry, args.stash)
     if stage.site is not None:
@@ -124,7 +125,7 @@ def main(argv: list[str] | None = None) -> int:
         _, path = throughput_model(False, {}, None, Path(work))
         adapters = lora_adapters(path, args.lora, Path(work)) if args.lora else {}
         names = list(adapters)
-        for eager in ((False, True) if cuda else (False,)):
+        for eager in ((False, True) if cuda and not args.graphs_only else (False,)):
             llm = LLM(str(path), dtype=dtype, device=args.device, max_num_seqs=max(batch_sizes),
                       kv_cache_memory="4GiB" if cuda else "256MiB", enforce_eager=eager,
                       **(dict(lora_modules=adapters, max_lora_rank=16) if adapters else {}))

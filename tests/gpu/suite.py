@@ -27,8 +27,10 @@ class Run:
     """The checks of one run, in order, each timed. An exception becomes ``error``, except an
     AssertionError (the engine helpers' invariant checks), which is ``failed``."""
 
-    def __init__(self) -> None:
+    def __init__(self, only: tuple[str, ...] = ()) -> None:
+        """``only``: run just the checks whose names start with one of these (``--only``)."""
         self.results: list[CheckResult] = []
+        self.only = only
 
     def add(self, result: CheckResult) -> None:
         self.results.append(result)
@@ -52,6 +54,9 @@ class Run:
             return None
 
     def check(self, name: str, fn, *args, **kwargs) -> None:
+        if self.only and not name.startswith(self.only):
+            self.add(CheckResult(name, "skipped", f"not selected (--only {','.join(self.only)})"))
+            return
         start = time.perf_counter()
         try:
             result = fn(name, *args, **kwargs)

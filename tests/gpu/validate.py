@@ -5,6 +5,7 @@ no vLLM, no Ray, no registry), after ``tests/gpu/prepare.sh`` here has packed wh
 
     python3 tests/gpu/validate.py --stage-only                 # keep what this call carried (docs/gpu.md)
     python3 tests/gpu/validate.py --device cuda --out $OUT     # the checks and the throughput table
+    python3 tests/gpu/validate.py --device cuda --only lora/,sync/   # some checks again, the rest skipped
     python tests/gpu/validate.py --device cpu --quick --out DIR   # the dry run, as make test runs it
 
 Checks (``checks.py``): greedy parity with ``transformers.generate`` on tiny random Llama, Qwen2 and
@@ -57,6 +58,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--output-len", type=int, help="tokens per request in the throughput runs (default 128)")
     parser.add_argument("--dtype", help="throughput dtype (default bfloat16 on CUDA, float32 on the CPU)")
     parser.add_argument("--repeats", type=int, help="timed runs per throughput cell, best kept (default 2)")
+    parser.add_argument("--only", default="", help="comma list of check name prefixes to run (lora/,throughput); "
+                        "the others are reported as skipped")
     args = parser.parse_args(argv)
     quick = args.quick
     args.batch_sizes = [int(b) for b in args.batch_sizes.split(",")] if args.batch_sizes else \
@@ -152,7 +155,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.stage_only:
         return stage_only(args, stage)
     env = environment()
-    run = suite.Run()
+    run = suite.Run(tuple(prefix for prefix in args.only.split(",") if prefix))
     result, table = run.section(suite.ALL_CHECKS, lambda: run_all(args, stage, env, run)) or (None, None)
     settings = {k: v for k, v in vars(args).items() if k not in ("out", "stash", "carry", "stage_only")}
     doc = report.document(settings, env, stage.to_dict(), run.results, result)

@@ -187,6 +187,21 @@ def test_a_step_that_breaks_is_an_error_for_each_check_it_left_undone(gpu_module
     assert all(status[name][0] == "skipped" for name in EMBEDDED)
 
 
+def test_only_runs_the_checks_named_and_reports_the_rest_as_skipped(gpu_modules, tmp_path):
+    import validate
+
+    args = ["--device", "cpu", "--quick", "--out", str(tmp_path), "--stash", str(tmp_path / "stash"),
+            "--carry", str(tmp_path / "nothing-carried"), "--only", "parity/tiny-qwen2,kv/"]
+    assert validate.main(args) == 0
+    doc = json.loads((tmp_path / "validate.json").read_text())
+    status = {c["name"]: (c["status"], c["detail"]) for c in doc["checks"]}
+    assert list(status) == [*RUN, SYNC, LORA, *EMBEDDED, "throughput"]
+    ran = {"parity/tiny-qwen2", "kv/preemption", "kv/preemption-draft"}
+    assert all(status[name][0] == "passed" for name in ran)
+    assert all(status[name] == ("skipped", "not selected (--only parity/tiny-qwen2,kv/)")
+               for name in [*RUN, SYNC, LORA, "throughput"] if name not in ran)
+
+
 @pytest.mark.slow
 def test_the_step_profile_runs_on_the_cpu_and_writes_its_rows(tmp_path):
     script = ROOT / "tests" / "gpu" / "step_profile.py"
