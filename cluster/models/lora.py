@@ -247,6 +247,7 @@ class LoRALinear(nn.Module):
         self.parts = [PartStack(sum(part_sizes[:i]), size, in_features, capacity)
                       for i, (size, capacity) in enumerate(zip(part_sizes, capacities))]
         self.last_slot = 0
+        self.a = self.column_slots = None  # every part's A and row slots, once reserved
 
     def add(self, slot: int, parts: dict[int, tuple[torch.Tensor, torch.Tensor]], device, dtype) -> None:
         """Stack ``slot``'s update (per part index, A [r, in] and B [part size, r]) after those added before."""

@@ -9,7 +9,9 @@ row 0: an adapter of rank r takes r rows, and ``column_slots`` says whose each r
 plus ``max_lora_rank`` for every adapter ``lora_dir`` may add). The tensors grow as adapters come
 until :meth:`PartStack.reserve` allocates them at capacity once; from then on adding and removing
 adapters write into the same tensors, so a CUDA graph captured over them replays every adapter
-loaded later. Rows past the last adapter are zero, so a product over every row is exact.
+loaded later (``LoRALinear.reserve`` puts the A and row slots of a projection's parts in one
+tensor each, so the graph multiplies them at once). Rows past the last adapter are zero, so a
+product over every row is exact.
 """
 
 from __future__ import annotations
