@@ -43,7 +43,8 @@ class LoRAError(ValueError):
 
 @dataclass
 class LoRAAdapter:
-    """One loaded adapter: per (layer, PEFT module name), A [r, in] and B [out, r] with the scale folded in."""
+    """One loaded adapter: per (layer, PEFT module name), A [r, in] and B [out, r] with the scale
+    folded in, in the model's dtype and on its device (B a transposed view of a contiguous [r, out])."""
 
     name: str
     path: str
@@ -56,6 +57,7 @@ def load_adapter(name: str, path: str | Path, model: nn.Module, max_rank: int) -
     if not isinstance(model, LlamaForCausalLM):
         raise LoRAError(f"LoRA adapters are served for Llama-family models, not {type(model).__name__}")
     hf_config = model.config
+    weight = model.embed_tokens.weight  # the model's device and dtype
     folder = Path(path)
     where = f"LoRA adapter {name!r} ({folder})"
     config_file, weights_file = folder / "adapter_config.json", folder / "adapter_model.safetensors"
@@ -104,7 +106,11 @@ def load_adapter(name: str, path: str | Path, model: nn.Module, max_rank: int) -
             raise LoRAError(f"{where}: layer {layer} {module} has A {tuple(a.shape)} and B {tuple(b.shape)}; this "
                             f"model needs A ({rank}, {expected_in}) and B ({expected_out}, {rank}) in "
                             f"{hf_config.num_hidden_layers} layers")
-        adapter.weights[(layer, module)] = (a.float(), b.float() * scale)
+        # In the model's dtype and on its device, B laid out transposed (as a stack holds it), so
+        # stacking between two steps is plain copies: the reading thread does the rest.
+        a = a.to(dtype=weight.dtype).to(weight.device)
+        b = (b.float() * scale).t().contiguous().to(dtype=weight.dtype).to(weight.device).t()
+        adapter.weights[(layer, module)] = (a, b)
     return adapter
 
 

@@ -10,8 +10,8 @@ plus ``max_lora_rank`` for every adapter ``lora_dir`` may add). The tensors grow
 until :meth:`PartStack.reserve` allocates them at capacity once; from then on adding and removing
 adapters write into the same tensors, so a CUDA graph captured over them replays every adapter
 loaded later (``LoRALinear.reserve`` puts the A and row slots of a projection's parts in one
-tensor each, so the graph multiplies them at once). Rows past the last adapter are zero, so a
-product over every row is exact.
+tensor each, so the graph multiplies them at once). Once reserved, rows past the last adapter
+are zero and belong to no slot, so a product over every row is exact.
 """
 
 from __future__ import annotations
@@ -45,16 +45,21 @@ class PartStack:
         self.used = end
 
     def remove(self, slot: int) -> None:
-        """Drop ``slot``'s rows; the adapters after it move up, the freed rows become zero."""
+        """Drop ``slot``'s rows; the adapters after it move up. Reserved, the freed rows become zero
+        and no one's (a product over every row reads them); else nothing reads past ``used``."""
         if slot not in self.columns:
             return
         start, end = self.columns.pop(slot)
         width, used = end - start, self.used
-        for tensor in (self.a, self.bt, self.column_slots):
-            tensor[start:used - width].copy_(tensor[end:used].clone())
-        self.a[used - width:used].zero_()
-        self.bt[used - width:used].zero_()
-        self.column_slots[used - width:used].fill_(-1)
+        if end < used:
+            overlap = used - width > end  # then the rows moving up pass over their own old place
+            for tensor in (self.a, self.bt, self.column_slots):
+                moving = tensor[end:used]
+                tensor[start:used - width].copy_(moving.clone() if overlap else moving)
+        if self.reserved:
+            self.a[used - width:used].zero_()
+            self.bt[used - width:used].zero_()
+            self.column_slots[used - width:used].fill_(-1)
         self.used = used - width
         self.columns = {s: (lo - width, hi - width) if lo >= end else (lo, hi) for s, (lo, hi) in self.columns.items()}
 

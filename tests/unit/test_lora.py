@@ -223,7 +223,8 @@ def test_an_adapter_removed_leaves_the_others_columns_right(reserved):
     part = layer.parts[0]
     assert part.columns == {1: (0, 2), 3: (2, 3), 4: (3, 5)} and part.used == 5
     assert part.a.shape == ((8, 4) if reserved else (6, 4))  # grown to the most it held, 6 rows
-    assert part.column_slots.tolist()[5:] == [-1] * (part.a.shape[0] - 5) and not part.a[5:].any()
+    if reserved:  # the rows a graph's step reads past the adapters: zero and no one's
+        assert part.column_slots.tolist()[5:] == [-1] * 3 and not part.a[5:].any() and not part.bt[5:].any()
     assert (part.a is first) == reserved
     forms = ["eager", "static"] if reserved else ["eager"]
     for slots, form in itertools.product(([1, 0, 3, 4], [0, 3]), forms):
@@ -250,3 +251,25 @@ def test_a_stack_refuses_more_rows_than_its_capacity():
     part.reserve(torch.device("cpu"), torch.float32)
     with pytest.raises(RuntimeError, match="never reallocates"):
         part._allocate(8, torch.device("cpu"), torch.float32)
+
+
+@pytest.mark.parametrize("removed", [1, 2, 3], ids=["first-overlapping", "middle", "last"])
+def test_a_stack_keeps_the_others_rows_whichever_adapter_leaves(removed):
+    """Ranks 1, 3, 2: removing the first moves 5 rows up by 1 (over their own old place), the
+    second moves 2 rows up by 3, the last moves nothing; the rows left equal the others' A and B."""
+    from cluster.models.lora_stack import PartStack
+
+    torch.manual_seed(3)
+    part = PartStack(0, 3, 4, capacity=6)
+    weights = {slot: (torch.randn(rank, 4), torch.randn(3, rank)) for slot, rank in ((1, 1), (2, 3), (3, 2))}
+    for slot, (a, b) in weights.items():
+        part.add(slot, a, b)
+    part.remove(removed)
+    kept = [slot for slot in weights if slot != removed]
+    assert part.used == sum(weights[slot][0].shape[0] for slot in kept)
+    torch.testing.assert_close(part.a[:part.used], torch.cat([weights[slot][0] for slot in kept]))
+    torch.testing.assert_close(part.bt[:part.used], torch.cat([weights[slot][1].t() for slot in kept]))
+    assert part.column_slots[:part.used].tolist() == [slot for slot in kept for _ in range(weights[slot][0].shape[0])]
+    for slot in kept:
+        start, end = part.columns[slot]
+        torch.testing.assert_close(part.a[start:end], weights[slot][0])
