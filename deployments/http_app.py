@@ -8,6 +8,7 @@ from fastapi.responses import JSONResponse
 from ray.serve.exceptions import BackPressureError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from cluster.api.errors import renamed_error
 from cluster.api.openai_responses import error_body
 from deployments.streams import ApiError
 
@@ -26,7 +27,8 @@ async def answer(answering, params: dict[str, str] | None = None):
     try:
         return await answering
     except ApiError as err:
-        return error_response(err.status, err.message, err.type, (params or {}).get(err.param, err.param))
+        message, param = renamed_error(err.message, err.param, params or {})
+        return error_response(err.status, message, err.type, param)
     except BackPressureError as err:
         return error_response(503, f"the server is overloaded, retry later ({err})", "server_error")
 

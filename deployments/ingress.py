@@ -37,6 +37,7 @@ from ray import serve
 from ray.serve.handle import DeploymentHandle
 
 from cluster.api.auth import ApiKeys
+from cluster.api.errors import renamed_error
 from cluster.api.engine_requests import GroupShape, choice_requests, truncated_prompt
 from cluster.api.openai_protocol import (
     ChatCompletionRequest,
@@ -267,8 +268,8 @@ class OpenAIIngress(ResponsesRoutes):
             echoes = self._echoes(body, chat, prompts, truncated)
             streams = self._make_requests(body, truncated, chat, pinned, constraint, echoes)
         except ValueError as err:  # a ParamError (most) names its field; error_param reads it
-            param = error_param(err)
-            return _error(400, str(err), param=(params or {}).get(param, param))
+            message, param = renamed_error(str(err), error_param(err), params or {})
+            return _error(400, message, param=param)
         # Calls are parsed when tools are offered and the output is free or forced into calls;
         # under a response_format or structured_outputs constraint the output is that format's text.
         make_parser = None

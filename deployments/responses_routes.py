@@ -26,7 +26,7 @@ logger = logging.getLogger(__name__)
 
 # The chat fields a /v1/responses body becomes, by the names its errors give.
 _RESPONSES_PARAMS = {"max_completion_tokens": "max_output_tokens", "max_tokens": "max_output_tokens",
-                     "messages": "input", "prompt": "input", "response_format": "text"}
+                     "messages": "input", "prompt": "input", "response_format": "text.format"}
 
 
 class ResponsesRoutes:

@@ -355,13 +355,26 @@ def test_responses_api_through_the_openai_client(client):
     with client.responses.stream(model=MODEL, input="Is it raining?", max_output_tokens=16, text=answer) as stream:
         final = stream.get_final_response()
     assert final.status == "completed" and final.output_text in ('"yes"', '"no"')
+    bad_schema = {"format": {"type": "json_schema", "name": "x", "schema": {"type": "bogus"}}}
     for fields, param in [({"conversation": "conv_1"}, "conversation"),
                           ({"max_output_tokens": 10**6}, "max_output_tokens"),  # the chat route's check, renamed
                           ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "u"}]}]},
-                           "input")]:
+                           "input"),
+                          ({"text": bad_schema}, "text.format")]:  # the constraint's check, renamed
         with pytest.raises(openai.BadRequestError) as err:
             client.responses.create(**{"model": MODEL, "input": "hi", **fields})
         assert err.value.body["param"] == param
+        message = err.value.body["message"]  # in the Responses API's names, not the chat request's
+        assert not any(name in message for name in ("max_tokens", "max_completion_tokens", "response_format"))
+    assert "'max_output_tokens' is too large" in client_error(client, max_output_tokens=10**6)
+    assert client_error(client, text=bad_schema).startswith("text.format: ")
+
+
+def client_error(client, **fields) -> str:
+    """The message of the 400 that /v1/responses answers ``fields`` with."""
+    with pytest.raises(openai.BadRequestError) as err:
+        client.responses.create(**{"model": MODEL, "input": "hi", **fields})
+    return err.value.body["message"]
 
 
 def test_a_priority_goes_to_the_groups_that_schedule_by_it(client):

@@ -188,3 +188,17 @@ def test_output_logprobs_are_served_when_included():
     done = next(e for e in parsed if e.type == "response.output_text.done")
     assert [(lp.token, lp.logprob) for lp in done.logprobs] == streamed
     assert parsed[-1].response.output[0].content[0].logprobs == part.logprobs
+
+
+def test_an_error_about_the_chat_request_is_told_in_the_responses_names():
+    from cluster.api.errors import renamed_error
+
+    names = {"max_completion_tokens": "max_output_tokens", "max_tokens": "max_output_tokens",
+             "messages": "input", "response_format": "text.format"}
+    assert renamed_error("'max_tokens' or 'max_completion_tokens' is too large: 9.", "max_tokens", names) == (
+        "'max_output_tokens' is too large: 9.", "max_output_tokens")
+    assert renamed_error("response_format: Invalid type: bogus", "response_format", names) == (
+        "text.format: Invalid type: bogus", "text.format")
+    assert renamed_error("messages.0.role: bad", "messages", names) == ("input.0.role: bad", "input")
+    # a field of another name, or one inside another field's path, is left as it is
+    assert renamed_error("x.max_tokens and seed", "seed", names) == ("x.max_tokens and seed", "seed")
