@@ -44,7 +44,7 @@ class LoRAError(ValueError):
 @dataclass
 class LoRAAdapter:
     """One loaded adapter: per (layer, PEFT module name), A [r, in] and B [out, r] with the scale
-    folded in, in the model's dtype and on its device (B a transposed view of a contiguous [r, out])."""
+    folded in, in the model's dtype, on the host (B a transposed view of a contiguous [r, out])."""
 
     name: str
     path: str
@@ -57,7 +57,7 @@ def load_adapter(name: str, path: str | Path, model: nn.Module, max_rank: int) -
     if not isinstance(model, LlamaForCausalLM):
         raise LoRAError(f"LoRA adapters are served for Llama-family models, not {type(model).__name__}")
     hf_config = model.config
-    weight = model.embed_tokens.weight  # the model's device and dtype
+    weight = model.embed_tokens.weight  # the model's dtype
     folder = Path(path)
     where = f"LoRA adapter {name!r} ({folder})"
     config_file, weights_file = folder / "adapter_config.json", folder / "adapter_model.safetensors"
@@ -106,11 +106,11 @@ def load_adapter(name: str, path: str | Path, model: nn.Module, max_rank: int) -
             raise LoRAError(f"{where}: layer {layer} {module} has A {tuple(a.shape)} and B {tuple(b.shape)}; this "
                             f"model needs A ({rank}, {expected_in}) and B ({expected_out}, {rank}) in "
                             f"{hf_config.num_hidden_layers} layers")
-        # In the model's dtype and on its device, B laid out transposed (as a stack holds it), so
-        # stacking between two steps is plain copies: the reading thread does the rest.
-        a = a.to(dtype=weight.dtype).to(weight.device)
-        b = (b.float() * scale).t().contiguous().to(dtype=weight.dtype).to(weight.device).t()
-        adapter.weights[(layer, module)] = (a, b)
+        # In the model's dtype, B laid out transposed (as a stack holds it), so stacking between
+        # two steps is plain copies: the reading thread does the rest. Kept on the host until
+        # stacked (an adapter read may wait for room; device memory holds only the stacks).
+        b = (b.float() * scale).t().contiguous().to(dtype=weight.dtype).t()
+        adapter.weights[(layer, module)] = (a.to(dtype=weight.dtype), b)
     return adapter
 
 
