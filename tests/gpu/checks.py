@@ -182,9 +182,9 @@ def lora_parity(name: str, model_dir: Path, device: str, prompts: list[list[int]
                 **overrides) -> CheckResult:
     """Each prompt under two PEFT adapters (one loaded at start, one from ``lora_dir`` when first
     asked for) and under none, interleaved in one batch, equals PEFT's greedy tokens. The adapter
-    requests stop early, so the last steps run the base model alone. On
-    CUDA, decode steps replay graphs: those with adapter tokens the bucket's LoRA graph (counted:
-    the check fails if none did), the last ones the base graph."""
+    requests stop early, so the last steps run the base model alone. On CUDA, decode steps replay
+    graphs: those with adapter tokens the bucket's LoRA graph (counted: the check fails if none
+    did), the last ones the base graph."""
     from transformers import AutoModelForCausalLM
 
     from cluster.engine.llm import LLM
