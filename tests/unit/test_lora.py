@@ -273,3 +273,51 @@ def test_a_stack_keeps_the_others_rows_whichever_adapter_leaves(removed):
     for slot in kept:
         start, end = part.columns[slot]
         torch.testing.assert_close(part.a[start:end], weights[slot][0])
+
+
+def test_adapters_coming_and_going_at_random_keep_every_rows_update():
+    """200 random loads (ranks 1-4, on one part or both) and unloads within the room, the stacks
+    reserved a third of the way in: after each, a step of random rows (each loaded adapter or none)
+    gets each row's own update, eagerly and, once reserved, through the static form too; the
+    reserved tensors never move."""
+    import random
+
+    from cluster.models.lora import LoRABatch, LoRALinear, LoRAState
+
+    rng = random.Random(5)
+    torch.manual_seed(5)
+    state = LoRAState([], torch.device("cpu"), torch.float32)
+    layer = LoRALinear(torch.nn.Linear(4, 5), [3, 2], 4, [12, 12], state)
+    state.modules.append({"proj": layer})
+    live: dict[int, dict[int, tuple[torch.Tensor, torch.Tensor]]] = {}  # slot -> part -> (A, B)
+    next_slot, reserved_a = 1, None
+    for step in range(200):
+        if step == 66:
+            state.reserve()
+            reserved_a = layer.a
+        used = [sum(p[part][0].shape[0] for p in live.values() if part in p) for part in (0, 1)]
+        rank, targets = rng.randint(1, 4), rng.choice([(0,), (1,), (0, 1)])
+        if live and (rng.random() < 0.45 or any(used[part] + rank > 12 for part in targets)):
+            slot = rng.choice(sorted(live))
+            layer.remove(slot)
+            del live[slot]
+        else:
+            a = torch.randn(rank, 4)
+            parts = {part: (a, torch.randn((3, 2)[part], rank)) for part in targets}
+            layer.add(next_slot, parts, "cpu", torch.float32)
+            live[next_slot], next_slot = parts, next_slot + 1
+        slots = [rng.choice([0, *live]) for _ in range(6)]
+        x = torch.randn(len(slots), 4)
+        expected = layer.base(x)
+        for row, slot in enumerate(slots):
+            for part, (a, b) in live.get(slot, {}).items():
+                expected[row, (0, 3)[part]:(3, 5)[part]] += b @ a @ x[row]
+        batches = [LoRABatch.from_token_slots(slots, [1] * len(slots), torch.device("cpu"))]
+        if reserved_a is not None:
+            batches.append(LoRABatch.static(torch.tensor(slots)))
+        for batch in batches:
+            state.batch = batch
+            got = layer(x)
+            state.batch = None
+            torch.testing.assert_close(got, expected, msg=f"step {step}, slots {slots}")
+    assert reserved_a is not None and layer.a is reserved_a and next_slot > 60
