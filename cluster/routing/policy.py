@@ -147,8 +147,8 @@ def predict_completion_seconds(request: RoutingRequest, stats: ReplicaStats, num
       affinity_seconds_saved = matched * prefill_seconds_per_token. A request whose LoRA
       adapter the replica has not loaded adds the replica's mean load time to its prefill, and
       so to the running requests' delay. vLLM loads between two steps, stalling them that
-      long; Tandem's engine reads beside its loop and stalls them only for the stacking (13 of
-      27 ms for SmolLM2 at rank 16), so for it the delay is overstated by the read.
+      long; Tandem's engine reads beside its loop and stalls them only for the stacking (7 of
+      25 ms for SmolLM2 at rank 16), so for it the delay is overstated by the read.
     * queue: when L + 1 > max_num_seqs the request waits for excess = L + 1 - max_num_seqs
       slots to free up. Assuming the requests ahead are like this one (its prompt, its
       prefix hit, its n), a full replica spends on each of them its prefill
