@@ -31,7 +31,9 @@ rows share the call (prefill runs slower than through oneDNN). Such a layer hold
 small_gemm's copy of its weight.
 
 A layer thus holds two copies of its weight on the CPU (small_gemm's and oneDNN's, or
-small_gemm's and the plain one where oneDNN cannot pack the dtype). On other devices,
+small_gemm's and the plain one where oneDNN cannot pack the dtype). A bfloat16 layer holds a
+third, oneDNN-packed in float32, on a CPU that computes float32 faster from some row count on
+(:mod:`cluster.kernels.float32_gemm`); rows from there on take it. On other devices,
 other dtypes, or where neither path exists, ``pack_linears`` leaves the model untouched,
 so the model code is the same everywhere.
 """
@@ -46,6 +48,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from cluster.kernels.build import small_gemm
+from cluster.kernels.float32_gemm import float32_gemm_min_rows
 
 logger = logging.getLogger(__name__)
 
@@ -67,9 +70,11 @@ _ANY_ROWS = 1 << 62  # small_max_rows of a batch-invariant layer
 class PackedLinear(nn.Module):
     """``y = x @ W.T + b`` through small_gemm for few rows, oneDNN's packed weight for
     more, and ``F.linear`` on the plain weight where neither applies. ``batch_invariant``:
-    small_gemm for every row count (ValueError where it cannot take the weight)."""
+    small_gemm for every row count (ValueError where it cannot take the weight).
+    ``float32_from_rows``: a bfloat16 layer computes calls of that many rows or more in
+    float32, on a float32 copy of its weight (None: never)."""
 
-    def __init__(self, linear: nn.Linear, batch_invariant: bool = False) -> None:
+    def __init__(self, linear: nn.Linear, batch_invariant: bool = False, float32_from_rows: int | None = None) -> None:
         super().__init__()
         self.in_features = linear.in_features
         self.out_features = linear.out_features
@@ -99,11 +104,20 @@ class PackedLinear(nn.Module):
         needs_plain = not batch_invariant and (self.packed_weight is None
                                                or self.min_packed_rows > max(self.small_max_rows, 1))
         self.plain_weight = weight if needs_plain else None
+        wide = (float32_from_rows is not None and onednn is not None and weight.dtype == torch.bfloat16
+                and can_pack(weight.device, torch.float32))
+        self.float32_from_rows = max(float32_from_rows, self.small_max_rows + 1) if wide else None
+        self.register_buffer("float32_weight", torch.ops.mkldnn._reorder_linear_weight(weight.float(), _PACK_ROWS_HINT)
+                             if wide else None)
+        self.register_buffer("float32_bias", self.bias.float() if wide and self.bias is not None else None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [num_tokens, in] -> [num_tokens, out]
         rows = x.shape[0]
         if 0 < rows <= self.small_max_rows:
             return self._small_gemm(x)
+        if self.float32_from_rows is not None and rows >= self.float32_from_rows:
+            y = torch.ops.mkldnn._linear_pointwise(x.float(), self.float32_weight, self.float32_bias, "none", [], "")
+            return y.to(x.dtype)
         if self.packed_weight is not None and rows >= self.min_packed_rows:
             return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, "none", [], "")
         return F.linear(x, self.plain_weight, self.bias)
@@ -142,6 +156,15 @@ def can_pack(device: torch.device, dtype: torch.dtype) -> bool:
     )
 
 
+def float32_compute_rows(device: torch.device, dtype: torch.dtype, batch_invariant: bool = False) -> int | None:
+    """From how many rows ``dtype`` layers on ``device`` compute in float32: bfloat16 layers on
+    a CPU whose oneDNN runs float32 GEMMs faster from some row count (:func:`float32_gemm_min_rows`);
+    None everywhere else, and with ``batch_invariant`` (small_gemm takes every row then)."""
+    if dtype != torch.bfloat16 or batch_invariant or not (can_pack(device, dtype) and can_pack(device, torch.float32)):
+        return None
+    return float32_gemm_min_rows()
+
+
 @functools.lru_cache(maxsize=None)
 def onednn_packs(dtype: torch.dtype) -> bool:
     """Whether this CPU's oneDNN packs and runs ``dtype`` weights: its bfloat16 path
@@ -162,7 +185,9 @@ def pack_linears(model: nn.Module, device: torch.device, dtype: torch.dtype, bat
     (with ``batch_invariant``: everywhere, through small_gemm, or ValueError).
 
     Call after the weights are loaded. A head tied to the embedding keeps the embedding
-    and gets a packed copy. Returns the number of layers replaced.
+    and gets a packed copy. bfloat16 layers compute in float32 from the row count where this
+    CPU does that faster (:func:`float32_compute_rows`), if it has one. Returns the number
+    of layers replaced.
     """
     if batch_invariant and (device.type != "cpu" or dtype not in SMALL_GEMM_MAX_ROWS or small_gemm() is None):
         raise ValueError(f"model.batch_invariant runs on the CPU in float32 or bfloat16 with the compiled kernels "
@@ -171,11 +196,12 @@ def pack_linears(model: nn.Module, device: torch.device, dtype: torch.dtype, bat
                             else " (the small_gemm kernel did not build here: see the log)"))
     if not fast_cpu_linear(device, dtype):
         return 0
+    float32_from_rows = float32_compute_rows(device, dtype, batch_invariant)
     replaced = 0
     for name, module in list(model.named_modules()):
         for child_name, child in list(module.named_children()):
             if type(child) is nn.Linear:
-                setattr(module, child_name, PackedLinear(child, batch_invariant))
+                setattr(module, child_name, PackedLinear(child, batch_invariant, float32_from_rows))
                 replaced += 1
     logger.info("packed %d linear layers for the CPU", replaced)
     return replaced

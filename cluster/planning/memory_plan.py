@@ -7,7 +7,9 @@ ranks), the draft's (whole, on rank 0, where the draft runs), the target's KV po
 pool (as many blocks as the target's, rank 0), an activation workspace for
 ``max_num_batched_tokens``, and what a GPU reserves before the engine allocates
 (``device_kinds.GPU_RESERVED_BYTES``), and the LoRA adapters of ``model.lora_modules``
-(:mod:`cluster.planning.lora_memory`). A vLLM group (``engine.backend: vllm``) differs as
+(:mod:`cluster.planning.lora_memory`). On the CPU the native engine's linear layers hold
+packed copies of their weights beside them (:func:`_cpu_packed_bytes`), counted with the
+weights. A vLLM group (``engine.backend: vllm``) differs as
 :mod:`cluster.planning.vllm_memory` says: its weight quantization is vLLM's, the draft is split
 over the ranks, and the KV budget is one pool for the target's and the draft's layers. A group
 whose busiest rank needs more than one device of its kind offers is refused with the numbers and
@@ -26,7 +28,7 @@ from dataclasses import dataclass, field
 import torch
 
 from cluster.config import ConfigError, TandemConfig, group_engine_config
-from cluster.kernels.packed_linear import onednn_packs
+from cluster.kernels.packed_linear import float32_compute_rows, onednn_packs
 from cluster.planning import vllm_memory
 from cluster.planning.device_kinds import device_memory_bytes, known_kinds
 from cluster.planning.lora_memory import lora_bytes
@@ -102,6 +104,24 @@ def _weight_bytes(shape: ModelShape, dtype_bytes: int, quantization: str, tp: in
     return (linear + rest) // tp + norms
 
 
+def _cpu_packed_bytes(shape: ModelShape, dtype: str, quantization: str, batch_invariant: bool, tp: int) -> int:
+    """What the CPU's ``PackedLinear`` layers hold beyond the weights ``_weight_bytes`` counts,
+    per rank: full-precision linear layers and the LM head are packed for small_gemm and for
+    oneDNN (the plain weight freed, a tied head's embedding kept), small_gemm's alone when
+    batch-invariant; a bfloat16 layer also gets a float32 copy where this CPU computes GEMMs
+    of many rows faster in float32 (``float32_compute_rows``)."""
+    torch_dtype = getattr(torch, dtype)
+    if quantization != "none" or not onednn_packs(torch_dtype):
+        return 0
+    element = _DTYPE_BYTES[dtype]
+    packs = 1 if batch_invariant else 2
+    if float32_compute_rows(torch.device("cpu"), torch_dtype, batch_invariant) is not None:
+        packs += 2  # float32 is two bfloat16 copies
+    tied_head = shape.embedding_params if shape.tie_word_embeddings else 0
+    extra = shape.linear_params * (packs - 1) + tied_head * packs
+    return extra * element // tp
+
+
 def _kv_bytes_per_token(shape: ModelShape, dtype_bytes: int, kv_cache_dtype: str, tp: int) -> int:
     heads = max(1, shape.num_kv_heads // tp)
     vector = bytes_per_vector(shape.head_dim) if kv_cache_dtype == "int8" else shape.head_dim * dtype_bytes
@@ -155,6 +175,15 @@ def _plan_group(config: TandemConfig, name: str) -> GroupPlan:
         target_weights = _weight_bytes(target, dtype_bytes, config.model.quantization, tp)
         draft_quant = spec.draft_quantization or config.model.quantization
         draft_weights = _weight_bytes(draft, draft_dtype_bytes, draft_quant, 1) if draft else 0
+        if kind == "cpu":
+            invariant = config.model.batch_invariant
+            packed = _cpu_packed_bytes(target, dtype, config.model.quantization, invariant, tp)
+            draft_dtype = spec.draft_dtype if spec.draft_dtype in _DTYPE_BYTES else dtype
+            draft_packed = _cpu_packed_bytes(draft, draft_dtype, draft_quant, invariant, 1) if draft else 0
+            target_weights, draft_weights = target_weights + packed, draft_weights + draft_packed
+            if packed or draft_packed:
+                plan.notes.append(f"weights include the CPU's packed copies of the linear layers: "
+                                  f"{_gib(packed)} (target), {_gib(draft_packed)} (draft)")
         target_token = _kv_bytes_per_token(target, dtype_bytes, config.cache.kv_cache_dtype, tp)
         draft_token = _kv_bytes_per_token(draft, draft_dtype_bytes, config.cache.kv_cache_dtype, 1) if draft else 0
     block_size = config.cache.block_size

@@ -5,11 +5,14 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import torch
 import yaml
 from transformers import AutoModelForCausalLM
 
 from cluster.cli import main
 from cluster.config import ConfigError, config_from_dict, load_config
+from cluster.kernels import packed_linear
+from cluster.kernels.packed_linear import PackedLinear, can_pack
 from cluster.models.tiny import save_tiny_model, save_tiny_tokenizer, tiny_llama_config
 from cluster.planning.memory_plan import check_memory, plan_memory
 from cluster.planning.model_shapes import model_shape
@@ -41,17 +44,39 @@ def test_known_models_have_their_published_sizes():
     assert model_shape("/models/some-unknown-model") is None
 
 
-@pytest.mark.parametrize("kv_cache_dtype", ["auto", "int8"])
-def test_kv_tokens_and_weights_match_the_engine(untied_dir, kv_cache_dtype):
-    settings = dict(kv_cache_memory="3MiB", block_size=8, dtype="float32", kv_cache_dtype=kv_cache_dtype)
+def _bytes_held(model) -> int:
+    """The engine model's weights in memory: parameters, buffers (packed copies) and the plain
+    weights PackedLinear keeps, each tensor once; not the rotary tables."""
+    tensors = {id(t): t for name, t in [*model.named_parameters(), *model.named_buffers()]
+               if t is not None and not name.startswith("rotary.")}
+    tensors.update({id(m.plain_weight): m.plain_weight for m in model.modules()
+                    if isinstance(m, PackedLinear) and m.plain_weight is not None})
+    return sum(t.numel() * t.element_size() for t in tensors.values())
+
+
+@pytest.mark.parametrize("dtype, kv_cache_dtype, float32_rows, batch_invariant", [
+    ("float32", "auto", None, False),
+    ("float32", "int8", None, False),
+    ("bfloat16", "auto", None, False),
+    ("bfloat16", "auto", 16, False),  # a CPU where bfloat16 layers keep a float32 copy
+    ("bfloat16", "auto", 16, True),  # small_gemm's copy alone
+])
+def test_kv_tokens_and_weights_match_the_engine(untied_dir, monkeypatch, dtype, kv_cache_dtype, float32_rows,
+                                                batch_invariant):
+    if dtype == "bfloat16" and not can_pack(torch.device("cpu"), torch.bfloat16):
+        pytest.skip("oneDNN packs no bfloat16 weights on this CPU")
+    monkeypatch.setattr(packed_linear, "float32_gemm_min_rows", lambda: float32_rows)
+    settings = dict(kv_cache_memory="3MiB", block_size=8, dtype=dtype, kv_cache_dtype=kv_cache_dtype,
+                    batch_invariant=batch_invariant)
     engine = make_engine(untied_dir, **settings)
     plan = plan_memory(engine.config)[0]
     assert plan.kv_tokens == engine.block_manager.pool.num_blocks * 8
     model = engine.worker.runner.model
     rank = plan.ranks[0]
     assert rank.kv_cache == engine.block_manager.pool.num_blocks * engine.worker.runner.spec.bytes_per_block
-    hf_bytes = 4 * sum(p.numel() for p in AutoModelForCausalLM.from_pretrained(untied_dir).parameters())
-    assert rank.target_weights == hf_bytes
+    assert rank.target_weights == _bytes_held(model)
+    has_copy = any(isinstance(m, PackedLinear) and m.float32_weight is not None for m in model.modules())
+    assert has_copy == (dtype == "bfloat16" and float32_rows is not None and not batch_invariant)
     assert model.vocab_size == model_shape(str(untied_dir)).vocab_size
 
 

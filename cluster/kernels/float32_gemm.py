@@ -1,0 +1,84 @@
+"""From how many rows a bfloat16 linear layer runs faster as a float32 GEMM on this CPU.
+
+A CPU with AVX-512-BF16 but no AMX multiplies bfloat16 pairs no faster than float32 ones:
+on an Intel Xeon (Emerald Rapids, AMX not exposed) oneDNN's packed bfloat16 GEMM reached
+140-165 GFLOPS where its float32 GEMM reached 235-265 (2 threads, SmolLM2's shapes). For
+few rows a step is bound by reading the weights, and bfloat16 weights are half as many
+bytes, so bfloat16 stays ahead there; from a few dozen rows (prefill chunks, big decode
+batches) the step is bound by arithmetic and float32 is ahead. All of SmolLM2-135M's linear
+layers in turn, bfloat16 over float32 time: 0.81 / 1.00 / 1.05 / 1.16 / 1.31 at 10 / 24 /
+32 / 48 / 128 rows. Elsewhere bfloat16 computes faster: with AMX, and on an AMD CPU with
+AVX-512-BF16 (whole decode steps at batch 32 1.6x float32's speed, the README's table).
+So the crossover is measured, once per process, at 48 and 128 rows on weights that do not
+fit a core's L2 cache (the probe overstates float32's lead a little: its weights stay in a
+large L3 cache, a model's do not), and a
+:class:`~cluster.kernels.packed_linear.PackedLinear` keeps a float32 copy of a bfloat16
+weight only where there is one.
+
+The float32 path computes the same sums as oneDNN's bfloat16 one (a product of two
+bfloat16 numbers is exact in float32, and both accumulate in float32), only in another
+order, and rounds the result to bfloat16.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import time
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+# Row counts probed, and the shape and number of distinct weights a pass reads (14 MB in
+# bfloat16: more than a core's L2 cache, like a model's layers in a forward pass).
+_PROBE_ROWS = (48, 128)
+_PROBE_SHAPE = (1536, 576)
+_PROBE_WEIGHTS = 8
+_PROBE_REPEATS = 5
+# float32 must be this much faster at a row count, and at every larger one probed, to be used there.
+_MIN_SPEEDUP = 1.15
+
+
+@functools.lru_cache(maxsize=None)
+def float32_gemm_min_rows() -> int | None:
+    """The fewest rows from which a bfloat16 linear layer is computed in float32 here, or None
+    where float32 is never faster enough (or oneDNN cannot pack both dtypes)."""
+    try:
+        speedups = _probe()
+    except RuntimeError as err:  # oneDNN lacks a path for one of the dtypes on this CPU
+        logger.info("float32 GEMMs for bfloat16 weights: not probed (%s)", err)
+        return None
+    chosen = None
+    for rows in reversed(_PROBE_ROWS):
+        if speedups[rows] < _MIN_SPEEDUP:
+            break
+        chosen = rows
+    logger.info("float32 over bfloat16 GEMM speed at %s rows: %s; bfloat16 weights %s", list(_PROBE_ROWS),
+                [round(speedups[r], 2) for r in _PROBE_ROWS],
+                "stay bfloat16" if chosen is None else f"are computed in float32 from {chosen} rows")
+    return chosen
+
+
+def _probe() -> dict[int, float]:
+    """bfloat16 time / float32 time of a pass over the probe's weights, per row count (best of a few)."""
+    generator = torch.Generator().manual_seed(0)
+    plain = [torch.randn(_PROBE_SHAPE, generator=generator) for _ in range(_PROBE_WEIGHTS)]
+    packed = {dtype: [torch.ops.mkldnn._reorder_linear_weight(w.to(dtype), 32) for w in plain]
+              for dtype in (torch.bfloat16, torch.float32)}
+    speedups = {}
+    for rows in _PROBE_ROWS:
+        x = torch.randn(rows, _PROBE_SHAPE[1], generator=generator).to(torch.bfloat16)
+        seconds = {dtype: _best_pass(x, weights, dtype) for dtype, weights in packed.items()}
+        speedups[rows] = seconds[torch.bfloat16] / seconds[torch.float32]
+    return speedups
+
+
+def _best_pass(x: torch.Tensor, weights: list[torch.Tensor], dtype: torch.dtype) -> float:
+    best = float("inf")
+    for _ in range(_PROBE_REPEATS + 1):  # the first pass warms oneDNN's primitive cache
+        started = time.perf_counter()
+        for weight in weights:  # converted as PackedLinear converts: in, compute, back
+            torch.ops.mkldnn._linear_pointwise(x.to(dtype), weight, None, "none", [], "").to(torch.bfloat16)
+        best = min(best, time.perf_counter() - started)
+    return best

@@ -1,0 +1,108 @@
+"""bfloat16 linear layers computed in float32 from the row count where this CPU does that faster."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from cluster.kernels import float32_gemm, packed_linear
+from cluster.kernels.packed_linear import SMALL_GEMM_MAX_ROWS, PackedLinear, can_pack, pack_linears
+
+CPU = torch.device("cpu")
+needs_both = pytest.mark.skipif(not (can_pack(CPU, torch.bfloat16) and can_pack(CPU, torch.float32)),
+                                reason="oneDNN packs no bfloat16 weights on this CPU")
+
+
+@pytest.fixture()
+def probe_says(monkeypatch):
+    """Makes the probe report the given speedups (or raise) instead of timing this CPU."""
+    def install(speedups):
+        def fake_probe():
+            if isinstance(speedups, Exception):
+                raise speedups
+            return speedups
+        monkeypatch.setattr(float32_gemm, "_probe", fake_probe)
+        float32_gemm.float32_gemm_min_rows.cache_clear()
+    yield install
+    float32_gemm.float32_gemm_min_rows.cache_clear()
+
+
+@pytest.mark.parametrize("speedups, expected", [
+    ({48: 1.3, 128: 1.5}, 48),  # ahead at both
+    ({48: 1.05, 128: 1.4}, 128),  # ahead only at the larger count
+    ({48: 1.3, 128: 1.1}, None),  # a lead that does not hold at more rows is not taken
+    ({48: 0.6, 128: 0.7}, None),  # bfloat16 faster (AMX, AMD)
+    (RuntimeError("no bfloat16 path"), None),
+])
+def test_the_crossover_is_the_fewest_rows_from_which_float32_stays_ahead(probe_says, speedups, expected):
+    probe_says(speedups)
+    assert float32_gemm.float32_gemm_min_rows() == expected
+
+
+@needs_both
+def test_the_probe_runs_on_this_cpu_and_gives_a_speedup_per_row_count():
+    speedups = float32_gemm._probe()
+    assert sorted(speedups) == list(float32_gemm._PROBE_ROWS)
+    assert all(0 < s < 100 for s in speedups.values()), speedups
+
+
+def _bound(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """float32 summation error over K terms plus a bfloat16 rounding of the output."""
+    magnitude = x.double().abs() @ weight.double().abs().T
+    return magnitude * (x.shape[1] * torch.finfo(torch.float32).eps + torch.finfo(torch.bfloat16).eps) + 1e-6
+
+
+@needs_both
+def test_rows_from_the_crossover_on_take_the_float32_copy_and_stay_exact_to_bfloat16():
+    torch.manual_seed(0)
+    linear = torch.nn.Linear(192, 200).to(torch.bfloat16)
+    layer = PackedLinear(linear, float32_from_rows=24)
+    assert layer.float32_from_rows == 24 and layer.float32_weight is not None
+    assert layer.float32_bias.dtype == torch.float32
+    for rows in (1, SMALL_GEMM_MAX_ROWS[torch.bfloat16] + 1, 23, 24, 100):
+        x = torch.randn(rows, 192).to(torch.bfloat16)
+        y = layer(x)
+        assert y.dtype == torch.bfloat16 and y.shape == (rows, 200)
+        expected = x.double() @ linear.weight.double().T + linear.bias.double()
+        assert ((y.double() - expected).abs() <= _bound(x, linear.weight)).all(), rows
+    # Which rows read the float32 copy: swap in the copy of another weight.
+    other = torch.nn.Linear(192, 200).to(torch.bfloat16)
+    layer.float32_weight = torch.ops.mkldnn._reorder_linear_weight(other.weight.float(), 32)
+    for rows, reads_copy in ((23, False), (24, True), (64, True)):
+        x = torch.randn(rows, 192).to(torch.bfloat16)
+        reference = F.linear(x.float(), (other if reads_copy else linear).weight.float())
+        torch.testing.assert_close(layer(x).float() - linear.bias.float(), reference, rtol=2e-2, atol=2e-2)
+
+
+@needs_both
+def test_the_few_row_kernel_keeps_its_rows_and_float32_layers_get_no_copy():
+    layer = PackedLinear(torch.nn.Linear(192, 64, bias=False).to(torch.bfloat16), float32_from_rows=2)
+    assert layer.float32_from_rows == layer.small_max_rows + 1
+    assert layer.float32_bias is None
+    plain = PackedLinear(torch.nn.Linear(192, 64), float32_from_rows=2)
+    assert plain.float32_from_rows is None and plain.float32_weight is None
+
+
+class _TwoLayers(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.up = torch.nn.Linear(64, 128)
+        self.down = torch.nn.Linear(128, 64)
+
+
+@needs_both
+@pytest.mark.parametrize("dtype, batch_invariant, probed, expected", [
+    (torch.bfloat16, False, 48, 48),
+    (torch.bfloat16, False, None, None),  # the probe found no lead
+    (torch.bfloat16, True, 48, None),  # small_gemm takes every row
+    (torch.float32, False, 48, None),
+])
+def test_pack_linears_gives_every_layer_the_probed_crossover(monkeypatch, dtype, batch_invariant, probed, expected):
+    monkeypatch.setattr(packed_linear, "float32_gemm_min_rows", lambda: probed)
+    model = _TwoLayers().to(dtype)
+    assert pack_linears(model, CPU, dtype, batch_invariant) == 2
+    for layer in (model.up, model.down):
+        assert isinstance(layer, PackedLinear)
+        assert layer.float32_from_rows == expected
+        assert (layer.float32_weight is not None) == (expected is not None)
