@@ -13,7 +13,8 @@ So the crossover is measured, once per process, at 48 and 128 rows on weights th
 fit a core's L2 cache (the probe overstates float32's lead a little: its weights stay in a
 large L3 cache, a model's do not), and a
 :class:`~cluster.kernels.packed_linear.PackedLinear` keeps a float32 copy of a bfloat16
-weight only where there is one.
+weight only where there is one. ``TANDEM_FLOAT32_GEMM=0`` keeps bfloat16 everywhere (A/B runs,
+or results that never depend on this probe).
 
 The float32 path computes the same sums as oneDNN's bfloat16 one (a product of two
 bfloat16 numbers is exact in float32, and both accumulate in float32), only in another
@@ -24,6 +25,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import os
 import time
 
 import torch
@@ -35,7 +37,7 @@ logger = logging.getLogger(__name__)
 _PROBE_ROWS = (48, 128)
 _PROBE_SHAPE = (1536, 576)
 _PROBE_WEIGHTS = 8
-_PROBE_REPEATS = 5
+_PROBE_ROUNDS = 6
 # float32 must be this much faster at a row count, and at every larger one probed, to be used there.
 _MIN_SPEEDUP = 1.15
 
@@ -43,7 +45,11 @@ _MIN_SPEEDUP = 1.15
 @functools.lru_cache(maxsize=None)
 def float32_gemm_min_rows() -> int | None:
     """The fewest rows from which a bfloat16 linear layer is computed in float32 here, or None
-    where float32 is never faster enough (or oneDNN cannot pack both dtypes)."""
+    where float32 is never faster enough (or oneDNN cannot pack both dtypes), or where
+    ``TANDEM_FLOAT32_GEMM=0``."""
+    if os.environ.get("TANDEM_FLOAT32_GEMM", "1") == "0":
+        logger.info("float32 GEMMs for bfloat16 weights: turned off by TANDEM_FLOAT32_GEMM=0")
+        return None
     try:
         speedups = _probe()
     except RuntimeError as err:  # oneDNN lacks a path for one of the dtypes on this CPU
@@ -61,7 +67,8 @@ def float32_gemm_min_rows() -> int | None:
 
 
 def _probe() -> dict[int, float]:
-    """bfloat16 time / float32 time of a pass over the probe's weights, per row count (best of a few)."""
+    """bfloat16 time / float32 time of a pass over the probe's weights, per row count: the best
+    of several passes of each, taken in turn so that a burst of load elsewhere hits both."""
     generator = torch.Generator().manual_seed(0)
     plain = [torch.randn(_PROBE_SHAPE, generator=generator) for _ in range(_PROBE_WEIGHTS)]
     packed = {dtype: [torch.ops.mkldnn._reorder_linear_weight(w.to(dtype), 32) for w in plain]
@@ -69,16 +76,17 @@ def _probe() -> dict[int, float]:
     speedups = {}
     for rows in _PROBE_ROWS:
         x = torch.randn(rows, _PROBE_SHAPE[1], generator=generator).to(torch.bfloat16)
-        seconds = {dtype: _best_pass(x, weights, dtype) for dtype, weights in packed.items()}
-        speedups[rows] = seconds[torch.bfloat16] / seconds[torch.float32]
+        best = dict.fromkeys(packed, float("inf"))
+        for round_ in range(_PROBE_ROUNDS + 1):  # round 0 warms oneDNN's primitive cache
+            for dtype, weights in packed.items():
+                seconds = _pass(x, weights, dtype)
+                best[dtype] = min(best[dtype], seconds) if round_ else best[dtype]
+        speedups[rows] = best[torch.bfloat16] / best[torch.float32]
     return speedups
 
 
-def _best_pass(x: torch.Tensor, weights: list[torch.Tensor], dtype: torch.dtype) -> float:
-    best = float("inf")
-    for _ in range(_PROBE_REPEATS + 1):  # the first pass warms oneDNN's primitive cache
-        started = time.perf_counter()
-        for weight in weights:  # converted as PackedLinear converts: in, compute, back
-            torch.ops.mkldnn._linear_pointwise(x.to(dtype), weight, None, "none", [], "").to(torch.bfloat16)
-        best = min(best, time.perf_counter() - started)
-    return best
+def _pass(x: torch.Tensor, weights: list[torch.Tensor], dtype: torch.dtype) -> float:
+    started = time.perf_counter()
+    for weight in weights:  # converted as PackedLinear converts: in, compute, back
+        torch.ops.mkldnn._linear_pointwise(x.to(dtype), weight, None, "none", [], "").to(torch.bfloat16)
+    return time.perf_counter() - started

@@ -106,3 +106,9 @@ def test_pack_linears_gives_every_layer_the_probed_crossover(monkeypatch, dtype,
         assert isinstance(layer, PackedLinear)
         assert layer.float32_from_rows == expected
         assert (layer.float32_weight is not None) == (expected is not None)
+
+
+def test_turned_off_by_the_environment(monkeypatch, probe_says):
+    probe_says({48: 2.0, 128: 2.0})
+    monkeypatch.setenv("TANDEM_FLOAT32_GEMM", "0")
+    assert float32_gemm.float32_gemm_min_rows() is None
