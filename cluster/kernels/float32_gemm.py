@@ -39,7 +39,7 @@ _PROBE_SHAPE = (1536, 576)
 _PROBE_WEIGHTS = 8
 _PROBE_ROUNDS = 6
 # float32 must be this much faster at a row count, and at every larger one probed, to be used there.
-_MIN_SPEEDUP = 1.15
+_MIN_SPEEDUP = 1.1
 
 
 @functools.lru_cache(maxsize=None)

@@ -89,7 +89,9 @@ class GroupRouter:
             "inflight": dict(self.inflight),
             "fallbacks": self.fallbacks,
             "replicas": {rid: {"group": s.group, "device_kind": s.device_kind, "speed_factor": s.speed_factor,
-                               "current_k": s.current_k, "acceptance": s.acceptance}
+                               "current_k": s.current_k, "acceptance": s.acceptance,
+                               "step_time_curve": [list(point) for point in s.step_time_curve],
+                               "prefill_seconds_per_token": s.prefill_seconds_per_token}
                          for rid, s in self._stats.items()},
         }
 

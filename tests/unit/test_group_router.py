@@ -121,8 +121,12 @@ def test_newer_stats_are_not_replaced_by_older_ones():
     router = two_groups()
     router.observe(replica_stats("slow-1", "slow", speed=1.0, timestamp=NOW - 1.0))
     assert router.snapshot()["replicas"]["slow-1"]["speed_factor"] == pytest.approx(3.0)
-    router.observe(replica_stats("slow-1", "slow", speed=1.0, timestamp=NOW + 1.0))
-    assert router.snapshot()["replicas"]["slow-1"]["speed_factor"] == pytest.approx(1.0)
+    newer = replica_stats("slow-1", "slow", speed=1.0, timestamp=NOW + 1.0)
+    router.observe(newer)
+    shown = router.snapshot()["replicas"]["slow-1"]
+    assert shown["speed_factor"] == pytest.approx(1.0)
+    # /debug/router shows the curve the cost model reads
+    assert shown["step_time_curve"] == [[b, t] for b, t in newer.step_time_curve] and len(newer.step_time_curve) > 1
 
 
 def test_pow2_never_ranks_by_stats(monkeypatch):
