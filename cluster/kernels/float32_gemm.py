@@ -14,7 +14,7 @@ do not fit a core's L2 cache (0.3 s); where it leads by 1.1x there, a
 :class:`~cluster.kernels.packed_linear.PackedLinear` keeps a float32 copy of each bfloat16
 weight and takes it from ``FLOAT32_FROM_ROWS`` rows on. That row count is the Xeon's
 crossover above, not probed: at 48 rows the probe's ratio moved between 0.89 and 1.24 from
-one start to the next (a server starts beside Ray's processes), at 128 between 1.30 and 1.53.
+one start to the next (a server starts beside Ray's processes), at 128 between 1.30 and 1.52.
 ``TANDEM_FLOAT32_GEMM=0`` keeps bfloat16 everywhere (A/B runs, or results that never depend
 on this probe).
 
