@@ -109,7 +109,8 @@ def _cpu_packed_bytes(shape: ModelShape, dtype: str, quantization: str, batch_in
     per rank: full-precision linear layers and the LM head are packed for small_gemm and for
     oneDNN (the plain weight freed, a tied head's embedding kept), small_gemm's alone when
     batch-invariant; a bfloat16 layer also gets a float32 copy where this CPU computes GEMMs
-    of many rows faster in float32 (``float32_compute_rows``)."""
+    of many rows faster in float32 (``float32_compute_rows``). A tensor-parallel rank keeps
+    its shards' plain weights beside their packs and does not pack the LM head."""
     torch_dtype = getattr(torch, dtype)
     if quantization != "none" or not onednn_packs(torch_dtype):
         return 0
@@ -117,9 +118,11 @@ def _cpu_packed_bytes(shape: ModelShape, dtype: str, quantization: str, batch_in
     packs = 1 if batch_invariant else 2
     if float32_compute_rows(torch.device("cpu"), torch_dtype, batch_invariant) is not None:
         packs += 2  # float32 is two bfloat16 copies
+    if tp > 1:
+        decoder = shape.linear_params - (0 if shape.tie_word_embeddings else shape.embedding_params)
+        return decoder * packs * element // tp
     tied_head = shape.embedding_params if shape.tie_word_embeddings else 0
-    extra = shape.linear_params * (packs - 1) + tied_head * packs
-    return extra * element // tp
+    return (shape.linear_params * (packs - 1) + tied_head * packs) * element
 
 
 def _kv_bytes_per_token(shape: ModelShape, dtype_bytes: int, kv_cache_dtype: str, tp: int) -> int:

@@ -273,3 +273,16 @@ def test_vllm_groups_count_lora_buffers_for_every_adapter_at_max_rank():
                                   "engine": {"backend": "vllm"}, "cache": {"num_blocks": 64},
                                   "serve": {"groups": [{"name": "g", "device_kind": "H100"}]}})
     assert plan_memory(on_demand)[0].ranks[0].lora == 3 * 16 * 10_176 * 30 * 2  # vLLM's max_loras buffers
+
+
+def test_a_tensor_parallel_rank_on_the_cpu_is_counted_with_its_plain_shards_beside_their_packs(untied_dir):
+    engine = make_engine(untied_dir, kv_cache_memory="3MiB", block_size=8, dtype="float32", tensor_parallel_size=2,
+                         num_threads=1)
+    try:
+        config = engine.config.model_copy(deep=True)
+        config.serve.groups[0].tensor_parallel_size = 2  # what the group of a served TP engine says
+        plan = plan_memory(config)[0]
+        assert plan.tensor_parallel_size == 2
+        assert plan.ranks[0].target_weights == _bytes_held(engine.worker.runner.model)  # rank 0 is this process
+    finally:
+        engine.worker.close()
