@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 import torch
 
 from cluster.config import ConfigError, TandemConfig, group_engine_config
+from cluster.kernels.build import cpu_has_vectors, kernels_enabled
 from cluster.kernels.packed_linear import float32_compute_rows, onednn_packs
 from cluster.planning import vllm_memory
 from cluster.planning.device_kinds import device_memory_bytes, known_kinds
@@ -115,7 +116,10 @@ def _cpu_packed_bytes(shape: ModelShape, dtype: str, quantization: str, batch_in
     if quantization != "none" or not onednn_packs(torch_dtype):
         return 0
     element = _DTYPE_BYTES[dtype]
-    packs = 1 if batch_invariant else 2
+    # small_gemm's copy (expected wherever the kernels may build: not built here to plan) and
+    # oneDNN's; without small_gemm a float32 layer keeps its plain weight beside oneDNN's
+    with_small_gemm = kernels_enabled() and cpu_has_vectors()
+    packs = 1 if batch_invariant else 2 if with_small_gemm or dtype == "float32" else 1
     if float32_compute_rows(torch.device("cpu"), torch_dtype, batch_invariant) is not None:
         packs += 2  # float32 is two bfloat16 copies
     if tp > 1:
