@@ -74,10 +74,11 @@ def _probe() -> float:
               for dtype in (torch.bfloat16, torch.float32)}
     x = torch.randn(_PROBE_ROWS, _PROBE_SHAPE[1], generator=generator).to(torch.bfloat16)
     best = dict.fromkeys(packed, float("inf"))
-    for round_ in range(_PROBE_ROUNDS + 1):  # round 0 warms oneDNN's primitive cache
+    for dtype, weights in packed.items():  # warms oneDNN's primitive cache
+        _pass(x, weights, dtype)
+    for _ in range(_PROBE_ROUNDS):
         for dtype, weights in packed.items():
-            seconds = _pass(x, weights, dtype)
-            best[dtype] = min(best[dtype], seconds) if round_ else best[dtype]
+            best[dtype] = min(best[dtype], _pass(x, weights, dtype))
     return best[torch.bfloat16] / best[torch.float32]
 
 

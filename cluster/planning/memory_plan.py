@@ -116,10 +116,12 @@ def _cpu_packed_bytes(shape: ModelShape, dtype: str, quantization: str, batch_in
     if quantization != "none" or not onednn_packs(torch_dtype):
         return 0
     element = _DTYPE_BYTES[dtype]
-    # small_gemm's copy (expected wherever the kernels may build: not built here to plan) and
-    # oneDNN's; without small_gemm a float32 layer keeps its plain weight beside oneDNN's
-    with_small_gemm = kernels_enabled() and cpu_has_vectors()
-    packs = 1 if batch_invariant else 2 if with_small_gemm or dtype == "float32" else 1
+    if batch_invariant:
+        packs = 1  # small_gemm's copy alone
+    elif kernels_enabled() and cpu_has_vectors():  # where small_gemm may build (planning never builds it)
+        packs = 2  # small_gemm's copy and oneDNN's
+    else:
+        packs = 2 if dtype == "float32" else 1  # oneDNN's, and a float32 layer's plain weight for 1 row
     if float32_compute_rows(torch.device("cpu"), torch_dtype, batch_invariant) is not None:
         packs += 2  # float32 is two bfloat16 copies
     if tp > 1:
