@@ -36,7 +36,7 @@ def test_an_adapter_is_a_model_of_its_own(client, tiny_chat_model, tiny_lora):
     chunks = list(client.chat.completions.create(model=LORA, messages=[{"role": "user", "content": "hi"}],
                                                  max_tokens=4, stream=True))
     assert chunks[-1].choices[0].finish_reason is not None and chunks[0].model == LORA
-    response = client.responses.create(model=LORA, input="hi", max_output_tokens=4)
+    response = client.responses.create(model=LORA, input="hi", max_output_tokens=4, temperature=0)
     assert response.model == LORA and response.usage.output_tokens == 4
 
 
@@ -46,7 +46,8 @@ def test_adapter_requests_go_only_where_the_adapter_is_served(client):
         pinned.completions.create(model=LORA, prompt=PROMPT, max_tokens=2)
     assert err.value.body["param"] == "model" and "fast" in err.value.body["message"]
     fast = client.with_options(default_headers={"X-Tandem-Group": "fast"})
-    assert fast.completions.create(model=LORA, prompt=PROMPT, max_tokens=2).usage.completion_tokens == 2
+    served = fast.completions.create(model=LORA, prompt=PROMPT, max_tokens=2, extra_body={"ignore_eos": True})
+    assert served.usage.completion_tokens == 2 and served.model == LORA
     with pytest.raises(openai.NotFoundError) as err:
         client.completions.create(model="other-lora", prompt=PROMPT, max_tokens=2)
     assert LORA in err.value.body["message"]
