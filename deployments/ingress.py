@@ -66,6 +66,7 @@ from deployments.http_app import error_response as _error
 from deployments.metrics import RaySink
 from deployments.readiness import unready_groups
 from deployments.responses_routes import ResponsesRoutes
+from deployments.feeds import DeltaFeeds
 from deployments.streams import ChoiceStream, respond
 
 logger = logging.getLogger(__name__)
@@ -117,6 +118,8 @@ class OpenAIIngress(ResponsesRoutes):
                                   on_decision=lambda group: decisions.inc("tandem_router_decisions", 1,
                                                                           (("group", group),)))
         self.prefix_blocks = serve_config.prefix_affinity_blocks
+        # Tokens come by one feed per replica where Tandem's router can send a feed to the replica it names.
+        self.feeds = DeltaFeeds() if serve_config.router == "tandem" else None
         self.created = int(time.time())
 
     # ---- routes -------------------------------------------------------------------
@@ -371,5 +374,5 @@ class OpenAIIngress(ResponsesRoutes):
                                            self.prefix_blocks, num_logprobs, constraint, lora)
                 streams.append(ChoiceStream(index, p_index, requests, self.groups,
                                             echoes[p_index] if echoes else None,
-                                            bool(body.return_tokens_as_token_ids)))
+                                            bool(body.return_tokens_as_token_ids), self.feeds))
         return streams

@@ -3,7 +3,10 @@
 The replica knows only ``EngineBackend`` (``cluster/engine/backend.py``); the group's
 ``engine.backend`` setting picks the implementation. Streams ``GenerateDelta``s: first an
 acknowledgement (or an error, when the engine rejects the request), then the tokens.
-When the caller goes away, Ray Serve cancels the stream, which aborts the request in
+A request that names a feed (``GenerateRequest.feed``) gets only the acknowledgement on
+its stream, which stays open until the request ends; its token deltas wait in the feed's
+``FeedOutbox`` for the ingress's ``feed`` call, which takes them for all its requests at
+once. When the caller goes away, Ray Serve cancels the stream, which aborts the request in
 the engine and frees its blocks. Publishes ``ReplicaStats`` for the router through
 ``record_routing_stats``.
 """
@@ -20,12 +23,17 @@ from ray import serve
 from cluster.backends.factory import build_backend
 from cluster.config import TandemConfig, config_from_dict, group_engine_config, with_overrides
 from cluster.engine.backend import BackendContext, EngineUnhealthyError
-from cluster.engine.protocol import GenerateDelta, GenerateRequest
+from cluster.engine.feed_outbox import FeedOutbox
+from cluster.engine.protocol import FeedRequest, GenerateDelta, GenerateRequest
 from cluster.routing.stats import ReplicaStats
 from deployments.metrics import RaySink
 from deployments.tp_ranks import RayLauncher
 
 logger = logging.getLogger(__name__)
+
+# A feed with nothing to carry and no request in flight ends after this long (its ingress opens
+# another with its next request here), so an idle ingress holds no call on the replica.
+FEED_IDLE_SECONDS = 2.0
 
 
 class TandemReplica:
@@ -44,6 +52,7 @@ class TandemReplica:
             self.replica_id = serve.get_replica_context().replica_id.unique_id
         except Exception:  # constructed outside Serve (unit tests)
             self.replica_id = f"{group_name}-local"
+        self._outboxes: dict[str, FeedOutbox] = {}
         logger.info("replica %s of group %s ready (%s engine, %s, %d torch threads)", self.replica_id, group_name,
                     self.backend.name, self.config.model.model, torch.get_num_threads())
 
@@ -52,10 +61,56 @@ class TandemReplica:
         return RayLauncher(self.group.num_cpus, self.group.num_gpus)
 
     async def generate(self, request: GenerateRequest) -> AsyncIterator[GenerateDelta]:
-        async for delta in self.backend.generate(request):
-            if delta.accepted:
-                delta.replica_stats = self.record_routing_stats()
-            yield delta
+        if request.feed is None:
+            async for delta in self.backend.generate(request):
+                if delta.accepted:
+                    delta.replica_stats = self.record_routing_stats()
+                yield delta
+            return
+        outbox = self._outbox(request.feed)
+        outbox.live += 1
+        acknowledged = finished = False
+        try:
+            async for delta in self.backend.generate(request):
+                if not acknowledged:  # the acknowledgement, or the error that refuses the request
+                    acknowledged = True
+                    if delta.accepted:
+                        delta.replica_stats = self.record_routing_stats()
+                    yield delta
+                    continue
+                outbox.put(request.request_id, delta)
+                finished = delta.finished
+        finally:
+            outbox.live -= 1
+            if not finished:
+                outbox.drop(request.request_id)
+            self._forget_if_idle(request.feed)
+
+    async def feed(self, subscription: FeedRequest) -> AsyncIterator[list[tuple[str, GenerateDelta]]]:
+        """The token deltas of this replica's requests that name ``subscription.feed_id``, all that
+        waited in each item; ends after FEED_IDLE_SECONDS with none in flight (or at once where the
+        router sent it to another replica than it names)."""
+        if subscription.replica_id != self.replica_id:
+            return
+        outbox = self._outbox(subscription.feed_id)
+        outbox.readers += 1
+        try:
+            while (items := await outbox.take(FEED_IDLE_SECONDS)) is not None:
+                yield items
+        finally:
+            outbox.readers -= 1
+            self._forget_if_idle(subscription.feed_id)
+
+    def _outbox(self, feed_id: str) -> FeedOutbox:
+        outbox = self._outboxes.get(feed_id)
+        if outbox is None:
+            outbox = self._outboxes[feed_id] = FeedOutbox()
+        return outbox
+
+    def _forget_if_idle(self, feed_id: str) -> None:
+        outbox = self._outboxes.get(feed_id)
+        if outbox is not None and outbox.idle:
+            del self._outboxes[feed_id]
 
     def record_routing_stats(self) -> dict:
         load = self.backend.load(self.prefix_depth)

@@ -5,7 +5,8 @@
 publishes (``record_routing_stats``), the requests this router has sent to each
 (Serve's queue-length cache) and the request's leading block hashes (prefix-cache
 affinity). Serve tries the ranks in order, so a replica at its
-``max_ongoing_requests`` falls through to the next best.
+``max_ongoing_requests`` falls through to the next best. An ingress's delta feed
+(``FeedRequest``) goes to the replica it names.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from typing import List, Optional
 
 from ray.serve.request_router import FIFOMixin, PendingRequest, RequestRouter, RunningReplica
 
-from cluster.engine.protocol import GenerateRequest
+from cluster.engine.protocol import FeedRequest, GenerateRequest
 from cluster.routing.policy import power_of_two_choices, rank_replicas
 from cluster.routing.stats import Candidate, ReplicaStats, RoutingRequest
 
@@ -35,6 +36,9 @@ class TandemRequestRouter(FIFOMixin, RequestRouter):
             return []
         by_id = {r.replica_id.unique_id: r for r in candidate_replicas}
         candidates = [self._candidate(r) for r in candidate_replicas]
+        feed = _feed_request(pending_request)
+        if feed is not None:  # a feed goes to the replica it names (none else holds its deltas)
+            return [[by_id[feed.replica_id]]] if feed.replica_id in by_id else [candidate_replicas]
         request = _routing_request(pending_request)
         if request is None:  # not a generate call (debug and health routes)
             order = power_of_two_choices(candidates, self.rng)
@@ -58,3 +62,10 @@ def _routing_request(pending_request: Optional[PendingRequest]) -> RoutingReques
         return None
     request = pending_request.args[0]
     return request.routing if isinstance(request, GenerateRequest) else None
+
+
+def _feed_request(pending_request: Optional[PendingRequest]) -> FeedRequest | None:
+    if pending_request is None or not pending_request.args:
+        return None
+    request = pending_request.args[0]
+    return request if isinstance(request, FeedRequest) else None

@@ -1,6 +1,7 @@
 """The ingress side of generation: one ``ChoiceStream`` per choice (prompt x n), each a
 streaming call to a replica of the group the router chose, merged into one OpenAI
-response or one server-sent-event stream.
+response or one server-sent-event stream. With delta feeds (``deployments/feeds.py``)
+the call answers only the acknowledgement and the tokens come by the replica's feed.
 
 Every stream is closed exactly once (``ChoiceStream.close``): that cancels the replica
 call if it is still running (which aborts the request in the engine and frees its
@@ -15,6 +16,7 @@ send the calls as ``delta.tool_calls`` the moment each is complete.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import logging
 import time
@@ -28,6 +30,7 @@ from cluster.api.tool_calls import ToolCallParser
 from cluster.engine.protocol import GenerateDelta, GenerateRequest
 from cluster.routing.group_router import GroupRouter
 from cluster.routing.stats import ReplicaStats
+from deployments.feeds import DeltaFeeds
 
 logger = logging.getLogger("ray.serve")
 
@@ -44,7 +47,8 @@ class ChoiceStream:
 
     def __init__(self, index: int, prompt_index: int, requests: dict[str, GenerateRequest],
                  groups: dict[str, DeploymentHandle], echo: responses.Echo | None = None,
-                 tokens_as_ids: bool = False) -> None:
+                 tokens_as_ids: bool = False, feeds: DeltaFeeds | None = None) -> None:
+        """``feeds``: the ingress's delta feeds, which carry the tokens (None: the call's own stream)."""
         self.index = index
         self.echo = echo  # what goes before the output (``echo``)
         self.tokens_as_ids = tokens_as_ids  # logprobs name tokens token_id:N (``return_tokens_as_token_ids``)
@@ -56,6 +60,9 @@ class ChoiceStream:
         self._call: DeploymentResponseGenerator | None = None
         self._router: GroupRouter | None = None
         self._done = False
+        self._feeds = feeds
+        self._queue: asyncio.Queue | None = None  # where the feed puts this choice's deltas
+        self._watch: asyncio.Task | None = None  # the call after its acknowledgement (it fails or ends)
 
     @property
     def prompt_token_ids(self) -> list[int]:
@@ -65,16 +72,31 @@ class ChoiceStream:
         """Route, call the replica and wait for its acknowledgement (raises ApiError)."""
         self._router = router
         self.group = router.choose({group: r.routing for group, r in self.requests.items()}, time.time())
-        self._call = self.groups[self.group].options(stream=True).generate.remote(self.requests[self.group])
+        request = self.requests[self.group]
+        if self._feeds is not None:
+            self._queue = self._feeds.register(self.request_id)
+            request = dataclasses.replace(request, feed=self._feeds.feed_id)
+        self._call = self.groups[self.group].options(stream=True).generate.remote(request)
         ack: GenerateDelta = await self._call.__anext__()
         if ack.error is not None:
             self._done = True
             raise ApiError(ack.error.status, ack.error.message, ack.error.type, ack.error.param)
         if ack.replica_stats:
             router.observe(ReplicaStats.from_dict(ack.replica_stats))
+        if self._queue is not None:
+            self._feeds.attach(self.request_id, ack.replica_stats["replica_id"], self.groups[self.group])
+            self._watch = asyncio.get_running_loop().create_task(self._watch_call())
+
+    async def _watch_call(self) -> None:
+        """The call carries nothing after the acknowledgement; its failure ends the choice."""
+        try:
+            async for _ in self._call:
+                pass
+        except Exception as err:  # the replica failed (or close() cancelled the call: nobody reads then)
+            self._queue.put_nowait(err)
 
     async def deltas(self) -> AsyncIterator[GenerateDelta]:
-        async for delta in self._call:
+        async for delta in (self._call if self._queue is None else self._fed()):
             if delta.error is not None:
                 self._done = True
                 raise ApiError(delta.error.status, delta.error.message, delta.error.type, delta.error.param)
@@ -83,10 +105,20 @@ class ChoiceStream:
                 self._done = True
                 return
 
+    async def _fed(self) -> AsyncIterator[GenerateDelta]:
+        while True:
+            item = await self._queue.get()
+            if isinstance(item, BaseException):
+                self._done = True
+                raise item
+            yield item
+
     def close(self) -> None:
         if self._call is not None and not self._done:
             self._call.cancel()
         self._done = True
+        if self._queue is not None:
+            self._feeds.unregister(self.request_id)
         if self._router is not None and self.group is not None:
             self._router.on_finish(self.group)
             self._router = None

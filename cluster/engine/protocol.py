@@ -6,7 +6,9 @@ parameter (``max_tokens`` included, against the group's context); the replica ha
 the request to its engine and streams ``GenerateDelta``s back. The first delta of
 every stream is an *acknowledgement* (``accepted`` set, no tokens): it arrives once the
 engine has validated and queued the request, so the caller can still answer with a
-clean HTTP error when it is ``error`` instead.
+clean HTTP error when it is ``error`` instead. A request that names a ``feed`` gets only
+that acknowledgement on its own stream (which ends when the request does); its token
+deltas travel in the feed, one stream per ingress and replica (``FeedRequest``).
 """
 
 from __future__ import annotations
@@ -31,6 +33,18 @@ class GenerateRequest:
     # What the routers rank it by (built with the request at the ingress; None: not routed).
     routing: RoutingRequest | None = None
     lora: str | None = None  # the LoRA adapter it runs with (model.lora_modules; None: the base model)
+    # The ingress feed its token deltas travel by (``FeedRequest.feed_id``; None: its own stream, after the ack).
+    feed: str | None = None
+
+
+@dataclass(frozen=True)
+class FeedRequest:
+    """An ingress asks one replica (``replica_id``; the router sends it there) for the token deltas of all
+    its requests there that name ``feed_id``: one stream of ``[(request_id, delta), ...]`` items, each
+    holding what waited since the last (a request's waiting deltas merged into one)."""
+
+    feed_id: str
+    replica_id: str
 
 
 @dataclass(frozen=True)
