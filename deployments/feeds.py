@@ -32,7 +32,7 @@ class FeedLostError(Exception):
     status = 503
 
     def __init__(self, replica_id: str, cause: BaseException) -> None:
-        self.message = f"the stream from replica {replica_id} failed ({cause!r}); retry"
+        self.message = f"the token stream from replica {replica_id} failed ({type(cause).__name__}); retry"
         super().__init__(self.message)
 
 
@@ -42,6 +42,7 @@ class DeltaFeeds:
         self._queues: dict[str, asyncio.Queue] = {}  # request id -> where its deltas go
         self._waiting: dict[str, set[str]] = {}  # replica id -> request ids that read its feed
         self._readers: dict[str, asyncio.Task] = {}  # replica id -> the task that reads its feed
+        self._tasks: set[asyncio.Task] = set()  # the choices' watchers (asyncio keeps no task alive by itself)
 
     def register(self, request_id: str) -> asyncio.Queue:
         """The queue a request's deltas (or the error that ends it) will arrive on."""
@@ -55,6 +56,13 @@ class DeltaFeeds:
         if replica_id not in self._readers:
             self._readers[replica_id] = asyncio.get_running_loop().create_task(
                 self._read(replica_id, handle), name=f"tandem-feed-{replica_id}")
+
+    def spawn(self, coroutine) -> asyncio.Task:
+        """Run a choice's watcher, kept alive until it ends."""
+        task = asyncio.get_running_loop().create_task(coroutine)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return task
 
     def unregister(self, request_id: str) -> None:
         self._queues.pop(request_id, None)

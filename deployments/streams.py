@@ -85,7 +85,7 @@ class ChoiceStream:
             router.observe(ReplicaStats.from_dict(ack.replica_stats))
         if self._queue is not None:
             self._feeds.attach(self.request_id, ack.replica_stats["replica_id"], self.groups[self.group])
-            self._watch = asyncio.get_running_loop().create_task(self._watch_call())
+            self._watch = self._feeds.spawn(self._watch_call())
 
     async def _watch_call(self) -> None:
         """The call carries nothing after the acknowledgement; its failure ends the choice."""
