@@ -29,7 +29,7 @@ import uuid
 from functools import partial
 from pathlib import Path
 
-from fastapi import Request
+from fastapi import Query, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from pydantic import ValidationError
@@ -61,12 +61,12 @@ from cluster.models.registry import engine_max_model_len
 from cluster.routing.group_router import GroupRouter
 from cluster.shared.lora_dir import adapter_folder, is_adapter_name, listed_adapters
 from cluster.structured.constraint import StructuredOutputs
+from deployments.feeds import DeltaFeeds
 from deployments.http_app import answer, app
 from deployments.http_app import error_response as _error
 from deployments.metrics import RaySink
 from deployments.readiness import unready_groups
 from deployments.responses_routes import ResponsesRoutes
-from deployments.feeds import DeltaFeeds
 from deployments.streams import ChoiceStream, respond
 
 logger = logging.getLogger(__name__)
@@ -231,11 +231,12 @@ class OpenAIIngress(ResponsesRoutes):
         return results
 
     @app.get("/debug/timeline")
-    async def debug_timeline(self, request: Request):
-        """The step timeline of one replica per group (``cluster/engine/step_timeline.py``)."""
+    async def debug_timeline(self, request: Request, last_seconds: float | None = Query(None, gt=0)):
+        """The step timeline of one replica per group (``cluster/engine/step_timeline.py``), its summary
+        over the last ``last_seconds`` (a query parameter; default: every step kept)."""
         if (denied := self._check_key(request)) is not None:
             return denied
-        return {name: await handle.step_timeline.remote() for name, handle in self.groups.items()}
+        return {name: await handle.step_timeline.remote(last_seconds) for name, handle in self.groups.items()}
 
     # ---- the work -----------------------------------------------------------------
     async def _serve(self, body, request: Request, chat: bool):

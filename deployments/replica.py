@@ -125,9 +125,11 @@ class TandemReplica:
         """Debug view: the engine's counters (the native engine checks its invariants first)."""
         return {"replica_id": self.replica_id, "group": self.group.name, **(await self.backend.engine_stats())}
 
-    async def step_timeline(self) -> dict:
-        """Debug view: the engine core's recent steps and where their time went."""
-        return {"replica_id": self.replica_id, "group": self.group.name, **(await self.backend.step_timeline())}
+    async def step_timeline(self, last_seconds: float | None = None) -> dict:
+        """Debug view: the engine core's recent steps and where their time went (summarized over the
+        last ``last_seconds``, or every step kept)."""
+        return {"replica_id": self.replica_id, "group": self.group.name,
+                **(await self.backend.step_timeline(last_seconds))}
 
     def spec_state(self) -> dict:
         return vars(self.backend.spec_state())

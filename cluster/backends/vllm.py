@@ -265,7 +265,7 @@ class VllmBackend:
             "spec_policy": self.settings.spec.policy,
         }
 
-    async def step_timeline(self) -> dict:
+    async def step_timeline(self, last_seconds: float | None = None) -> dict:
         return {"note": "the step timeline is recorded by Tandem's engine-core process (engine.core_process), "
                         "not by vLLM's engine"}
 

@@ -67,9 +67,10 @@ def _client(args, url: str, cell: dict, out: Path) -> dict:
                                                          "num_prompts": cell["num_prompts"]}
 
 
-def _timeline(url: str) -> dict | None:
+def _timeline(url: str, seconds: float) -> dict | None:
+    """The engine core's step summary over the last ``seconds`` (the cell just run)."""
     try:
-        with urllib.request.urlopen(f"{url}/debug/timeline", timeout=30) as response:
+        with urllib.request.urlopen(f"{url}/debug/timeline?last_seconds={seconds:.3f}", timeout=30) as response:
             groups = json.loads(response.read())
     except OSError:
         return None
@@ -97,7 +98,7 @@ def _measure_system(args, console, name: str, start, work: Path, is_tandem: bool
             if sampler:
                 results[cell["name"]]["cpu"] = sampler.stop()
                 results[cell["name"]]["wall_s"] = time.monotonic() - started
-                results[cell["name"]]["engine_timeline"] = _timeline(server.url)
+                results[cell["name"]]["engine_timeline"] = _timeline(server.url, results[cell["name"]]["wall_s"])
     finally:
         server.stop()
     return results

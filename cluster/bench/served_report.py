@@ -84,7 +84,7 @@ def _print_cpu(console, cell: str, figures: dict) -> None:
                       + "; ".join(parts))
     timeline = figures.get("engine_timeline")
     if timeline and timeline.get("num_steps"):
-        console.print(f"  engine core (last {timeline['num_steps']} steps kept): busy "
+        console.print(f"  engine core over the cell ({timeline['num_steps']} steps): busy "
                       f"{100 * timeline['busy_fraction']:.0f}%, batch {timeline['mean_batch_size']:.1f}, "
                       f"{timeline['mean_tokens_per_step']:.1f} tokens/step, step {timeline['mean_step_ms']:.1f} ms "
                       f"(forward+sampling {timeline['mean_forward_and_sampling_ms']:.1f}, python around it "

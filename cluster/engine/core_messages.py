@@ -41,6 +41,7 @@ class CallRequest:
 
     call_id: int
     method: str
+    args: tuple = ()
 
 
 @dataclass(frozen=True)

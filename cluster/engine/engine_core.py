@@ -123,7 +123,9 @@ class EngineCore:
             if message.method == "engine_stats":
                 return CallResult(message.call_id, self.view.engine_stats("native"))
             if message.method == "step_timeline":
-                return CallResult(message.call_id, {"summary": self.timeline.summary(),
+                # args: (seconds,) to summarize the last that many seconds only (default: every step kept)
+                window = (*message.args[:1], time.monotonic()) if message.args and message.args[0] else ()
+                return CallResult(message.call_id, {"summary": self.timeline.summary(*window),
                                                     "last_10s": self.timeline.summary(10.0, time.monotonic()),
                                                     "recent": self.timeline.recent()})
             return CallResult(message.call_id, error=f"the engine core has no call {message.method!r}")

@@ -84,7 +84,7 @@ class NativeBackend:
     async def engine_stats(self) -> dict:
         return self.view.engine_stats(self.name)
 
-    async def step_timeline(self) -> dict:
+    async def step_timeline(self, last_seconds: float | None = None) -> dict:
         return {"note": "the step timeline is recorded by Tandem's engine-core process (engine.core_process), "
                         "not by the in-process engine"}
 

@@ -147,18 +147,19 @@ class ProcessBackend:
         and the core's process id."""
         return {**(await self._call("engine_stats")), "engine_pid": self.core_pid}
 
-    async def step_timeline(self) -> dict:
-        """The core's recent steps and their summary (``step_timeline.py``)."""
-        return await self._call("step_timeline")
+    async def step_timeline(self, last_seconds: float | None = None) -> dict:
+        """The core's recent steps and their summary (``step_timeline.py``) over every step kept or
+        the last ``last_seconds``."""
+        return await self._call("step_timeline", last_seconds)
 
-    async def _call(self, method: str):
+    async def _call(self, method: str, *args):
         if self._dead is not None:
             raise EngineUnhealthyError(self._dead)
         self._loop = asyncio.get_running_loop()
         call_id = next(self._call_ids)
         future = self._loop.create_future()
         self._calls[call_id] = future
-        self._send(CallRequest(call_id, method))
+        self._send(CallRequest(call_id, method, args))
         return await future
 
     def check_health(self) -> None:

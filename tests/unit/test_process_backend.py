@@ -104,6 +104,9 @@ def test_metrics_and_the_step_timeline_cross_over(backend):
     summary = timeline["summary"]
     assert summary["num_steps"] >= 6 and summary["mean_output_tokens_per_step"] >= 1
     assert 0 < summary["busy_fraction"] <= 1.0
+    assert 6 <= asyncio.run(backend.step_timeline(60.0))["summary"]["num_steps"] <= summary["num_steps"]
+    time.sleep(0.5)  # the core waits: the last 0.2 s hold none of the steps
+    assert asyncio.run(backend.step_timeline(0.2))["summary"] == {"num_steps": 0}
     assert backend.load(8).num_running == 0 and backend.load(8).block_size == 16
 
 
