@@ -58,7 +58,7 @@ class DeltaFeeds:
                 self._read(replica_id, handle), name=f"tandem-feed-{replica_id}")
 
     def spawn(self, coroutine) -> asyncio.Task:
-        """Run a choice's watcher, kept alive until it ends."""
+        """Run a choice's watcher of its call, kept alive until it ends."""
         task = asyncio.get_running_loop().create_task(coroutine)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)

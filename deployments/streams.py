@@ -62,7 +62,6 @@ class ChoiceStream:
         self._done = False
         self._feeds = feeds
         self._queue: asyncio.Queue | None = None  # where the feed puts this choice's deltas
-        self._watch: asyncio.Task | None = None  # the call after its acknowledgement (it fails or ends)
 
     @property
     def prompt_token_ids(self) -> list[int]:
@@ -85,7 +84,7 @@ class ChoiceStream:
             router.observe(ReplicaStats.from_dict(ack.replica_stats))
         if self._queue is not None:
             self._feeds.attach(self.request_id, ack.replica_stats["replica_id"], self.groups[self.group])
-            self._watch = self._feeds.spawn(self._watch_call())
+            self._feeds.spawn(self._watch_call())
 
     async def _watch_call(self) -> None:
         """The call carries nothing after the acknowledgement; its failure ends the choice."""
