@@ -61,30 +61,26 @@ class TandemReplica:
         return RayLauncher(self.group.num_cpus, self.group.num_gpus)
 
     async def generate(self, request: GenerateRequest) -> AsyncIterator[GenerateDelta]:
-        if request.feed is None:
-            async for delta in self.backend.generate(request):
-                if delta.accepted:
-                    delta.replica_stats = self.record_routing_stats()
-                yield delta
-            return
-        outbox = self._outbox(request.feed)
-        outbox.live += 1
+        outbox = None if request.feed is None else self._outbox(request.feed)
+        if outbox is not None:
+            outbox.live += 1
         acknowledged = finished = False
         try:
             async for delta in self.backend.generate(request):
-                if not acknowledged:  # the acknowledgement, or the error that refuses the request
+                if delta.accepted:
+                    delta.replica_stats = self.record_routing_stats()
+                if outbox is None or not acknowledged:  # the acknowledgement (or refusal) is the call's
                     acknowledged = True
-                    if delta.accepted:
-                        delta.replica_stats = self.record_routing_stats()
                     yield delta
-                    continue
-                outbox.put(request.request_id, delta)
-                finished = delta.finished
+                else:
+                    outbox.put(request.request_id, delta)
+                    finished = delta.finished
         finally:
-            outbox.live -= 1
-            if not finished:
-                outbox.drop(request.request_id)
-            self._forget_if_idle(request.feed)
+            if outbox is not None:
+                outbox.live -= 1
+                if not finished:
+                    outbox.drop(request.request_id)
+                self._forget_if_idle(request.feed)
 
     async def feed(self, subscription: FeedRequest) -> AsyncIterator[list[tuple[str, GenerateDelta]]]:
         """The token deltas of this replica's requests that name ``subscription.feed_id``, all that

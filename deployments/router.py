@@ -19,7 +19,7 @@ from ray.serve.request_router import FIFOMixin, PendingRequest, RequestRouter, R
 
 from cluster.engine.protocol import FeedRequest, GenerateRequest
 from cluster.routing.policy import power_of_two_choices, rank_replicas
-from cluster.routing.stats import Candidate, ReplicaStats, RoutingRequest
+from cluster.routing.stats import Candidate, ReplicaStats
 
 
 class TandemRequestRouter(FIFOMixin, RequestRouter):
@@ -36,10 +36,10 @@ class TandemRequestRouter(FIFOMixin, RequestRouter):
             return []
         by_id = {r.replica_id.unique_id: r for r in candidate_replicas}
         candidates = [self._candidate(r) for r in candidate_replicas]
-        feed = _feed_request(pending_request)
-        if feed is not None:  # a feed goes to the replica it names (none else holds its deltas)
-            return [[by_id[feed.replica_id]]] if feed.replica_id in by_id else [candidate_replicas]
-        request = _routing_request(pending_request)
+        argument = _argument(pending_request)
+        if isinstance(argument, FeedRequest):  # a feed goes to the replica it names (none else holds its deltas)
+            return [[by_id[argument.replica_id]]] if argument.replica_id in by_id else [candidate_replicas]
+        request = argument.routing if isinstance(argument, GenerateRequest) else None
         if request is None:  # not a generate call (debug and health routes)
             order = power_of_two_choices(candidates, self.rng)
         else:
@@ -57,15 +57,8 @@ class TandemRequestRouter(FIFOMixin, RequestRouter):
         return Candidate(replica.replica_id.unique_id, stats, inflight)
 
 
-def _routing_request(pending_request: Optional[PendingRequest]) -> RoutingRequest | None:
+def _argument(pending_request: Optional[PendingRequest]):
+    """The call's first argument (a ``GenerateRequest``, a ``FeedRequest``; None for other calls)."""
     if pending_request is None or not pending_request.args:
         return None
-    request = pending_request.args[0]
-    return request.routing if isinstance(request, GenerateRequest) else None
-
-
-def _feed_request(pending_request: Optional[PendingRequest]) -> FeedRequest | None:
-    if pending_request is None or not pending_request.args:
-        return None
-    request = pending_request.args[0]
-    return request if isinstance(request, FeedRequest) else None
+    return pending_request.args[0]

@@ -123,9 +123,8 @@ class EngineCore:
             if message.method == "engine_stats":
                 return CallResult(message.call_id, self.view.engine_stats("native"))
             if message.method == "step_timeline":
-                # args: (seconds,) to summarize the last that many seconds only (default: every step kept)
-                window = (*message.args[:1], time.monotonic()) if message.args and message.args[0] else ()
-                return CallResult(message.call_id, {"summary": self.timeline.summary(*window),
+                seconds = message.args[0] if message.args else None  # None: every step kept
+                return CallResult(message.call_id, {"summary": self.timeline.summary(seconds, time.monotonic()),
                                                     "last_10s": self.timeline.summary(10.0, time.monotonic()),
                                                     "recent": self.timeline.recent()})
             return CallResult(message.call_id, error=f"the engine core has no call {message.method!r}")

@@ -10,7 +10,7 @@ import asyncio
 import pytest
 
 from cluster.engine.feed_outbox import FeedOutbox
-from cluster.engine.protocol import FeedRequest, GenerateDelta, GenerateRequest
+from cluster.engine.protocol import ErrorInfo, FeedRequest, GenerateDelta, GenerateRequest
 from cluster.routing.group_router import GroupRouter
 from cluster.routing.stats import EngineLoad, RoutingRequest
 from cluster.shared.sampling_params import SamplingParams
@@ -70,9 +70,7 @@ class _Backend:
                           acceptance=0.0)
 
 
-def _error(message: str):
-    from cluster.engine.protocol import ErrorInfo
-
+def _error(message: str) -> ErrorInfo:
     return ErrorInfo(400, message, param="prompt")
 
 
