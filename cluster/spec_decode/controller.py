@@ -5,10 +5,11 @@
   live batch size.
 - ``AdaptiveController``: starts from the profile, keeps per-position acceptance and
   the step-time model true online from the engine's own observations (exponential
-  moving averages; least squares with forgetting). Where the profile measured every
-  batch size and length, the step times stand on its measured grid (as the table's do)
-  and the least squares learn a correction to it, linear in the batch size and k; else
-  they learn the fitted line's coefficients. It re-solves the best ``k`` for the
+  moving averages; least squares with forgetting). The step times stand on the profile's
+  (its measured grid where it measured every batch size and length, as the table's do,
+  else its fitted line); the least squares learn how many times slower this device runs
+  them, quickly, and a correction to their shape, linear in the batch size and k, slowly
+  (a profile is often measured on another machine than the one serving). It re-solves the best ``k`` for the
   batch at hand, and switches only when the new ``k`` is predicted to be clearly
   better and the current one has been held for a while (so ``k`` does not flap when
   the batch size sits at the edge between two best values). ``k = 0`` falls out of
@@ -116,7 +117,8 @@ class AdaptiveController:
         min_dwell_steps: int = 8,
         acceptance_ema: float = 0.01,
         forgetting: float = 0.995,
-        prior_weight: float = 50.0,
+        prior_weight: float = 10.0,
+        scale_prior_weight: float = 0.01,
         prior_floor: float = 1e-3,
         explore_every: int = 64,
         explore_budget: float = 0.001,
@@ -136,38 +138,43 @@ class AdaptiveController:
         self.coverage = [float(coverage[min(j, len(coverage) - 1)]) if coverage else 1.0
                          for j in range(max(1, max_k))]
         # Least squares over whole-step times, forgetting old steps. A step that verifies D
-        # draft tokens at batch size b costs fixed(b, k, D) + c0 + c1 b + d0 k + d1 k b, where
-        # [c0, c1, d0, d1] are learnt and fixed(...) is what stays as profiled:
-        # - with a measured grid, its pass times (verifying pass at 1 + D / b tokens, k draft
-        #   passes); the learnt terms are a correction to them, 0 at first and of either sign;
-        # - else c2 (b + D), the fitted cost of one verified token (whole steps cannot tell it
-        #   from c1 and d1); the learnt terms are the fit's other coefficients, never below 0.
+        # draft tokens at batch size b costs s P(b, k, D) + c0 + c1 b + d0 k + d1 k b, where
+        # P is the profile's time for it (its measured grid: the verifying pass at 1 + D / b
+        # tokens and k draft passes; else its fitted line) and [s, c0, c1, d0, d1] are learnt:
+        # s how much slower or faster this device runs than the one profiled (1 at first),
+        # c0..d1 a correction to the profile's shape (0 at first, of either sign with a grid;
+        # without one the line's coefficients they add to are never taken below 0).
         self.grid = grid
-        c0, c1, c2 = (0.0, 0.0, 0.0) if grid is not None else model.target_coef
-        d0, d1 = (0.0, 0.0) if grid is not None else model.draft_coef
-        self.model = LatencyModel([c0, c1, c2], [d0, d1], grid)
-        self._fixed = LatencyModel([0.0, 0.0, c2], [0.0, 0.0], grid)
-        # The profile enters as ``prior_weight`` pseudo-steps over a grid of (b, k), forgotten
-        # like observed steps but never below ``prior_floor`` of their weight: steps held at
-        # one k (or one batch size) leave some of the four sums unidentified, and a prior
-        # decaying to nothing turned the system singular (after ~6,000 such steps); at the
-        # floor those sums keep the profile's values and the observed ones hardly move.
-        theta = np.array([c0, c1, d0, d1], dtype=np.float64)
+        self._profile = (LatencyModel([0.0, 0.0, 0.0], [0.0, 0.0], grid) if grid is not None
+                         else LatencyModel(list(model.target_coef), list(model.draft_coef)))
+        self.model = self._composed(1.0, 0.0, 0.0, 0.0, 0.0)
+        # The profile enters as pseudo-steps, forgotten like observed steps but never below
+        # ``prior_floor`` of their weight: steps held at one k (or one batch size) leave some of
+        # the sums unidentified, and a prior decaying to nothing turned the system singular
+        # (after ~6,000 such steps); at the floor those sums keep the profile's values and the
+        # observed ones hardly move. Two independent parts: the shape's correction is 0 with
+        # the weight of ``prior_weight`` steps over a grid of (b, k), and the scale is 1 with
+        # the weight of ``scale_prior_weight`` steps, few, so that a device that runs the same
+        # passes 3x slower than the profile's (one measured here: another CPU of the same
+        # kind, no AMX) is read within tens of steps, not a thousand.
         sizes_ks = [(b, k) for b in (1, 2, 4, 8, 16, 32, 64) for k in range(max_k + 1)]
         features = np.array([_step_features(b, k) for b, k in sizes_ks])
         # Relative errors, as the profile was fitted (:func:`fit_linear`): each step's row is
         # scaled by 1 / its time, so a batch-32 step does not outweigh thirty batch-1 steps.
-        times = features @ theta + np.array([self._fixed.step_time(b, k) for b, k in sizes_ks])
-        features = features / np.maximum(times, 1e-12)[:, None]
-        prior_xtx = prior_weight / len(features) * features.T @ features + 1e-9 * np.eye(4)
-        # The sums are kept as lists of floats (row-major 4 x 4 and 4) and updated element by
+        times = np.array([max(self._profile.step_time(b, k), 1e-12) for b, k in sizes_ks])
+        features = features / times[:, None]
+        prior_xtx = np.zeros((5, 5))
+        prior_xtx[0, 0] = scale_prior_weight
+        prior_xtx[1:, 1:] = prior_weight / len(features) * features.T @ features
+        prior_xtx += 1e-9 * np.eye(5)
+        # The sums are kept as lists of floats (row-major 5 x 5 and 5) and updated element by
         # element: with numpy arrays ``observe`` took ~150 us a step in the engine, ~70 us so.
         self._prior_xtx = prior_xtx.ravel().tolist()
-        self._prior_xty = (prior_xtx @ theta).tolist()
+        self._prior_xty = (prior_xtx @ np.array([1.0, 0.0, 0.0, 0.0, 0.0])).tolist()
         self._prior_scale = 1.0
         self._prior_floor = prior_floor
-        self._xtx = [0.0] * 16  # the observed steps' sums, forgotten at rate ``forgetting``
-        self._xty = [0.0] * 4
+        self._xtx = [0.0] * 25  # the observed steps' sums, forgotten at rate ``forgetting``
+        self._xty = [0.0] * 5
         self.k: int | None = None
         self._steps_at_k = 0
         self._steps_since_probe = 0
@@ -226,20 +233,27 @@ class AdaptiveController:
         if batch_size < 1 or seconds <= 0:
             return
         drafted = batch_size * k if num_drafted is None else num_drafted
-        fixed = self._fixed.target_time(batch_size, 1.0 + drafted / batch_size) + k * self._fixed.draft_time(batch_size)
-        # _step_features / seconds: relative errors, as the profile's fit
-        x = (1.0 / seconds, float(batch_size) / seconds, float(k) / seconds, float(k * batch_size) / seconds)
-        y = 1.0 - fixed / seconds
+        profiled = (self._profile.target_time(batch_size, 1.0 + drafted / batch_size)
+                    + k * self._profile.draft_time(batch_size))
+        # the step's features / seconds: relative errors, as the profile's fit
+        x = (profiled / seconds, 1.0 / seconds, float(batch_size) / seconds, float(k) / seconds,
+             float(k * batch_size) / seconds)
         f = self.forgetting
         self._xtx = [f * s + xi * xj for s, (xi, xj) in zip(self._xtx, product(x, repeat=2))]
-        self._xty = [f * s + xi * y for s, xi in zip(self._xty, x)]
+        self._xty = [f * s + xi for s, xi in zip(self._xty, x)]  # y = seconds / seconds
         scale = self._prior_scale = max(f * self._prior_scale, self._prior_floor)
-        xtx = np.array([scale * p + s for p, s in zip(self._prior_xtx, self._xtx)]).reshape(4, 4)
+        xtx = np.array([scale * p + s for p, s in zip(self._prior_xtx, self._xtx)]).reshape(5, 5)
         xty = np.array([scale * p + s for p, s in zip(self._prior_xty, self._xty)])
-        c0, c1, d0, d1 = self._solve(xtx, xty).tolist()
-        if self.grid is None:  # the fit's costs: a negative one is noise
-            c0, c1, d0, d1 = max(c0, 0.0), max(c1, 0.0), max(d0, 0.0), max(d1, 0.0)
-        self.model = LatencyModel([c0, c1, self._fixed.target_coef[2]], [d0, d1], self.grid)
+        self.model = self._composed(*self._solve(xtx, xty).tolist())
+
+    def _composed(self, s: float, c0: float, c1: float, d0: float, d1: float) -> LatencyModel:
+        """The profile's model read ``s`` times slower, plus the correction."""
+        s = max(s, 0.0)
+        (p0, p1, p2), (q0, q1) = self._profile.target_coef, self._profile.draft_coef
+        target, draft = [s * p0 + c0, s * p1 + c1, s * p2], [s * q0 + d0, s * q1 + d1]
+        if self.grid is None:  # the line's costs: a negative one is noise
+            target, draft = [max(c, 0.0) for c in target], [max(d, 0.0) for d in draft]
+        return LatencyModel(target, draft, self.grid, grid_scale=s)
 
     @staticmethod
     def _solve(xtx: np.ndarray, xty: np.ndarray) -> np.ndarray:

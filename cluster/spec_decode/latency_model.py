@@ -35,9 +35,10 @@ E(k) stays the tokens a request gains per step. A draft model always proposes al
 coverage 1 (``None``), where both readings of ``a_j`` agree.
 
 Where a profile measured the passes (:class:`~cluster.spec_decode.pass_grid.PassGrid`), a model can
-stand on the measured times instead of the line: ``T_target(b, n) = grid(b, n) + c0 + c1 b +
-c2 b n`` and ``T_draft(b) = grid(b) + d0 + d1 b``, the coefficients then being a correction
-to the grid (0 as profiled; ``AdaptiveController`` learns them online).
+stand on the measured times instead of the line: ``T_target(b, n) = s grid(b, n) + c0 + c1 b +
+c2 b n`` and ``T_draft(b) = s grid(b) + d0 + d1 b``, the coefficients then being a correction
+to the grid (0 as profiled) and ``s`` (``grid_scale``, 1 as profiled) how much slower or
+faster this device runs than the one profiled: ``AdaptiveController`` learns both online.
 """
 
 from __future__ import annotations
@@ -111,16 +112,18 @@ class LatencyModel:
     target_coef: list[float]  # c0, c1, c2
     draft_coef: list[float]  # d0, d1
     grid: PassGrid | None = None  # measured pass times the coefficients correct (None: the line alone)
+    grid_scale: float = 1.0  # the grid's times are read times this
 
     # Sums of floats rather than np.dot: the controllers call these every step.
     def target_time(self, batch_size: int, tokens_per_request: float) -> float:
         c0, c1, c2 = self.target_coef
-        measured = self.grid.verify_time(batch_size, tokens_per_request) if self.grid is not None else 0.0
+        grid = self.grid
+        measured = self.grid_scale * grid.verify_time(batch_size, tokens_per_request) if grid is not None else 0.0
         return float(measured + c0 + c1 * batch_size + c2 * (batch_size * tokens_per_request))
 
     def draft_time(self, batch_size: int) -> float:
         d0, d1 = self.draft_coef
-        measured = self.grid.draft_time(batch_size) if self.grid is not None else 0.0
+        measured = self.grid_scale * self.grid.draft_time(batch_size) if self.grid is not None else 0.0
         return float(measured + d0 + d1 * batch_size)
 
     def step_time(self, batch_size: int, k: int, coverage: list[float] | None = None) -> float:
@@ -142,7 +145,8 @@ class LatencyModel:
         fixed = c0 + c1 * batch_size  # the verifying pass's cost whatever its tokens
         per_pass = self.draft_time(batch_size)  # one more draft pass
         per_token = c2 * batch_size  # one more draft token verified per request
-        costs = [max(fixed + per_token + (row[0] if row is not None else 0.0), 0.0)]
+        scale = self.grid_scale
+        costs = [max(fixed + per_token + (scale * row[0] if row is not None else 0.0), 0.0)]
         tokens, survive, drafted = 1.0, 1.0, 0.0
         for k in range(1, max_k + 1):
             rate = acceptance[min(k - 1, len(acceptance) - 1)] if acceptance else 0.0
@@ -154,7 +158,7 @@ class LatencyModel:
                 drafted += min(max(coverage[min(k - 1, len(coverage) - 1)], 0.0), 1.0)
             step = fixed + k * per_pass + (1.0 + drafted) * per_token
             if row is not None:
-                step += read_row(row, 1.0 + drafted)
+                step += scale * read_row(row, 1.0 + drafted)
             costs.append(max(step, 0.0) / tokens)
         return costs
 

@@ -66,6 +66,22 @@ def test_adaptive_starts_from_the_grid_where_the_fit_picks_otherwise():
     assert adaptive.choose_k(BatchState(32, 0)) == 1
 
 
+def test_a_device_slower_than_the_profiled_one_is_read_within_a_few_steps():
+    """The live device runs every pass 3x slower than the profile's (a profile measured on
+    another machine): after 20 plain decoding steps at one batch size the controller prices
+    drafting there 3x dearer too, not at the profile's milliseconds on top of a slower base,
+    and picks the k that the slower device's own times call best."""
+    profile = _profile([0.8] * 4)
+    truth = LatencyModel([0.0, 0.0, 0.0], [0.0, 0.0], profile.pass_grid(4), grid_scale=3.0)
+    adaptive = AdaptiveController.from_profile(profile, max_k=4, acceptance_ema=0.0)
+    adaptive.acceptance = [0.3] * 4
+    for _ in range(20):
+        adaptive.observe(StepObservation(8, 0, truth.step_time(8, 0)))
+    for k in range(5):
+        assert adaptive.model.step_time(8, k) == pytest.approx(truth.step_time(8, k), rel=0.05)
+    assert adaptive.k_table([8]) == {8: truth.best_k(8, [0.3] * 4, 4)}
+
+
 def test_adaptive_learns_a_correction_to_the_grid():
     """The live steps cost what the grid says plus 3 ms per draft pass at every batch size
     (say, proposing is dearer than profiled): the correction is learnt, and with it the best
