@@ -9,10 +9,10 @@
   (its measured grid where it measured every batch size and length, as the table's do,
   else its fitted line); the least squares learn how many times slower this device runs
   them, quickly, and a correction to their shape, linear in the batch size and k, slowly
-  (a profile is often measured on another machine than the one serving). It re-solves the best ``k`` for the
-  batch at hand, and switches only when the new ``k`` is predicted to be clearly
-  better and the current one has been held for a while (so ``k`` does not flap when
-  the batch size sits at the edge between two best values). ``k = 0`` falls out of
+  (a profile is often measured on another machine than the one serving). It re-solves
+  the best ``k`` for the batch at hand, and switches only when the new ``k`` is predicted
+  to be clearly better and the current one has been held for a while (so ``k`` does not
+  flap when the batch size sits at the edge between two best values). ``k = 0`` falls out of
   the model wherever drafting does not pay. At most every ``explore_every`` steps it drafts
   one token more than the ``k`` it holds (up to ``max_k``): acceptance is only observed at
   the positions drafted and step times only at the ``k`` run, so without these probes a
@@ -154,9 +154,10 @@ class AdaptiveController:
         # (after ~6,000 such steps); at the floor those sums keep the profile's values and the
         # observed ones hardly move. Two independent parts: the shape's correction is 0 with
         # the weight of ``prior_weight`` steps over a grid of (b, k), and the scale is 1 with
-        # the weight of ``scale_prior_weight`` steps, few, so that a device that runs the same
-        # passes 3x slower than the profile's (one measured here: another CPU of the same
-        # kind, no AMX) is read within tens of steps, not a thousand.
+        # the weight of ``scale_prior_weight`` steps, a hundredth of one, so that the first
+        # steps read a device that runs the profile's passes 3x slower (a CPU of the same kind
+        # as the profiled one measured so, docs/speculative-decoding.md); with one prior of 50
+        # steps and no scale, the model still put a 51 ms step at 33 ms after 128 steps.
         sizes_ks = [(b, k) for b in (1, 2, 4, 8, 16, 32, 64) for k in range(max_k + 1)]
         features = np.array([_step_features(b, k) for b, k in sizes_ks])
         # Relative errors, as the profile was fitted (:func:`fit_linear`): each step's row is
