@@ -1,14 +1,18 @@
 """CPU taken by every process on the machine over an interval, read from /proc (Linux).
 
 ``ProcessCpuSampler`` reads each thread's user + system ticks when started and when stopped
-(a thread that started in between counts from 0; one that ended is missed) and reports, per process, the share of one core it used (100 = one core busy) with its
-busiest threads, named by command line (Ray's worker processes by their ``ray::`` title).
-It is how ``tandem bench served`` shows where a saturated machine's time goes.
+(a thread that started in between counts from 0; one that ended is missed) and reports, per
+process, the share of one core it used (100 = one core busy) with its busiest threads, named
+by command line (Ray's worker processes by their ``ray::`` title). Beside them, the CPU of
+this process's children that ended and were waited for in the interval (a benchmark's
+client run to completion), which the threads' reading misses. It is how ``tandem bench
+served`` shows where a saturated machine's time goes.
 """
 
 from __future__ import annotations
 
 import os
+import resource
 import time
 
 _TICKS = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
@@ -47,6 +51,7 @@ class ProcessCpuSampler:
 
     def start(self) -> None:
         self._start = _thread_ticks()
+        self._children_start = _children_seconds()
         self._started_at = time.monotonic()
 
     def stop(self, top: int = 8) -> dict:
@@ -64,8 +69,15 @@ class ProcessCpuSampler:
         return {
             "seconds": seconds,
             "total_percent": sum(per_process.values()),
+            "ended_children_percent": round(100.0 * (_children_seconds() - self._children_start) / seconds, 1),
             "cores": len(os.sched_getaffinity(0)),
             "processes": [{"pid": pid, "command": _command(pid), "percent": round(percent, 1),
                            "threads": [(name, round(p, 1)) for p, name in sorted(threads[pid], reverse=True)[:3]]}
                           for pid, percent in busiest],
         }
+
+
+def _children_seconds() -> float:
+    """User + system seconds of this process's children that ended and were waited for."""
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime

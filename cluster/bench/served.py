@@ -10,9 +10,9 @@ saturation, ``inf`` with 100), driven by ``vllm.benchmarks.serve`` from the vLLM
 environment (``vllm_client.py``). Tandem is compared with the better vLLM placement of each
 cell (the one with the higher output throughput).
 
-While a cell runs on Tandem, the CPU taken by every process is sampled from /proc
-(``proc_cpu.py``) and the engine core's step timeline is read from ``/debug/timeline``, so
-the report says where the machine's time went. Last, Tandem's engine runs the saturation
+While a cell runs, on either server, the CPU taken by every process is sampled from /proc
+(``proc_cpu.py``, with the client's own beside it), and on Tandem the engine core's step
+timeline is read from ``/debug/timeline``, so the report says where the machine's time went. Last, Tandem's engine runs the saturation
 cells offline in this process (the same prompts' shapes and settings, all requests at once)
 and the report gives served / offline output throughput.
 """
@@ -86,18 +86,17 @@ def _measure_system(args, console, name: str, start, work: Path, is_tandem: bool
     try:
         for cell in cells(args):
             console.print(f"  {name}: {cell['name']} ({cell['num_prompts']} prompts)")
-            sampler = ProcessCpuSampler() if is_tandem else None
-            if sampler:
-                sampler.start()
+            sampler = ProcessCpuSampler()
+            sampler.start()
             started = time.monotonic()
             try:
                 results[cell["name"]] = _client(args, server.url, cell, work / f"{name}-{len(results)}.json")
             except Exception as err:
                 results[cell["name"]] = {"error": str(err)}
                 console.print(f"[red]    failed:[/] {err}")
-            if sampler:
-                results[cell["name"]]["cpu"] = sampler.stop()
-                results[cell["name"]]["wall_s"] = time.monotonic() - started
+            results[cell["name"]]["cpu"] = sampler.stop()
+            results[cell["name"]]["wall_s"] = time.monotonic() - started
+            if is_tandem:
                 results[cell["name"]]["engine_timeline"] = _timeline(server.url, results[cell["name"]]["wall_s"])
     finally:
         server.stop()

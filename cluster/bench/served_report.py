@@ -73,15 +73,17 @@ def print_served_report(console, report: dict) -> None:
             table.add_row("served / offline engine", f"{kept:.2f}", "", "", "",
                           f"offline {offline['output_throughput']:.1f} tok/s")
         console.print(table)
-        _print_cpu(console, cell, figures)
+        for name in names:
+            _print_cpu(console, name, systems.get(name, {}).get(cell, {}))
 
 
-def _print_cpu(console, cell: str, figures: dict) -> None:
+def _print_cpu(console, name: str, figures: dict) -> None:
     cpu = figures.get("cpu")
     if cpu:
         parts = [f"{p['percent']:.0f}% {p['command'][:40]}" for p in cpu["processes"][:6]]
-        console.print(f"  CPU over the cell ({cpu['total_percent']:.0f}% of {cpu['cores'] * 100}%): "
-                      + "; ".join(parts))
+        client = cpu.get("ended_children_percent")
+        console.print(f"  {name}: CPU over the cell ({cpu['total_percent']:.0f}% of {cpu['cores'] * 100}%"
+                      + ("" if client is None else f", and {client:.0f}% the client") + "): " + "; ".join(parts))
     timeline = figures.get("engine_timeline")
     if timeline and timeline.get("num_steps"):
         console.print(f"  engine core over the cell ({timeline['num_steps']} steps): busy "
