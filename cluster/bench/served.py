@@ -12,9 +12,10 @@ cell (the one with the higher output throughput).
 
 While a cell runs, on either server, the CPU taken by every process is sampled from /proc
 (``proc_cpu.py``, with the client's own beside it), and on Tandem the engine core's step
-timeline is read from ``/debug/timeline``, so the report says where the machine's time went. Last, Tandem's engine runs the saturation
-cells offline in this process (the same prompts' shapes and settings, all requests at once)
-and the report gives served / offline output throughput.
+timeline is read from ``/debug/timeline``, so the report says where the machine's time went.
+Last, Tandem's engine runs the saturation cells offline in this process (the same prompts'
+shapes and settings, all requests at once) and the report gives served / offline output
+throughput.
 """
 
 from __future__ import annotations
