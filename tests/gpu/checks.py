@@ -12,14 +12,21 @@ outputs part) and the caller turns an exception into ``error``. References no on
   (``tests/engine_helpers.run_to_completion``), and at least one preemption;
 - **sync**: no model forward (or CUDA-graph replay) synchronises with the host (CUDA only);
 - **lora**: requests of two adapters and of the base model in one batch give PEFT's greedy tokens
-  (PEFT made the adapters and runs the reference on the same device).
+  (PEFT made the adapters and runs the reference on the same device);
+- **core**: the engine in its engine-core process (``ProcessBackend``, what ``tandem serve`` runs),
+  started from a fresh interpreter on the device, streams the in-process engine's greedy tokens,
+  frees a closed stream's blocks, and a core killed mid-stream fails its requests with a 503.
 """
 
 from __future__ import annotations
 
+import asyncio
 import gc
 import importlib.util
+import os
 import random
+import signal
+import time
 from pathlib import Path
 
 import torch
@@ -240,3 +247,101 @@ def lora_parity(name: str, model_dir: Path, device: str, prompts: list[list[int]
               f"{replays['base']} without)" if ok else
               f"{len(data['mismatches'])} of {len(order)} outputs differ from PEFT's")
     return CheckResult(name, "passed" if ok else "failed", detail, data)
+
+
+def _device_files(pid: int) -> list[str]:
+    """The GPU device files (/dev/nvidia*) the process ``pid`` holds open: CUDA opens them when it starts."""
+    names = []
+    for fd in Path(f"/proc/{pid}/fd").iterdir():
+        try:
+            names.append(os.readlink(fd))
+        except OSError:  # closed since listed
+            continue
+    return sorted({n for n in names if n.startswith("/dev/nvidia")})
+
+
+def engine_core_process(name: str, model: str, device: str, prompts: list[list[int]], max_tokens: int, spec: dict,
+                        **overrides) -> CheckResult:
+    """The served path's engine on ``device``: ``ProcessBackend`` starts the engine-core process (a
+    fresh interpreter, as ``tandem serve``'s replica does) with ``spec`` speculation; its streamed
+    greedy tokens equal the in-process engine's without speculation, a stream closed after two
+    tokens leaves every block free in the core, and SIGKILL on the core ends a stream in flight
+    with a 503 and fails the health check. On CUDA the core must hold the GPU's device files open."""
+    from cluster.engine.backend import BackendContext, EngineUnhealthyError
+    from cluster.engine.process_backend import ProcessBackend
+    from cluster.engine.protocol import GenerateRequest
+    from cluster.metrics.collector import MemorySink
+
+    expected, engine = tandem_greedy(model, device, prompts, max_tokens, **overrides)
+    release(engine)
+    config = with_overrides(TandemConfig(), model=model, device=device, dtype="float32", **spec, **overrides)
+    sink = MemorySink()
+    backend = ProcessBackend(config, config.serve.groups[0], BackendContext(metrics_sink=sink))
+    greedy = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
+
+    async def stream(request_id: str, prompt: list[int], params: SamplingParams, kill_after: int = 0) -> list:
+        deltas = []
+        async for delta in backend.generate(GenerateRequest(request_id, prompt, params)):
+            deltas.append(delta)
+            if kill_after and sum(len(d.token_ids) for d in deltas) >= kill_after:
+                os.kill(backend.core_pid, signal.SIGKILL)
+                kill_after = 0
+        return deltas
+
+    async def closed_early() -> dict:
+        generator = backend.generate(GenerateRequest("early", prompts[0], greedy))
+        seen = 0
+        async for delta in generator:
+            seen += len(delta.token_ids)
+            if seen >= 2:
+                break
+        await generator.aclose()
+        for _ in range(200):  # the abort reaches the core between two of its steps
+            stats = await backend.engine_stats()
+            if stats["num_running"] == 0:
+                break
+            await asyncio.sleep(0.05)
+        return stats
+
+    async def served() -> list:
+        return await asyncio.gather(*(stream(f"p{i}", p, greedy) for i, p in enumerate(prompts)))
+
+    try:
+        results = asyncio.run(served())
+        got = [[t for d in deltas for t in d.token_ids] for deltas in results]
+        ok, data = compare(expected, got)
+        errors = [d.error.message for deltas in results for d in deltas if d.error is not None]
+        stats = asyncio.run(closed_early())
+        files = _device_files(backend.core_pid)
+        deadline = time.monotonic() + 10  # an idle core sends its counters within a second (IDLE_POLL_S)
+        while spec and sink.counter("spec_decode_num_draft_tokens") == 0 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        data.update(errors=errors, engine_pid=stats["engine_pid"], device_files=files,
+                    blocks_free_after_close=stats["num_free_blocks"] == stats["num_blocks"],
+                    num_draft_tokens=sink.counter("spec_decode_num_draft_tokens"))
+        # A long request, the core killed once it has streamed 4 tokens: the stream must end, not hang.
+        killed = asyncio.run(asyncio.wait_for(stream("doomed", prompts[0], SamplingParams(
+            max_tokens=4000, temperature=0, ignore_eos=True), kill_after=4), timeout=60))
+        last = killed[-1].error
+        data["killed_stream_status"] = last.status if last is not None else None
+        try:
+            backend.check_health()
+            data["health_after_kill"] = "passed"
+        except EngineUnhealthyError as err:
+            data["health_after_kill"] = f"failed: {err}"
+    finally:
+        start = time.monotonic()
+        asyncio.run(backend.shutdown())
+    data["shutdown_s"] = round(time.monotonic() - start, 2)
+    problems = [f"{len(data['mismatches'])} of {len(got)} streams differ from the in-process engine's tokens"] \
+        if not ok else []
+    problems += [f"error deltas: {errors[:2]}"] if errors else []
+    problems += [] if data["blocks_free_after_close"] else ["blocks held after a stream was closed"]
+    problems += [] if data["num_draft_tokens"] > 0 or not spec else ["the core never proposed a token"]
+    problems += [] if data["killed_stream_status"] == 503 else ["the killed core's stream did not end with a 503"]
+    problems += [] if data["health_after_kill"].startswith("failed") else ["the health check passed a dead core"]
+    problems += [] if files or not device.startswith("cuda") else ["the core holds no /dev/nvidia* file open"]
+    detail = "; ".join(problems) or (
+        f"{len(got)} streams x {max_tokens} tokens equal the in-process engine's ({data['num_draft_tokens']:.0f} "
+        f"drafted), a closed stream freed its blocks, the killed core gave a 503 and failed the health check")
+    return CheckResult(name, "failed" if problems else "passed", detail, data)

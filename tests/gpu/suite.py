@@ -17,7 +17,7 @@ EMBEDDED = "smollm2-135m-instruct"
 TINY_CHECKS = ("parity/tiny-llama", "parity/tiny-qwen2", "parity/tiny-opt", "parity/tiny-llama-gather",
                "parity/tiny-llama-flex", "speculative/tiny-ngram",
                "speculative/tiny-draft", "kv/preemption", "kv/preemption-draft", "sync/tiny-llama",
-               "lora/tiny-llama")
+               "lora/tiny-llama", "core/tiny-llama")
 EMBEDDED_CHECKS = ("embedded/weights", "parity/smollm2-135m", "speculative/smollm2-ngram",
                    "speculative/smollm2-draft")
 ALL_CHECKS = (*TINY_CHECKS, *EMBEDDED_CHECKS, "throughput")
@@ -107,6 +107,8 @@ def run_tiny(run: Run, device: str, models: dict[str, Path]) -> None:
     run.check("sync/tiny-llama", checks.no_host_sync, llama, device, prompts, 20, num_blocks=128)
     run.check("lora/tiny-llama", checks.lora_parity, models["llama"], device, prompts[:3], 24,
               models["llama"].parent, num_blocks=128)
+    run.check("core/tiny-llama", checks.engine_core_process, llama, device, prompts, 20,
+              dict(method="ngram", num_speculative_tokens=4), num_blocks=128)
 
 
 def find_embedded(quick: bool, stage: carry.StageReport) -> tuple[Path | None, str]:

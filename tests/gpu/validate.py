@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import importlib.metadata
 import importlib.util
+import os
 import platform
 import re
 import sys
@@ -152,6 +153,9 @@ def main(argv: list[str] | None = None) -> int:
     stage = carry.stage(args.carry, args.stash)
     if stage.site is not None:
         sys.path.insert(0, str(stage.site))  # before the machine's own versions of the same packages
+    # Interpreters started from here (the engine-core process) import the same packages and the project.
+    os.environ["PYTHONPATH"] = os.pathsep.join([*([str(stage.site)] if stage.site else []), str(ROOT),
+                                                *filter(None, [os.environ.get("PYTHONPATH")])])
     if args.stage_only:
         return stage_only(args, stage)
     env = environment()

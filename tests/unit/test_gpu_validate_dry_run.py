@@ -26,6 +26,7 @@ RUN = ["parity/tiny-llama", "parity/tiny-qwen2", "parity/tiny-opt", "parity/tiny
        "speculative/tiny-draft", "kv/preemption", "kv/preemption-draft"]
 SYNC = "sync/tiny-llama"  # CUDA only: skipped in the dry run
 LORA = "lora/tiny-llama"
+CORE = "core/tiny-llama"
 EMBEDDED = ["embedded/weights", "parity/smollm2-135m", "speculative/smollm2-ngram", "speculative/smollm2-draft"]
 
 
@@ -43,16 +44,16 @@ def test_the_dry_run_reports_every_check_and_passes_those_it_runs(dry_run):
     proc, doc, text = dry_run
     assert proc.returncode == 0, text
     status = {c["name"]: (c["status"], c["detail"]) for c in doc["checks"]}
-    assert list(status) == [*RUN, SYNC, LORA, *EMBEDDED, "throughput"]
-    assert all(status[name][0] == "passed" for name in [*RUN, LORA, "throughput"]), text
+    assert list(status) == [*RUN, SYNC, LORA, CORE, *EMBEDDED, "throughput"]
+    assert all(status[name][0] == "passed" for name in [*RUN, LORA, CORE, "throughput"]), text
     assert all(status[name] == ("skipped", "--quick: tiny models only") for name in EMBEDDED)
     assert status[SYNC] == ("skipped", "CUDA only: synchronisation is a CUDA notion")
-    assert doc["summary"] == {"passed": 11, "failed": 0, "skipped": 5, "error": 0}
+    assert doc["summary"] == {"passed": 12, "failed": 0, "skipped": 5, "error": 0}
     assert doc["settings"]["device"] == "cpu" and doc["environment"]["missing_required"] == []
-    assert "11 passed, 0 failed, 5 skipped, 0 error" in text
+    assert "12 passed, 0 failed, 5 skipped, 0 error" in text
 
 
-def test_speculation_and_preemption_were_exercised(dry_run):
+def test_speculation_preemption_and_the_core_process_were_exercised(dry_run):
     _, doc, _ = dry_run
     data = {c["name"]: c["data"] for c in doc["checks"]}
     for name in ("speculative/tiny-ngram", "speculative/tiny-draft"):
@@ -65,6 +66,10 @@ def test_speculation_and_preemption_were_exercised(dry_run):
     lora = data[LORA]
     assert lora["mismatches"] == [] and lora["num_outputs"] == 9
     assert lora["adapters_change_output"] and lora["all_blocks_free"]
+    core = data[CORE]
+    assert core["mismatches"] == [] and core["errors"] == [] and core["num_draft_tokens"] > 0
+    assert core["blocks_free_after_close"] and core["killed_stream_status"] == 503
+    assert core["health_after_kill"].startswith("failed") and core["engine_pid"] > 0
 
 
 def test_the_throughput_table_has_both_systems_at_every_batch_size(dry_run):
@@ -161,7 +166,7 @@ def test_a_missing_package_is_reported_for_every_check_instead_of_a_crash(gpu_mo
     assert validate.main(args) == 1
     doc = json.loads((tmp_path / "validate.json").read_text())
     assert doc["environment"]["missing_required"] == ["tandem-no-such-package"]
-    assert [c["name"] for c in doc["checks"]] == [*RUN, SYNC, LORA, *EMBEDDED, "throughput"]
+    assert [c["name"] for c in doc["checks"]] == [*RUN, SYNC, LORA, CORE, *EMBEDDED, "throughput"]
     assert {c["status"] for c in doc["checks"]} == {"error"}
     assert all("cannot run without tandem-no-such-package" in c["detail"] for c in doc["checks"])
     assert doc["throughput"] is None
@@ -181,7 +186,7 @@ def test_a_step_that_breaks_is_an_error_for_each_check_it_left_undone(gpu_module
     assert validate.main(args) == 1
     doc = json.loads((tmp_path / "validate.json").read_text())
     status = {c["name"]: (c["status"], c["detail"]) for c in doc["checks"]}
-    assert list(status) == [*RUN, SYNC, LORA, *EMBEDDED, "throughput"]
+    assert list(status) == [*RUN, SYNC, LORA, CORE, *EMBEDDED, "throughput"]
     assert all(status[name] == ("error", "OSError: disk full") for name in RUN)
     assert status["throughput"][0] == "error"  # no tiny model to measure
     assert all(status[name][0] == "skipped" for name in EMBEDDED)
@@ -195,7 +200,7 @@ def test_only_runs_the_checks_named_and_reports_the_rest_as_skipped(gpu_modules,
     assert validate.main(args) == 0
     doc = json.loads((tmp_path / "validate.json").read_text())
     status = {c["name"]: (c["status"], c["detail"]) for c in doc["checks"]}
-    assert list(status) == [*RUN, SYNC, LORA, *EMBEDDED, "throughput"]
+    assert list(status) == [*RUN, SYNC, LORA, CORE, *EMBEDDED, "throughput"]
     ran = {"parity/tiny-qwen2", "kv/preemption", "kv/preemption-draft"}
     assert all(status[name][0] == "passed" for name in ran)
     assert all(status[name] == ("skipped", "not selected (--only parity/tiny-qwen2,kv/)")
