@@ -1,4 +1,6 @@
-"""Decode throughput of Tandem's engine against ``transformers.generate`` on the same device.
+"""Decode throughput of Tandem's engine against ``transformers.generate`` on the same device, and
+of the same engine in its engine-core process (``tandem-core``: what ``tandem serve``'s replica
+runs, every token streamed back to this process), so the hand-off's cost on the device shows.
 
 Driven by ``tandem bench offline``'s own runners and cell (``cluster.bench.offline``): the same
 prompt token ids for both (the bench's prompts through the model's tokenizer), exactly
@@ -9,11 +11,51 @@ error, not a figure. Output tok/s counts only generated tokens; prefill is insid
 
 from __future__ import annotations
 
+import asyncio
+import itertools
 from dataclasses import asdict
 from pathlib import Path
 
 from checks import release
 from cluster.bench.offline import PROMPTS, TandemRunner, TransformersRunner, measure_cell
+from cluster.config import TandemConfig, with_overrides
+from cluster.shared.sampling_params import SamplingParams
+
+
+class CoreRunner:
+    """Tandem's engine in its engine-core process (``ProcessBackend``), every prompt streamed at once."""
+
+    def __init__(self, model: str, dtype: str, max_num_seqs: int, kv_cache_memory: str, device: str) -> None:
+        from cluster.engine.backend import BackendContext
+        from cluster.engine.process_backend import ProcessBackend
+        from cluster.metrics.collector import MemorySink
+
+        config = with_overrides(TandemConfig(), model=model, dtype=dtype, device=device, max_num_seqs=max_num_seqs,
+                                kv_cache_memory=kv_cache_memory)
+        self.backend = ProcessBackend(config, config.serve.groups[0], BackendContext(metrics_sink=MemorySink()))
+        self.ids = itertools.count()
+
+    def generate(self, prompt_ids: list[list[int]], output_len: int) -> int:
+        """Greedy, EOS ignored; returns the number of output tokens streamed back."""
+        from cluster.engine.protocol import GenerateRequest
+
+        params = SamplingParams(max_tokens=output_len, temperature=0, ignore_eos=True)
+
+        async def one(ids: list[int]) -> int:
+            tokens = 0
+            async for delta in self.backend.generate(GenerateRequest(f"bench-{next(self.ids)}", ids, params)):
+                if delta.error is not None:
+                    raise RuntimeError(delta.error.message)
+                tokens += len(delta.token_ids)
+            return tokens
+
+        async def run() -> int:
+            return sum(await asyncio.gather(*(one(ids) for ids in prompt_ids)))
+
+        return asyncio.run(run())
+
+    def close(self) -> None:
+        asyncio.run(self.backend.shutdown())
 
 
 def prompt_ids_for(tokenizer) -> list[list[int]]:
@@ -22,13 +64,15 @@ def prompt_ids_for(tokenizer) -> list[list[int]]:
 
 def measure(model_dir: Path, tokenizer, device: str, dtype: str, batch_sizes: list[int], output_len: int,
             repeats: int, kv_cache_memory: str) -> dict:
-    """Every (system, batch size) cell, and Tandem's tok/s over transformers' per batch size."""
+    """Every (system, batch size) cell; Tandem's tok/s over transformers' and the core process's over
+    the in-process engine's, per batch size."""
     tokenizer.padding_side = "left"
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
     prompt_ids = prompt_ids_for(tokenizer)
     systems = {
         "tandem": lambda: TandemRunner(str(model_dir), dtype, max(batch_sizes), kv_cache_memory, device=device),
+        "tandem-core": lambda: CoreRunner(str(model_dir), dtype, max(batch_sizes), kv_cache_memory, device),
         "transformers": lambda: TransformersRunner(model_dir, dtype, tokenizer, device=device),
     }
     cells = []
@@ -44,20 +88,23 @@ def measure(model_dir: Path, tokenizer, device: str, dtype: str, batch_sizes: li
             del runner
             release()
     rate = {(c.system, c.batch_size): c.tok_per_s for c in cells}
-    ratios = [{"batch_size": b, "tandem_over_transformers": rate[("tandem", b)] / rate[("transformers", b)]}
-              for b in batch_sizes]
+    ratios = [{"batch_size": b, "tandem_over_transformers": rate[("tandem", b)] / rate[("transformers", b)],
+               "core_over_tandem": rate[("tandem-core", b)] / rate[("tandem", b)]} for b in batch_sizes]
     return {"dtype": dtype, "output_len": output_len, "repeats": repeats, "batch_sizes": batch_sizes,
             "prompt_lens": [len(p) for p in prompt_ids], "cells": [asdict(c) for c in cells], "ratios": ratios}
 
 
 def format_table(result: dict) -> str:
     rate = {(c["system"], c["batch_size"]): c for c in result["cells"]}
-    ratio = {r["batch_size"]: r["tandem_over_transformers"] for r in result["ratios"]}
+    ratio = {r["batch_size"]: r for r in result["ratios"]}
     lines = [f"decode throughput, {result['model']} {result['dtype']} on {result['device']}, "
              f"{result['output_len']} greedy tokens per request (output tok/s, best of {result['repeats']})",
-             f"{'batch':>6} {'Tandem':>10} {'HF':>10} {'Tandem/HF':>10} {'Tandem ms/step':>15}"]
+             f"{'batch':>6} {'Tandem':>10} {'HF':>10} {'Tandem/HF':>10} {'Tandem ms/step':>15} {'core':>10} "
+             f"{'core/Tandem':>12}"]
     for b in result["batch_sizes"]:
-        ours, theirs = rate[("tandem", b)], rate[("transformers", b)]
+        ours, theirs, core = rate[("tandem", b)], rate[("transformers", b)], rate[("tandem-core", b)]
         step = "-" if ours["mean_step_ms"] is None else f"{ours['mean_step_ms']:.2f}"
-        lines.append(f"{b:>6} {ours['tok_per_s']:>10.1f} {theirs['tok_per_s']:>10.1f} {ratio[b]:>10.2f} {step:>15}")
+        lines.append(f"{b:>6} {ours['tok_per_s']:>10.1f} {theirs['tok_per_s']:>10.1f} "
+                     f"{ratio[b]['tandem_over_transformers']:>10.2f} {step:>15} {core['tok_per_s']:>10.1f} "
+                     f"{ratio[b]['core_over_tandem']:>12.2f}")
     return "\n".join(lines)

@@ -78,12 +78,15 @@ def test_the_throughput_table_has_both_systems_at_every_batch_size(dry_run):
     assert (result["device"], result["dtype"], result["batch_sizes"], result["output_len"]) == ("cpu", "float32",
                                                                                                 [1, 4], 8)
     cells = {(c["system"], c["batch_size"]): c for c in result["cells"]}
-    assert sorted(cells) == [("tandem", 1), ("tandem", 4), ("transformers", 1), ("transformers", 4)]
+    assert sorted(cells) == [("tandem", 1), ("tandem", 4), ("tandem-core", 1), ("tandem-core", 4),
+                             ("transformers", 1), ("transformers", 4)]
     for (system, batch_size), cell in cells.items():
         assert cell["output_tokens"] == batch_size * 8 and cell["tok_per_s"] > 0
     for ratio in result["ratios"]:
         tandem, hf = cells[("tandem", ratio["batch_size"])], cells[("transformers", ratio["batch_size"])]
         assert ratio["tandem_over_transformers"] == tandem["tok_per_s"] / hf["tok_per_s"]
+        core = cells[("tandem-core", ratio["batch_size"])]
+        assert ratio["core_over_tandem"] == core["tok_per_s"] / tandem["tok_per_s"]
     assert "decode throughput, tiny-llama (random) float32 on cpu" in text
 
 
