@@ -8,6 +8,12 @@ proxy still runs, on ``serve.proxy_port``. The mode is read from the environment
 Ray's processes, so it can only be chosen by whoever starts Ray; against a running Ray,
 Serve's proxy answers on ``serve.port`` as before.
 
+Serve's ingress binds ``serve.port`` without ``SO_REUSEADDR``, so for a minute after a server
+stops, its closed connections (TIME_WAIT) keep that bind from succeeding, and Serve would move
+the ingress to another port of its range while clients wait on this one. So before starting
+Ray this call waits for the port to come free, and fails at once when another process listens
+on it.
+
 SIGTERM and SIGINT stop the server alike: Serve is shut down (in-flight requests are
 aborted, which frees their blocks) within ``SHUTDOWN_TIMEOUT_S``, then Ray, then the
 process exits.
@@ -15,9 +21,11 @@ process exits.
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import signal
+import socket
 import threading
 import time
 import urllib.request
@@ -32,6 +40,7 @@ logger = logging.getLogger(__name__)
 
 SHUTDOWN_TIMEOUT_S = 10.0
 READY_TIMEOUT_S = 120.0
+PORT_FREE_TIMEOUT_S = 75.0  # Linux holds an actively closed connection in TIME_WAIT for 60 s
 
 
 def logical_cpus_needed(config: TandemConfig) -> float:
@@ -60,6 +69,46 @@ def direct_ingress_environment(config: TandemConfig) -> dict[str, str]:
     }
 
 
+def _binds(host: str, port: int) -> bool:
+    """Whether ``port`` binds as Serve's ingress binds it (no ``SO_REUSEADDR``)."""
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM) as sock:
+        try:
+            sock.bind((host, port))
+        except OSError as err:
+            if err.errno != errno.EADDRINUSE:
+                raise
+            return False
+    return True
+
+
+def _listening(host: str, port: int) -> bool:
+    target = {"0.0.0.0": "127.0.0.1", "::": "::1", "": "127.0.0.1"}.get(host, host)
+    try:
+        with socket.create_connection((target, port), timeout=2):
+            return True
+    except OSError:
+        return False
+
+
+def wait_for_free_port(host: str, port: int, timeout_s: float = PORT_FREE_TIMEOUT_S) -> None:
+    """Return once ``port`` binds as Serve's ingress binds it. A port that another process listens
+    on raises at once; one held only by a stopped server's closing connections (TIME_WAIT) is
+    waited for, up to ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    told = False
+    while not _binds(host, port):
+        if _listening(host, port):
+            raise RuntimeError(f"port {port} (serve.port) is in use by another process on {host}")
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"port {port} (serve.port) still holds a stopped server's connections after "
+                               f"{timeout_s:.0f} s (TIME_WAIT); choose another serve.port or try again")
+        if not told:
+            print(f"waiting for port {port}: a stopped server's connections are closing (TIME_WAIT, up to a "
+                  "minute)", flush=True)
+            told = True
+        time.sleep(1.0)
+
+
 def start_local(config: TandemConfig, app_name: str = "tandem", blocking: bool = True) -> str:
     """Deploy ``config`` and return the base URL; with ``blocking`` serve until SIGINT or SIGTERM."""
     app = build_app(config)  # validate before starting anything
@@ -70,6 +119,7 @@ def start_local(config: TandemConfig, app_name: str = "tandem", blocking: bool =
         os.environ.update(environment)  # inherited by Ray's processes
         if environment:
             proxy_port = config.serve.proxy_port or port + 1
+            wait_for_free_port(host, port)
         # Logical CPUs: replicas of a CPU demo may share physical cores.
         num_cpus = max(os.cpu_count() or 1, int(logical_cpus_needed(config) + 0.999))
         ray.init(num_cpus=num_cpus, include_dashboard=False, logging_level=logging.WARNING,
