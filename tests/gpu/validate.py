@@ -10,9 +10,10 @@ no vLLM, no Ray, no registry), after ``tests/gpu/prepare.sh`` here has packed wh
 
 Checks (``checks.py``): greedy parity with ``transformers.generate`` on tiny random Llama, Qwen2 and
 OPT models and on the embedded SmolLM2-135M-Instruct when it was carried; speculative decoding's
-greedy exactness with n-gram and draft-model proposers; the KV cache under preemption. Then decode
-throughput of Tandem's engine against ``transformers.generate`` at batch 1, 8, 32 and 128
-(``throughput.py``) on the embedded model, else on a random model of its shape. Whatever cannot
+greedy exactness with n-gram and draft-model proposers; the KV cache under preemption; LoRA; the
+engine in its engine-core process, as ``tandem serve`` runs it. Then decode throughput of Tandem's
+engine, in process and in its core process, against ``transformers.generate`` at batch 1, 8, 32 and
+128 (``throughput.py``) on the embedded model, else on a random model of its shape. Whatever cannot
 run (a package missing, the model not carried, no CUDA) is reported as skipped or error with the
 reason, never a crash. Writes ``validate.json`` and ``validate.txt`` under ``--out``; exits 0 when
 no check failed or errored, 1 otherwise.
