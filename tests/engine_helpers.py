@@ -1,6 +1,9 @@
-"""Driving an Engine in tests: build one from overrides, run prompts to completion."""
+"""Driving an Engine in tests: build one from overrides, run prompts to completion, close a
+backend's stream early."""
 
 from __future__ import annotations
+
+import asyncio
 
 from cluster.config import TandemConfig, with_overrides
 from cluster.engine.engine import Engine
@@ -34,3 +37,22 @@ def drain(engine: Engine, live: set[str]) -> None:
             if out.finished:
                 live.discard(out.request_id)
         engine.check_invariants()
+
+
+async def close_after_tokens(backend, request, num_tokens: int = 2) -> dict:
+    """Read ``request``'s stream from ``backend`` until ``num_tokens`` tokens came, close it, and
+    return the backend's engine stats once nothing runs there (the abort reaches an engine core
+    between two of its steps), or the last stats read after about 10 s."""
+    stream = backend.generate(request)
+    seen = 0
+    async for delta in stream:
+        seen += len(delta.token_ids)
+        if seen >= num_tokens:
+            break
+    await stream.aclose()
+    for _ in range(200):
+        stats = await backend.engine_stats()
+        if stats["num_running"] == 0:
+            break
+        await asyncio.sleep(0.05)
+    return stats

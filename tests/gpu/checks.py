@@ -47,7 +47,9 @@ def _test_helpers(name: str):
     return module
 
 
-run_to_completion = _test_helpers("engine_helpers").run_to_completion
+_engine_helpers = _test_helpers("engine_helpers")
+run_to_completion = _engine_helpers.run_to_completion
+close_after_tokens = _engine_helpers.close_after_tokens
 
 
 def random_prompts(seed: int, lengths: tuple[int, ...], vocab_size: int = 256) -> list[list[int]]:
@@ -288,21 +290,6 @@ def engine_core_process(name: str, model: str, device: str, prompts: list[list[i
                 kill_after = 0
         return deltas
 
-    async def closed_early() -> dict:
-        generator = backend.generate(GenerateRequest("early", prompts[0], greedy))
-        seen = 0
-        async for delta in generator:
-            seen += len(delta.token_ids)
-            if seen >= 2:
-                break
-        await generator.aclose()
-        for _ in range(200):  # the abort reaches the core between two of its steps
-            stats = await backend.engine_stats()
-            if stats["num_running"] == 0:
-                break
-            await asyncio.sleep(0.05)
-        return stats
-
     async def served() -> list:
         return await asyncio.gather(*(stream(f"p{i}", p, greedy) for i, p in enumerate(prompts)))
 
@@ -311,7 +298,7 @@ def engine_core_process(name: str, model: str, device: str, prompts: list[list[i
         got = [[t for d in deltas for t in d.token_ids] for deltas in results]
         ok, data = compare(expected, got)
         errors = [d.error.message for deltas in results for d in deltas if d.error is not None]
-        stats = asyncio.run(closed_early())
+        stats = asyncio.run(close_after_tokens(backend, GenerateRequest("early", prompts[0], greedy)))
         files = _device_files(backend.core_pid)
         deadline = time.monotonic() + 10  # an idle core sends its counters within a second (IDLE_POLL_S)
         while spec and sink.counter("spec_decode_num_draft_tokens") == 0 and time.monotonic() < deadline:

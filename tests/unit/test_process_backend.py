@@ -21,6 +21,7 @@ from cluster.engine.process_backend import ProcessBackend
 from cluster.engine.protocol import GenerateDelta, GenerateRequest, merge_deltas
 from cluster.shared.sampling_params import SamplingParams
 from cluster.metrics.collector import MemorySink
+from tests.engine_helpers import close_after_tokens
 
 GREEDY = dict(temperature=0, ignore_eos=True)
 
@@ -74,23 +75,8 @@ def test_bad_input_comes_back_as_a_400_delta(backend):
 
 
 def test_closing_a_stream_early_frees_its_blocks(backend):
-    async def run():
-        stream = backend.generate(GenerateRequest("early", list(range(3, 40)), SamplingParams(max_tokens=200,
-                                                                                               **GREEDY)))
-        seen = 0
-        async for delta in stream:
-            seen += len(delta.token_ids)
-            if seen >= 2:
-                break
-        await stream.aclose()
-        for _ in range(100):  # the abort reaches the core between two of its steps
-            stats = await backend.engine_stats()
-            if stats["num_running"] == 0:
-                return stats
-            await asyncio.sleep(0.05)
-        return stats
-
-    stats = asyncio.run(run())
+    request = GenerateRequest("early", list(range(3, 40)), SamplingParams(max_tokens=200, **GREEDY))
+    stats = asyncio.run(close_after_tokens(backend, request))
     assert stats["num_running"] == 0 and stats["num_free_blocks"] == stats["num_blocks"]
 
 
