@@ -64,6 +64,7 @@ from cluster.structured.constraint import StructuredOutputs
 from deployments.feeds import DeltaFeeds
 from deployments.http_app import answer, app
 from deployments.http_app import error_response as _error
+from deployments.ingress_port import reuse_address
 from deployments.metrics import RaySink
 from deployments.readiness import unready_groups
 from deployments.responses_routes import ResponsesRoutes
@@ -77,6 +78,7 @@ class OpenAIIngress(ResponsesRoutes):
     def __init__(self, config: dict, groups: dict[str, DeploymentHandle],
                  store: DeploymentHandle | None = None) -> None:
         """``store``: the cluster's Responses API store (None: responses are not kept)."""
+        reuse_address()  # under direct ingress, Serve starts this replica's listener after this constructor
         self.config = config_from_dict(config, "ingress config")
         serve_config = self.config.serve
         self.groups = groups

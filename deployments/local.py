@@ -12,11 +12,12 @@ When this call starts Ray it also runs Serve's controller loop every ``CONTROL_L
 instead of every 0.1 s (unless the environment names an interval): on a machine whose cores the
 engine computes on, every per cent Ray's idle loops take is the engine's.
 
-Serve's ingress binds ``serve.port`` without ``SO_REUSEADDR``, so for a minute after a server
-stops, its closed connections (TIME_WAIT) keep that bind from succeeding, and Serve would move
-the ingress to another port of its range while clients wait on this one. So before starting
-Ray this call waits for the port to come free, and fails at once when another process listens
-on it.
+The ingress stays on ``serve.port`` when it is replaced (its process died) or the server starts
+again at once: it binds with ``SO_REUSEADDR`` (``deployments/ingress_port.py``), and Serve gives a
+released port back at once instead of holding it 150 s for a load balancer's stale routes
+(there is none in front here). Before starting Ray this call fails at once when another
+process listens on the port, and waits while connections of a listener that did not allow
+reuse (a server of an older Tandem, another program) still hold it.
 
 SIGTERM and SIGINT stop the server alike: Serve is shut down (in-flight requests are
 aborted, which frees their blocks) within ``SHUTDOWN_TIMEOUT_S``, then Ray, then the
@@ -25,7 +26,6 @@ process exits.
 
 from __future__ import annotations
 
-import errno
 import logging
 import os
 import signal
@@ -39,6 +39,7 @@ from ray import serve
 
 from cluster.config import ConfigError, TandemConfig
 from deployments.app import build_app
+from deployments.ingress_port import binds
 
 logger = logging.getLogger(__name__)
 
@@ -71,21 +72,11 @@ def direct_ingress_environment(config: TandemConfig) -> dict[str, str]:
         "RAY_SERVE_THROUGHPUT_OPTIMIZED": "1",
         "RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT": str(serve_config.port),
         "RAY_SERVE_DIRECT_INGRESS_MAX_HTTP_PORT": str(serve_config.port + 100),
-        # No load balancer in front to deregister from: a stopping replica need not wait 30 s.
+        # No load balancer in front to deregister from: a stopping replica need not wait 30 s, and a
+        # replaced ingress may take its predecessor's port (serve.port) at once.
         "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S": "1",
+        "RAY_SERVE_PORT_QUARANTINE_S": "0",
     }
-
-
-def _binds(host: str, port: int) -> bool:
-    """Whether ``port`` binds as Serve's ingress binds it (no ``SO_REUSEADDR``)."""
-    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM) as sock:
-        try:
-            sock.bind((host, port))
-        except OSError as err:
-            if err.errno != errno.EADDRINUSE:
-                raise
-            return False
-    return True
 
 
 def _listening(host: str, port: int) -> bool:
@@ -98,12 +89,12 @@ def _listening(host: str, port: int) -> bool:
 
 
 def wait_for_free_port(host: str, port: int, timeout_s: float = PORT_FREE_TIMEOUT_S) -> None:
-    """Return once ``port`` binds as Serve's ingress binds it. A port that another process listens
-    on raises at once; one held only by a stopped server's closing connections (TIME_WAIT) is
-    waited for, up to ``timeout_s``."""
+    """Return once ``port`` binds as the ingress binds it (``ingress_port.binds``). A port that
+    another process listens on raises at once; one held only by closing connections of a
+    listener that did not allow reuse is waited for, up to ``timeout_s``."""
     deadline = time.monotonic() + timeout_s
     told = False
-    while not _binds(host, port):
+    while not binds(host, port):
         if _listening(host, port):
             raise RuntimeError(f"port {port} (serve.port) is in use by another process on {host}")
         if time.monotonic() > deadline:
