@@ -148,7 +148,8 @@ class SpeculativeConfig(_Strict):
 
 class DeviceConfig(_Strict):
     device: str = "auto"  # auto | cpu | cuda | cuda:N
-    num_threads: int | None = Field(None, ge=1, description="torch intra-op threads on CPU")
+    num_threads: int | None = Field(None, ge=1, description="torch intra-op threads (on a GPU, for the host's "
+                                    "step metadata: 1 when unset)")
 
 
 class ParallelConfig(_Strict):

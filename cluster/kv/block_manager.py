@@ -130,18 +130,16 @@ class BlockManager:
         A block whose parent is ``ROOT_HASH`` (a prompt's first block) has depth 0; any
         other block has its parent's depth + 1, and only when its parent is itself cached:
         a block hanging off an evicted parent is unreachable by a lookup and is left out.
-        Costs O(number of cached blocks).
+        Walks the pool's parent index from the root, so it costs O(blocks returned), not
+        O(blocks cached): the engine core publishes this every few steps.
         """
-        if max_depth <= 0:
-            return frozenset()
-        children: dict[int, list[int]] = {}
-        for block_hash in self.pool.cached_block_hashes():
-            children.setdefault(block_hash.parent_value, []).append(block_hash.value)
         found: set[int] = set()
-        level = children.get(ROOT_HASH, [])
+        level = self.pool.cached_children(ROOT_HASH)
         for _ in range(max_depth):
+            if not level:
+                break
             found.update(level)
-            level = [child for value in level for child in children.get(value, ())]
+            level = [child for value in level for child in self.pool.cached_children(value)]
         return frozenset(found)
 
     def get_block_table(self, request_id: str) -> list[int]:

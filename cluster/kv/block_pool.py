@@ -12,7 +12,8 @@ evicts the block's cached name, if any. Requests free their blocks tail first, s
 a block is always queued after its children: leaves are evicted before their
 parents, and a shared prefix outlives the branches hanging off it. A block that is
 in use is never in the queue, so a referenced prefix is never evicted. Lookup, hit
-(``touch``), free and eviction are O(1) per block.
+(``touch``), free and eviction are O(1) per block. The cached names are also indexed by
+their parent's, so the prefix tree's top levels are walked without visiting the rest.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ class BlockPool:
         self.block_hash: list[BlockHash | None] = [None] * num_blocks
         self._free: OrderedDict[int, None] = OrderedDict((b, None) for b in range(num_blocks))
         self._cached: dict[int, int] = {}  # hash value -> block id
+        self._children: dict[int, set[int]] = {}  # parent hash value -> the cached values under it
         self.num_evictions = 0
 
     @property
@@ -98,13 +100,13 @@ class BlockPool:
         if block_hash.value in self._cached:
             return False
         self._cached[block_hash.value] = block_id
+        self._children.setdefault(block_hash.parent_value, set()).add(block_hash.value)
         self.block_hash[block_id] = block_hash
         return True
 
-    def cached_block_hashes(self) -> list[BlockHash]:
-        """The names of every block findable in the prefix cache now (used or free), as a
-        snapshot list in no particular order."""
-        return [self.block_hash[b] for b in self._cached.values()]
+    def cached_children(self, parent_value: int) -> set[int] | tuple[()]:
+        """The hash values of the cached blocks whose parent is ``parent_value`` (do not modify)."""
+        return self._children.get(parent_value, ())
 
     def forget(self, named: Callable[[BlockHash], bool]) -> int:
         """Drop the cached names ``named`` picks from blocks no request holds (their KV is no longer
@@ -118,6 +120,10 @@ class BlockPool:
         block_hash = self.block_hash[block_id]
         if block_hash is not None:
             del self._cached[block_hash.value]
+            siblings = self._children[block_hash.parent_value]
+            siblings.discard(block_hash.value)
+            if not siblings:
+                del self._children[block_hash.parent_value]
             self.block_hash[block_id] = None
             self.num_evictions += 1
 
@@ -133,6 +139,9 @@ class BlockPool:
         for value, b in self._cached.items():
             if self.block_hash[b] is None or self.block_hash[b].value != value:
                 raise AssertionError(f"cached name {value:#x} points at block {b} that does not carry it")
+        indexed = {(parent, value) for parent, values in self._children.items() for value in values}
+        if indexed != {(self.block_hash[b].parent_value, v) for v, b in self._cached.items()}:
+            raise AssertionError("the parent -> children index differs from the cached names")
         named = sum(1 for h in self.block_hash if h is not None)
         if named != len(self._cached):
             raise AssertionError(f"{named} blocks carry names but {len(self._cached)} are cached")

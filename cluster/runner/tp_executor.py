@@ -33,7 +33,7 @@ from cluster.runner.input_batch import SeqChunk
 from cluster.runner.model_runner import ModelRunner
 from cluster.runner.tp_launcher import RankLauncher, RankProcess, SpawnLauncher
 from cluster.runner.tp_rank import StepMessage, gloo_host
-from cluster.runner.worker import Worker, load_model, num_kv_blocks
+from cluster.runner.worker import Worker, load_model, num_kv_blocks, use_step_threads
 from cluster.shared.device import default_device
 
 logger = logging.getLogger(__name__)
@@ -196,6 +196,7 @@ def start_tensor_parallel(config: TandemConfig, launcher: RankLauncher | None = 
         runner = TensorParallelRunner(executor, loaded.model, num_blocks, loaded.spec, device, False,
                                       config.speculative.verification, config.speculative.method == "draft",
                                       choose_attention(config, device, loaded.max_model_len, True))
+        use_step_threads(config, device)
         executor.serving = True
     except BaseException:
         executor.close()

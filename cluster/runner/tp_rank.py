@@ -19,7 +19,7 @@ from cluster.parallel.group import StoreAddress, TPGroup, connect_store, init_gr
 from cluster.runner.attention_choice import choose_attention
 from cluster.runner.input_batch import SeqChunk
 from cluster.runner.model_runner import ModelRunner
-from cluster.runner.worker import load_model, num_kv_blocks
+from cluster.runner.worker import load_model, num_kv_blocks, use_step_threads
 
 logger = logging.getLogger(__name__)
 
@@ -56,6 +56,7 @@ def run_worker(config: TandemConfig, rank: int, address: StoreAddress, device: s
     num_blocks = group.min_int(num_kv_blocks(config, loaded.spec, group.device))
     runner = ModelRunner(loaded.model, num_blocks, loaded.spec, group.device,
                          attention=choose_attention(config, group.device, loaded.max_model_len, True))
+    use_step_threads(config, group.device)
     _follow(group, runner)
 
 

@@ -57,6 +57,7 @@ class Worker:
         runner = ModelRunner(loaded.model, num_blocks, loaded.spec, device, config.model.batch_invariant,
                              config.speculative.verification, config.speculative.method == "draft",
                              choose_attention(config, device, loaded.max_model_len), lora=loaded.lora)
+        use_step_threads(config, device)
         logger.info(
             "loaded %s (%s, %s) in %.1fs; KV cache: %d blocks of %d tokens",
             config.model.model, loaded.dtype, device, time.monotonic() - started, num_blocks, loaded.spec.block_size,
@@ -75,6 +76,16 @@ class LoadedModel(NamedTuple):
     max_model_len: int
     spec: KVCacheSpec  # this rank's KV heads
     lora: LoRAState | None  # the adapters served beside the model (None: no projection wrapped)
+
+
+def use_step_threads(config: TandemConfig, device: torch.device) -> None:
+    """torch's intra-op threads for the steps to come, once the model is loaded. On an accelerator
+    the host only builds each step's small metadata tensors, and some torch CPU ops split even
+    those over the whole OpenMP pool (``repeat_interleave`` does), so a step paid an OpenMP
+    fork and barrier over every core per op: one thread there, unless ``device.num_threads``
+    names more. On the CPU the threads are the compute and stay as they were set."""
+    if device.type != "cpu" and not config.device.num_threads:
+        torch.set_num_threads(1)
 
 
 def load_model(config: TandemConfig, device: torch.device, tp: TPGroup | None = None) -> LoadedModel:

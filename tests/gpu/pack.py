@@ -36,9 +36,10 @@ MAX_PART = 60 << 20
 EMBEDDED = "smollm2-135m-instruct"
 # Missing there, or there at another version than the pins (pydantic's own dependencies included).
 CARRIED = ("pydantic", "pydantic-core", "annotated-types", "typing-inspection", "typing-extensions",
-           "llguidance", "gguf", "xxhash", "transformers", "tokenizers", "peft")
+           "llguidance", "gguf", "xxhash", "transformers", "tokenizers", "peft", "py-spy")
 PYTHONS = ("3.12", "3.11")
-PLATFORMS = [f"manylinux_2_{n}_x86_64" for n in (17, 24, 27, 28, 31, 34, 35)] + ["manylinux2014_x86_64"]
+PLATFORMS = [f"manylinux_2_{n}_x86_64" for n in (5, 17, 24, 27, 28, 31, 34, 35)] + ["manylinux2014_x86_64",
+                                                                                   "manylinux1_x86_64"]
 
 
 def pins() -> dict[str, str]:

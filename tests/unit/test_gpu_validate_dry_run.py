@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -235,3 +236,22 @@ def test_the_step_profile_times_lora_workloads_on_the_cpu(tmp_path):
     rows = json.loads((tmp_path / "step_profile.json").read_text())["rows"]
     assert [(r["batch_size"], r["workload"]) for r in rows] == [(4, "base"), (4, "one"), (4, "mixed")]
     assert all(r["wall_ms"] > 0 for r in rows)
+
+
+@pytest.mark.slow
+def test_the_handoff_profile_runs_on_the_cpu_with_py_spy(tmp_path):
+    script = ROOT / "tests" / "gpu" / "handoff_profile.py"
+    proc = subprocess.run([sys.executable, str(script), "--device", "cpu", "--shape", "tiny", "--batch-sizes", "2,4",
+                           "--output-len", "48", "--rate", "100", "--stash", str(tmp_path / "stash"),
+                           "--carry", str(tmp_path / "nothing-carried"), "--out", str(tmp_path)],
+                          cwd=ROOT, capture_output=True, text=True, timeout=600,
+                          env={**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = json.loads((tmp_path / "handoff_profile.json").read_text())["rows"]
+    assert [r["batch_size"] for r in rows] == [2, 4]
+    for row in rows:
+        assert row["in_process"]["steps"] >= 48 and row["in_process"]["forward_ms"] > 0
+        timeline = row["core"]["timeline"]  # the core's own record of the timed run
+        assert timeline["num_steps"] >= 47 and timeline["mean_batch_size"] > 1
+        assert set(row["core"]["profiles"]) == {"replica", "core"}  # py-spy sampled both processes
+        assert row["core"]["profiles"]["core"]["samples"] > 0

@@ -64,3 +64,10 @@ def test_cached_prefix_hashes_skip_blocks_whose_parent_is_not_cached():
     assert bm.cached_prefix_hashes(1) == frozenset({10})
     bm.pool.free(blocks)
     bm.check_invariants()
+    taken = bm.pool.allocate(2)  # the uncached block, then the least recently freed: 10's, evicted
+    assert blocks[0] in taken
+    assert bm.cached_prefix_hashes(5) == frozenset()  # 11 now hangs off an evicted parent
+    bm.pool.cache_block(blocks[0], BlockHash(10, ROOT_HASH, (1, 2), ()))  # computed again
+    assert bm.cached_prefix_hashes(5) == frozenset({10, 11})
+    bm.pool.free(taken)
+    bm.check_invariants()
