@@ -211,14 +211,17 @@ def test_only_runs_the_checks_named_and_reports_the_rest_as_skipped(gpu_modules,
                for name in [*RUN, SYNC, LORA, "throughput"] if name not in ran)
 
 
+def run_gpu_script(name: str, tmp_path: Path, *args: str, env: dict | None = None) -> None:
+    """Run ``tests/gpu/NAME`` on the CPU with nothing carried, its output under ``tmp_path``; it must exit 0."""
+    proc = subprocess.run([sys.executable, str(ROOT / "tests" / "gpu" / name), "--device", "cpu", *args,
+                           "--stash", str(tmp_path / "stash"), "--carry", str(tmp_path / "nothing-carried"),
+                           "--out", str(tmp_path)], cwd=ROOT, capture_output=True, text=True, timeout=600, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+
+
 @pytest.mark.slow
 def test_the_step_profile_runs_on_the_cpu_and_writes_its_rows(tmp_path):
-    script = ROOT / "tests" / "gpu" / "step_profile.py"
-    proc = subprocess.run([sys.executable, str(script), "--device", "cpu", "--batch-sizes", "1,3", "--steps", "2",
-                           "--warmup", "1", "--stash", str(tmp_path / "stash"), "--carry", str(tmp_path / "nothing-carried"),
-                           "--out", str(tmp_path)],
-                          cwd=ROOT, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    run_gpu_script("step_profile.py", tmp_path, "--batch-sizes", "1,3", "--steps", "2", "--warmup", "1")
     report = json.loads((tmp_path / "step_profile.json").read_text())
     assert [r["batch_size"] for r in report["rows"]] == [1, 3]
     assert all(r["wall_ms"] > 0 and "kernel_ms" not in r for r in report["rows"])  # no kernel time off CUDA
@@ -227,12 +230,7 @@ def test_the_step_profile_runs_on_the_cpu_and_writes_its_rows(tmp_path):
 
 @pytest.mark.slow
 def test_the_step_profile_times_lora_workloads_on_the_cpu(tmp_path):
-    script = ROOT / "tests" / "gpu" / "step_profile.py"
-    proc = subprocess.run([sys.executable, str(script), "--device", "cpu", "--batch-sizes", "4", "--steps", "2",
-                           "--warmup", "1", "--lora", "2", "--stash", str(tmp_path / "stash"),
-                           "--carry", str(tmp_path / "nothing-carried"), "--out", str(tmp_path)],
-                          cwd=ROOT, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    run_gpu_script("step_profile.py", tmp_path, "--batch-sizes", "4", "--steps", "2", "--warmup", "1", "--lora", "2")
     rows = json.loads((tmp_path / "step_profile.json").read_text())["rows"]
     assert [(r["batch_size"], r["workload"]) for r in rows] == [(4, "base"), (4, "one"), (4, "mixed")]
     assert all(r["wall_ms"] > 0 for r in rows)
@@ -240,13 +238,9 @@ def test_the_step_profile_times_lora_workloads_on_the_cpu(tmp_path):
 
 @pytest.mark.slow
 def test_the_handoff_profile_runs_on_the_cpu_with_py_spy(tmp_path):
-    script = ROOT / "tests" / "gpu" / "handoff_profile.py"
-    proc = subprocess.run([sys.executable, str(script), "--device", "cpu", "--shape", "tiny", "--batch-sizes", "2,4",
-                           "--output-len", "48", "--rate", "100", "--stash", str(tmp_path / "stash"),
-                           "--carry", str(tmp_path / "nothing-carried"), "--out", str(tmp_path)],
-                          cwd=ROOT, capture_output=True, text=True, timeout=600,
-                          env={**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"})
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    with_py_spy = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}
+    run_gpu_script("handoff_profile.py", tmp_path, "--shape", "tiny", "--batch-sizes", "2,4", "--output-len", "48",
+                   "--rate", "100", env=with_py_spy)
     rows = json.loads((tmp_path / "handoff_profile.json").read_text())["rows"]
     assert [r["batch_size"] for r in rows] == [2, 4]
     for row in rows:
