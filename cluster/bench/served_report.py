@@ -91,6 +91,13 @@ def _print_cpu(console, name: str, figures: dict) -> None:
                       f"{timeline['mean_tokens_per_step']:.1f} tokens/step, step {timeline['mean_step_ms']:.1f} ms "
                       f"(forward+sampling {timeline['mean_forward_and_sampling_ms']:.1f}, python around it "
                       f"{timeline['mean_python_around_forward_ms']:.2f}, hand-off {timeline['mean_handoff_ms']:.2f})")
+        if timeline.get("prefill_step_fraction") is not None:
+            console.print(f"    {100 * timeline['prefill_step_fraction']:.0f}% of steps carried a prompt's chunk "
+                          f"({_fmt(timeline['mean_prefill_step_ms'])} ms, "
+                          f"{_fmt(timeline['mean_prefill_tokens_per_prefill_step'])} prompt tokens), decode-only "
+                          f"steps {_fmt(timeline['mean_decode_step_ms'])} ms at batch "
+                          f"{_fmt(timeline['mean_decode_batch_size'])}; "
+                          f"{100 * timeline['drafting_step_fraction']:.0f}% of steps verified drafts")
 
 
 def _fmt(value) -> str:

@@ -206,7 +206,8 @@ class EngineCore:
             if record is not None:
                 self.timeline.record(TimelineEntry(
                     started, idle, stepping - started - idle, sending - stepping, record.execute_seconds,
-                    clock() - sending, record.num_seqs, record.num_tokens, record.num_output_tokens, record.k))
+                    clock() - sending, record.num_seqs, record.num_tokens, record.num_output_tokens, record.k,
+                    record.num_prefill_tokens))
 
 
 def main(argv: list[str]) -> int:

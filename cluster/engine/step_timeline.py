@@ -4,8 +4,9 @@ Each loop of the core (``engine_core.py``) records one ``TimelineEntry``: when i
 how long it waited for work (idle), took messages from the replica, stepped (and of that,
 the runner's forward pass and sampling), and sent the step's message. ``summary`` turns a
 window of entries into the figures the served-path benchmark reports: the share of wall
-time the engine was stepping, the mean batch and tokens per step, and the time per step
-spent in Python around the forward pass. ``GET /debug/timeline`` shows it for a replica.
+time the engine was stepping, the mean batch and tokens per step, the time per step
+spent in Python around the forward pass, and the steps split by what they carried (a
+prompt's chunk or only decodes; drafts to verify or none). ``GET /debug/timeline`` shows it for a replica.
 """
 
 from __future__ import annotations
@@ -25,7 +26,8 @@ class TimelineEntry:
     num_seqs: int
     num_tokens: int  # computed this step (prompt chunks, decodes, drafts)
     num_output_tokens: int
-    k: int
+    k: int  # draft tokens asked per request (0: plain decoding)
+    num_prefill_tokens: int = 0  # of num_tokens, prompt chunks' (0: a step of decodes only)
 
 
 class StepTimeline:
@@ -60,10 +62,27 @@ class StepTimeline:
             "mean_python_around_forward_ms": 1000 * sum(e.step_seconds - e.execute_seconds for e in steps) / n,
             "mean_handoff_ms": 1000 * sum(e.receive_seconds + e.send_seconds for e in steps) / n,
             "output_tokens_per_second": sum(e.num_output_tokens for e in steps) / wall if wall > 0 else 0.0,
+            **_split(steps),
         }
 
     def recent(self, count: int = 50) -> list[dict]:
         return [asdict(e) for e in list(self.entries)[-count:]]
+
+
+def _split(steps: list[TimelineEntry]) -> dict:
+    """The steps that carried a prompt's chunk against those of decodes only, and the share that
+    verified drafts: where a step's time went when the mean alone does not say."""
+    prefill = [e for e in steps if e.num_prefill_tokens > 0]
+    decode = [e for e in steps if e.num_prefill_tokens == 0]
+    return {
+        "prefill_step_fraction": len(prefill) / len(steps),
+        "mean_prefill_step_ms": 1000 * sum(e.step_seconds for e in prefill) / len(prefill) if prefill else None,
+        "mean_prefill_tokens_per_prefill_step": (sum(e.num_prefill_tokens for e in prefill) / len(prefill)
+                                                 if prefill else None),
+        "mean_decode_step_ms": 1000 * sum(e.step_seconds for e in decode) / len(decode) if decode else None,
+        "mean_decode_batch_size": sum(e.num_seqs for e in decode) / len(decode) if decode else None,
+        "drafting_step_fraction": sum(1 for e in steps if e.k > 0) / len(steps),
+    }
 
 
 def _length(entry: TimelineEntry) -> float:
