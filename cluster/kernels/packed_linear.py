@@ -32,8 +32,9 @@ small_gemm's copy of its weight.
 
 A layer thus holds two copies of its weight on the CPU (small_gemm's and oneDNN's, or
 small_gemm's and the plain one where oneDNN cannot pack the dtype). A bfloat16 layer holds a
-third, oneDNN-packed in float32, on a CPU that computes float32 faster from some row count on
-(:mod:`cluster.kernels.float32_gemm`); rows from there on take it. On other devices,
+third, packed for ``widening_gemm`` (float32 arithmetic on the bfloat16 weight), on a CPU that
+computes float32 faster from some row count on (:mod:`cluster.kernels.float32_gemm`); rows
+from there on take it. On other devices,
 other dtypes, or where neither path exists, ``pack_linears`` leaves the model untouched,
 so the model code is the same everywhere.
 """
@@ -47,7 +48,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from cluster.kernels.build import small_gemm
+from cluster.kernels.build import small_gemm, widening_gemm
 from cluster.kernels.float32_gemm import float32_gemm_min_rows
 
 logger = logging.getLogger(__name__)
@@ -72,7 +73,7 @@ class PackedLinear(nn.Module):
     more, and ``F.linear`` on the plain weight where neither applies. ``batch_invariant``:
     small_gemm for every row count (ValueError where it cannot take the weight).
     ``float32_from_rows``: a bfloat16 layer computes calls of that many rows or more in
-    float32, on a float32 copy of its weight (None: never)."""
+    float32 arithmetic, through ``widening_gemm`` on its own copy of the weight (None: never)."""
 
     def __init__(self, linear: nn.Linear, batch_invariant: bool = False, float32_from_rows: int | None = None) -> None:
         super().__init__()
@@ -104,11 +105,10 @@ class PackedLinear(nn.Module):
         needs_plain = not batch_invariant and (self.packed_weight is None
                                                or self.min_packed_rows > max(self.small_max_rows, 1))
         self.plain_weight = weight if needs_plain else None
-        wide = (float32_from_rows is not None and onednn is not None and weight.dtype == torch.bfloat16
-                and can_pack(weight.device, torch.float32))
+        self._widening = widening_gemm() if float32_from_rows is not None and weight.dtype == torch.bfloat16 else None
+        wide = self._widening is not None and onednn is not None
         self.float32_from_rows = max(float32_from_rows, self.small_max_rows + 1) if wide else None
-        self.register_buffer("float32_weight", torch.ops.mkldnn._reorder_linear_weight(weight.float(), _PACK_ROWS_HINT)
-                             if wide else None)
+        self.register_buffer("widened_weight", self._widening.pack(weight.contiguous()) if wide else None)
         self.register_buffer("float32_bias", self.bias.float() if wide and self.bias is not None else None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [num_tokens, in] -> [num_tokens, out]
@@ -116,8 +116,7 @@ class PackedLinear(nn.Module):
         if 0 < rows <= self.small_max_rows:
             return self._small_gemm(x)
         if self.float32_from_rows is not None and rows >= self.float32_from_rows:
-            y = torch.ops.mkldnn._linear_pointwise(x.float(), self.float32_weight, self.float32_bias, "none", [], "")
-            return y.to(x.dtype)
+            return self._widening.linear(x, self.widened_weight, self.out_features, self.float32_bias)
         if self.packed_weight is not None and rows >= self.min_packed_rows:
             return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, "none", [], "")
         return F.linear(x, self.plain_weight, self.bias)
@@ -158,9 +157,10 @@ def can_pack(device: torch.device, dtype: torch.dtype) -> bool:
 
 def float32_compute_rows(device: torch.device, dtype: torch.dtype, batch_invariant: bool = False) -> int | None:
     """From how many rows ``dtype`` layers on ``device`` compute in float32: bfloat16 layers on
-    a CPU whose oneDNN runs float32 GEMMs faster from some row count (:func:`float32_gemm_min_rows`);
-    None everywhere else, and with ``batch_invariant`` (small_gemm takes every row then)."""
-    if dtype != torch.bfloat16 or batch_invariant or not (can_pack(device, dtype) and can_pack(device, torch.float32)):
+    a CPU where float32 arithmetic on the widened weights beats oneDNN's bfloat16 GEMM
+    (:func:`float32_gemm_min_rows`); None everywhere else, and with ``batch_invariant``
+    (small_gemm takes every row then)."""
+    if dtype != torch.bfloat16 or batch_invariant or not can_pack(device, dtype):
         return None
     return float32_gemm_min_rows()
 
@@ -185,8 +185,8 @@ def pack_linears(model: nn.Module, device: torch.device, dtype: torch.dtype, bat
     (with ``batch_invariant``: everywhere, through small_gemm, or ValueError).
 
     Call after the weights are loaded. A head tied to the embedding keeps the embedding
-    and gets a packed copy. bfloat16 layers compute in float32 from the row count where this
-    CPU does that faster (:func:`float32_compute_rows`), if it has one. Returns the number
+    and gets a packed copy. bfloat16 layers compute in float32 arithmetic from the row count where
+    this CPU does that faster (:func:`float32_compute_rows`), if it has one. Returns the number
     of layers replaced.
     """
     if batch_invariant and (device.type != "cpu" or dtype not in SMALL_GEMM_MAX_ROWS or small_gemm() is None):

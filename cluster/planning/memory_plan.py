@@ -109,8 +109,8 @@ def _cpu_packed_bytes(shape: ModelShape, dtype: str, quantization: str, batch_in
     """What the CPU's ``PackedLinear`` layers hold beyond the weights ``_weight_bytes`` counts,
     per rank: full-precision linear layers and the LM head are packed for small_gemm and for
     oneDNN (the plain weight freed, a tied head's embedding kept), small_gemm's alone when
-    batch-invariant; a bfloat16 layer also gets a float32 copy where this CPU computes GEMMs
-    of many rows faster in float32 (``float32_compute_rows``). A tensor-parallel rank keeps
+    batch-invariant; a bfloat16 layer also gets widening_gemm's copy where this CPU computes
+    GEMMs of several rows faster in float32 (``float32_compute_rows``). A tensor-parallel rank keeps
     its shards' plain weights beside their packs and does not pack the LM head."""
     torch_dtype = getattr(torch, dtype)
     if quantization != "none" or not onednn_packs(torch_dtype):
@@ -123,7 +123,7 @@ def _cpu_packed_bytes(shape: ModelShape, dtype: str, quantization: str, batch_in
     else:
         packs = 2 if dtype == "float32" else 1  # oneDNN's, and a float32 layer's plain weight for 1 row
     if float32_compute_rows(torch.device("cpu"), torch_dtype, batch_invariant) is not None:
-        packs += 2  # float32 is two bfloat16 copies
+        packs += 1  # widening_gemm's, in bfloat16
     if tp > 1:
         decoder = shape.linear_params - (0 if shape.tie_word_embeddings else shape.embedding_params)
         return decoder * packs * element // tp

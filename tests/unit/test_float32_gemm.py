@@ -1,4 +1,5 @@
-"""bfloat16 linear layers computed in float32 from the row count where this CPU does that faster."""
+"""bfloat16 linear layers computed in float32 arithmetic (widening_gemm) from the row count where
+this CPU does that faster than oneDNN's bfloat16 GEMM."""
 
 from __future__ import annotations
 
@@ -7,12 +8,12 @@ import torch
 import torch.nn.functional as F
 
 from cluster.kernels import float32_gemm, packed_linear
-from cluster.kernels.build import small_gemm
+from cluster.kernels.build import small_gemm, widening_gemm
 from cluster.kernels.packed_linear import SMALL_GEMM_MAX_ROWS, PackedLinear, can_pack, pack_linears
 
 CPU = torch.device("cpu")
-needs_both = pytest.mark.skipif(not (can_pack(CPU, torch.bfloat16) and can_pack(CPU, torch.float32)),
-                                reason="oneDNN packs no bfloat16 weights on this CPU")
+needs_both = pytest.mark.skipif(not (can_pack(CPU, torch.bfloat16) and widening_gemm() is not None),
+                                reason="oneDNN packs no bfloat16 weights or widening_gemm did not build on this CPU")
 
 
 @pytest.fixture()
@@ -24,13 +25,14 @@ def probe_says(monkeypatch):
                 raise speedup
             return speedup
         monkeypatch.setattr(float32_gemm, "_probe", fake_probe)
+        monkeypatch.setattr(float32_gemm, "widening_gemm", lambda: object())  # as if it built here
         float32_gemm.float32_gemm_min_rows.cache_clear()
     yield install
     float32_gemm.float32_gemm_min_rows.cache_clear()
 
 
 @pytest.mark.parametrize("speedup, expected", [
-    (1.4, float32_gemm.FLOAT32_FROM_ROWS),  # the Xeon: float32 ahead at many rows
+    (1.4, float32_gemm.FLOAT32_FROM_ROWS),  # the Xeon: float32 ahead from about ten rows
     (1.05, None),  # too small a lead
     (0.6, None),  # bfloat16 faster (AMX, AMD)
     (RuntimeError("no bfloat16 path"), None),
@@ -38,6 +40,12 @@ def probe_says(monkeypatch):
 def test_float32_is_taken_from_its_row_count_only_where_the_probe_finds_it_ahead(probe_says, speedup, expected):
     probe_says(speedup)
     assert float32_gemm.float32_gemm_min_rows() == expected
+
+
+def test_no_float32_rows_without_the_widening_kernel(monkeypatch, probe_says):
+    probe_says(2.0)
+    monkeypatch.setattr(float32_gemm, "widening_gemm", lambda: None)
+    assert float32_gemm.float32_gemm_min_rows() is None
 
 
 @needs_both
@@ -52,11 +60,11 @@ def _bound(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 
 
 @needs_both
-def test_rows_from_the_crossover_on_take_the_float32_copy_and_stay_exact_to_bfloat16():
+def test_rows_from_the_crossover_on_take_the_widened_copy_and_stay_exact_to_bfloat16():
     torch.manual_seed(0)
     linear = torch.nn.Linear(192, 200).to(torch.bfloat16)
     layer = PackedLinear(linear, float32_from_rows=24)
-    assert layer.float32_from_rows == 24 and layer.float32_weight is not None
+    assert layer.float32_from_rows == 24 and layer.widened_weight is not None
     assert layer.float32_bias.dtype == torch.float32
     for rows in (1, SMALL_GEMM_MAX_ROWS[torch.bfloat16] + 1, 23, 24, 100):
         x = torch.randn(rows, 192).to(torch.bfloat16)
@@ -64,9 +72,9 @@ def test_rows_from_the_crossover_on_take_the_float32_copy_and_stay_exact_to_bflo
         assert y.dtype == torch.bfloat16 and y.shape == (rows, 200)
         expected = x.double() @ linear.weight.double().T + linear.bias.double()
         assert ((y.double() - expected).abs() <= _bound(x, linear.weight)).all(), rows
-    # Which rows read the float32 copy: swap in the copy of another weight.
+    # Which rows read the widened copy: swap in the copy of another weight.
     other = torch.nn.Linear(192, 200).to(torch.bfloat16)
-    layer.float32_weight = torch.ops.mkldnn._reorder_linear_weight(other.weight.float(), 32)
+    layer.widened_weight = widening_gemm().pack(other.weight.detach())
     for rows, reads_copy in ((23, False), (24, True), (64, True)):
         x = torch.randn(rows, 192).to(torch.bfloat16)
         reference = F.linear(x.float(), (other if reads_copy else linear).weight.float())
@@ -79,7 +87,7 @@ def test_the_few_row_kernel_keeps_its_rows_and_float32_layers_get_no_copy():
     assert layer.float32_from_rows == max(2, layer.small_max_rows + 1)  # small_gemm, where it built, keeps its rows
     assert layer.float32_bias is None
     plain = PackedLinear(torch.nn.Linear(192, 64), float32_from_rows=2)
-    assert plain.float32_from_rows is None and plain.float32_weight is None
+    assert plain.float32_from_rows is None and plain.widened_weight is None
 
 
 class _TwoLayers(torch.nn.Module):
@@ -105,7 +113,7 @@ def test_pack_linears_gives_every_layer_the_probed_crossover(monkeypatch, dtype,
     for layer in (model.up, model.down):
         assert isinstance(layer, PackedLinear)
         assert layer.float32_from_rows == expected
-        assert (layer.float32_weight is not None) == (expected is not None)
+        assert (layer.widened_weight is not None) == (expected is not None)
 
 
 def test_turned_off_by_the_environment(monkeypatch, probe_says):

@@ -59,7 +59,7 @@ def _bytes_held(model) -> int:
     ("float32", "auto", None, False),
     ("float32", "int8", None, False),
     ("bfloat16", "auto", None, False),
-    ("bfloat16", "auto", 16, False),  # a CPU where bfloat16 layers keep a float32 copy
+    ("bfloat16", "auto", 16, False),  # a CPU where bfloat16 layers keep widening_gemm's copy
     ("bfloat16", "auto", 16, True),  # small_gemm's copy alone
 ])
 def test_kv_tokens_and_weights_match_the_engine(untied_dir, monkeypatch, dtype, kv_cache_dtype, float32_rows,
@@ -78,7 +78,7 @@ def test_kv_tokens_and_weights_match_the_engine(untied_dir, monkeypatch, dtype, 
     rank = plan.ranks[0]
     assert rank.kv_cache == engine.block_manager.pool.num_blocks * engine.worker.runner.spec.bytes_per_block
     assert rank.target_weights == _bytes_held(model)
-    has_copy = any(isinstance(m, PackedLinear) and m.float32_weight is not None for m in model.modules())
+    has_copy = any(isinstance(m, PackedLinear) and m.widened_weight is not None for m in model.modules())
     assert has_copy == (dtype == "bfloat16" and float32_rows is not None and not batch_invariant)
     assert model.vocab_size == model_shape(str(untied_dir)).vocab_size
 
