@@ -118,8 +118,10 @@ class TandemReplica:
         return self.backend.capacity_tokens_per_second()
 
     async def engine_stats(self) -> dict:
-        """Debug view: the engine's counters (the native engine checks its invariants first)."""
-        return {"replica_id": self.replica_id, "group": self.group.name, **(await self.backend.engine_stats())}
+        """Debug view: the engine's counters (the native engine checks its invariants first) and the
+        speculation in force (with an adaptive controller, what it has learnt)."""
+        return {"replica_id": self.replica_id, "group": self.group.name, **(await self.backend.engine_stats()),
+                "speculation": self.spec_state()}
 
     async def step_timeline(self, last_seconds: float | None = None) -> dict:
         """Debug view: the engine core's recent steps and where their time went (summarized over the

@@ -84,8 +84,9 @@ class EngineView:
             return SpecState("none", "none", 0, {}, 0.0)
         spec_config = self.config.speculative
         sizes = power_of_two_sizes(self.config.scheduler.max_num_seqs)
+        estimates = controller.estimates(sizes) if hasattr(controller, "estimates") else {}
         return SpecState(spec_config.method, spec_config.controller, engine.spec_stats.current_k,
-                         controller.k_table(sizes), engine.spec_stats.acceptance_rate)
+                         controller.k_table(sizes), engine.spec_stats.acceptance_rate, estimates=estimates)
 
     def engine_stats(self, backend_name: str) -> dict:
         """The engine's counters and free blocks, after checking its invariants."""

@@ -147,7 +147,8 @@ class AdaptiveController:
         self.grid = grid
         self._profile = (LatencyModel([0.0, 0.0, 0.0], [0.0, 0.0], grid) if grid is not None
                          else LatencyModel(list(model.target_coef), list(model.draft_coef)))
-        self.model = self._composed(1.0, 0.0, 0.0, 0.0, 0.0)
+        self.coefficients = [1.0, 0.0, 0.0, 0.0, 0.0]  # [s, c0, c1, d0, d1] as last solved
+        self.model = self._composed(*self.coefficients)
         # The profile enters as pseudo-steps, forgotten like observed steps but never below
         # ``prior_floor`` of their weight: steps held at one k (or one batch size) leave some of
         # the sums unidentified, and a prior decaying to nothing turned the system singular
@@ -218,6 +219,22 @@ class AdaptiveController:
         """The best k per batch size under the current estimates (before hysteresis)."""
         return {b: self.model.best_k(b, self.acceptance, self.max_k, self.coverage) for b in batch_sizes}
 
+    def estimates(self, batch_sizes: list[int]) -> dict:
+        """What the controller believes now, for debugging a served engine: the k held, per-position
+        acceptance and coverage, the learnt step-time coefficients ([s, c0, c1, d0, d1], s the
+        device's slowness against the profile) and, per batch size, the predicted ms per output
+        token of each k from 0 to max_k."""
+        return {
+            "k_held": self.k,
+            "acceptance": [round(a, 4) for a in self.acceptance],
+            "coverage": [round(c, 4) for c in self.coverage],
+            "coefficients": [round(c, 6) for c in self.coefficients],
+            "num_probes": self.num_probes,
+            "num_switches": self.num_switches,
+            "ms_per_token_by_k": {b: [round(1000 * t, 3) for t in self.model.time_per_token_by_k(
+                b, self.acceptance, self.max_k, self.coverage)] for b in batch_sizes},
+        }
+
     # ---- learning ---------------------------------------------------------------------
     def observe(self, obs: StepObservation) -> None:
         rate = self.acceptance_ema
@@ -245,7 +262,8 @@ class AdaptiveController:
         scale = self._prior_scale = max(f * self._prior_scale, self._prior_floor)
         xtx = np.array([scale * p + s for p, s in zip(self._prior_xtx, self._xtx)]).reshape(5, 5)
         xty = np.array([scale * p + s for p, s in zip(self._prior_xty, self._xty)])
-        self.model = self._composed(*self._solve(xtx, xty).tolist())
+        self.coefficients = self._solve(xtx, xty).tolist()
+        self.model = self._composed(*self.coefficients)
 
     def _composed(self, s: float, c0: float, c1: float, d0: float, d1: float) -> LatencyModel:
         """The profile's model read ``s`` times slower, plus the correction."""

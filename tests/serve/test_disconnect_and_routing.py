@@ -41,6 +41,7 @@ def test_disconnect_mid_stream_frees_every_block(server_url):
     for name, engine in engines.items():
         assert engine["num_running"] == 0 and engine["num_waiting"] == 0, (name, engine)
         assert engine["num_free_blocks"] == engine["num_blocks"], (name, engine)
+        assert engine["speculation"]["method"] == "draft" and engine["speculation"]["k_table"], (name, engine)
 
 
 def test_router_sends_the_larger_share_to_the_faster_group(server_url, async_client):

@@ -195,6 +195,22 @@ def test_adaptive_relearns_step_times_online():
     assert adaptive.k_table([1, 8]) == {b: slow_draft.best_k(b, adaptive.acceptance, 8) for b in (1, 8)}
 
 
+def test_estimates_say_what_the_controller_believes():
+    adaptive = AdaptiveController(TRUE, [0.8] * 4, max_k=4)
+    before = adaptive.estimates([1, 64])
+    assert before["k_held"] is None and before["coefficients"] == [1.0, 0.0, 0.0, 0.0, 0.0]
+    adaptive.choose_k(_state(8))
+    twice_as_slow = LatencyModel([2 * c for c in TRUE.target_coef], [2 * c for c in TRUE.draft_coef])
+    for step in range(400):
+        b, k = (1, 2, 4, 8)[step % 4], step % 5
+        adaptive.observe(StepObservation(b, k, twice_as_slow.step_time(b, k), drafts=[(k, k, 0)] if k else []))
+    after = adaptive.estimates([1, 64])
+    assert after["k_held"] == adaptive.k and after["coefficients"][0] == pytest.approx(2.0, rel=0.05)
+    assert after["acceptance"][0] < 0.8 and len(after["coverage"]) == 4
+    for b, costs in after["ms_per_token_by_k"].items():  # the k table is the argmin of these
+        assert len(costs) == 5 and costs.index(min(costs)) == adaptive.k_table([b])[b]
+
+
 def test_partial_proposals_are_learnt_as_coverage_and_effective_acceptance():
     """n-gram lookup proposes nothing for half of the requests here; the others propose all
     k and each position is accepted with 0.9. Learnt: coverage 0.5, acceptance 0.45 at the
