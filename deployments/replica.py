@@ -118,8 +118,8 @@ class TandemReplica:
         return self.backend.capacity_tokens_per_second()
 
     async def engine_stats(self) -> dict:
-        """Debug view: the engine's counters (the native engine checks its invariants first) and the
-        speculation in force (with an adaptive controller, what it has learnt)."""
+        """Debug view: the engine's counters (the native engine checks its invariants first, and
+        with an adaptive controller says what it has learnt) and the speculation in force."""
         return {"replica_id": self.replica_id, "group": self.group.name, **(await self.backend.engine_stats()),
                 "speculation": self.spec_state()}
 

@@ -22,7 +22,7 @@ engine steps in an engine-core process of its own (``ProcessBackend``) unless
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, AsyncIterator, Callable, Protocol
 
 from cluster.engine.protocol import ErrorInfo, GenerateDelta, GenerateRequest
@@ -53,7 +53,6 @@ class SpecState:
     k_table: dict[int, int]  # batch size -> k in force
     acceptance: float  # accepted / proposed draft tokens so far
     note: str = ""
-    estimates: dict = field(default_factory=dict)  # an adaptive controller's beliefs (``estimates()``)
 
 
 @dataclass(frozen=True)

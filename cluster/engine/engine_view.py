@@ -84,9 +84,8 @@ class EngineView:
             return SpecState("none", "none", 0, {}, 0.0)
         spec_config = self.config.speculative
         sizes = power_of_two_sizes(self.config.scheduler.max_num_seqs)
-        estimates = controller.estimates(sizes) if hasattr(controller, "estimates") else {}
         return SpecState(spec_config.method, spec_config.controller, engine.spec_stats.current_k,
-                         controller.k_table(sizes), engine.spec_stats.acceptance_rate, estimates=estimates)
+                         controller.k_table(sizes), engine.spec_stats.acceptance_rate)
 
     def engine_stats(self, backend_name: str) -> dict:
         """The engine's counters and free blocks, after checking its invariants."""
@@ -105,4 +104,7 @@ class EngineView:
             "prefix_cache_hit_rate": stats.prefix_cache_hit_rate,
             "lora_adapters": {"loaded": engine.adapters.loaded, "loads": engine.adapters.num_loads,
                               "unloads": engine.adapters.num_unloads},
+            # an adaptive controller's beliefs (computed here, on request, not in every snapshot)
+            "controller": (engine.controller.estimates(power_of_two_sizes(self.config.scheduler.max_num_seqs))
+                           if hasattr(engine.controller, "estimates") else None),
         }

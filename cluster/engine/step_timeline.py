@@ -6,7 +6,8 @@ the runner's forward pass and sampling), and sent the step's message. ``summary`
 window of entries into the figures the served-path benchmark reports: the share of wall
 time the engine was stepping, the mean batch and tokens per step, the time per step
 spent in Python around the forward pass, and the steps split by what they carried (a
-prompt's chunk or only decodes; drafts to verify or none). ``GET /debug/timeline`` shows it for a replica.
+prompt's chunk or only decodes; drafts to verify or none). ``GET /debug/timeline`` shows it
+for a replica.
 """
 
 from __future__ import annotations

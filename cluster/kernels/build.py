@@ -11,8 +11,8 @@ cores, which `tandem serve` spent loading after the vLLM tier had run). Later pr
 the built library in well under a second.
 
 Where the build cannot happen (no compiler, a CPU without AVX2/FMA, a build error),
-:func:`small_gemm`, :func:`widening_gemm` and :func:`decode_ops` return None with a logged reason and callers keep torch's own
-kernels. ``TANDEM_CPU_KERNELS=0`` turns the kernels off (for A/B runs and as an escape
+:func:`small_gemm`, :func:`widening_gemm` and :func:`decode_ops` return None with a logged reason
+and callers keep torch's own kernels. ``TANDEM_CPU_KERNELS=0`` turns the kernels off (for A/B runs and as an escape
 hatch).
 """
 

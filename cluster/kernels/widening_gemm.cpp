@@ -33,7 +33,8 @@ constexpr bool kAvailable = true;
 inline __m512i round_to_bf16_bits(__m512 v) {  // float32 -> bfloat16 bits (nearest even), as c10 rounds
   const __m512i bits = _mm512_castps_si512(v);
   const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
-  const __m512i rounded = _mm512_srli_epi32(_mm512_add_epi32(bits, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF))), 16);
+  const __m512i bias = _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF));
+  const __m512i rounded = _mm512_srli_epi32(_mm512_add_epi32(bits, bias), 16);
   const __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
   return _mm512_mask_blend_epi32(nan, rounded, _mm512_set1_epi32(0x7FC0));
 }
@@ -52,7 +53,8 @@ inline void store_row(__m512 lo, __m512 hi, const float* bias, int valid, float*
 inline void store_row(__m512 lo, __m512 hi, const float* bias, int valid, at::BFloat16* y) {
   if (bias) lo = _mm512_add_ps(lo, _mm512_load_ps(bias)), hi = _mm512_add_ps(hi, _mm512_load_ps(bias + 16));
   _mm256_mask_storeu_epi16(y, first_lanes(valid), _mm512_cvtepi32_epi16(round_to_bf16_bits(lo)));
-  if (valid > 16) _mm256_mask_storeu_epi16(y + 16, first_lanes(valid - 16), _mm512_cvtepi32_epi16(round_to_bf16_bits(hi)));
+  if (valid > 16)
+    _mm256_mask_storeu_epi16(y + 16, first_lanes(valid - 16), _mm512_cvtepi32_epi16(round_to_bf16_bits(hi)));
 }
 
 // M rows of x (float32, row stride K) against one panel; y rows with stride N.

@@ -10,6 +10,8 @@ import pytest
 
 from cluster.cli import main
 from cluster.engine.async_engine import AsyncEngine
+from cluster.engine.engine_view import EngineView
+from cluster.routing.step_times import StepTimeTracker
 from cluster.shared.sampling_params import SamplingParams
 from cluster.spec_decode.controller import (
     AdaptiveController,
@@ -349,6 +351,10 @@ def test_profile_command_writes_a_profile_the_controllers_load(tiny_llama_dir, t
         curve = AsyncEngine(engine).step_times.curve(2, 4)
         assert curve == tuple((b, profile.latency_model.step_time(b, 2, profile.coverage)) for b in (1, 2, 4))
         run_to_completion(engine, [[5, 6, 7, 5, 6, 7, 5, 6]], SamplingParams(max_tokens=8, temperature=0))
+        beliefs = EngineView(engine, StepTimeTracker(), engine.config).engine_stats("native")["controller"]
+        assert (beliefs is None) == (policy != "adaptive")  # /debug/engines shows what adaptive learnt
+        if beliefs is not None:
+            assert beliefs["k_held"] == engine.controller.k and len(beliefs["acceptance"]) == 3
 
 
 def test_table_and_adaptive_need_a_profile(tiny_llama_dir):
