@@ -1,9 +1,9 @@
 """Whether bfloat16 linear layers of several rows run faster in float32 arithmetic on this CPU.
 
-A CPU with AVX-512-BF16 but no AMX multiplies bfloat16 pairs no faster than float32 ones: on
-a 2-core Intel Xeon (Emerald Rapids, AMX not exposed) the pair product issued about once every
-two cycles where float32 FMAs issue twice a cycle (86 against 176 GFLOPS a core, a register-only
-loop), and oneDNN's packed bfloat16 GEMM reached 80-150 GFLOPS on SmolLM2's shapes (2 threads).
+A CPU with AVX-512-BF16 but no AMX may multiply bfloat16 pairs slower than float32 ones: on a
+2-core Intel Xeon (Emerald Rapids, AMX not exposed) the pair product issued a quarter as often as
+a float32 FMA, twice the work each (86 against 176 GFLOPS a core, a register-only loop), and
+oneDNN's packed bfloat16 GEMM reached 80-150 GFLOPS on SmolLM2's shapes (2 threads).
 For a few rows a step is bound by reading the weights, from about ten rows by arithmetic, and
 there float32 FMAs on the bfloat16 weights widened in registers
 (:mod:`cluster.kernels` ``widening_gemm``) are ahead without reading a float32 copy: all of

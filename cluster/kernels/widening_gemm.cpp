@@ -2,7 +2,7 @@
 // the shape of big decode batches and prefill chunks, where a step is bound by arithmetic.
 //
 // Where the CPU's bfloat16 pair product (AVX-512-BF16) is slow (on a 2-core Xeon without AMX it
-// issued half as often as a float32 FMA and did twice the work each: no faster), float32 FMAs
+// issued a quarter as often as a float32 FMA and did twice the work each: half the speed), float32 FMAs
 // are the fastest arithmetic, but a float32 copy of W doubles the bytes a step reads. So W stays
 // bfloat16 in memory and is widened in registers: bfloat16 is the top half of a float32, so a
 // shift or a mask does it.
@@ -12,9 +12,10 @@
 // (one 64-byte line per k). Widening a line is then two instructions: a shift by 16 gives rows
 // n0..n0+15, a mask of the low half gives rows n0+16..n0+31. `linear` computes a panel for up to
 // 12 rows of x at a time, 24 accumulators, each FMA taking its x value by an embedded broadcast;
-// later row blocks reuse the panel from L1/L2. Panels are split over ATen's intra-op threads.
+// rows past 12 come in blocks of near-equal size that reuse the panel from L1/L2. Panels are split
+// over ATen's intra-op threads.
 // Every output is one float32 sum over k in order, rounded to bfloat16 once (nearest even).
-// build.py compiles this for the host CPU; without AVX-512 `available()` is false.
+// build.py compiles this for the host CPU; without AVX-512 the module's `available` is false.
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 #include <torch/extension.h>
