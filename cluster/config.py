@@ -27,7 +27,7 @@ class _Strict(BaseModel):
 
 
 DType = Literal["float32", "bfloat16", "float16", "auto"]
-Quantization = Literal["none", "int8", "int8-dynamic"]
+Quantization = Literal["none", "int8", "int4", "int8-dynamic"]
 
 
 class ModelConfig(_Strict):
@@ -37,6 +37,7 @@ class ModelConfig(_Strict):
     cache_dir: str | None = Field(None, description="where fetched and converted weights live")
     quantization: Quantization = Field(
         "none", description="int8: int8 weights, per-output-channel scales (linear layers and LM head); "
+        "int4: 4-bit weights, a float16 scale and offset per 64 inputs of a row; "
         "int8-dynamic: also int8 activations per tensor (fbgemm, CPU; fast but measured far less accurate)")
     batch_invariant: bool = Field(
         False, description="compute every token the same way whatever else is in the step (CPU, float32 or "
@@ -118,8 +119,8 @@ class SpeculativeConfig(_Strict):
     draft_model: str | None = Field(None, description="short name, HF folder or .gguf file (method: draft)")
     draft_dtype: DType | None = Field(None, description="defaults to the target's dtype")
     draft_quantization: Quantization | None = Field(
-        None, description="the draft's model.quantization (defaults to the target's); int8 with the target "
-        "itself as draft_model is self-speculation")
+        None, description="the draft's model.quantization (defaults to the target's); int4 or int8 with the "
+        "target itself as draft_model is self-speculation")
     num_speculative_tokens: int = Field(4, ge=0, le=16, description="k (fixed), or the largest k (table, adaptive)")
     controller: Literal["fixed", "table", "adaptive"] = "fixed"
     profile: str | None = Field(None, description="`tandem profile` JSON, needed by table and adaptive")

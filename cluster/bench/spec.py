@@ -68,10 +68,10 @@ def add_spec_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--ks", type=k_list, default=list(range(9)), help="speculation lengths (default 0..8)")
     parser.add_argument("--output-len", type=positive_int, default=128, help="output tokens per request (EOS ignored)")
     parser.add_argument("--num-prompts", type=positive_int, default=16, help="requests per cell (default 16)")
-    parser.add_argument("--quantization", choices=("none", "int8", "int8-dynamic"), default="none",
+    parser.add_argument("--quantization", choices=("none", "int8", "int4", "int8-dynamic"), default="none",
                         help="the target's weights")
-    parser.add_argument("--draft-quantization", choices=("none", "int8", "int8-dynamic"),
-                        help="the draft's weights (default: the target's); int8 + --draft-model TARGET = self-draft")
+    parser.add_argument("--draft-quantization", choices=("none", "int8", "int4", "int8-dynamic"),
+                        help="the draft's weights (default: the target's); int4 or int8 + --draft-model TARGET = self-draft")
     parser.add_argument("--threads", type=positive_int, help="torch.set_num_threads (default: torch's choice)")
     parser.add_argument("--kv-cache-memory", default="1GiB", help="Tandem's KV cache budget")
     parser.add_argument("--kv-cache-dtype", choices=("auto", "int8"), default="auto")

@@ -11,7 +11,7 @@ cores, which `tandem serve` spent loading after the vLLM tier had run). Later pr
 the built library in well under a second.
 
 Where the build cannot happen (no compiler, a CPU without AVX2/FMA, a build error),
-:func:`small_gemm`, :func:`widening_gemm` and :func:`decode_ops` return None with a logged reason
+:func:`small_gemm`, :func:`widening_gemm`, :func:`lowbit_gemm` and :func:`decode_ops` return None with a logged reason
 and callers keep torch's own kernels. ``TANDEM_CPU_KERNELS=0`` turns the kernels off (for A/B runs and as an escape
 hatch).
 """
@@ -83,6 +83,11 @@ def widening_gemm() -> ModuleType | None:
     or None where it cannot run (it needs AVX-512)."""
     module = _load("widening_gemm")
     return module if module is not None and module.available else None
+
+
+def lowbit_gemm() -> ModuleType | None:
+    """The compiled few-row GEMMs on int8 and 4-bit weights (``lowbit_gemm.cpp``), or None where they cannot run."""
+    return _load("lowbit_gemm")
 
 
 def decode_ops() -> ModuleType | None:

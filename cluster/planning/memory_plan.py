@@ -95,11 +95,17 @@ def _dtype_bytes(name: str, device_kind: str) -> tuple[str, int]:
     return ("bfloat16", 2) if onednn_packs(torch.bfloat16) else ("float32", 4)
 
 
+# Bytes a weight of each quantization: int8 (plus a float32 scale a row, negligible); int4 half a
+# byte plus a float16 scale and offset per 64 inputs.
+_QUANTIZED_BYTES = {"int8": 1.0, "int8-dynamic": 1.0, "int4": 0.5 + 4 / 64}
+
+
 def _weight_bytes(shape: ModelShape, dtype_bytes: int, quantization: str, tp: int) -> int:
     """One rank's share: linear layers and the vocabulary are split over ``tp`` ranks."""
-    linear = shape.linear_params * (1 if quantization != "none" else dtype_bytes)
+    per_param = _QUANTIZED_BYTES.get(quantization, dtype_bytes)
+    linear = int(shape.linear_params * per_param)
     if quantization != "none" and shape.tie_word_embeddings:
-        linear += shape.embedding_params  # the quantized LM head is its own int8 copy of the table
+        linear += int(shape.embedding_params * per_param)  # the quantized LM head is its own copy of the table
     rest = shape.embedding_params * dtype_bytes
     norms = (2 * shape.num_layers + 1) * shape.hidden_size * dtype_bytes
     return (linear + rest) // tp + norms

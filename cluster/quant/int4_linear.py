@@ -1,0 +1,84 @@
+"""4-bit linear layers: weight-only, asymmetric, one float16 scale and offset per group of inputs.
+
+Each row of W is cut into groups of ``GROUP_SIZE`` consecutive inputs; a group keeps
+``scale = (max - min) / 15`` and ``offset = min`` (both rounded to float16 first) and codes
+``q = round((W - offset) / scale)`` in [0, 15], so ``W ~= q * scale + offset`` within ``scale / 2``.
+That is 4.5 bits a weight at groups of 64. Groups of 64 differ on purpose from GGUF's Q4_1 (groups
+of 32, the same asymmetric form): the embedded SmolLM2's bfloat16 weights *are* its Q4_1 weights
+widened, so a Q4_1-shaped draft of it would reproduce the target almost exactly, which no real
+bfloat16 target allows; 64-input groups quantize it as they would any other model.
+
+Kernel per call: ``lowbit_gemm.linear_int4`` (:mod:`cluster.kernels`) for up to its ``max_rows``
+rows on the CPU, reading the packed codes once (bandwidth-bound, about a quarter of a bfloat16
+layer's bytes); above that, and on other devices, ``TILES_PER_CHUNK`` tiles of rows at a time are
+widened to the compute dtype and multiplied with ``F.linear``.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from cluster.kernels.build import lowbit_gemm
+from cluster.quant.lowbit_pack import INT4_RUN, TILE_ROWS, pack_int4, unpack_int4
+
+GROUP_SIZE = 64
+TILES_PER_CHUNK = 256  # 1024 output rows widened at a time: never the whole matrix
+
+
+def quantize_int4(weight: torch.Tensor, group_size: int = GROUP_SIZE
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """weight [N, K] -> (q [N, K] uint8 in [0, 15], scale [N, K / G], offset [N, K / G]), scale and
+    offset float32 holding float16 values. A constant group gets scale 1 and codes 0."""
+    out_features, in_features = weight.shape
+    if in_features % group_size:
+        raise ValueError(f"4-bit groups of {group_size} do not divide in_features {in_features}")
+    w = weight.detach().float().view(out_features, in_features // group_size, group_size)
+    low, high = w.amin(dim=-1), w.amax(dim=-1)
+    offset = low.half().float()
+    scale = ((high - offset) / 15).half().float()
+    scale = torch.where(scale > 0, scale, torch.ones_like(scale))
+    q = torch.round((w - offset[..., None]) / scale[..., None]).clamp_(0, 15).to(torch.uint8)
+    return q.view(out_features, in_features), scale, offset
+
+
+class Int4Linear(nn.Module):
+    """``y = x @ W.T + b`` with ``W`` held as 4-bit codes (see the module docstring)."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, group_size: int = GROUP_SIZE) -> None:
+        super().__init__()
+        self.out_features, self.in_features = weight.shape
+        if group_size % INT4_RUN or self.in_features % group_size:
+            raise ValueError(f"int4 needs in_features ({self.in_features}) to be a multiple of its group size "
+                             f"{group_size}, itself a multiple of {INT4_RUN}")
+        self.compute_dtype = weight.dtype
+        codes, params = pack_int4(*quantize_int4(weight, group_size))
+        self.register_buffer("codes", codes)
+        self.register_buffer("params", params)
+        self.bias = None if bias is None else nn.Parameter(bias.detach().clone(), requires_grad=False)
+        self._kernel = lowbit_gemm() if weight.device.type == "cpu" else None
+
+    @property
+    def weight_bytes(self) -> int:
+        return self.codes.numel() + self.params.numel() * 2
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [num_tokens, in] -> [num_tokens, out]
+        if self._kernel is not None and 0 < x.shape[0] <= self._kernel.max_rows and x.dtype in (
+                torch.float32, torch.bfloat16):
+            return self._kernel.linear_int4(x.contiguous(), self.codes, self.params, self.out_features, self.bias)
+        return self.widened(x)
+
+    def widened(self, x: torch.Tensor) -> torch.Tensor:
+        """The product through weights widened to x's dtype, ``TILES_PER_CHUNK`` tiles at a time."""
+        out = x.new_empty(x.shape[0], self.out_features)
+        num_tiles = self.codes.shape[0]
+        for start in range(0, num_tiles, TILES_PER_CHUNK):
+            chunk = slice(start, min(start + TILES_PER_CHUNK, num_tiles))
+            weight = unpack_int4(self.codes, self.params, self.out_features, x.dtype, chunk)
+            rows = slice(start * TILE_ROWS, start * TILE_ROWS + weight.shape[0])
+            out[:, rows] = F.linear(x, weight, None if self.bias is None else self.bias[rows])
+        return out
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, scheme=int4"
