@@ -64,7 +64,10 @@ inline Vec low_nibbles(IVec v) { return _mm256_cvtepi32_ps(_mm256_and_si256(v, _
 inline Vec high_nibbles(IVec v) { return _mm256_cvtepi32_ps(_mm256_srli_epi32(v, 4)); }
 #endif
 
-inline float half_to_float(at::Half h) { return _cvtsh_ss(h.x); }
+// A tile's (scale, offset) pairs of one group, 4 rows of 2 float16, widened to float32 at once.
+inline void group_params(const at::Half* params, float out[2 * kTileRows]) {
+  _mm256_storeu_ps(out, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(params))));
+}
 
 // M rows of x (float32, row stride K) against one int8 tile: raw sums out[r * M + m], unscaled.
 template <int M>
@@ -73,6 +76,7 @@ inline void tile_int8(const float* x, const int8_t* tile, int64_t K, float* out)
   for (int r = 0; r < kTileRows; ++r)
     for (int m = 0; m < M; ++m) acc[r][m] = vzero();
   for (int64_t k = 0; k < K; k += kLine, tile += kTileRows * kLine) {
+    for (int r = 0; r < kTileRows; ++r) prefetch_ahead(tile + r * kLine);
     for (int s = 0; s < kLine; s += kLanes) {
       Vec xv[M];
       for (int m = 0; m < M; ++m) xv[m] = vload(x + m * K + k + s);
@@ -96,7 +100,10 @@ inline void tile_int4_fma(const float* x, const uint8_t* tile, const at::Half* p
     for (int m = 0; m < M; ++m) acc[r][m] = vzero();
   const int64_t group_bytes = G / 2;
   for (int64_t k0 = 0; k0 < K; k0 += G, tile += kTileRows * group_bytes, params += 2 * kTileRows) {
+    float p[2 * kTileRows];
+    group_params(params, p);
     for (int64_t b = 0; b < G; b += kRun) {
+      for (int r = 0; r < kTileRows; ++r) prefetch_ahead(tile + r * group_bytes + b / 2);
       for (int o = 0; o < kRun / 2; o += kLanes) {
         Vec x_lo[M], x_hi[M];
         for (int m = 0; m < M; ++m) {
@@ -104,8 +111,8 @@ inline void tile_int4_fma(const float* x, const uint8_t* tile, const at::Half* p
           x_hi[m] = vload(x + m * K + k0 + b + kRun / 2 + o);
         }
         for (int r = 0; r < kTileRows; ++r) {
-          const Vec scale = vbroadcast(half_to_float(params[2 * r]));
-          const Vec offset = vbroadcast(half_to_float(params[2 * r + 1]));
+          const Vec scale = vbroadcast(p[2 * r]);
+          const Vec offset = vbroadcast(p[2 * r + 1]);
           const IVec bytes = load_nibble_bytes(tile + r * group_bytes + b / 2 + o);
           const Vec w_lo = vfma(low_nibbles(bytes), scale, offset);
           const Vec w_hi = vfma(high_nibbles(bytes), scale, offset);
@@ -135,11 +142,12 @@ inline void tile_int4_dpbf16(const at::BFloat16* x, const float* xsum, const uin
   const __m512i low_mask = _mm512_set1_epi16(0x000F), bf16_128 = _mm512_set1_epi16(0x4300);
   for (int64_t g = 0; g < groups; ++g, tile += kTileRows * group_bytes, params += 2 * kTileRows) {
     const int64_t k0 = g * G;
+    float p[2 * kTileRows];
+    group_params(params, p);
     __m512 scale[kTileRows];
     for (int r = 0; r < kTileRows; ++r) {
-      const float s = half_to_float(params[2 * r]);
-      scale[r] = _mm512_set1_ps(s);
-      const float shift = half_to_float(params[2 * r + 1]) - 128.f * s;
+      scale[r] = _mm512_set1_ps(p[2 * r]);
+      const float shift = p[2 * r + 1] - 128.f * p[2 * r];
       for (int m = 0; m < M; ++m) extra[r][m] += shift * xsum[m * groups + g];
     }
     for (int64_t b = 0; b < G; b += kRun) {  // scale * D of each run: the group's scale is the run's
@@ -149,6 +157,7 @@ inline void tile_int4_dpbf16(const at::BFloat16* x, const float* xsum, const uin
         x_hi[m] = (__m512bh)_mm512_loadu_si512(x + m * K + k0 + b + kRun / 2);
       }
       for (int r = 0; r < kTileRows; ++r) {
+        prefetch_ahead(tile + r * group_bytes + b / 2);
         const __m512i bytes =
             _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(tile + r * group_bytes + b / 2)));
         const __m512bh w_lo = (__m512bh)_mm512_or_si512(_mm512_and_si512(bytes, low_mask), bf16_128);

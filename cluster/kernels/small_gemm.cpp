@@ -39,6 +39,7 @@ inline void tile_fma(const float* x, const W* tile, int64_t K, float* out) {
   for (int r = 0; r < kTileRows; ++r)
     for (int m = 0; m < M; ++m) acc[r][m] = vzero();
   for (int64_t k = 0; k < K; k += C, tile += kTileRows * C) {
+    for (int r = 0; r < kTileRows; ++r) prefetch_ahead(tile + r * C);
     for (int s = 0; s < C; s += kLanes) {
       Vec wv[kTileRows];
       for (int r = 0; r < kTileRows; ++r) wv[r] = vload(tile + r * C + s);
@@ -93,7 +94,10 @@ inline void tile_dpbf16(const at::BFloat16* x, const at::BFloat16* tile, int64_t
   for (int i = 0; i < 16; ++i) acc[i] = _mm512_setzero_ps();
   for (int64_t k = 0; k < K; k += C, tile += kTileRows * C) {
     __m512bh wv[kTileRows];
-    for (int r = 0; r < kTileRows; ++r) wv[r] = (__m512bh)_mm512_loadu_si512(tile + r * C);
+    for (int r = 0; r < kTileRows; ++r) {
+      prefetch_ahead(tile + r * C);
+      wv[r] = (__m512bh)_mm512_loadu_si512(tile + r * C);
+    }
     for (int m = 0; m < M; ++m) {
       __m512bh xv = (__m512bh)_mm512_loadu_si512(x + m * K + k);
       for (int r = 0; r < kTileRows; ++r) acc[r * M + m] = _mm512_dpbf16_ps(acc[r * M + m], wv[r], xv);
