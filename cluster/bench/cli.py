@@ -16,7 +16,7 @@ _BENCHMARKS = (
      spec.add_spec_args, spec.run_spec_bench),
     ("paper", "arXiv 2310.18813 here: TPOT vs k per batch, k policies under traffic",
      paper.add_paper_args, paper.run_paper_bench),
-    ("quant", "int8 kernels, quality and tok/s against float32", quant.add_quant_args, quant.run_quant_bench),
+    ("quant", "int8 and 4-bit kernels, quality and tok/s against full precision", quant.add_quant_args, quant.run_quant_bench),
     ("lora", "what LoRA adapters cost: one and several adapters against the base model, vLLM as a peer",
      lora.add_lora_args, lora.run_lora_bench),
     ("serve", "load-test an OpenAI-compatible server (vllm bench serve metrics)",

@@ -1,18 +1,19 @@
-"""``tandem bench quant``: int8 kernels, quality and decoding speed against full precision.
+"""``tandem bench quant``: int8 and 4-bit kernels, quality and decoding speed against full precision.
 
-Three parts, one process, one model at a time:
+Three parts, one process, one model at a time, the model in ``--dtype`` (float32 by default):
 
 1. **Kernels**: every linear shape of the model (fused QKV, O, fused gate/up, down, LM
    head) at several row counts, timed per call (median of ``--repeats`` after a
    warm-up): float32 ``F.linear``, the oneDNN-packed float32 layer the engine uses, and
-   each int8 kernel (``int8pack`` fed bfloat16, widened weights, fbgemm's dynamic W8A8).
+   each quantized kernel (``int8pack`` fed bfloat16, widened weights, fbgemm's dynamic W8A8,
+   and the compiled ``lowbit_gemm`` on int8 and 4-bit weights, fed ``--dtype`` activations).
    A "decode step" row adds the shapes up as one forward pass uses them.
-2. **Quality** against the float32 model (:mod:`cluster.bench.quant_quality`): top-1
+2. **Quality** against the unquantized model (``full``, :mod:`cluster.bench.quant_quality`): top-1
    agreement on the calibration prompts' greedy continuations, perplexity change on
-   the shipped text, for int8 weights, int8-dynamic, the int8 KV cache, and int8
+   the shipped text, for int8 and 4-bit weights, int8-dynamic, the int8 KV cache, and int8
    weights with the int8 KV cache.
 3. **Engine**: output tok/s closed-loop at each batch size (greedy, EOS ignored), each
-   configuration on the same prompts, with the ratio to float32 and the KV blocks the
+   configuration on the same prompts, with the ratio to ``full`` and the KV blocks the
    same memory budget holds.
 """
 
@@ -34,6 +35,7 @@ from rich.progress import Progress
 from rich.table import Table
 
 from cluster.bench.args import int_list, positive_int
+from cluster.kernels.build import lowbit_gemm
 from cluster.bench.quant_quality import PERPLEXITY_TEXT, compare, reference_of
 from cluster.bench.spec import run_closed_loop
 from cluster.engine.llm import LLM
@@ -41,17 +43,20 @@ from cluster.kernels.packed_linear import PackedLinear, can_pack
 from cluster.models.loader import load_hf_config, resolve_model
 from cluster.profiling.calibration import CALIBRATION_PROMPTS
 from cluster.profiling.edit_prompts import build_prompt_ids
+from cluster.quant.int4_linear import Int4Linear
 from cluster.quant.int8_linear import Int8Linear, fbgemm_available, int8pack_dtype, quantize_weight
 from cluster.shared.sampling_params import SamplingParams
 
 CONFIGS = {  # name -> engine overrides
-    "float32": {},
+    "full": {},
     "int8": {"quantization": "int8"},
+    "int4": {"quantization": "int4"},
     "int8-dynamic": {"quantization": "int8-dynamic"},
     "kv-int8": {"kv_cache_dtype": "int8"},
     "int8+kv-int8": {"quantization": "int8", "kv_cache_dtype": "int8"},
 }
-KERNELS = ("float32", "float32-packed", "int8pack-bf16", "int8-widened", "int8-dynamic-fbgemm")
+KERNELS = ("float32", "float32-packed", "int8pack-bf16", "int8-widened", "int8-dynamic-fbgemm", "int8-lowbit",
+           "int4-lowbit")
 
 
 @dataclass(frozen=True)
@@ -64,6 +69,8 @@ class KernelCell:
 
 def add_quant_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default="smollm2-135m-instruct", help="short name, HF folder or .gguf file")
+    parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
+                        help="the model's dtype (and the lowbit kernels' activations)")
     parser.add_argument("--rows", type=int_list, default=[1, 4, 16, 64], help="kernel row counts (default 1,4,16,64)")
     parser.add_argument("--batch-sizes", type=int_list, default=[1, 4, 16], help="engine concurrency (default 1,4,16)")
     parser.add_argument("--configs", type=lambda t: [c for c in t.split(",") if c], default=list(CONFIGS),
@@ -86,11 +93,13 @@ def model_shapes(hf_config) -> dict[str, tuple[int, int]]:
             "down": (hf_config.intermediate_size, hidden), "lm_head": (hidden, hf_config.vocab_size)}
 
 
-def _kernel_fns(in_features: int, out_features: int):
-    """kernel name -> (rows -> callable), or None where the kernel cannot run."""
+def _kernel_fns(in_features: int, out_features: int, dtype: torch.dtype):
+    """kernel name -> (rows -> callable), or None where the kernel cannot run. The lowbit kernels
+    take x in ``dtype``."""
     weight = torch.randn(out_features, in_features) * 0.02
     q = quantize_weight(weight)
     int8_layer = Int8Linear(weight, None, "int8")
+    int4_layer = Int4Linear(weight, None) if in_features % 64 == 0 else None
     fns = {"float32": lambda x: F.linear(x, weight)}
     fns["float32-packed"] = PackedLinear(torch.nn.Linear(in_features, out_features, bias=False)) \
         if can_pack(torch.device("cpu"), torch.float32) else None
@@ -100,18 +109,24 @@ def _kernel_fns(in_features: int, out_features: int):
                             .float()) if pack_dtype else None
     fns["int8-widened"] = int8_layer.widened  # what Int8Linear runs above its int8pack row limit
     fns["int8-dynamic-fbgemm"] = Int8Linear(weight, None, "int8-dynamic") if fbgemm_available() else None
+    has_lowbit = lowbit_gemm() is not None
+    fns["int8-lowbit"] = (lambda x: int8_layer(x.to(dtype))) if has_lowbit and int8_layer.packed_int8 is not None else None
+    fns["int4-lowbit"] = (lambda x: int4_layer(x.to(dtype))) if has_lowbit and int4_layer is not None else None
     return fns
 
 
-def measure_kernels(hf_config, rows: list[int], repeats: int, progress=None, task=None) -> list[KernelCell]:
+def measure_kernels(hf_config, rows: list[int], repeats: int, dtype: torch.dtype = torch.float32, progress=None,
+                    task=None) -> list[KernelCell]:
     cells = []
     for name, (fan_in, fan_out) in model_shapes(hf_config).items():
-        fns = _kernel_fns(fan_in, fan_out)
+        fns = _kernel_fns(fan_in, fan_out, dtype)
         for n in rows:
             x = torch.randn(n, fan_in)
             for kernel in KERNELS:
                 fn = fns[kernel]
                 micros = None
+                if kernel.endswith("lowbit") and n > 16:  # the layer widens its weights past 16 rows
+                    fn = None
                 if fn is not None:
                     with torch.inference_mode():
                         for _ in range(3):
@@ -144,9 +159,9 @@ def decode_step_totals(cells: list[KernelCell], hf_config) -> list[dict]:
     return [{"rows": r, "kernel": k, "ms": v} for (r, k), v in totals.items()]
 
 
-def measure_quality(model: str, configs: list[str], continuation_len: int) -> dict[str, dict]:
+def measure_quality(model: str, configs: list[str], continuation_len: int, dtype: str = "float32") -> dict[str, dict]:
     def llm(**overrides):
-        return LLM(model, dtype="float32", device="cpu", num_blocks=128, enable_prefix_caching=False, **overrides)
+        return LLM(model, dtype=dtype, device="cpu", num_blocks=128, enable_prefix_caching=False, **overrides)
 
     reference = llm()
     tokenizer = reference.engine.worker.tokenizer
@@ -164,7 +179,7 @@ def measure_quality(model: str, configs: list[str], continuation_len: int) -> di
     ref = reference_of(engine.worker, sequences, [len(p) for p in prompts], text_ids)
     results = {}
     for name in configs:
-        if name == "float32":
+        if name == "full":
             continue
         report = compare(ref, llm(**CONFIGS[name]).engine.worker)
         results[name] = {**asdict(report), "perplexity_change": report.perplexity_change}
@@ -172,11 +187,12 @@ def measure_quality(model: str, configs: list[str], continuation_len: int) -> di
     return results
 
 
-def measure_engine(model: str, configs: list[str], batch_sizes: list[int], output_len: int) -> list[dict]:
+def measure_engine(model: str, configs: list[str], batch_sizes: list[int], output_len: int,
+                   dtype: str = "float32") -> list[dict]:
     rows = []
     prompt_ids = None
     for name in configs:
-        llm = LLM(model, dtype="float32", device="cpu", enable_prefix_caching=False,
+        llm = LLM(model, dtype=dtype, device="cpu", enable_prefix_caching=False,
                   max_num_seqs=max(batch_sizes), kv_cache_memory="512MiB", **CONFIGS[name])
         if prompt_ids is None:
             prompt_ids, _ = build_prompt_ids(llm.engine.worker.tokenizer, max(batch_sizes))
@@ -188,9 +204,9 @@ def measure_engine(model: str, configs: list[str], batch_sizes: list[int], outpu
                          "kv_blocks_512mib": llm.engine.worker.runner.num_blocks})
         del llm
         gc.collect()
-    base = {r["batch_size"]: r["tok_per_s"] for r in rows if r["config"] == "float32"}
+    base = {r["batch_size"]: r["tok_per_s"] for r in rows if r["config"] == "full"}
     for r in rows:
-        r["vs_float32"] = r["tok_per_s"] / base[r["batch_size"]] if r["batch_size"] in base else None
+        r["vs_full"] = r["tok_per_s"] / base[r["batch_size"]] if r["batch_size"] in base else None
     return rows
 
 
@@ -203,27 +219,28 @@ def run_quant_bench(args: argparse.Namespace) -> dict:
     source = resolve_model(args.model)
     hf_config = load_hf_config(source)
     console = Console()
-    result = {"model": args.model, "threads": torch.get_num_threads(), "load_average_start": os.getloadavg()}
+    result = {"model": args.model, "dtype": args.dtype, "threads": torch.get_num_threads(),
+              "load_average_start": os.getloadavg()}
     if "kernels" not in args.skip:
         with Progress(console=console) as progress:
-            task = progress.add_task("int8 kernels", total=len(model_shapes(hf_config)) * len(args.rows))
-            cells = measure_kernels(hf_config, args.rows, args.repeats, progress, task)
+            task = progress.add_task("quantized kernels", total=len(model_shapes(hf_config)) * len(args.rows))
+            cells = measure_kernels(hf_config, args.rows, args.repeats, getattr(torch, args.dtype), progress, task)
         result["kernels"] = [asdict(c) for c in cells]
         result["decode_step_linear_ms"] = decode_step_totals(cells, hf_config)
     if "quality" not in args.skip:
-        console.print("quality: teacher-forced comparison with float32 ...")
-        result["quality"] = measure_quality(args.model, args.configs, args.continuation_len)
+        console.print(f"quality: teacher-forced comparison with {args.dtype} ...")
+        result["quality"] = measure_quality(args.model, args.configs, args.continuation_len, args.dtype)
     if "engine" not in args.skip:
         console.print("engine: closed-loop decoding ...")
-        result["engine"] = measure_engine(args.model, args.configs, args.batch_sizes, args.output_len)
+        result["engine"] = measure_engine(args.model, args.configs, args.batch_sizes, args.output_len, args.dtype)
     result["load_average_end"] = os.getloadavg()
-    _print(console, result, args.rows)
+    _print(console, result, args.rows, args.dtype)
     if args.json:
         args.json.write_text(json.dumps(result, indent=2) + "\n")
     return result
 
 
-def _print(console, result: dict, rows: list[int]) -> None:
+def _print(console, result: dict, rows: list[int], dtype: str) -> None:
     if "decode_step_linear_ms" in result:
         table = Table(title="linear layers of one forward pass (ms; sum of per-shape medians)")
         table.add_column("kernel")
@@ -234,8 +251,8 @@ def _print(console, result: dict, rows: list[int]) -> None:
             table.add_row(kernel, *["-" if cells.get(n) is None else f"{cells[n]:.1f}" for n in rows])
         console.print(table)
     if "quality" in result:
-        table = Table(title="quality against float32 (teacher-forced)")
-        for col in ("config", "top-1 agreement", "perplexity", "float32 perplexity", "change"):
+        table = Table(title=f"quality against the unquantized model in {dtype} (teacher-forced)")
+        for col in ("config", "top-1 agreement", "perplexity", f"{dtype} perplexity", "change"):
             table.add_column(col, justify="right")
         for name, q in result["quality"].items():
             table.add_row(name, f"{q['top1_agreement']:.3f} of {q['num_agreement_tokens']}", f"{q['perplexity']:.3f}",
@@ -243,9 +260,9 @@ def _print(console, result: dict, rows: list[int]) -> None:
         console.print(table)
     if "engine" in result:
         table = Table(title="engine decoding (output tok/s, closed loop)")
-        for col in ("config", "batch", "tok/s", "vs float32", "KV blocks in 512 MiB"):
+        for col in ("config", "batch", "tok/s", "vs full", "KV blocks in 512 MiB"):
             table.add_column(col, justify="right")
         for r in result["engine"]:
-            ratio = "-" if r["vs_float32"] is None else f"{r['vs_float32']:.2f}x"
+            ratio = "-" if r["vs_full"] is None else f"{r['vs_full']:.2f}x"
             table.add_row(r["config"], str(r["batch_size"]), f"{r['tok_per_s']:.1f}", ratio, str(r["kv_blocks_512mib"]))
         console.print(table)

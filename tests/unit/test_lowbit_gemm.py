@@ -43,20 +43,36 @@ def test_int8_tiles_unpack_to_the_weight():
         pack_int8(torch.zeros(4, 96, dtype=torch.int8))
 
 
-def test_int4_quantization_is_within_half_a_step_and_unpacks_to_its_dequantized_weight():
-    weight, (q, scale, offset), codes, params = _int4_case(9, 192, seed=1)
+def _dequantized(q, scale, offset, group_size=64):
+    return (q.view(q.shape[0], -1, group_size).float() * scale[..., None] + offset[..., None]).view(q.shape)
+
+
+def test_int4_range_quantization_is_within_half_a_step_and_unpacks_to_its_dequantized_weight():
+    weight = torch.randn(9, 192, generator=torch.Generator().manual_seed(1)) * 0.1
+    q, scale, offset = quantize_int4(weight, refits=0)  # the groups' ranges alone
     assert q.dtype == torch.uint8 and int(q.max()) <= 15 and scale.shape == (9, 3)
     assert torch.equal(scale, scale.half().float()) and torch.equal(offset, offset.half().float())
-    dequantized = q.view(9, 3, 64).float() * scale[..., None] + offset[..., None]
     # half a step, and the top of a range may round above the float16-rounded scale's reach (clamped)
-    assert ((dequantized.view(9, 192) - weight).abs() <= scale.repeat_interleave(64, 1) * 0.51 + 1e-3).all()
-    assert torch.equal(unpack_int4(codes, params, 9, torch.float32), dequantized.view(9, 192))
+    assert ((_dequantized(q, scale, offset) - weight).abs() <= scale.repeat_interleave(64, 1) * 0.51 + 1e-3).all()
+    codes, params = pack_int4(q, scale, offset)
+    assert torch.equal(unpack_int4(codes, params, 9, torch.float32), _dequantized(q, scale, offset))
     constant = quantize_int4(torch.full((1, 64), 0.25))
     assert int(constant[0].max()) == 0 and float(constant[1]) == 1.0 and float(constant[2]) == 0.25
     with pytest.raises(ValueError, match="do not divide"):
         quantize_int4(torch.zeros(4, 96))
     with pytest.raises(ValueError, match="multiples of 64"):
         pack_int4(*quantize_int4(torch.zeros(4, 96), group_size=32))
+
+
+def test_int4_refits_never_raise_a_groups_squared_error_and_lower_the_total():
+    weight = torch.randn(64, 576, generator=torch.Generator().manual_seed(2)) * 0.05
+    errors = {}
+    for refits in (0, 4):
+        q, scale, offset = quantize_int4(weight, refits=refits)
+        assert torch.equal(scale, scale.half().float()) and torch.equal(offset, offset.half().float())
+        errors[refits] = (_dequantized(q, scale, offset) - weight).square().view(64, 9, 64).sum(-1)
+    assert (errors[4] <= errors[0]).all()
+    assert errors[4].sum() < 0.95 * errors[0].sum()
 
 
 @needs_kernel
@@ -134,9 +150,9 @@ def test_int4_linear_equals_the_dequantized_layer(rows, out_features):
     dequantized = unpack_int4(layer.codes, layer.params, out_features, torch.float64)
     expected = x.double() @ dequantized.T + b.double()
     assert ((layer(x).double() - expected).abs() <= _bound(x, dequantized, torch.float32)).all()
-    # 4 bits hold the layer near the full-precision one: within a step per weight
-    step = layer.params[..., 0].float().transpose(1, 2).reshape(-1, 2)[:out_features].repeat_interleave(64, 1)
-    assert ((layer(x) - F.linear(x, w, b)).abs() <= x.abs() @ (step * 0.51).T + 1e-3).all()
+    # 4 bits hold the layer near the full-precision one (measured 8-10% on these normal weights)
+    error = (layer(x) - F.linear(x, w, b)).square().mean().sqrt()
+    assert 0 < error < 0.15 * F.linear(x, w).square().mean().sqrt()
     padded_rows = -(-out_features // 4) * 4
     assert layer.weight_bytes == padded_rows * 128 // 2 + padded_rows * 2 * 2 * 2  # codes; float16 pairs per group
     with pytest.raises(ValueError, match="multiple of its group size"):
