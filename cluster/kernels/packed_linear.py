@@ -50,6 +50,7 @@ from torch import nn
 
 from cluster.kernels.build import small_gemm, widening_gemm
 from cluster.kernels.float32_gemm import float32_gemm_min_rows
+from cluster.kernels.small_rows import SMALL_GEMM_MAX_ROWS, small_gemm_max_rows
 
 logger = logging.getLogger(__name__)
 
@@ -57,14 +58,14 @@ logger = logging.getLogger(__name__)
 _PACK_ROWS_HINT = 32
 _PACKED_DTYPES = (torch.bfloat16, torch.float32)
 _FLOAT32_MIN_PACKED_ROWS = 2
-# The most rows small_gemm takes. It computes each row the same way whatever the row count, so
-# a batch-1 verification of up to 8 (bfloat16) or 7 (float32) draft tokens gets bit for bit the
-# logits of plain decoding (speculation keeps greedy output identical). What exactness costs
-# there, all linear layers of a step at 8 / 9 rows against oneDNN (2-core AVX-512): bfloat16
-# 6.74 / 6.93 ms against 6.54 / 6.85 (+3% / +1%); float32 13.8 / 14.6 against 11.7 / 11.7 (+18% /
-# +24%, so float32 stops at 8 rows). With 8 rows in bfloat16, k = 8 at batch 1 kept plain
-# decoding's greedy text for 2 of 32 requests.
-SMALL_GEMM_MAX_ROWS = {torch.float32: 8, torch.bfloat16: 9}
+# SMALL_GEMM_MAX_ROWS (cluster.kernels.small_rows): the fewest rows small_gemm takes. It computes
+# each row the same way whatever the row count, so a batch-1 verification of up to 8 (bfloat16)
+# or 7 (float32) draft tokens gets bit for bit the logits of plain decoding (speculation keeps
+# greedy output identical). What exactness cost there, all linear layers of a step at 8 / 9 rows
+# against oneDNN (2-core AVX-512): bfloat16 6.74 / 6.93 ms against 6.54 / 6.85 (+3% / +1%);
+# float32 13.8 / 14.6 against 11.7 / 11.7 (+18% / +24%, so float32 stops at 8 rows). With 8 rows
+# in bfloat16, k = 8 at batch 1 kept plain decoding's greedy text for 2 of 32 requests. bfloat16
+# layers take more where the probe finds small_gemm no slower (small_gemm_max_rows).
 _ANY_ROWS = 1 << 62  # small_max_rows of a batch-invariant layer
 
 
@@ -73,9 +74,11 @@ class PackedLinear(nn.Module):
     more, and ``F.linear`` on the plain weight where neither applies. ``batch_invariant``:
     small_gemm for every row count (ValueError where it cannot take the weight).
     ``float32_from_rows``: a bfloat16 layer computes calls of that many rows or more in
-    float32 arithmetic, through ``widening_gemm`` on its own copy of the weight (None: never)."""
+    float32 arithmetic, through ``widening_gemm`` on its own copy of the weight (None: never).
+    ``small_max_rows``: the most rows small_gemm takes (default ``SMALL_GEMM_MAX_ROWS``)."""
 
-    def __init__(self, linear: nn.Linear, batch_invariant: bool = False, float32_from_rows: int | None = None) -> None:
+    def __init__(self, linear: nn.Linear, batch_invariant: bool = False, float32_from_rows: int | None = None,
+                 small_max_rows: int | None = None) -> None:
         super().__init__()
         self.in_features = linear.in_features
         self.out_features = linear.out_features
@@ -89,8 +92,8 @@ class PackedLinear(nn.Module):
                              f"is a multiple of {64 // weight.element_size()}")
         # batch_invariant: every row count through small_gemm (in calls of its max_rows at most)
         self._rows_per_call = self._kernel.max_rows if self._kernel is not None else 0
-        self.small_max_rows = (0 if self._kernel is None else
-                               _ANY_ROWS if batch_invariant else SMALL_GEMM_MAX_ROWS[weight.dtype])
+        self.small_max_rows = (0 if self._kernel is None else _ANY_ROWS if batch_invariant else
+                               min(small_max_rows or SMALL_GEMM_MAX_ROWS[weight.dtype], self._kernel.max_rows))
         small = self._kernel.pack(weight.contiguous()) if self._kernel is not None else None
         self.register_buffer("small_gemm_weight", small)
         # The kernel adds a float32 bias; converted once here, not on every call.
@@ -186,8 +189,9 @@ def pack_linears(model: nn.Module, device: torch.device, dtype: torch.dtype, bat
 
     Call after the weights are loaded. A head tied to the embedding keeps the embedding
     and gets a packed copy. bfloat16 layers compute in float32 arithmetic from the row count where
-    this CPU does that faster (:func:`float32_compute_rows`), if it has one. Returns the number
-    of layers replaced.
+    this CPU does that faster (:func:`float32_compute_rows`), if it has one, and up to the rows
+    where small_gemm is no slower than that or oneDNN (:func:`small_gemm_max_rows`) they take
+    small_gemm. Returns the number of layers replaced.
     """
     if batch_invariant and (device.type != "cpu" or dtype not in SMALL_GEMM_MAX_ROWS or small_gemm() is None):
         raise ValueError(f"model.batch_invariant runs on the CPU in float32 or bfloat16 with the compiled kernels "
@@ -197,11 +201,13 @@ def pack_linears(model: nn.Module, device: torch.device, dtype: torch.dtype, bat
     if not fast_cpu_linear(device, dtype):
         return 0
     float32_from_rows = float32_compute_rows(device, dtype, batch_invariant)
+    small_rows = (small_gemm_max_rows(dtype) if dtype in SMALL_GEMM_MAX_ROWS and small_gemm() is not None
+                  and can_pack(device, dtype) else None)
     replaced = 0
     for name, module in list(model.named_modules()):
         for child_name, child in list(module.named_children()):
             if type(child) is nn.Linear:
-                setattr(module, child_name, PackedLinear(child, batch_invariant, float32_from_rows))
+                setattr(module, child_name, PackedLinear(child, batch_invariant, float32_from_rows, small_rows))
                 replaced += 1
     logger.info("packed %d linear layers for the CPU", replaced)
     return replaced
