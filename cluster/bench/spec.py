@@ -23,6 +23,9 @@ reports what the mode costs and whether greedy output then equals plain decoding
 ``--temperature T`` samples instead (each request seeded with its prompt's index), and
 ``--verification both`` then measures every cell with coupled verification and with rejection
 sampling (one engine each): acceptance, speed, and how many requests keep k = 0's text.
+``--adaptive PROFILE`` adds a cell per batch size run by the adaptive controller started from
+that ``tandem profile`` (k up to the largest of ``--ks``, fresh at each batch size and round),
+printed as k = ``adaptive``, with its speed-up over k = 0 like any other.
 """
 
 from __future__ import annotations
@@ -41,14 +44,15 @@ from rich.progress import Progress
 
 from cluster.bench.args import int_list, k_list, positive_int, ratio_or_none
 from cluster.bench.offline import DTYPES, concrete_dtype
-from cluster.bench.spec_cells import WARMUP_LEN, RequestTiming, SpecCell, SpecCounts, pool_rounds
+from cluster.bench.spec_cells import ADAPTIVE_K, WARMUP_LEN, RequestTiming, SpecCell, SpecCounts, pool_rounds
 from cluster.bench.spec_report import TANDEM_INVARIANT, TANDEM_REJECTION, build_result, print_tables
 from cluster.bench.spec_vllm import VllmResult, measure_vllm
 from cluster.engine.llm import LLM
 from cluster.models.loader import load_tokenizer, resolve_model
 from cluster.profiling.edit_prompts import build_prompt_ids
 from cluster.shared.sampling_params import SamplingParams
-from cluster.spec_decode.controller import FixedController
+from cluster.spec_decode.controller import AdaptiveController, FixedController
+from cluster.spec_decode.profile_data import SpeculationProfile
 
 DEFAULT_VLLM_SCRIPT = Path(__file__).resolve().parents[3] / "shared" / "anchors" / "vllm_cpu.sh"
 WORKLOAD = ("each prompt asks to rewrite, summarize, proofread or continue a short passage given in full "
@@ -83,6 +87,8 @@ def add_spec_args(parser: argparse.ArgumentParser) -> None:
                         help="0: greedy; above: random sampling, each request seeded with its prompt's index")
     parser.add_argument("--verification", choices=("auto", "rejection", "coupled", "both"), default="auto",
                         help="speculative.verification; both: measure each cell coupled and by rejection sampling")
+    parser.add_argument("--adaptive", type=Path, metavar="PROFILE",
+                        help="also measure the adaptive controller started from this `tandem profile` JSON")
     parser.add_argument("--vllm", action="store_true", help="also measure vLLM's CPU server (n-gram) as a peer")
     parser.add_argument("--vllm-ks", type=k_list, default=[0, 2, 4], help="vLLM's speculation lengths")
     parser.add_argument("--vllm-script", type=Path, default=DEFAULT_VLLM_SCRIPT, help="the vllm_cpu.sh anchor")
@@ -163,15 +169,15 @@ def _measure_tandem(args, source, prompt_ids, progress, task, system: str, varia
               max_num_seqs=max(args.batch_sizes), kv_cache_memory=args.kv_cache_memory, **variant, **settings)
     engine = llm.engine
     cells = []
-    ks = sorted(args.ks)
+    ks = sorted(args.ks) + ([ADAPTIVE_K] if args.adaptive else [])
     for batch_size in args.batch_sizes:
         rounds: dict[int, list[tuple]] = {k: [] for k in ks}  # per k, each round's (timings, seconds, counts, outputs)
         for round_ in range(args.repeats):
             shift = round_ * len(ks) // args.repeats  # each round starts at another k
             for k in ks[shift:] + ks[:shift]:
-                progress.update(task, description=f"{system} batch {batch_size}, k={k}"
+                progress.update(task, description=f"{system} batch {batch_size}, k={_k_name(k)}"
                                 + (f" (round {round_ + 1})" if args.repeats > 1 else ""))
-                engine.controller = FixedController(k)
+                engine.controller = _controller(args, k)
                 run_closed_loop(engine, prompt_ids[:batch_size], min(WARMUP_LEN, args.output_len), batch_size,
                                 temperature=args.temperature)
                 before = SpecCounts.of(engine.stats().spec)
@@ -192,11 +198,24 @@ def _measure_tandem(args, source, prompt_ids, progress, task, system: str, varia
     return cells
 
 
+def _controller(args, k: int):
+    if k != ADAPTIVE_K:
+        return FixedController(k)
+    profile = SpeculationProfile.load(str(args.adaptive))
+    return AdaptiveController.from_profile(profile, min(max(args.ks), profile.max_k))
+
+
+def _k_name(k: int) -> str:
+    return "adaptive" if k == ADAPTIVE_K else str(k)
+
+
 def run_spec_bench(args: argparse.Namespace) -> dict:
     """Measure every cell, print the tables, write ``args.json`` if set; returns the JSON dict."""
     if args.vllm and args.temperature > 0:
         raise ValueError("the vLLM peer is measured greedy: drop --vllm or --temperature")
     variants = engine_variants(args)
+    if args.adaptive:
+        SpeculationProfile.load(str(args.adaptive))  # a missing or broken profile fails before any model loads
     if args.threads:
         torch.set_num_threads(args.threads)
     load_average = os.getloadavg()
@@ -210,7 +229,8 @@ def run_spec_bench(args: argparse.Namespace) -> dict:
     vllm = VllmResult(enabled=False)
     num_vllm = len(args.vllm_ks) * len(args.batch_sizes) if args.vllm else 0
     with Progress(console=console) as progress:
-        task = progress.add_task("loading", total=len(variants) * len(args.ks) * len(args.batch_sizes) * args.repeats
+        cells_per_batch = len(args.ks) + (1 if args.adaptive else 0)
+        task = progress.add_task("loading", total=len(variants) * cells_per_batch * len(args.batch_sizes) * args.repeats
                                  + num_vllm)
         cells = [c for system, variant in variants
                  for c in _measure_tandem(args, source, prompt_ids, progress, task, system, variant)]

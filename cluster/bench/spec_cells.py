@@ -51,6 +51,10 @@ class SpecCounts:
                           tuple(a - b for a, b in zip(self.accepted_per_position, old)))
 
 
+# The k of a cell run by the adaptive controller (``--adaptive``), which picks k itself every step.
+ADAPTIVE_K = -1
+
+
 @dataclass(frozen=True)
 class SpecCell:
     """One (system, batch size, k) run over all prompts."""
@@ -58,7 +62,7 @@ class SpecCell:
     system: str  # "tandem" or "vllm"
     method: str
     batch_size: int
-    k: int
+    k: int  # ADAPTIVE_K for the adaptive controller's cell
     num_requests: int
     output_tokens: int
     seconds: float

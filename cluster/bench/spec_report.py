@@ -12,6 +12,8 @@ import torch
 from rich import box
 from rich.table import Table
 
+from cluster.bench.spec_cells import ADAPTIVE_K
+
 TANDEM_INVARIANT = "tandem-batch-invariant"  # the system name of cells measured with model.batch_invariant
 TANDEM_REJECTION = "tandem-rejection"  # cells verified by rejection sampling (--verification both)
 
@@ -63,7 +65,7 @@ def print_tables(console, result: dict) -> None:
             else:
                 t = ours.get((c["batch_size"], c["k"]))
                 extra = fmt(t["tok_per_s"] / c["tok_per_s"] if t else None, ".2f")
-            row = [str(c["batch_size"]), str(c["k"]), f"{c['tok_per_s']:.1f}", fmt(c["tpot_ms"], ".1f"),
+            row = [str(c["batch_size"]), _k_name(c["k"]), f"{c['tok_per_s']:.1f}", fmt(c["tpot_ms"], ".1f"),
                    f"{c['ttft_ms']:.0f}", fmt(c["acceptance_rate"], ".0%"),
                    fmt(c["mean_acceptance_length"], ".2f"), extra, fmt(c["speedup_vs_k0"], ".2f")]
             if is_tandem:
@@ -79,7 +81,7 @@ def print_tables(console, result: dict) -> None:
             table.add_column(header, justify="right")
         for row in result["batch_invariant_cost"]:
             n = row["num_requests"]
-            table.add_row(str(row["batch_size"]), str(row["k"]), f"{row['usual_tok_per_s']:.1f}",
+            table.add_row(str(row["batch_size"]), _k_name(row["k"]), f"{row['usual_tok_per_s']:.1f}",
                           f"{row['invariant_tok_per_s']:.1f}", f"{row['invariant_over_usual']:.2f}",
                           f"{row['usual_identical_to_k0']}/{n}",
                           f"{row['invariant_identical_to_k0']}/{n}")
@@ -95,17 +97,22 @@ def print_tables(console, result: dict) -> None:
         for row in result["verification_cost"]:
             n = row["num_requests"]
             percent = lambda v: "-" if v is None else f"{v:.0%}"  # noqa: E731
-            table.add_row(str(row["batch_size"]), str(row["k"]), f"{row['coupled_tok_per_s']:.1f}",
+            table.add_row(str(row["batch_size"]), _k_name(row["k"]), f"{row['coupled_tok_per_s']:.1f}",
                           f"{row['rejection_tok_per_s']:.1f}", f"{row['coupled_over_rejection']:.2f}",
                           percent(row["coupled_acceptance_rate"]), percent(row["rejection_acceptance_rate"]),
                           f"{row['coupled_identical_to_k0']}/{n}", f"{row['rejection_identical_to_k0']}/{n}")
         console.print(table)
 
 
+def _k_name(k: int) -> str:
+    return "adaptive" if k == ADAPTIVE_K else str(k)
+
+
 def _with_speedups(cells: list) -> list[dict]:
-    """Cells ordered by (batch size, k), each with its tok/s over k = 0 at the same batch size."""
+    """Cells ordered by (batch size, k), the adaptive controller's last, each with its tok/s over
+    k = 0 at the same batch size."""
     base = {(c.system, c.batch_size): c.tok_per_s for c in cells if c.k == 0}
-    cells = sorted(cells, key=lambda c: (c.batch_size, c.k))
+    cells = sorted(cells, key=lambda c: (c.batch_size, c.k == ADAPTIVE_K, c.k))
     return [asdict(c) | {"speedup_vs_k0": (c.tok_per_s / base[(c.system, c.batch_size)]
                                            if (c.system, c.batch_size) in base else None)} for c in cells]
 
