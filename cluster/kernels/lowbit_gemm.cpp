@@ -177,8 +177,7 @@ constexpr bool kHasDpbf16 = false;
 #endif
 
 // The rows of x in blocks of kRowBlock against every tile; `tile_fn(block, m0, t, sums)` fills sums
-// for rows m0..m0+block-1 and tile t,
-// `scale_of(n)` multiplies each finished sum (1 for int4).
+// for rows m0..m0+block-1 and tile t, `scale_of(n)` multiplies each finished sum (1 for int4).
 template <typename X, typename TileFn, typename ScaleFn>
 void run_tiles(int64_t rows, int64_t N, const float* bias, X* y, TileFn tile_fn,
                ScaleFn scale_of) {
@@ -284,6 +283,7 @@ torch::Tensor linear_int4(torch::Tensor x, torch::Tensor weights, torch::Tensor 
   TORCH_CHECK(N > (weights.size(0) - 1) * kTileRows && N <= weights.size(0) * kTileRows,
               "lowbit_gemm.linear_int4: out_features ", N, " does not match the packed weight");
   const int64_t groups = weights.size(1), G = 2 * weights.size(3), K = x.size(-1);
+  TORCH_CHECK(G % kRun == 0, "lowbit_gemm.linear_int4: groups of ", G, " inputs; the kernel takes multiples of ", kRun);
   TORCH_CHECK(groups * G == K, "lowbit_gemm.linear_int4: x has ", K, " features, the weight ", groups * G);
   Call c = prepare(x, N, bias, G, "lowbit_gemm.linear_int4");
   const uint8_t* w = weights.data_ptr<uint8_t>();

@@ -8,8 +8,8 @@ most ``scale / 2`` per element. Two schemes share the stored form:
   ``x @ (W_int8 * scale).T``. Kernel per call, by device and row count: on the CPU
   ``lowbit_gemm.linear_int8`` (:mod:`cluster.kernels`) for up to its ``max_rows`` rows, on weights
   kept in its tiles only (:mod:`cluster.quant.lowbit_pack`), reading each byte once
-  (SmolLM2-135M's linear layers at one row: 3.9 ms against 6.4-8.4 ms in bfloat16 and 5.2 ms
-  through ``int8pack``, 2-core AVX-512 EPYC); elsewhere ``int8pack``
+  (SmolLM2-135M's linear layers at one row: 2.7 ms against 5.6 ms in bfloat16 through small_gemm
+  and 5.2 ms through ``int8pack``, 2-core AVX-512 EPYC); elsewhere ``int8pack``
   (``torch.ops.aten._weight_int8pack_mm``, the int8-weight matmul torch ships for the CPU and
   other backends, fed 16-bit activations) for up to ``_PACK_MAX_ROWS`` rows; above those, where the
   matmul is compute-bound, ``widened``: ``_WIDEN_CHUNK`` output rows at a time are widened
@@ -38,7 +38,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from cluster.kernels.build import lowbit_gemm
-from cluster.quant.lowbit_pack import INT8_LINE, pack_int8, unpack_int8
+from cluster.quant.lowbit_pack import INT8_LINE, TILE_ROWS, pack_int8, unpack_int8
 
 logger = logging.getLogger(__name__)
 
@@ -48,7 +48,7 @@ SCHEMES = ("int8", "int8-dynamic")
 # at 1 / 4 / 16 rows against 21.8 / 24.1 / 42.9 ms for packed float32; widening 1024 output
 # rows at a time is within 10-30% of float32 from 64 rows on, where int8pack is 1.5-2x slower.
 _PACK_MAX_ROWS = 16
-_WIDEN_CHUNK = 1024
+_WIDEN_CHUNK = 1024  # a multiple of the kernel's tile rows
 
 
 class QuantizedWeight(NamedTuple):
@@ -99,7 +99,12 @@ class Int8Linear(nn.Module):
 
     @property
     def weight_int8(self) -> torch.Tensor:  # [out_features, in_features] int8
-        return self._weight_int8 if self.packed_int8 is None else unpack_int8(self.packed_int8, self.out_features)
+        return self._int8_rows(0, self.out_features)
+
+    def _int8_rows(self, start: int, end: int) -> torch.Tensor:  # [end - start, in_features]; start % 4 == 0
+        if self.packed_int8 is None:
+            return self._weight_int8[start:end]
+        return unpack_int8(self.packed_int8[start // TILE_ROWS:-(-end // TILE_ROWS)], end - start)
 
     @property
     def weight_bytes(self) -> int:
@@ -123,14 +128,13 @@ class Int8Linear(nn.Module):
     def widened(self, x: torch.Tensor) -> torch.Tensor:
         """The product through widened weights (what runs above the int8pack row limit), ``_WIDEN_CHUNK``
         output rows at a time: never the whole matrix at once."""
-        weight_int8 = self.weight_int8
         if self.out_features <= _WIDEN_CHUNK:
-            weight = dequantize_weight(QuantizedWeight(weight_int8, self.weight_scale), x.dtype)
+            weight = dequantize_weight(QuantizedWeight(self.weight_int8, self.weight_scale), x.dtype)
             return F.linear(x, weight, self.bias)
         out = x.new_empty(x.shape[0], self.out_features)
         for start in range(0, self.out_features, _WIDEN_CHUNK):
             end = min(start + _WIDEN_CHUNK, self.out_features)
-            chunk = weight_int8[start:end].to(x.dtype).mul_(self.weight_scale[start:end, None].to(x.dtype))
+            chunk = self._int8_rows(start, end).to(x.dtype).mul_(self.weight_scale[start:end, None].to(x.dtype))
             out[:, start:end] = F.linear(x, chunk, None if self.bias is None else self.bias[start:end])
         return out
 
