@@ -44,7 +44,8 @@ from rich.progress import Progress
 
 from cluster.bench.args import int_list, k_list, positive_int, ratio_or_none
 from cluster.bench.offline import DTYPES, concrete_dtype
-from cluster.bench.spec_cells import ADAPTIVE_K, WARMUP_LEN, RequestTiming, SpecCell, SpecCounts, pool_rounds
+from cluster.bench.spec_cells import (ADAPTIVE_K, WARMUP_LEN, RequestTiming, SpecCell, SpecCounts, k_name,
+                                      pool_rounds)
 from cluster.bench.spec_report import TANDEM_INVARIANT, TANDEM_REJECTION, build_result, print_tables
 from cluster.bench.spec_vllm import VllmResult, measure_vllm
 from cluster.engine.llm import LLM
@@ -175,7 +176,7 @@ def _measure_tandem(args, source, prompt_ids, progress, task, system: str, varia
         for round_ in range(args.repeats):
             shift = round_ * len(ks) // args.repeats  # each round starts at another k
             for k in ks[shift:] + ks[:shift]:
-                progress.update(task, description=f"{system} batch {batch_size}, k={_k_name(k)}"
+                progress.update(task, description=f"{system} batch {batch_size}, k={k_name(k)}"
                                 + (f" (round {round_ + 1})" if args.repeats > 1 else ""))
                 engine.controller = _controller(args, k)
                 run_closed_loop(engine, prompt_ids[:batch_size], min(WARMUP_LEN, args.output_len), batch_size,
@@ -203,10 +204,6 @@ def _controller(args, k: int):
         return FixedController(k)
     profile = SpeculationProfile.load(str(args.adaptive))
     return AdaptiveController.from_profile(profile, min(max(args.ks), profile.max_k))
-
-
-def _k_name(k: int) -> str:
-    return "adaptive" if k == ADAPTIVE_K else str(k)
 
 
 def run_spec_bench(args: argparse.Namespace) -> dict:

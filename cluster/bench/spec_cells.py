@@ -55,6 +55,11 @@ class SpecCounts:
 ADAPTIVE_K = -1
 
 
+def k_name(k: int) -> str:
+    """How a cell's k is printed."""
+    return "adaptive" if k == ADAPTIVE_K else str(k)
+
+
 @dataclass(frozen=True)
 class SpecCell:
     """One (system, batch size, k) run over all prompts."""

@@ -12,7 +12,7 @@ import torch
 from rich import box
 from rich.table import Table
 
-from cluster.bench.spec_cells import ADAPTIVE_K
+from cluster.bench.spec_cells import ADAPTIVE_K, k_name
 
 TANDEM_INVARIANT = "tandem-batch-invariant"  # the system name of cells measured with model.batch_invariant
 TANDEM_REJECTION = "tandem-rejection"  # cells verified by rejection sampling (--verification both)
@@ -65,7 +65,7 @@ def print_tables(console, result: dict) -> None:
             else:
                 t = ours.get((c["batch_size"], c["k"]))
                 extra = fmt(t["tok_per_s"] / c["tok_per_s"] if t else None, ".2f")
-            row = [str(c["batch_size"]), _k_name(c["k"]), f"{c['tok_per_s']:.1f}", fmt(c["tpot_ms"], ".1f"),
+            row = [str(c["batch_size"]), k_name(c["k"]), f"{c['tok_per_s']:.1f}", fmt(c["tpot_ms"], ".1f"),
                    f"{c['ttft_ms']:.0f}", fmt(c["acceptance_rate"], ".0%"),
                    fmt(c["mean_acceptance_length"], ".2f"), extra, fmt(c["speedup_vs_k0"], ".2f")]
             if is_tandem:
@@ -81,7 +81,7 @@ def print_tables(console, result: dict) -> None:
             table.add_column(header, justify="right")
         for row in result["batch_invariant_cost"]:
             n = row["num_requests"]
-            table.add_row(str(row["batch_size"]), _k_name(row["k"]), f"{row['usual_tok_per_s']:.1f}",
+            table.add_row(str(row["batch_size"]), k_name(row["k"]), f"{row['usual_tok_per_s']:.1f}",
                           f"{row['invariant_tok_per_s']:.1f}", f"{row['invariant_over_usual']:.2f}",
                           f"{row['usual_identical_to_k0']}/{n}",
                           f"{row['invariant_identical_to_k0']}/{n}")
@@ -97,15 +97,11 @@ def print_tables(console, result: dict) -> None:
         for row in result["verification_cost"]:
             n = row["num_requests"]
             percent = lambda v: "-" if v is None else f"{v:.0%}"  # noqa: E731
-            table.add_row(str(row["batch_size"]), _k_name(row["k"]), f"{row['coupled_tok_per_s']:.1f}",
+            table.add_row(str(row["batch_size"]), k_name(row["k"]), f"{row['coupled_tok_per_s']:.1f}",
                           f"{row['rejection_tok_per_s']:.1f}", f"{row['coupled_over_rejection']:.2f}",
                           percent(row["coupled_acceptance_rate"]), percent(row["rejection_acceptance_rate"]),
                           f"{row['coupled_identical_to_k0']}/{n}", f"{row['rejection_identical_to_k0']}/{n}")
         console.print(table)
-
-
-def _k_name(k: int) -> str:
-    return "adaptive" if k == ADAPTIVE_K else str(k)
 
 
 def _with_speedups(cells: list) -> list[dict]:
