@@ -29,6 +29,7 @@ import functools
 import logging
 import os
 import time
+from typing import Callable
 
 import torch
 
@@ -79,16 +80,21 @@ def _probe() -> float:
     onednn = [torch.ops.mkldnn._reorder_linear_weight(w, 32) for w in plain]
     widened = [kernel.pack(w) for w in plain]
     x = torch.randn(_PROBE_ROWS, _PROBE_SHAPE[1], generator=generator).to(torch.bfloat16)
-    passes = {
-        "onednn": lambda: [torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], "") for w in onednn],
-        "widening": lambda: [kernel.linear(x, w, _PROBE_SHAPE[0], None) for w in widened],
-    }
-    best = dict.fromkeys(passes, float("inf"))
-    for run in passes.values():  # warms oneDNN's primitive cache
+    onednn_s, widening_s = best_pass_seconds(
+        [lambda: [torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], "") for w in onednn],
+         lambda: [kernel.linear(x, w, _PROBE_SHAPE[0], None) for w in widened]], _PROBE_ROUNDS)
+    return onednn_s / widening_s
+
+
+def best_pass_seconds(passes: list[Callable[[], object]], rounds: int) -> list[float]:
+    """Each pass's best time over ``rounds``, the passes taken in turn so that a burst of load
+    elsewhere hits them all, after one untimed call each (which warms oneDNN's primitive cache)."""
+    best = [float("inf")] * len(passes)
+    for run in passes:
         run()
-    for _ in range(_PROBE_ROUNDS):
-        for name, run in passes.items():
+    for _ in range(rounds):
+        for i, run in enumerate(passes):
             started = time.perf_counter()
             run()
-            best[name] = min(best[name], time.perf_counter() - started)
-    return best["onednn"] / best["widening"]
+            best[i] = min(best[i], time.perf_counter() - started)
+    return best

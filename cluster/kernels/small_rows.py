@@ -18,12 +18,11 @@ from __future__ import annotations
 import functools
 import logging
 import os
-import time
 
 import torch
 
 from cluster.kernels.build import small_gemm, widening_gemm
-from cluster.kernels.float32_gemm import float32_gemm_min_rows
+from cluster.kernels.float32_gemm import best_pass_seconds, float32_gemm_min_rows
 
 logger = logging.getLogger(__name__)
 
@@ -58,8 +57,7 @@ def small_gemm_max_rows(dtype: torch.dtype) -> int:
 
 
 def _probe() -> dict[int, tuple[float, float]]:
-    """rows -> (small_gemm seconds, next kernel's seconds) for a pass over the probe's weights,
-    each the best of several passes taken in turn."""
+    """rows -> (small_gemm seconds, next kernel's seconds) for a pass over the probe's weights."""
     kernel = small_gemm()
     generator = torch.Generator().manual_seed(0)
     plain = [torch.randn(_PROBE_SHAPE, generator=generator).to(torch.bfloat16) for _ in range(_PROBE_WEIGHTS)]
@@ -76,14 +74,7 @@ def _probe() -> dict[int, tuple[float, float]]:
     times = {}
     for rows in CANDIDATE_ROWS:
         x = torch.randn(rows, _PROBE_SHAPE[1], generator=generator).to(torch.bfloat16)
-        passes = [lambda: [kernel.linear(x, w, _PROBE_SHAPE[0], None) for w in small], lambda: run_other(x)]
-        best = [float("inf")] * 2
-        for run in passes:  # warms oneDNN's primitive cache
-            run()
-        for _ in range(_PROBE_ROUNDS):
-            for i, run in enumerate(passes):
-                started = time.perf_counter()
-                run()
-                best[i] = min(best[i], time.perf_counter() - started)
+        best = best_pass_seconds([lambda: [kernel.linear(x, w, _PROBE_SHAPE[0], None) for w in small],
+                                  lambda: run_other(x)], _PROBE_ROUNDS)
         times[rows] = (best[0], best[1])
     return times
