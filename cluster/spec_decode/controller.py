@@ -14,10 +14,11 @@
   to be clearly better and the current one has been held for a while (so ``k`` does not
   flap when the batch size sits at the edge between two best values). ``k = 0`` falls out of
   the model wherever drafting does not pay. At most every ``explore_every`` steps it drafts
-  one token more than the ``k`` it holds (up to ``max_k``): acceptance is only observed at
-  the positions drafted and step times only at the ``k`` run, so without these probes a
-  profile that under-rates the deeper positions (or a recovered acceptance at ``k = 0``)
-  would never be corrected. Probes are paid from a budget: each step earns
+  one token more than the ``k`` it holds (up to ``max_k``), and as often, while drafting, it
+  runs a plain step: acceptance is only observed at the positions drafted and step times
+  only at the ``k`` run, so without these probes a profile that under-rates the deeper
+  positions (or a recovered acceptance at ``k = 0``), or one that under-prices drafting on
+  this device, would never be corrected. Probes are paid from a budget: each step earns
   ``explore_budget`` (up to one step's worth saved) and a probe costs its predicted step
   time over the held k's, minus one, so probes add about ``explore_budget`` at most to
   the mean step time. Where a probe is cheap (small batches) it runs every
@@ -179,7 +180,8 @@ class AdaptiveController:
         self._xty = [0.0] * 5
         self.k: int | None = None
         self._steps_at_k = 0
-        self._steps_since_probe = 0
+        self._steps_since_probe = 0  # since the last up probe (or switch)
+        self._steps_since_plain = 0  # since the last plain probe (or switch)
         self._probe_credit = 0.0  # in steps' worth of time; earned per step, spent by probes
         self.num_switches = 0
         self.num_probes = 0
@@ -200,20 +202,42 @@ class AdaptiveController:
             self.k = best
         elif best != self.k and self._steps_at_k >= self.min_dwell_steps:
             if costs[best] < costs[self.k] * (1 - self.hysteresis):
-                self.k, self._steps_at_k, self._steps_since_probe = best, 0, 0
+                self.k, self._steps_at_k, self._steps_since_probe, self._steps_since_plain = best, 0, 0, 0
                 self.num_switches += 1
         self._steps_at_k += 1
         self._steps_since_probe += 1
+        self._steps_since_plain += 1
         self._probe_credit = min(self._probe_credit + self.explore_budget, 1.0)
+        probe = self._probe(b, costs)
+        return self.k if probe is None else probe
+
+    def _probe(self, b: int, costs: list[float]) -> int | None:
+        """The k of a probe step, if one is due and the credit pays for it: one token more than
+        the k held (the next position's acceptance and a longer step's time), at most every
+        ``explore_every`` steps; and, while drafting, a plain step (k = 0: its time at this
+        batch size), as often. Held at one k, the controller sees only that k's steps, so what
+        drafting adds to a step is the profile's word alone, and a profile measured on another
+        machine or context length can be wrong about it by more than drafting gains. An up probe costs its predicted step time over the held k's,
+        minus one; a plain one the time its single token takes beyond the held k's time per
+        token (nothing where k = 0 is predicted as good, which is when measuring it matters)."""
+        held = self.model.step_time(b, self.k, self.coverage)
+        if held <= 0:
+            return None
         if self.k < self.max_k and self._steps_since_probe >= self.explore_every:
-            held = self.model.step_time(b, self.k, self.coverage)
-            cost = max(self.model.step_time(b, self.k + 1, self.coverage) / held - 1.0, 0.0) if held > 0 else 0.0
+            cost = max(self.model.step_time(b, self.k + 1, self.coverage) / held - 1.0, 0.0)
             if cost <= self._probe_credit:
                 self._probe_credit -= cost
                 self._steps_since_probe = 0
                 self.num_probes += 1
-                return self.k + 1  # a probe: the next position's acceptance and a longer step's time
-        return self.k
+                return self.k + 1
+        if self.k > 0 and self._steps_since_plain >= self.explore_every:
+            cost = max((costs[0] - costs[self.k]) / held, 0.0)
+            if cost <= self._probe_credit:
+                self._probe_credit -= cost
+                self._steps_since_plain = 0
+                self.num_probes += 1
+                return 0
+        return None
 
     def k_table(self, batch_sizes: list[int]) -> dict[int, int]:
         """The best k per batch size under the current estimates (before hysteresis)."""

@@ -177,6 +177,31 @@ def test_probes_one_position_deeper_and_climbs_when_the_profile_under_rated_it()
     _assert_within_hysteresis(adaptive)
 
 
+def test_plain_probes_find_out_a_profile_that_under_priced_drafting():
+    """The profile (TRUE) prices drafting so that k = 2 pays at batch 4; on this device draft
+    passes cost 4x and verified tokens 2x, so k = 0 is best there. Held at k = 2, the controller
+    only learns that from plain (k = 0) probe steps: without them (no probes at all) it stays
+    at 2 for good, since a held k's slower steps read as a uniformly slower device."""
+    device = LatencyModel([0.020, 0.0005, 0.006], [0.012, 0.001])
+    assert TRUE.best_k(4, [0.8] * 8, 8) == 2 and device.best_k(4, [0.8] * 8, 8) == 0
+
+    def run(explore_every: int) -> tuple[AdaptiveController, list[int]]:
+        adaptive = AdaptiveController(TRUE, [0.8] * 8, max_k=8, explore_every=explore_every, explore_budget=0.01)
+        rng, ks = random.Random(3), []
+        for _ in range(2000):
+            k = adaptive.choose_k(_state(4))
+            ks.append(k)
+            drafts = [(k, k, next((j for j in range(k) if rng.random() >= 0.8), k)) for _ in range(4)] if k else []
+            adaptive.observe(StepObservation(4, k, device.step_time(4, k), drafts))
+        return adaptive, ks
+
+    probing, ks = run(32)
+    assert ks[0] == 2 and 0 in ks[:80]  # a plain probe while it held 2
+    assert probing.k == 0 and probing.k_table([4]) == {4: 0}
+    held, ks = run(10**9)
+    assert held.k == 2 and set(ks) == {2}
+
+
 def _assert_within_hysteresis(adaptive: AdaptiveController, b: int = 1) -> None:
     """The k in force costs at most what hysteresis tolerates over the best k under the
     controller's own estimates (it switches only for a gain of more than ``hysteresis``)."""
