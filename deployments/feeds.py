@@ -19,7 +19,7 @@ import uuid
 
 from ray.serve.handle import DeploymentHandle
 
-from cluster.engine.protocol import FeedRequest
+from cluster.hosting.protocol import FeedRequest
 
 logger = logging.getLogger("ray.serve")
 

@@ -53,7 +53,7 @@ from cluster.api.tool_calls import ToolCallParser
 from cluster.api.tool_formats import choose_tool_format, render_chat
 from cluster.api.tool_request import NO_TOOLS, ToolPlan, plan_tools
 from cluster.config import config_from_dict, group_engine_config
-from cluster.engine.backend import error_param
+from cluster.hosting.backend import error_param
 from cluster.errors import require_unicode
 from cluster.kv.prefix_cache import engine_hash_seed
 from cluster.models.loader import load_hf_config, load_tokenizer_if_present, resolve_model

@@ -22,9 +22,9 @@ from ray import serve
 
 from cluster.backends.factory import build_backend
 from cluster.config import TandemConfig, config_from_dict, group_engine_config, with_overrides
-from cluster.engine.backend import BackendContext, EngineUnhealthyError
-from cluster.engine.feed_outbox import FeedOutbox
-from cluster.engine.protocol import FeedRequest, GenerateDelta, GenerateRequest
+from cluster.hosting.backend import BackendContext, EngineUnhealthyError
+from cluster.hosting.feed_outbox import FeedOutbox
+from cluster.hosting.protocol import FeedRequest, GenerateDelta, GenerateRequest
 from cluster.routing.stats import ReplicaStats
 from deployments.metrics import RaySink
 from deployments.tp_ranks import RayLauncher

@@ -16,7 +16,7 @@ from fastapi.responses import JSONResponse
 from cluster.api.errors import UnsupportedFieldError
 from cluster.api.response_store import input_items, items_page
 from cluster.api.responses_protocol import ResponsesRequest
-from cluster.engine.backend import error_param
+from cluster.hosting.backend import error_param
 from deployments.http_app import answer, app
 from deployments.http_app import error_response as _error
 from deployments.responses_stream import respond_response

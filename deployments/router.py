@@ -17,7 +17,7 @@ from typing import List, Optional
 
 from ray.serve.request_router import FIFOMixin, PendingRequest, RequestRouter, RunningReplica
 
-from cluster.engine.protocol import FeedRequest, GenerateRequest
+from cluster.hosting.protocol import FeedRequest, GenerateRequest
 from cluster.routing.policy import power_of_two_choices, rank_replicas
 from cluster.routing.stats import Candidate, ReplicaStats
 

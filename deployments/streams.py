@@ -27,7 +27,7 @@ from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
 
 from cluster.api import openai_responses as responses
 from cluster.api.tool_calls import ToolCallParser
-from cluster.engine.protocol import GenerateDelta, GenerateRequest
+from cluster.hosting.protocol import GenerateDelta, GenerateRequest
 from cluster.routing.group_router import GroupRouter
 from cluster.routing.stats import ReplicaStats
 from deployments.feeds import DeltaFeeds

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from cluster.engine.protocol import GenerateRequest
+from cluster.hosting.protocol import GenerateRequest
 from cluster.errors import ParamError
 from cluster.routing.prefix_hashes import leading_block_hashes
 from cluster.routing.stats import RoutingRequest

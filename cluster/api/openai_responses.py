@@ -25,7 +25,7 @@ from dataclasses import dataclass, field, replace
 
 from cluster.api.tool_calls import Parsed, ToolCall
 from cluster.shared.outputs import Logprob, TokenLogprobs
-from cluster.engine.protocol import GenerateDelta
+from cluster.hosting.protocol import GenerateDelta
 
 
 @dataclass(frozen=True)

@@ -1,14 +1,14 @@
-"""The engine a replica group names: Tandem's (in its own process, or in the replica's for
-tensor-parallel groups and ``engine.core_process: false``) or vLLM's."""
+"""The engine a replica group names: Tandem's (its engine core in a process of its own, or in a
+thread of the replica's for tensor-parallel groups and ``engine.core_process: false``) or vLLM's."""
 
 from __future__ import annotations
 
 from cluster.backends.vllm import VllmBackend
 from cluster.config import TandemConfig
 from cluster.config_serve import ReplicaGroupConfig
-from cluster.engine.backend import BackendContext, EngineBackend
-from cluster.engine.native_backend import NativeBackend
-from cluster.engine.process_backend import ProcessBackend
+from cluster.hosting.backend import BackendContext, EngineBackend
+from cluster.hosting.inproc_client import InprocClient
+from cluster.hosting.process_client import ProcessClient
 
 
 def build_backend(config: TandemConfig, group: ReplicaGroupConfig, context: BackendContext) -> EngineBackend:
@@ -16,9 +16,9 @@ def build_backend(config: TandemConfig, group: ReplicaGroupConfig, context: Back
     (``group_engine_config``); vLLM is imported only when a group asks for it."""
     backend = config.engine.backend
     if backend == "native" and config.engine.core_process and group.tensor_parallel_size == 1:
-        return ProcessBackend(config, group, context)
+        return ProcessClient(config, group, context)
     if backend == "native":
-        return NativeBackend(config, group, context)
+        return InprocClient.for_group(config, group, context)
     if backend == "vllm":
         return VllmBackend(config, group, context)
     raise ValueError(f"unknown engine backend {backend!r}; choose native or vllm")

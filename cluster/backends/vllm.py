@@ -35,8 +35,8 @@ from cluster.backends.vllm_lora import VllmAdapters
 from cluster.backends.vllm_stats import VllmStatsRecorder
 from cluster.config import TandemConfig
 from cluster.config_serve import ReplicaGroupConfig
-from cluster.engine.backend import BackendContext, EngineUnhealthyError, SpecState, error_param
-from cluster.engine.protocol import ErrorInfo, GenerateDelta, GenerateRequest
+from cluster.hosting.backend import BackendContext, EngineUnhealthyError, SpecState, error_param
+from cluster.hosting.protocol import ErrorInfo, GenerateDelta, GenerateRequest
 from cluster.models.loader import load_hf_config, resolve_model
 from cluster.routing.policy import peak_tokens_per_second
 from cluster.routing.stats import EngineLoad

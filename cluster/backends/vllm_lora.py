@@ -18,8 +18,8 @@ import time
 from collections import OrderedDict
 
 from cluster.config import TandemConfig
-from cluster.engine.backend import input_error
-from cluster.engine.protocol import ErrorInfo
+from cluster.hosting.backend import input_error
+from cluster.hosting.protocol import ErrorInfo
 from cluster.shared.lora_dir import adapter_folder, no_adapter
 
 

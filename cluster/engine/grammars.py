@@ -29,7 +29,8 @@ import torch
 
 from cluster.shared.request import Request, RequestStatus
 from cluster.engine.scheduler import Scheduler
-from cluster.shared.scheduled import DraftProposal, ScheduledRequest
+from cluster.shared.draft_proposal import DraftProposal
+from cluster.shared.scheduled import ScheduledRequest
 from cluster.structured.matcher import GrammarMatcher, bitmask_words
 from cluster.structured.vocabulary import grammar_tokenizer
 

@@ -26,11 +26,14 @@ from __future__ import annotations
 import math
 import time
 from collections import deque
+from typing import Callable
 
 from cluster.config import SchedulerConfig
 from cluster.shared.request import Request, RequestStatus
+from cluster.shared.sampled import SampledTokens
 from cluster.shared.scheduled import ScheduledRequest, SchedulerOutput
 from cluster.kv.block_manager import NO_PREFIX, BlockManager
+from cluster.spec_decode.drafting import may_draft
 
 
 class Scheduler:
@@ -40,10 +43,13 @@ class Scheduler:
         block_manager: BlockManager,
         max_model_len: int,
         max_waiting_steps: int = 20,
+        may_draft: Callable[[Request], bool] = may_draft,
     ) -> None:
+        """``may_draft``: which decoding requests may verify drafts (the speculation policy's rule)."""
         self.config = config
         self.block_manager = block_manager
         self.max_model_len = max_model_len
+        self.may_draft = may_draft
         self.max_waiting_steps = max_waiting_steps
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
@@ -186,17 +192,12 @@ class Scheduler:
         return budget if self.config.enable_chunked_prefill else 0
 
     def num_draft_tokens(self, request: Request, k: int) -> int:
-        """How many of ``k`` draft tokens this request can verify in its next step.
-
-        Drafts never push the output past ``max_tokens`` or the context past
-        ``max_model_len``. Requests with penalties, logprobs or a pending ``min_tokens``
-        decode without drafts: their sampling state changes token by token; so do those with a
-        ``logit_bias``, ``allowed_token_ids`` or ``bad_words``, which the proposers do not apply.
-        """
-        params = request.sampling_params
-        if (params.needs_penalties or params.logprobs is not None or params.logit_bias or params.bad_words
-                or params.allowed_token_ids is not None or request.num_output_tokens < params.min_tokens):
+        """How many of ``k`` draft tokens this request can verify in its next step: none where
+        ``may_draft`` says so, and never so many that the output passes ``max_tokens`` or the
+        context ``max_model_len``."""
+        if not self.may_draft(request):
             return 0
+        params = request.sampling_params
         room = min(params.max_tokens - request.num_output_tokens - 1, self.max_model_len - request.num_tokens)
         return max(0, min(k, room))
 
@@ -220,15 +221,13 @@ class Scheduler:
         return given
 
     # ---- after the model ran ----------------------------------------------------
-    def update(
-        self, out: SchedulerOutput, new_token_ids: dict[str, list[int]]
-    ) -> list[Request]:
+    def update(self, out: SchedulerOutput, sampled: dict[str, SampledTokens]) -> list[Request]:
         """Advance computed counts, append sampled tokens, finish what should stop.
 
-        ``new_token_ids`` holds, per request that sampled, its accepted draft tokens and
-        then one sampled token; the K/V of the accepted drafts is verified, so they
-        count as computed. Returns the requests that finished in this step (their
-        blocks are already free).
+        ``sampled`` holds, per request that sampled, its accepted draft tokens and then one
+        sampled token, and how many drafts were accepted; the K/V of the accepted drafts is
+        verified, so they count as computed. Returns the requests that finished in this step
+        (their blocks are already free).
         """
         finished: list[Request] = []
         now = time.monotonic()
@@ -236,8 +235,9 @@ class Scheduler:
             request = sched.request
             if request.is_finished:  # aborted while the step ran
                 continue
-            tokens = new_token_ids.get(request.request_id)
-            num_accepted = len(tokens) - 1 if tokens else 0
+            step = sampled.get(request.request_id)
+            tokens = step.token_ids if step is not None else None
+            num_accepted = step.num_accepted if step is not None else 0
             request.num_computed_tokens = sched.num_computed_tokens + sched.num_new_tokens + num_accepted
             request.draft_num_computed_tokens = min(request.draft_num_computed_tokens, request.num_computed_tokens)
             self.num_computed_tokens_total += sched.num_new_tokens + sched.num_draft_tokens

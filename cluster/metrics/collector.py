@@ -1,6 +1,6 @@
 """Turns one engine's statistics into the samples of ``catalog.METRICS``.
 
-The collector is fed by the engine loop (``AsyncEngine``): ``on_step`` with each
+The collector is fed by the engine loop (``hosting/core.py``): ``on_step`` with each
 step's outputs, ``on_abort`` when a running request is aborted, and ``poll`` for the
 gauges and the engine's cumulative counters (sent as increments since the last poll).
 It writes to a ``MetricsSink``; ``MemorySink`` keeps the samples for tests, and

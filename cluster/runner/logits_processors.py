@@ -12,85 +12,9 @@ Contract shared by every function here:
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from dataclasses import dataclass
-from typing import TYPE_CHECKING
-
-import numpy as np
 import torch
 
-from cluster.shared.sampling_params import SamplingParams
-
-if TYPE_CHECKING:
-    from cluster.runner.sampler import SamplingMetadata
-
-
-def padded_token_ids(
-    token_ids: Sequence[Sequence[int]], pad_id: int, device: torch.device
-) -> torch.Tensor:
-    """Rows of token ids as one ``[num_rows, max_len]`` int64 tensor padded with ``pad_id``.
-
-    Ids >= ``pad_id`` are clamped to ``pad_id``: with ``pad_id == vocab_size`` they land in the
-    extra bin that callers drop (a token the head cannot produce needs no penalty, as in HF).
-    The width is at least 1 so that scatters always have a well-formed index.
-    """
-    max_len = max((len(ids) for ids in token_ids), default=0)
-    out = np.full((len(token_ids), max(max_len, 1)), pad_id, dtype=np.int64)
-    for row, ids in enumerate(token_ids):
-        out[row, : len(ids)] = ids
-    return torch.from_numpy(out).to(device).clamp_(max=pad_id)
-
-
-@dataclass(frozen=True)
-class PenaltyState:
-    """Per-row penalty settings and token statistics for one step.
-
-    A row without penalties has presence 0, frequency 0 and repetition 1 and passes through
-    ``apply_penalties`` bit-for-bit unchanged.
-    """
-
-    presence: torch.Tensor  # [num_reqs] float32
-    frequency: torch.Tensor  # [num_reqs] float32
-    repetition: torch.Tensor  # [num_reqs] float32
-    output_counts: torch.Tensor  # [num_reqs, vocab_size] int32: occurrences among output tokens
-    prompt_mask: torch.Tensor  # [num_reqs, vocab_size] bool: token occurs in the prompt
-
-    @classmethod
-    def build(
-        cls,
-        params: Sequence[SamplingParams],
-        prompt_token_ids: Sequence[Sequence[int]],
-        output_token_ids: Sequence[Sequence[int]],
-        vocab_size: int,
-        device: torch.device,
-    ) -> PenaltyState:
-        """Count tokens with one scatter over padded id matrices (pad id = ``vocab_size``).
-
-        Only rows that use a penalty contribute ids: the prompt only matters for the
-        repetition penalty and the output only when some penalty is on.
-        """
-        prompts = [ids if p.repetition_penalty != 1.0 else () for p, ids in zip(params, prompt_token_ids)]
-        outputs = [ids if p.needs_penalties else () for p, ids in zip(params, output_token_ids)]
-        num_reqs = len(params)
-
-        output_ids = padded_token_ids(outputs, vocab_size, device)  # [num_reqs, max_output_len]
-        output_counts = torch.zeros(num_reqs, vocab_size + 1, dtype=torch.int32, device=device)
-        output_counts.scatter_add_(1, output_ids, torch.ones_like(output_ids, dtype=torch.int32))
-
-        prompt_ids = padded_token_ids(prompts, vocab_size, device)  # [num_reqs, max_prompt_len]
-        prompt_mask = torch.zeros(num_reqs, vocab_size + 1, dtype=torch.bool, device=device)
-        prompt_mask.scatter_(1, prompt_ids, True)
-
-        def per_row(values: list[float]) -> torch.Tensor:
-            return torch.tensor(values, dtype=torch.float32, device=device)
-
-        return cls(
-            presence=per_row([p.presence_penalty for p in params]),
-            frequency=per_row([p.frequency_penalty for p in params]),
-            repetition=per_row([p.repetition_penalty for p in params]),
-            output_counts=output_counts[:, :vocab_size],
-            prompt_mask=prompt_mask[:, :vocab_size],
-        )
+from cluster.runner.sampling_metadata import SamplingMetadata
 
 
 def apply_penalties(

@@ -21,36 +21,20 @@ from cluster.runner.input_batch import SHORT_QUERY_MAX, SeqChunk, prepare_inputs
 from cluster.runner.random_stream import SeedKey
 from cluster.runner.sampler import Sampler, SamplingMetadata, compute_probs, gather_logprobs, greedy_token_ids
 from cluster.runner.rejection import greedy_verify, rejection_sample_packed
-from cluster.shared.scheduled import DraftProposal, ScheduledRequest
+from cluster.shared.draft_proposal import DraftProposal
+from cluster.shared.sampled import PositionLogprobs, PromptLogprobs, SampledTokens
+from cluster.shared.scheduled import ScheduledRequest
 
 
-# per position: (token ids, logprobs, rank of the first token), the position's token first then the top-n
-PositionLogprobs = tuple[list[int], list[float], int]
 # Prompt rows whose logprobs are taken in one pass (bounds the [rows, vocab] float32 copies).
 _PROMPT_LOGPROBS_ROWS = 512
-
-
-class PromptLogprobs(NamedTuple):
-    """Logprobs of a run of a request's prompt tokens, computed by one step."""
-
-    first_position: int  # the prompt position of the first entry's token (>= 1)
-    entries: list[PositionLogprobs]
 
 
 class StepResult(NamedTuple):
     """What one step's forward pass produced."""
 
-    sampled: dict[str, "SampledTokens"]  # per request that reached the end of its tokens
+    sampled: dict[str, SampledTokens]  # per request that reached the end of its tokens
     prompt_logprobs: dict[str, PromptLogprobs]  # per request that asked for them and ran prompt tokens
-
-
-class SampledTokens(NamedTuple):
-    """A request's new tokens from one step: accepted drafts, then one sampled token."""
-
-    token_ids: list[int]
-    # per token: (token ids, logprobs, rank of the sampled token), sampled first then the top-n
-    logprobs: list[PositionLogprobs] | None
-    num_accepted: int  # draft tokens accepted (0 without speculation)
 
 
 @dataclass(frozen=True)

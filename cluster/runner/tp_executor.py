@@ -13,7 +13,7 @@ Failure: before each step the driver checks that every worker rank is alive and
 raises :class:`TensorParallelError` if one is gone; a rank that dies *during* a step
 makes the step's collective fail (gloo sees the closed connection) or time out after
 ``parallel.collective_timeout_s``. Either way the step raises instead of hanging, and
-``AsyncEngine`` fails the in-flight requests with ``EngineDeadError``.
+the engine core fails the in-flight requests with a 500 and reports itself failed.
 """
 
 from __future__ import annotations

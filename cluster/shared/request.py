@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import enum
 import time
+from typing import TYPE_CHECKING
 
 from cluster.shared.sampling_params import SamplingParams
-from cluster.structured.matcher import GrammarMatcher
+
+if TYPE_CHECKING:  # the matcher fills token bitmasks (torch); the scheduler and KV manager only hold it
+    from cluster.structured.matcher import GrammarMatcher
 
 
 def cache_extra_keys(cache_salt: str | None, lora_name: str | None) -> tuple:

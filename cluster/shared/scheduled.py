@@ -1,11 +1,9 @@
-"""One step's plan as the scheduler hands it to the runner and the proposers."""
+"""One step's plan as the scheduler hands it to the runner and the proposers (no torch: the
+scheduler decides, the runner computes)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import NamedTuple
-
-import torch
 
 from cluster.shared.request import Request
 
@@ -35,8 +33,3 @@ class SchedulerOutput:
     @property
     def is_empty(self) -> bool:
         return not self.scheduled
-
-
-class DraftProposal(NamedTuple):
-    token_ids: dict[str, list[int]]  # request id -> draft tokens
-    probs: dict[str, torch.Tensor] | None  # request id -> [num_drafts, vocab_size] float32

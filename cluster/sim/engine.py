@@ -105,7 +105,7 @@ class Simulation:
         prior, acceptance, coverage, table = self._priors[group.config.name]
         controller = build_controller(self.controller_name, prior, acceptance, self.config.scheduling.max_k,
                                       group.config.max_num_seqs, table, coverage=coverage)
-        # The group's profile whatever the controller, as AsyncEngine builds it.
+        # The group's profile whatever the controller, as the engine core builds it.
         tracker = StepTimeTracker(prior, coverage)
         index = len(self.replicas)
         replica = SimReplica(f"{group.config.name}-{index}", group.config.name, group.config.device, group.model,

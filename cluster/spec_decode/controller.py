@@ -71,6 +71,10 @@ class SpeculationController(Protocol):
         """The k in force per batch size, without changing the controller's state."""
         ...
 
+    def estimates(self, batch_sizes: list[int]) -> dict | None:
+        """What a learning controller believes now, for the debug views (None: it learns nothing)."""
+        ...
+
 
 @dataclass
 class FixedController:
@@ -84,6 +88,9 @@ class FixedController:
 
     def k_table(self, batch_sizes: list[int]) -> dict[int, int]:
         return {b: self.k for b in batch_sizes}
+
+    def estimates(self, batch_sizes: list[int]) -> None:
+        return None
 
 
 class TableController:
@@ -105,6 +112,9 @@ class TableController:
 
     def k_table(self, batch_sizes: list[int]) -> dict[int, int]:
         return {b: self.choose_k(BatchState(b, 0)) for b in batch_sizes}
+
+    def estimates(self, batch_sizes: list[int]) -> None:
+        return None
 
 
 class AdaptiveController:

@@ -18,7 +18,7 @@ from cluster.runner.input_batch import SeqChunk
 from cluster.runner.model_runner import ModelRunner
 from cluster.runner.random_stream import Lane
 from cluster.runner.sampler import compute_probs, sample_from_probs
-from cluster.shared.scheduled import DraftProposal
+from cluster.shared.draft_proposal import DraftProposal
 
 
 def check_vocab_compatible(target_tokenizer, draft_tokenizer, target_vocab: int, draft_vocab: int) -> None:

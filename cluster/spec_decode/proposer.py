@@ -12,7 +12,8 @@ from __future__ import annotations
 from typing import Protocol
 
 
-from cluster.shared.scheduled import DraftProposal, ScheduledRequest
+from cluster.shared.draft_proposal import DraftProposal
+from cluster.shared.scheduled import ScheduledRequest
 from cluster.spec_decode.ngram import NgramProposer
 
 

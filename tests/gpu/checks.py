@@ -13,7 +13,7 @@ outputs part) and the caller turns an exception into ``error``. References no on
 - **sync**: no model forward (or CUDA-graph replay) synchronises with the host (CUDA only);
 - **lora**: requests of two adapters and of the base model in one batch give PEFT's greedy tokens
   (PEFT made the adapters and runs the reference on the same device);
-- **core**: the engine in its engine-core process (``ProcessBackend``, what ``tandem serve`` runs),
+- **core**: the engine in its engine-core process (``ProcessClient``, what ``tandem serve`` runs),
   started from a fresh interpreter on the device, streams the in-process engine's greedy tokens,
   frees a closed stream's blocks, and a core killed mid-stream fails its requests with a 503.
 """
@@ -264,21 +264,21 @@ def _device_files(pid: int) -> list[str]:
 
 def engine_core_process(name: str, model: str, device: str, prompts: list[list[int]], max_tokens: int, spec: dict,
                         **overrides) -> CheckResult:
-    """The served path's engine on ``device``: ``ProcessBackend`` starts the engine-core process (a
+    """The served path's engine on ``device``: ``ProcessClient`` starts the engine-core process (a
     fresh interpreter, as ``tandem serve``'s replica does) with ``spec`` speculation; its streamed
     greedy tokens equal the in-process engine's without speculation, a stream closed after two
     tokens leaves every block free in the core, and SIGKILL on the core ends a stream in flight
     with a 503 and fails the health check. On CUDA the core must hold the GPU's device files open."""
-    from cluster.engine.backend import BackendContext, EngineUnhealthyError
-    from cluster.engine.process_backend import ProcessBackend
-    from cluster.engine.protocol import GenerateRequest
+    from cluster.hosting.backend import BackendContext, EngineUnhealthyError
+    from cluster.hosting.process_client import ProcessClient
+    from cluster.hosting.protocol import GenerateRequest
     from cluster.metrics.collector import MemorySink
 
     expected, engine = tandem_greedy(model, device, prompts, max_tokens, **overrides)
     release(engine)
     config = with_overrides(TandemConfig(), model=model, device=device, dtype="float32", **spec, **overrides)
     sink = MemorySink()
-    backend = ProcessBackend(config, config.serve.groups[0], BackendContext(metrics_sink=sink))
+    backend = ProcessClient(config, config.serve.groups[0], BackendContext(metrics_sink=sink))
     greedy = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
 
     async def stream(request_id: str, prompt: list[int], params: SamplingParams, kill_after: int = 0) -> list:

@@ -9,7 +9,7 @@ among them for the sampled profiles)::
 For each batch size, greedy, EOS ignored, ``--output-len`` tokens a request, after one untimed
 warm-up run of each: (1) the engine in process (``Engine.step`` in a loop, as ``tandem bench
 offline`` runs it), each step's wall time beside ``Engine.step``'s and the forward pass's; (2) the
-same engine in its engine-core process (``ProcessBackend``, what ``tandem serve``'s replica runs),
+same engine in its engine-core process (``ProcessClient``, what ``tandem serve``'s replica runs),
 every token streamed back, with the core's own step timeline (``step_timeline.py``: idle, taking
 messages, stepping, of that the forward pass, sending) over the timed run. With ``py-spy`` on the
 path, both processes are sampled during the timed core run, and each one's busiest functions (own

@@ -23,21 +23,21 @@ from cluster.shared.sampling_params import SamplingParams
 
 
 class CoreRunner:
-    """Tandem's engine in its engine-core process (``ProcessBackend``), every prompt streamed at once."""
+    """Tandem's engine in its engine-core process (``ProcessClient``), every prompt streamed at once."""
 
     def __init__(self, model: str, dtype: str, max_num_seqs: int, kv_cache_memory: str, device: str) -> None:
-        from cluster.engine.backend import BackendContext
-        from cluster.engine.process_backend import ProcessBackend
+        from cluster.hosting.backend import BackendContext
+        from cluster.hosting.process_client import ProcessClient
         from cluster.metrics.collector import MemorySink
 
         config = with_overrides(TandemConfig(), model=model, dtype=dtype, device=device, max_num_seqs=max_num_seqs,
                                 kv_cache_memory=kv_cache_memory)
-        self.backend = ProcessBackend(config, config.serve.groups[0], BackendContext(metrics_sink=MemorySink()))
+        self.backend = ProcessClient(config, config.serve.groups[0], BackendContext(metrics_sink=MemorySink()))
         self.ids = itertools.count()
 
     def generate(self, prompt_ids: list[list[int]], output_len: int) -> int:
         """Greedy, EOS ignored; returns the number of output tokens streamed back."""
-        from cluster.engine.protocol import GenerateRequest
+        from cluster.hosting.protocol import GenerateRequest
 
         params = SamplingParams(max_tokens=output_len, temperature=0, ignore_eos=True)
 

@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 
 from cluster.cli import main
-from cluster.engine.async_engine import AsyncEngine
-from cluster.engine.engine_view import EngineView
+from cluster.hosting.core import EngineCore
+from cluster.hosting.engine_view import EngineView
 from cluster.routing.step_times import StepTimeTracker
 from cluster.shared.sampling_params import SamplingParams
 from cluster.spec_decode.controller import (
@@ -373,7 +373,7 @@ def test_profile_command_writes_a_profile_the_controllers_load(tiny_llama_dir, t
             assert engine.controller.explore_budget == 0.05  # speculative.explore_budget reaches it
         # Whatever the controller, the curve the replica publishes for the router is the
         # profile's, with its coverage (times a speed factor of 1 before any decoding step is timed).
-        curve = AsyncEngine(engine).step_times.curve(2, 4)
+        curve = EngineCore(engine).step_times.curve(2, 4)
         assert curve == tuple((b, profile.latency_model.step_time(b, 2, profile.coverage)) for b in (1, 2, 4))
         run_to_completion(engine, [[5, 6, 7, 5, 6, 7, 5, 6]], SamplingParams(max_tokens=8, temperature=0))
         beliefs = EngineView(engine, StepTimeTracker(), engine.config).engine_stats("native")["controller"]

@@ -9,8 +9,8 @@ import asyncio
 
 import pytest
 
-from cluster.engine.feed_outbox import FeedOutbox
-from cluster.engine.protocol import ErrorInfo, FeedRequest, GenerateDelta, GenerateRequest
+from cluster.hosting.feed_outbox import FeedOutbox
+from cluster.hosting.protocol import ErrorInfo, FeedRequest, GenerateDelta, GenerateRequest
 from cluster.routing.group_router import GroupRouter
 from cluster.routing.stats import EngineLoad, RoutingRequest
 from cluster.shared.sampling_params import SamplingParams

@@ -13,13 +13,13 @@ import pytest
 import torch
 
 from cluster.config import TandemConfig, with_overrides
-from cluster.engine.async_engine import AsyncEngine
-from cluster.engine.backend import input_error
-from cluster.engine.core_messages import AbortRequest, AddRequest
-from cluster.engine.engine_core import EngineCore
-from cluster.engine.engine_view import EngineView
+from cluster.hosting.backend import input_error
+from cluster.hosting.core_messages import AbortRequest, AddRequest
+from cluster.hosting.core import EngineCore
+from cluster.hosting.engine_view import EngineView
+from cluster.hosting.inproc_client import InprocClient
 from cluster.engine.llm import LLM
-from cluster.engine.protocol import GenerateRequest
+from cluster.hosting.protocol import GenerateRequest
 from cluster.errors import NotFoundError
 from cluster.metrics.collector import EngineMetricsCollector, MemorySink
 from cluster.models.lora import LoRAError
@@ -258,20 +258,19 @@ def test_an_adapter_the_engine_core_cannot_read_fails_its_requests_alone(tiny_ll
     assert engine.block_manager.num_free_blocks == engine.block_manager.pool.num_blocks
 
 
-def test_the_async_engine_reads_an_adapter_off_its_event_loop(tiny_llama_dir, lora_dir, references):
+def test_the_in_process_core_serves_adapters_read_in_a_thread(tiny_llama_dir, lora_dir, references):
     prompts, expected = references
-    engine = AsyncEngine(_llm(tiny_llama_dir, lora_dir, max_loras=2).engine)
+    client = InprocClient(_llm(tiny_llama_dir, lora_dir, max_loras=2).engine)
 
-    async def tokens(lora):
-        return [t for out in [o async for o in engine.generate(prompts[1], GREEDY, lora=lora)][-1:]
-                for t in out.outputs[0].token_ids]
+    async def stream(rid, lora):
+        return [d async for d in client.generate(GenerateRequest(rid, prompts[1], GREEDY, lora=lora))]
 
     async def run():
         try:
-            return await asyncio.gather(tokens("all"), tokens(None))
+            return await asyncio.gather(stream("all", "all"), stream("base", None), stream("missing", "missing"))
         finally:
-            await engine.shutdown()
+            await client.shutdown()
 
-    assert asyncio.run(run()) == [expected["all"][1], expected[None][1]]
-    with pytest.raises(NotFoundError):
-        asyncio.run(tokens("missing"))
+    with_adapter, base, missing = asyncio.run(run())
+    assert [_tokens(with_adapter), _tokens(base)] == [expected["all"][1], expected[None][1]]
+    assert len(missing) == 1 and missing[0].error.status == 404 and "'missing'" in missing[0].error.message

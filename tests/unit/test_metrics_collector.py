@@ -6,11 +6,13 @@ the consumers received are the reference: what the collector sends must add up t
 
 from __future__ import annotations
 
-import asyncio
+import time
 
 import pytest
 
-from cluster.engine.async_engine import AsyncEngine
+from cluster.hosting.core import EngineCore
+from cluster.hosting.core_messages import AbortRequest, AddRequest
+from cluster.hosting.protocol import GenerateRequest
 from cluster.shared.sampling_params import SamplingParams
 from cluster.metrics.catalog import METRICS, METRICS_BY_NAME, exported_series_names, markdown_table
 from cluster.metrics.collector import EngineMetricsCollector, MemorySink
@@ -52,35 +54,39 @@ def test_memory_sink_refuses_unknown_names_kinds_and_labels():
         sink.inc("generation_tokens", -1)
 
 
-async def _consume(engine: AsyncEngine, prompt: str, params: SamplingParams, stop_after: int | None = None):
-    tokens = []
-    async for out in engine.generate(prompt, params):
-        tokens.extend(out.outputs[0].delta_token_ids)
-        if stop_after is not None and len(tokens) >= stop_after:
-            break  # the consumer goes away: the request is aborted
-    return tokens
-
-
 def _run(tiny_llama_dir, prompts, params, stop_after=None, **overrides):
-    engine = AsyncEngine(make_engine(tiny_llama_dir, **overrides))
+    """Serve ``prompts`` through an engine core, stepped here; a request whose consumer stops after
+    ``stop_after[i]`` tokens is aborted then. Returns the engine, the sink the core's samples were
+    replayed into (as a replica does) and each request's tokens."""
+    engine = make_engine(tiny_llama_dir, **overrides)
+    core = EngineCore(engine)
+    core.metrics = EngineMetricsCollector(engine, core.sink, poll_interval_s=0.0,
+                                          capacity=lambda: float(engine.scheduler.num_running))
     sink = MemorySink()
-    collector = EngineMetricsCollector(engine.engine, sink, poll_interval_s=0.0,
-                                       capacity=lambda: float(engine.engine.scheduler.num_running))
-    engine.metrics = collector
-
-    async def main():
-        stops = stop_after or [None] * len(prompts)
-        results = await asyncio.gather(*(_consume(engine, p, params, s) for p, s in zip(prompts, stops)))
-        for _ in range(100):  # let the loop apply the aborts and go idle
-            await asyncio.sleep(0.01)
-            if not engine.engine.has_unfinished():
-                break
-        await asyncio.sleep(0.05)
-        collector.poll()
-        await engine.shutdown()
-        return results
-
-    return engine.engine, sink, asyncio.run(main())
+    stops = stop_after or [None] * len(prompts)
+    tokens: dict[str, list[int]] = {f"r{i}": [] for i in range(len(prompts))}
+    for rid, prompt in zip(tokens, prompts):
+        core.handle(AddRequest(GenerateRequest(rid, engine.tokenizer.encode(prompt), params)))
+    live = set(tokens)
+    while live:
+        if engine.has_unfinished():
+            assert core.step()
+        message = core.take_message(time.monotonic())
+        for rid, delta in message.deltas if message is not None else []:
+            tokens[rid] += delta.token_ids
+            if delta.finished:
+                live.discard(rid)
+        if message is not None and message.samples is not None:
+            message.samples.replay(sink)
+        for rid, stop in zip(tokens, stops):
+            if stop is not None and rid in live and len(tokens[rid]) >= stop:
+                core.handle(AbortRequest(rid))  # the consumer went away
+                live.discard(rid)
+    core.metrics.poll()
+    samples = core.sink.drain()
+    if samples is not None:
+        samples.replay(sink)
+    return engine, sink, list(tokens.values())
 
 
 def test_counters_and_histograms_add_up_to_what_the_engine_did(tiny_llama_dir):

@@ -29,7 +29,7 @@ from cluster.api.openai_responses import (
     with_token_id_names,
 )
 from cluster.shared.outputs import Logprob
-from cluster.engine.protocol import GenerateDelta
+from cluster.hosting.protocol import GenerateDelta
 
 MESSAGES = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]
 

@@ -14,7 +14,7 @@ from cluster.api.response_store import ResponseStore, input_items, items_page
 from cluster.api.responses_output import ResponseIds, response_object
 from cluster.api.responses_protocol import ResponsesRequest
 from cluster.api.tool_calls import Parsed, ToolCall
-from cluster.engine.protocol import GenerateDelta
+from cluster.hosting.protocol import GenerateDelta
 
 
 def answered(body: ResponsesRequest, text: str, calls: list[ToolCall] = ()) -> dict:

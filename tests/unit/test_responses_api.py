@@ -12,7 +12,7 @@ from cluster.api.openai_responses import ChoiceState
 from cluster.api.tool_calls import Parsed, ToolCall
 from cluster.api.responses_output import ResponseEvents, ResponseIds, response_object
 from cluster.api.responses_protocol import ResponsesRequest
-from cluster.engine.protocol import GenerateDelta
+from cluster.hosting.protocol import GenerateDelta
 from cluster.shared.outputs import Logprob
 
 

@@ -6,6 +6,7 @@ import pytest
 
 from cluster.config import SchedulerConfig
 from cluster.shared.request import Request, RequestStatus
+from cluster.shared.sampled import SampledTokens
 from cluster.shared.sampling_params import SamplingParams
 from cluster.engine.scheduler import Scheduler
 from cluster.kv.block_manager import BlockManager
@@ -22,7 +23,7 @@ def _scheduler(num_blocks=16, block_size=4, **kwargs) -> Scheduler:
 
 def _run_step(s: Scheduler, token: int = 7):
     out = s.schedule()
-    sampled = {x.request.request_id: [token] for x in out.scheduled if x.samples}
+    sampled = {x.request.request_id: SampledTokens([token], None, 0) for x in out.scheduled if x.samples}
     finished = s.update(out, sampled)
     s.check_invariants()
     return out, finished

@@ -8,7 +8,7 @@ import pytest
 from rich.console import Console
 
 from cluster.bench.served_report import print_served_report
-from cluster.engine.step_timeline import StepTimeline, TimelineEntry
+from cluster.hosting.step_timeline import StepTimeline, TimelineEntry
 
 
 def _entry(started, idle, step, execute, batch, tokens, outputs=None, k=0, prefill=0):

@@ -103,7 +103,7 @@ def test_vllm_gets_the_same_grammar():
 
 
 def test_errors_carry_their_request_field():
-    from cluster.engine.backend import error_param
+    from cluster.hosting.backend import error_param
     from cluster.errors import ParamError
     from cluster.shared.sampling_params import SamplingParams
 

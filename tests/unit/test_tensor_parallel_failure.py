@@ -5,13 +5,16 @@ from __future__ import annotations
 
 import asyncio
 import os
+import re
 import signal
 
 import pytest
 import torch
 
 from cluster.config import ConfigError
-from cluster.engine.async_engine import AsyncEngine, EngineDeadError
+from cluster.hosting.backend import EngineUnhealthyError
+from cluster.hosting.inproc_client import InprocClient
+from cluster.hosting.protocol import GenerateRequest
 from cluster.shared.sampling_params import SamplingParams
 from cluster.runner.tp_executor import TensorParallelError
 from cluster.parallel.layers import HeadShard, head_shard
@@ -37,32 +40,39 @@ def _kill_worker(engine) -> None:
     assert not process.is_alive()
 
 
-async def _collect(async_engine: AsyncEngine, prompt: list[int]) -> list[int]:
+async def _collect(client: InprocClient, rid: str, prompt: list[int]) -> tuple[list[int], object]:
+    """The tokens streamed and the error the stream ended with (None: it finished)."""
     tokens = []
-    async for out in async_engine.generate(prompt, GREEDY):
-        tokens = out.outputs[0].token_ids
-    return tokens
+    async for delta in client.generate(GenerateRequest(rid, prompt, GREEDY)):
+        if delta.error is not None:
+            return tokens, delta.error
+        tokens += delta.token_ids
+    return tokens, None
 
 
 def test_killed_worker_fails_requests_and_spares_another_engine(tiny_llama_dir):
     """Two TP engines live in one process (each on its own run-time port); killing one's
-    worker fails that engine's next request with EngineDeadError at once, not a hang."""
+    worker fails that engine's next request with a 500 at once, not a hang, and marks its
+    core failed (the replica's health check then fails)."""
     first, second = make_engine(tiny_llama_dir, **TP2), make_engine(tiny_llama_dir, **TP2)
+    client = InprocClient(first)
     try:
-        async_engine = AsyncEngine(first)
-
         async def scenario():
-            before = await _collect(async_engine, [5, 6, 7, 8])
+            before, error = await _collect(client, "before", [5, 6, 7, 8])
+            assert error is None
             _kill_worker(first)
-            with pytest.raises(EngineDeadError, match=r"tensor-parallel rank 1 exited \(process \d+ exited with code -9\)"):
-                await asyncio.wait_for(_collect(async_engine, [5, 6, 7, 8]), timeout=15)
-            return before
+            after, error = await asyncio.wait_for(_collect(client, "after", [5, 6, 7, 8]), timeout=15)
+            return before, after, error
 
-        before = asyncio.run(scenario())
+        before, after, error = asyncio.run(scenario())
         assert len(before) == GREEDY.max_tokens
+        assert not after and error.status == 500
+        assert re.search(r"tensor-parallel rank 1 exited \(process \d+ exited with code -9\)", error.message)
+        with pytest.raises(EngineUnhealthyError, match="tensor-parallel rank 1 exited"):
+            client.check_health()
         assert run_to_completion(second, [[5, 6, 7, 8]], GREEDY) == [before]
     finally:
-        first.worker.close()
+        asyncio.run(client.shutdown())
         second.worker.close()
 
 

@@ -16,7 +16,7 @@ from openai.types.chat import ChatCompletion, ChatCompletionChunk
 
 from cluster.api.openai_responses import ChoiceState, chat_body, chat_chunk
 from cluster.api.tool_calls import ToolCall, ToolCallParser, forced_call_grammar, parse_tool_calls
-from cluster.engine.protocol import GenerateDelta
+from cluster.hosting.protocol import GenerateDelta
 from cluster.structured.constraint import StructuredOutputs
 from cluster.structured.vocabulary import grammar_tokenizer
 

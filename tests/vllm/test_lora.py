@@ -11,9 +11,9 @@ import pytest
 import torch
 
 from cluster.config import config_from_dict
-from cluster.engine.backend import BackendContext
+from cluster.hosting.backend import BackendContext
 from cluster.engine.llm import LLM
-from cluster.engine.protocol import GenerateRequest
+from cluster.hosting.protocol import GenerateRequest
 from cluster.models.loader import load_tokenizer, resolve_model
 from cluster.shared.sampling_params import SamplingParams
 from tests.lora_helpers import peft_model, reference_greedy, save_peft_adapter

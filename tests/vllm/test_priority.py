@@ -9,8 +9,8 @@ from __future__ import annotations
 import asyncio
 
 from cluster.config import config_from_dict
-from cluster.engine.backend import BackendContext
-from cluster.engine.protocol import GenerateRequest
+from cluster.hosting.backend import BackendContext
+from cluster.hosting.protocol import GenerateRequest
 from cluster.shared.sampling_params import SamplingParams
 
 

@@ -1,15 +1,16 @@
-"""Tandem's engine behind ``EngineBackend``, run in an engine-core process of its own.
+"""The replica's side of an engine core: ``EngineBackend`` over the core's connection.
 
-The replica's process keeps only the hand-off: a ``tandem-core-reader`` thread reads the
-core's one message per step, replays its metric samples, keeps its latest snapshot (what
-``load``, ``capacity_tokens_per_second`` and ``spec_state`` answer from, without asking
-the core) and passes the step's deltas to the event loop in one call. Each request's
-stream yields what has arrived for it; when the consumer (Ray's stream back to the ingress)
-falls behind, the deltas waiting are merged into one, so a slow reader costs fewer
-messages, not more.
+A ``tandem-core-reader`` thread reads the core's one message per step, replays its metric
+samples, keeps its latest snapshot (what ``load``, ``capacity_tokens_per_second`` and
+``spec_state`` answer from, without asking the core) and passes the step's deltas to the
+event loop in one call. Each request's stream yields what has arrived for it; when the
+consumer (Ray's stream back to the ingress) falls behind, the deltas waiting are merged
+into one, so a slow reader costs fewer messages, not more.
 
-If the core process dies, every request in flight ends with a 503 error within one read,
-new requests get the same, and ``check_health`` fails, so Serve replaces the replica.
+If the core goes away (its process or thread ended), every request in flight ends with a
+503 error within one read, new requests get the same, and ``check_health`` fails, so Serve
+replaces the replica. Where the core lives is the subclass's business
+(``ProcessClient``, ``InprocClient``).
 """
 
 from __future__ import annotations
@@ -17,44 +18,35 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
-import os
-import socket
-import subprocess
-import sys
 import threading
-import time
 from multiprocessing.connection import Connection
 from typing import AsyncIterator
 
 from cluster.config import TandemConfig
-from cluster.config_serve import ReplicaGroupConfig
-from cluster.engine.backend import BackendContext, EngineUnhealthyError, SpecState
+from cluster.hosting.backend import EngineUnhealthyError, SpecState
+from cluster.hosting.core_messages import AbortRequest, AddRequest, CallRequest, CallResult, CoreMessage, CoreSnapshot
+from cluster.hosting.protocol import ErrorInfo, GenerateDelta, GenerateRequest, merge_deltas
+from cluster.metrics.collector import MetricsSink
 from cluster.routing.stats import EngineLoad
-from cluster.engine.core_messages import (AbortRequest, AddRequest, CallRequest, CallResult, CoreMessage, CoreReady,
-                                          CoreSnapshot, CoreStart, Shutdown)
-from cluster.engine.protocol import ErrorInfo, GenerateDelta, GenerateRequest, merge_deltas
 
 logger = logging.getLogger(__name__)
 
-START_TIMEOUT_S = 900.0  # building the engine may convert a model first
-SHUTDOWN_TIMEOUT_S = 10.0
+
+class CoreGoneError(RuntimeError):
+    """The engine core stopped; the requests it held are lost."""
 
 
-class EngineProcessDied(RuntimeError):
-    """The engine-core process exited; the requests it held are lost."""
-
-
-class ProcessBackend:
+class CoreClient:
     name = "native"
 
-    def __init__(self, config: TandemConfig, group: ReplicaGroupConfig, context: BackendContext) -> None:
+    def __init__(self, config: TandemConfig, conn: Connection, sink: MetricsSink | None, max_model_len: int,
+                 snapshot: CoreSnapshot, core_pid: int) -> None:
         self.config = config
-        self.sink = context.metrics_sink
-        ours, theirs = socket.socketpair()
-        self.process = subprocess.Popen([sys.executable, "-m", "cluster.engine.engine_core", str(theirs.fileno())],
-                                        pass_fds=[theirs.fileno()], env=os.environ.copy())
-        theirs.close()
-        self._conn = Connection(ours.detach())
+        self.sink = sink
+        self.max_model_len = max_model_len
+        self.snapshot = snapshot
+        self.core_pid = core_pid
+        self._conn = conn
         self._send_lock = threading.Lock()
         self._queues: dict[str, asyncio.Queue] = {}
         self._calls: dict[int, asyncio.Future] = {}
@@ -62,35 +54,27 @@ class ProcessBackend:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._dead: str | None = None
         self._stopping = False
-        self._send(CoreStart(config.model_dump(), group.step_time_scale))
-        ready = self._wait_ready()
-        self.max_model_len = ready.max_model_len
-        self.core_pid = ready.pid
-        self.snapshot: CoreSnapshot = ready.snapshot
         self._reader = threading.Thread(target=self._read, name="tandem-core-reader", daemon=True)
         self._reader.start()
-        logger.info("engine core started in process %d", ready.pid)
 
-    def _wait_ready(self) -> CoreReady:
-        deadline = time.monotonic() + START_TIMEOUT_S
-        while not self._conn.poll(1.0):
-            if self.process.poll() is not None:
-                raise RuntimeError(f"the engine core exited with {self.process.returncode} before it was ready "
-                                   "(its log is in this replica's stderr)")
-            if time.monotonic() > deadline:
-                self.process.kill()
-                raise RuntimeError(f"the engine core was not ready within {START_TIMEOUT_S:.0f} s")
-        message = self._conn.recv()
-        if isinstance(message, CoreMessage) and message.failure:
-            self.process.wait(timeout=30)
-            raise RuntimeError(message.failure)
-        return message
+    # ---- what a subclass says about where the core lives ------------------------------------
+    def _wait_gone(self) -> str:
+        """Block until the core has ended (its connection is closed); why it did."""
+        raise NotImplementedError
+
+    def _gone(self) -> str | None:
+        """Why the core has ended, if it has (asked by the health check)."""
+        raise NotImplementedError
+
+    def _unhealthy(self) -> str | None:
+        """Why a core still running cannot serve, as seen from here (None: nothing known)."""
+        return None
 
     # ---- the engine face ----------------------------------------------------------------
     async def generate(self, request: GenerateRequest) -> AsyncIterator[GenerateDelta]:
         self._loop = asyncio.get_running_loop()
         if self._dead is not None:
-            yield _died(self._dead)
+            yield _gone_delta(self._dead)
             return
         rid = request.request_id
         if rid in self._queues:
@@ -104,7 +88,7 @@ class ProcessBackend:
                 self._send(AddRequest(request))
             except OSError as err:  # the core went away before the reader noticed
                 finished = True
-                yield _died(f"the engine process is gone ({err})")
+                yield _gone_delta(f"the engine core is gone ({err})")
                 return
             while not finished:
                 delta = await queue.get()
@@ -112,9 +96,9 @@ class ProcessBackend:
                 while not queue.empty() and isinstance(delta, GenerateDelta) and not (delta.finished or delta.accepted):
                     following = queue.get_nowait()
                     delta = merge_deltas(delta, following) if isinstance(following, GenerateDelta) else following
-                if isinstance(delta, EngineProcessDied):
+                if isinstance(delta, CoreGoneError):
                     finished = True
-                    yield _died(str(delta))
+                    yield _gone_delta(str(delta))
                     return
                 finished = delta.finished
                 yield delta
@@ -144,7 +128,7 @@ class ProcessBackend:
 
     async def engine_stats(self) -> dict:
         """The core's counters and free blocks, after it checked its invariants (asked between steps),
-        and the core's process id."""
+        and the process id the core steps in."""
         return {**(await self._call("engine_stats")), "engine_pid": self.core_pid}
 
     async def step_timeline(self, last_seconds: float | None = None) -> dict:
@@ -163,24 +147,11 @@ class ProcessBackend:
         return await future
 
     def check_health(self) -> None:
-        if self._dead is None and self.process.poll() is not None:
-            self._dead = f"the engine process exited with {self.process.returncode}"
-        failed = self._dead or self.snapshot.failed
+        if self._dead is None:
+            self._dead = self._gone()
+        failed = self._dead or self.snapshot.failed or self._unhealthy()
         if failed is not None:
             raise EngineUnhealthyError(failed)
-
-    async def shutdown(self) -> None:
-        self._stopping = True
-        if self.process.poll() is None:
-            try:
-                self._send(Shutdown())
-            except OSError:
-                pass
-            try:
-                await asyncio.get_running_loop().run_in_executor(None, self.process.wait, SHUTDOWN_TIMEOUT_S)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-        self._conn.close()
 
     # ---- the hand-off -------------------------------------------------------------------
     def _send(self, message) -> None:
@@ -202,13 +173,13 @@ class ProcessBackend:
                 logger.error("engine core: %s", message.failure)
             if (message.deltas or message.calls) and self._loop is not None:
                 self._loop.call_soon_threadsafe(self._dispatch, message.deltas, message.calls)
-        code = self.process.wait()
+        reason = self._wait_gone()
         if self._stopping:
             return
-        self._dead = f"the engine process exited with {code}"
-        logger.error("%s; failing the requests in flight", self._dead)
+        self._dead = reason
+        logger.error("%s; failing the requests in flight", reason)
         if self._loop is not None:
-            self._loop.call_soon_threadsafe(self._fail_all, EngineProcessDied(self._dead))
+            self._loop.call_soon_threadsafe(self._fail_all, CoreGoneError(reason))
 
     def _dispatch(self, deltas: list[tuple[str, GenerateDelta]], calls: list[CallResult]) -> None:
         queues = self._queues
@@ -225,7 +196,7 @@ class ProcessBackend:
             else:
                 future.set_result(result.value)
 
-    def _fail_all(self, error: EngineProcessDied) -> None:
+    def _fail_all(self, error: CoreGoneError) -> None:
         for queue in self._queues.values():
             queue.put_nowait(error)
         for future in self._calls.values():
@@ -234,5 +205,5 @@ class ProcessBackend:
         self._calls.clear()
 
 
-def _died(message: str) -> GenerateDelta:
+def _gone_delta(message: str) -> GenerateDelta:
     return GenerateDelta(error=ErrorInfo(503, f"{message}; the replica is being replaced, retry", "server_error"))

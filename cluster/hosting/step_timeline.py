@@ -1,6 +1,6 @@
 """The engine core's recent steps on a clock, for seeing where serving time goes.
 
-Each loop of the core (``engine_core.py``) records one ``TimelineEntry``: when it began,
+Each loop of the core (``core.py``) records one ``TimelineEntry``: when it began,
 how long it waited for work (idle), took messages from the replica, stepped (and of that,
 the runner's forward pass and sampling), and sent the step's message. ``summary`` turns a
 window of entries into the figures the served-path benchmark reports: the share of wall

@@ -16,8 +16,9 @@ from the group's engine settings and then only talks to :class:`EngineBackend`:
 - ``check_health()`` raises :class:`EngineUnhealthyError` once the engine cannot serve.
 
 Which backend a group runs is ``engine.backend`` (``native`` or ``vllm``). The native
-engine steps in an engine-core process of its own (``ProcessBackend``) unless
-``engine.core_process`` is off or the group is tensor-parallel (``NativeBackend``).
+engine steps in an engine core (``core.py``) in a process of its own (``ProcessClient``), or in a
+thread of the replica's (``InprocClient``) where ``engine.core_process`` is off or the group is
+tensor-parallel.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, AsyncIterator, Callable, Protocol
 
-from cluster.engine.protocol import ErrorInfo, GenerateDelta, GenerateRequest
+from cluster.hosting.protocol import ErrorInfo, GenerateDelta, GenerateRequest
 from cluster.errors import NotFoundError, ParamError
 from cluster.routing.stats import EngineLoad
 

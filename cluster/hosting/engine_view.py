@@ -1,18 +1,14 @@
 """What a host reads off Tandem's engine for the router, the metrics and the debug routes.
 
-Shared by the two ways a replica hosts the engine: in its own process (``NativeBackend``,
-tensor-parallel groups) and in a separate engine-core process (``engine_core``), which
-sends these readings to the replica with its step outputs.
+The engine core (``core.py``) reads them and sends them to the replica with its step outputs.
 """
 
 from __future__ import annotations
 
-from typing import Callable
-
 from cluster.config import TandemConfig
-from cluster.engine.backend import SpecState
+from cluster.hosting.backend import SpecState
 from cluster.engine.engine import Engine
-from cluster.engine.protocol import GenerateDelta
+from cluster.hosting.protocol import GenerateDelta
 from cluster.routing.policy import peak_tokens_per_second
 from cluster.routing.stats import EngineLoad
 from cluster.routing.step_times import StepTimeTracker
@@ -39,13 +35,10 @@ def output_delta(out: RequestOutput) -> GenerateDelta:
 class EngineView:
     """Readings of one engine: load, capacity, speculation in force, counters."""
 
-    def __init__(self, engine: Engine, step_times: StepTimeTracker, config: TandemConfig,
-                 num_waiting: Callable[[], int] | None = None) -> None:
+    def __init__(self, engine: Engine, step_times: StepTimeTracker, config: TandemConfig) -> None:
         self.engine = engine
         self.step_times = step_times
         self.config = config
-        # Requests queued in the engine, plus any a host holds before handing them over.
-        self._num_waiting = num_waiting or (lambda: engine.num_waiting)
 
     def load(self, prefix_depth: int) -> EngineLoad:
         engine = self.engine
@@ -55,7 +48,7 @@ class EngineView:
         times = self.step_times
         return EngineLoad(
             num_running=engine.scheduler.num_running,
-            num_waiting=self._num_waiting(),
+            num_waiting=engine.num_waiting,
             max_num_seqs=max_num_seqs,
             kv_cache_usage=engine.block_manager.usage,
             current_k=k,
@@ -106,5 +99,5 @@ class EngineView:
                               "unloads": engine.adapters.num_unloads},
             # an adaptive controller's beliefs (computed here, on request, not in every snapshot)
             "controller": (engine.controller.estimates(power_of_two_sizes(self.config.scheduler.max_num_seqs))
-                           if hasattr(engine.controller, "estimates") else None),
+                           if engine.controller is not None else None),
         }

@@ -1,4 +1,4 @@
-"""The messages between a replica and its engine-core process (``engine_core.py``).
+"""The messages between a replica and its engine core (``core.py``), in a process or a thread.
 
 Replica -> core: ``CoreStart`` once, then ``AddRequest``, ``AbortRequest``, ``CallRequest``
 and finally ``Shutdown``, in the order they were sent. Core -> replica: ``CoreReady`` once
@@ -13,9 +13,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from cluster.engine.backend import SpecState
+from cluster.hosting.backend import SpecState
 from cluster.routing.stats import EngineLoad
-from cluster.engine.protocol import GenerateDelta, GenerateRequest
+from cluster.hosting.protocol import GenerateDelta, GenerateRequest
 from cluster.metrics.sample_buffer import SampleBatch
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import asyncio
 
-from cluster.engine.protocol import GenerateDelta, merge_deltas
+from cluster.hosting.protocol import GenerateDelta, merge_deltas
 
 
 class FeedOutbox:

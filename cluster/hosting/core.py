@@ -1,48 +1,65 @@
-"""The engine core: Tandem's engine alone in its own process, stepping without pause.
+"""The engine core: the one host of ``Engine.step``.
 
-A replica (``process_backend.ProcessBackend``) starts ``python -m cluster.engine.engine_core
-FD`` with one end of a socket pair. The core builds the engine, then loops: take every
-message waiting (adds, aborts, calls; block only when there is no work), run one
-``Engine.step``, send one ``CoreMessage`` with every request's delta of that step, the
-step's metric samples and, at most every ``SNAPSHOT_PERIOD_S``, the readings the replica
-answers the router from. Nothing else runs in this process, so the step never waits on
-the replica's event loop or shares its GIL with Ray's per-request calls (the same reason
-vLLM keeps its engine core in a process of its own).
+It owns everything between a replica and the engine: admission (input errors, the 429
+queue limit, LoRA adapters read in a thread while the engine steps on), the step loop,
+failure (a step that raises fails the requests in flight with a 500 and marks the core
+failed, so the replica's health check fails and Serve replaces it), the metric samples,
+the readings the router needs, and the step timeline.
 
-A step that raises fails the requests in flight with a 500 and marks the engine failed
-(the replica's health check then fails and Serve replaces it), as the in-process engine does.
-The core exits when the replica closes its end (or dies) or sends ``Shutdown``.
+It speaks only messages (``core_messages``) over a ``multiprocessing`` connection:
+``run(conn)`` loops taking every message waiting (adds, aborts, calls; blocking only when
+there is no work), running one step, and sending one ``CoreMessage`` with every request's
+delta of that step. Two clients drive it, with the same messages: ``ProcessClient`` (the
+core in a process of its own, ``core_process``, so the step never shares a GIL with Ray's
+per-request calls, as vLLM keeps its engine core apart) and ``InprocClient`` (the core in a
+thread of the replica's process: tensor-parallel groups, whose ranks the replica starts,
+and ``engine.core_process: false``).
 """
 
 from __future__ import annotations
 
-import gc
 import logging
-import os
-import sys
 import time
-import traceback
 from multiprocessing.connection import Connection
 
-from cluster.config import config_from_dict
-from cluster.engine.async_engine import timed_step
-from cluster.engine.backend import input_error
-from cluster.engine.core_messages import (AbortRequest, AddRequest, CallRequest, CallResult, CoreMessage, CoreReady,
-                                          CoreSnapshot, CoreStart, Shutdown)
 from cluster.engine.engine import Engine
-from cluster.engine.engine_view import EngineView, output_delta
-from cluster.engine.protocol import ErrorInfo, GenerateDelta
+from cluster.hosting.backend import input_error
+from cluster.hosting.core_messages import (AbortRequest, AddRequest, CallRequest, CallResult, CoreMessage,
+                                           CoreSnapshot, Shutdown)
+from cluster.hosting.engine_view import EngineView, output_delta
+from cluster.hosting.protocol import ErrorInfo, GenerateDelta
+from cluster.hosting.step_timeline import StepTimeline, TimelineEntry
 from cluster.metrics.collector import EngineMetricsCollector
 from cluster.metrics.sample_buffer import BufferedSink
-from cluster.engine.step_timeline import StepTimeline, TimelineEntry
 from cluster.routing.step_times import StepTimeTracker
+from cluster.shared.outputs import RequestOutput
 from cluster.spec_decode.factory import profile_step_model
 
-logger = logging.getLogger("cluster.engine.engine_core")
+logger = logging.getLogger(__name__)
 
 SNAPSHOT_PERIOD_S = 0.05  # how stale the router's view of this engine may be while it steps
 IDLE_POLL_S = 1.0  # an idle core still refreshes its gauges this often (Ray drops stale ones)
 READ_POLL_S = 0.005  # how often a core with nothing to step looks whether an adapter read ended
+
+
+def timed_step(engine: Engine, step_times: StepTimeTracker, step_time_scale: float = 1.0) -> list[RequestOutput]:
+    """One ``Engine.step``, stretched to ``step_time_scale`` times its duration (an emulated
+    slower device, for tests and demos of routing), its time given to ``step_times`` for the
+    router's curve."""
+    started = time.perf_counter()
+    outputs = engine.step()
+    if step_time_scale > 1.0:
+        time.sleep((step_time_scale - 1.0) * (time.perf_counter() - started))
+    record = engine.last_step
+    if record is not None:
+        step_times.observe(record.num_seqs, record.k, record.num_prefill_tokens, time.perf_counter() - started)
+    return outputs
+
+
+def close_engine(engine: Engine) -> None:
+    """Release what the engine holds outside Python: the adapter reader, the worker (and its ranks)."""
+    engine.adapters.close()
+    engine.worker.close()
 
 
 class EngineCore:
@@ -209,36 +226,3 @@ class EngineCore:
                     clock() - sending, record.num_seqs, record.num_tokens, record.num_output_tokens, record.k,
                     record.num_prefill_tokens))
 
-
-def main(argv: list[str]) -> int:
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s engine-core %(levelname)s %(message)s")
-    conn = Connection(int(argv[0]))
-    try:
-        start: CoreStart = conn.recv()
-        engine = Engine(config_from_dict(start.config, "engine core config"))
-        core = EngineCore(engine, start.step_time_scale)
-        # What start-up made (the model, compiled graphs, tokenizer) lives as long as the core: frozen out
-        # of the collector, an oldest-generation pass no longer walks it (on a GPU such a pass took
-        # 130-460 ms unfrozen, a stall in whichever step it fell; frozen, about 16 ms).
-        gc.collect()
-        gc.freeze()
-        conn.send(CoreReady(engine.max_model_len, core.snapshot(), os.getpid()))
-    except EOFError:
-        return 0
-    except Exception as err:
-        logger.exception("the engine core could not start")
-        conn.send(CoreMessage(failure=f"the engine could not start: {type(err).__name__}: {err}\n"
-                                      f"{traceback.format_exc(limit=5)}"))
-        return 1
-    try:
-        core.run(conn)
-    except (EOFError, BrokenPipeError, ConnectionResetError):
-        pass  # the replica went away
-    finally:
-        engine.adapters.close()
-        engine.worker.close()
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
