@@ -20,7 +20,7 @@ from cluster.runner.decode_graphs import DecodeGraphs
 from cluster.runner.input_batch import SHORT_QUERY_MAX, SeqChunk, prepare_inputs
 from cluster.runner.random_stream import SeedKey
 from cluster.runner.sampler import Sampler, SamplingMetadata, compute_probs, gather_logprobs, greedy_token_ids
-from cluster.runner.rejection import greedy_verify, rejection_sample_packed
+from cluster.runner.rejection import greedy_verify, rejection_sample
 from cluster.shared.draft_proposal import DraftProposal
 from cluster.shared.sampled import PositionLogprobs, PromptLogprobs, SampledTokens
 from cluster.shared.scheduled import ScheduledRequest
@@ -287,7 +287,7 @@ class ModelRunner:
         greedy = torch.tensor([r.sampling_params.greedy for r in requests], device=logits.device)
         seeded = {i: SeedKey(seed, r.num_output_tokens) for i, r in enumerate(requests)
                   if (seed := self.seed(r)) is not None}
-        out = rejection_sample_packed([d for _, d in spec], draft_probs, flat_probs, greedy, seeded, self.coupled,
+        out = rejection_sample([d for _, d in spec], draft_probs, flat_probs, greedy, seeded, self.coupled,
                                       self.seeded_race)
         return {
             r.request_id: SampledTokens(tokens, None, accepted)

@@ -54,14 +54,11 @@ noise when ``race``). So its tokens depend
 on its seed and its own inputs, never on its place in the batch or on the other rows. Greedy
 rows use no numbers, and an all-greedy batch draws nothing at all.
 
-``rejection_sample`` takes distributions padded to ``[num_reqs, max_k + 1, vocab_size]``;
-``rejection_sample_packed`` takes them packed request after request (``[sum (k_i + 1),
-vocab_size]``, as the verifying pass returns them) and reads the same rows through an index,
-so the same draws give the same tokens. The engine uses the packed form: with ragged n-gram
-drafts at batch 32, padding every request to the longest one's rows cost more than the
-forward pass. A batch of only greedy rows needs no distributions at all: ``greedy_verify``
-walks the drafts on the host against the target's argmax, which is what the greedy fast path
-computes.
+``rejection_sample`` takes the distributions packed request after request (``[sum (k_i + 1),
+vocab_size]``, as the verifying pass returns them). A batch of only greedy rows needs no
+distributions at all: ``greedy_verify`` walks the drafts on the host against the target's
+argmax, which is what the greedy fast path computes. The tests hold both against a plain
+one-request reference (``tests/speculative_reference.py``).
 
 Host syncs: one read of the greedy mask (it decides which draws to make) and one ``.tolist()``
 of the result.
@@ -76,7 +73,7 @@ import torch
 from cluster.runner.categorical import sample_categorical
 from cluster.runner.random_stream import Lane, SeedKey, draw_seeded, row_uniforms
 
-__all__ = ["RejectionOutput", "greedy_verify", "recovered_probs", "rejection_sample", "rejection_sample_packed"]
+__all__ = ["RejectionOutput", "greedy_verify", "recovered_probs", "rejection_sample"]
 
 
 class RejectionOutput(NamedTuple):
@@ -97,33 +94,6 @@ def recovered_probs(
 
 
 def rejection_sample(
-    draft_token_ids: torch.Tensor,  # [num_reqs, max_k] int64, padded past each row's num_draft_tokens
-    num_draft_tokens: list[int],  # per request, 0..max_k
-    draft_probs: torch.Tensor | None,  # [num_reqs, max_k, vocab_size] float32; None = one-hot drafts
-    target_probs: torch.Tensor,  # [num_reqs, max_k + 1, vocab_size] float32 from compute_probs
-    greedy: torch.Tensor,  # [num_reqs] bool
-    seeded: dict[int, SeedKey],  # row -> (seed, output position of its first verified token)
-    coupled: bool = False,  # seeded rows are verified by coupling (module docstring)
-    race: bool = False,  # seeded rows draw tokens by an exponential race on keyed noise, not the inverse CDF
-) -> RejectionOutput:
-    """Verify each row's drafts; see the module docstring for the rule and why it is exact.
-
-    Padding (draft ids, draft and target probabilities past a row's ``k_i``, resp. ``k_i + 1``)
-    is never read into the result and may hold anything. ``draft_probs`` and ``target_probs``
-    are not normalized here: the final draw (``sample_categorical``) is scale-free.
-    """
-    num_reqs, max_k, vocab_size = _check_shapes(
-        draft_token_ids, num_draft_tokens, draft_probs, target_probs, greedy, seeded
-    )
-    device = target_probs.device
-    target_rows = torch.arange(num_reqs * (max_k + 1), device=device).view(num_reqs, max_k + 1)
-    draft_rows = torch.arange(num_reqs * max_k, device=device).view(num_reqs, max_k)
-    return _sample_rows(draft_token_ids, num_draft_tokens,
-                        None if draft_probs is None else draft_probs.reshape(-1, vocab_size), draft_rows,
-                        target_probs.reshape(-1, vocab_size), target_rows, greedy, seeded, coupled, race)
-
-
-def rejection_sample_packed(
     draft_token_ids: list[list[int]],  # per request, its k_i draft tokens
     draft_probs: torch.Tensor | None,  # [sum k_i, vocab_size] float32, request after request; None = one-hot
     target_probs: torch.Tensor,  # [sum (k_i + 1), vocab_size] float32, request after request
@@ -132,9 +102,13 @@ def rejection_sample_packed(
     coupled: bool = False,  # seeded rows are verified by coupling (module docstring)
     race: bool = False,  # seeded rows draw tokens by an exponential race on keyed noise, not the inverse CDF
 ) -> RejectionOutput:
-    """``rejection_sample`` on distributions packed request after request, as the target's
-    verifying pass returns them: the same tokens for the same inputs and random draws,
-    without padding every request to the longest one's ``k + 1`` rows of the vocabulary."""
+    """Verify each request's drafts (see the module docstring for the rule and why it is exact).
+
+    The distributions come packed request after request, as the target's verifying pass
+    returns them, and are read through an index: padding every request to the longest one's
+    ``k + 1`` rows of the vocabulary cost more than the forward pass with ragged n-gram drafts
+    at batch 32. They are not normalized here: the final draw (``sample_categorical``) is
+    scale-free."""
     counts = [len(d) for d in draft_token_ids]
     num_reqs, max_k = len(counts), max(counts, default=0)
     if target_probs.dim() != 2 or target_probs.shape[0] != sum(counts) + num_reqs:
@@ -309,39 +283,6 @@ def greedy_verify(
         num_accepted.append(accepted)
         offset += len(drafts) + 1
     return RejectionOutput(output_token_ids=outputs, num_accepted=num_accepted)
-
-
-def _check_shapes(
-    draft_token_ids: torch.Tensor,  # [num_reqs, max_k] int64
-    num_draft_tokens: list[int],
-    draft_probs: torch.Tensor | None,  # [num_reqs, max_k, vocab_size]
-    target_probs: torch.Tensor,  # [num_reqs, max_k + 1, vocab_size]
-    greedy: torch.Tensor,  # [num_reqs] bool
-    seeded: dict[int, SeedKey],
-) -> tuple[int, int, int]:
-    if draft_token_ids.dim() != 2 or target_probs.dim() != 3:
-        raise ValueError(
-            "draft_token_ids must be [num_reqs, max_k] and target_probs [num_reqs, max_k + 1, vocab_size], "
-            f"got {tuple(draft_token_ids.shape)} and {tuple(target_probs.shape)}"
-        )
-    num_reqs, max_k = draft_token_ids.shape
-    vocab_size = target_probs.shape[-1]
-    if tuple(target_probs.shape) != (num_reqs, max_k + 1, vocab_size):
-        raise ValueError(
-            f"target_probs must be [num_reqs, max_k + 1, vocab_size] = [{num_reqs}, {max_k + 1}, vocab_size], "
-            f"got {tuple(target_probs.shape)}"
-        )
-    if draft_probs is not None and tuple(draft_probs.shape) != (num_reqs, max_k, vocab_size):
-        raise ValueError(
-            f"draft_probs must be None or [num_reqs, max_k, vocab_size] = [{num_reqs}, {max_k}, {vocab_size}], "
-            f"got {tuple(draft_probs.shape)}"
-        )
-    if len(num_draft_tokens) != num_reqs or any(not 0 <= n <= max_k for n in num_draft_tokens):
-        raise ValueError(
-            f"num_draft_tokens must hold {num_reqs} counts in [0, {max_k}], got {list(num_draft_tokens)}"
-        )
-    _check_rows(num_reqs, greedy, seeded)
-    return num_reqs, max_k, vocab_size
 
 
 def _check_rows(num_reqs: int, greedy: torch.Tensor, seeded: dict[int, SeedKey]) -> None:

@@ -45,9 +45,8 @@ def _draws(probs: torch.Tensor, num_rows: int, position: int, race: bool) -> tor
 def _coupled(draft_ids: torch.Tensor, draft_probs: torch.Tensor | None, target: torch.Tensor, race: bool = False):
     num_rows = draft_ids.shape[0]
     return rejection_sample(
-        draft_ids, [K] * num_rows,
-        None if draft_probs is None else draft_probs[None].expand(num_rows, K, VOCAB),
-        target[None].expand(num_rows, K + 1, VOCAB), torch.zeros(num_rows, dtype=torch.bool),
+        draft_ids.tolist(), None if draft_probs is None else draft_probs.repeat(num_rows, 1),
+        target.repeat(num_rows, 1), torch.zeros(num_rows, dtype=torch.bool),
         {row: SeedKey(row, 0) for row in range(num_rows)}, coupled=True, race=race,
     )
 

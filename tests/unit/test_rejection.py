@@ -1,8 +1,10 @@
-"""Rejection sampler tests: greedy fast path, the output distribution, seeds, shapes and padding.
+"""Rejection sampler tests: greedy fast path, the output distribution, seeds, shapes, ragged drafts.
 
-The reference is the target distribution itself: every emitted token must follow
-``target_probs`` at its position (chi-square goodness of fit at p = 0.001, fixed seeds), and a
-sampler with a broken recovered-token formula must fail that same check.
+Two references nobody here tuned: the target distribution itself (every emitted token must
+follow ``target_probs`` at its position: chi-square goodness of fit at p = 0.001, fixed
+seeds), and speculative sampling written plainly for one request
+(``tests/speculative_reference.py``), whose outputs the batched sampler's must match in law
+(two-sample chi-square). A sampler with a broken recovered-token formula fails both checks.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from cluster.runner.random_stream import SeedKey
 from cluster.runner import rejection
 from cluster.runner.rejection import RejectionOutput, recovered_probs, rejection_sample
 from tests.goodness_of_fit import chi2_quantile
+from tests.speculative_reference import greedy_verify_one, speculative_sample
 
 VOCAB = 6
 NUM_ROWS = 20_000
@@ -84,21 +87,20 @@ def one_hots(ids: list[int]) -> torch.Tensor:  # [len(ids), VOCAB] float32
 
 @pytest.mark.parametrize("with_draft_probs", [True, False])
 def test_greedy_rows_exact(with_draft_probs):
-    draft_token_ids = torch.tensor([[1, 2, 3], [1, 2, 3], [-1, -1, -1], [0, 0, -1]])
-    num_draft_tokens = [3, 3, 0, 2]
-    target_probs = torch.stack(
+    draft_token_ids = [[1, 2, 3], [1, 2, 3], [], [0, 0]]
+    target_probs = torch.cat(
         [
             one_hots([1, 2, 3, 4]),  # all accepted, then the bonus argmax
             one_hots([1, 5, 3, 0]),  # mismatch at position 1: its argmax
-            one_hots([2, 0, 0, 0]),  # k = 0: the argmax at position 0
-            one_hots([3, 0, 1, 1]),  # mismatch at position 0
+            one_hots([2]),  # k = 0: the argmax at position 0
+            one_hots([3, 0, 1]),  # mismatch at position 0
         ]
     )
-    draft_probs = torch.rand(4, 3, VOCAB) if with_draft_probs else None  # ignored on greedy rows
+    draft_probs = torch.rand(8, VOCAB) if with_draft_probs else None  # ignored on greedy rows
     global_state = torch.get_rng_state()
 
     for coupled in (False, True):  # a seed on a greedy row changes nothing
-        out = rejection_sample(draft_token_ids, num_draft_tokens, draft_probs, target_probs,
+        out = rejection_sample(draft_token_ids, draft_probs, target_probs,
                                torch.ones(4, dtype=torch.bool), {0: SeedKey(5, 0)}, coupled)
         assert out.output_token_ids == [[1, 2, 3, 4], [1, 5], [2], [3]]
         assert out.num_accepted == [3, 1, 0, 0]
@@ -111,10 +113,10 @@ def test_greedy_rows_exact(with_draft_probs):
 def _first_token_chi2(rejection_fn=rejection_sample, num_rows: int = NUM_ROWS) -> Chi2:
     """k = 1, draft tokens drawn from DRAFT itself: the first output token must follow TARGET."""
     torch.manual_seed(0)
-    draft_token_ids = draw_drafts(DRAFT[None], num_rows, torch.Generator().manual_seed(1))
-    target_probs = torch.stack([TARGET, BONUS])[None].expand(num_rows, 2, VOCAB)
-    draft_probs = DRAFT[None, None].expand(num_rows, 1, VOCAB)
-    out = rejection_fn(draft_token_ids, [1] * num_rows, draft_probs, target_probs, no_greedy(num_rows), {})
+    draft_token_ids = draw_drafts(DRAFT[None], num_rows, torch.Generator().manual_seed(1)).tolist()
+    target_probs = torch.stack([TARGET, BONUS]).repeat(num_rows, 1)
+    draft_probs = DRAFT[None].expand(num_rows, VOCAB)
+    out = rejection_fn(draft_token_ids, draft_probs, target_probs, no_greedy(num_rows), {})
     return chi2_against(output_column(out, 0), TARGET)
 
 
@@ -162,14 +164,8 @@ def test_every_position_follows_target(kind):
     target, draft = per_position_distributions(kind, k)
     torch.manual_seed(2)
     draft_token_ids = draw_drafts(draft, NUM_ROWS, torch.Generator().manual_seed(3))
-    out = rejection_sample(
-        draft_token_ids,
-        [k] * NUM_ROWS,
-        draft[None].expand(NUM_ROWS, k, VOCAB),
-        target[None].expand(NUM_ROWS, k + 1, VOCAB),
-        no_greedy(NUM_ROWS),
-        {},
-    )
+    out = rejection_sample(draft_token_ids.tolist(), draft.repeat(NUM_ROWS, 1), target.repeat(NUM_ROWS, 1),
+                           no_greedy(NUM_ROWS), {})
     for position in range(k + 1):
         assert_fits(output_column(out, position), target[position])
     # The first draft is accepted with probability sum(min(target, draft)): z-test at p = 0.001.
@@ -187,9 +183,7 @@ def test_deterministic_drafts_follow_target(kind):
     rows = torch.arange(NUM_ROWS)
     # Any fixed drafts work, including tokens the target gives probability 0.
     draft_token_ids = torch.stack([rows % VOCAB, (rows // VOCAB + 1) % VOCAB], dim=1)
-    out = rejection_sample(
-        draft_token_ids, [k] * NUM_ROWS, None, target[None].expand(NUM_ROWS, k + 1, VOCAB), no_greedy(NUM_ROWS), {}
-    )
+    out = rejection_sample(draft_token_ids.tolist(), None, target.repeat(NUM_ROWS, 1), no_greedy(NUM_ROWS), {})
     for position in range(k + 1):
         assert_fits(output_column(out, position), target[position])
 
@@ -222,24 +216,15 @@ class Row(NamedTuple):
     greedy: bool = False
 
 
-def padded_batch(rows: list[Row], max_k: int, pad_id: int = -1, pad_prob: float = float("nan")):
-    """The arguments of rejection_sample, padding filled with ``pad_id`` and ``pad_prob``."""
-    num_reqs = len(rows)
-    draft_token_ids = torch.full((num_reqs, max_k), pad_id, dtype=torch.int64)
-    draft_probs = torch.full((num_reqs, max_k, VOCAB), pad_prob)
-    target_probs = torch.full((num_reqs, max_k + 1, VOCAB), pad_prob)
-    for i, row in enumerate(rows):
-        k = len(row.draft_token_ids)
-        draft_token_ids[i, :k] = torch.tensor(row.draft_token_ids, dtype=torch.int64)
-        draft_probs[i, :k] = row.draft_probs
-        target_probs[i, : k + 1] = row.target_probs
-    num_draft_tokens = [len(row.draft_token_ids) for row in rows]
-    greedy = torch.tensor([row.greedy for row in rows])
-    return draft_token_ids, num_draft_tokens, draft_probs, target_probs, greedy
+def packed_batch(rows: list[Row]):
+    """The arguments of rejection_sample: drafts per row, distributions packed row after row."""
+    draft_probs = torch.cat([row.draft_probs for row in rows]) if rows else torch.empty(0, VOCAB)
+    target_probs = torch.cat([row.target_probs for row in rows]) if rows else torch.empty(0, VOCAB)
+    greedy = torch.tensor([row.greedy for row in rows], dtype=torch.bool)
+    return [list(row.draft_token_ids) for row in rows], draft_probs, target_probs, greedy
 
 
-def seeded_row_outputs(layout: list[Row | None], max_k: int, seed: int, global_seed: int,
-                       coupled: bool) -> list[list[int]]:
+def seeded_row_outputs(layout: list[Row | None], seed: int, global_seed: int, coupled: bool) -> list[list[int]]:
     """Run 8 steps; ``None`` in ``layout`` is the seeded row (k = 2, TARGET vs DRAFT), whose
     output position advances by the tokens it emitted."""
     torch.manual_seed(global_seed)
@@ -250,7 +235,7 @@ def seeded_row_outputs(layout: list[Row | None], max_k: int, seed: int, global_s
     tokens, position = [], 0
     for _ in range(8):
         seeded[row] = SeedKey(seed, position)
-        out = rejection_sample(*padded_batch(rows, max_k), seeded, coupled)
+        out = rejection_sample(*packed_batch(rows), seeded, coupled)
         tokens.append(out.output_token_ids[row])
         position += len(out.output_token_ids[row])
     return tokens
@@ -262,25 +247,19 @@ def test_seeded_row_independent_of_position_and_other_rows(coupled):
     long = Row([1, 2, 3, 4], torch.stack([DRAFT] * 4), torch.stack([TARGET] * 4 + [BONUS]))
     greedy = Row([0, 0], torch.stack([DRAFT] * 2), one_hots([0, 1, 2]), greedy=True)
     empty = Row([], torch.empty(0, VOCAB), BONUS[None])
-    # Batch a: the seeded row first, max_k 2. Batch b: fourth, max_k 4, a greedy row, a k = 0 row.
-    tokens_a = seeded_row_outputs([None, other, other], max_k=2, seed=7, global_seed=1, coupled=coupled)
-    tokens_b = seeded_row_outputs([long, greedy, empty, None, other], max_k=4, seed=7, global_seed=2,
-                                  coupled=coupled)
+    # Batch a: the seeded row first, at most 2 drafts. Batch b: fourth, beside 4 drafts, a greedy row, a k = 0 row.
+    tokens_a = seeded_row_outputs([None, other, other], seed=7, global_seed=1, coupled=coupled)
+    tokens_b = seeded_row_outputs([long, greedy, empty, None, other], seed=7, global_seed=2, coupled=coupled)
     assert tokens_a == tokens_b
     assert len({tuple(t) for t in tokens_a}) > 1, "the numbers must move with the output position"
-    assert seeded_row_outputs([None, other], max_k=2, seed=8, global_seed=1, coupled=coupled) != tokens_a
+    assert seeded_row_outputs([None, other], seed=8, global_seed=1, coupled=coupled) != tokens_a
 
 
-# ---------------------------------------------------------------- shapes and padding
+# ---------------------------------------------------------------- shapes and ragged drafts
 
 
-@pytest.mark.parametrize(
-    ("pad_id", "pad_prob"),
-    [(-1, float("nan")), (VOCAB + 7, float("nan")), (0, 1.0 / VOCAB)],
-    ids=["negative-nan", "out-of-vocab-nan", "valid-looking"],
-)
-def test_mixed_draft_counts_and_padding_ignored(pad_id, pad_prob):
-    """Padding that would be accepted if it were read (id 0, draft == target) must not be."""
+def test_mixed_draft_counts():
+    """Rows of 0 to 3 drafts in one batch, each read only through its own rows."""
     uniform = torch.full((VOCAB,), 1.0 / VOCAB)
     rows = [
         # draft_probs == target_probs: always accepted, then the bonus (a one-hot at 4)
@@ -289,11 +268,10 @@ def test_mixed_draft_counts_and_padding_ignored(pad_id, pad_prob):
         Row([1, 2, 3], torch.stack([uniform] * 3), one_hots([1, 2, 0, 5]), greedy=True),
         # target gives x_0 = 3 probability 0: rejected; the residual is all on token 5
         Row([3], uniform[None], one_hots([5, 0])),
-        Row([4], uniform[None], one_hots([4, 0]), greedy=True),  # accepted; padding would match argmax 0
+        Row([4], uniform[None], one_hots([4, 0]), greedy=True),  # accepted; then the argmax 0
         Row([0], uniform[None], torch.stack([uniform, uniform])),  # always accepted, then a random bonus
     ]
-    batch = padded_batch(rows, max_k=3, pad_id=pad_id, pad_prob=pad_prob)
-    out = rejection_sample(*batch, {1: SeedKey(0, 0)})
+    out = rejection_sample(*packed_batch(rows), {1: SeedKey(0, 0)})
     assert out.output_token_ids[:5] == [[1, 5, 4], [2], [1, 2, 0], [5], [4, 0]]
     assert out.num_accepted == [2, 0, 2, 0, 1, 1]
     assert len(out.output_token_ids[5]) == 2 and out.output_token_ids[5][0] == 0
@@ -306,29 +284,97 @@ def test_a_greedy_row_ignores_its_seed_in_a_mixed_batch(coupled):
         Row([1], DRAFT[None], one_hots([1, 3]), greedy=True),
     ]
     for seed in range(5):
-        out = rejection_sample(*padded_batch(rows, max_k=1), {0: SeedKey(1, 0), 1: SeedKey(seed, 0)}, coupled)
+        out = rejection_sample(*packed_batch(rows), {0: SeedKey(1, 0), 1: SeedKey(seed, 0)}, coupled)
         assert out.output_token_ids[1] == [1, 3]
 
 
 def test_no_drafts_at_all_and_empty_batch():
-    target_probs = torch.stack([one_hots([3]), one_hots([0])])  # [2, 1, VOCAB]
-    empty_ids = torch.empty(2, 0, dtype=torch.int64)
-    out = rejection_sample(empty_ids, [0, 0], torch.empty(2, 0, VOCAB), target_probs, no_greedy(2), {})
+    target_probs = one_hots([3, 0])  # two rows of k = 0
+    out = rejection_sample([[], []], torch.empty(0, VOCAB), target_probs, no_greedy(2), {})
     assert out == RejectionOutput([[3], [0]], [0, 0])
-    out = rejection_sample(empty_ids, [0, 0], None, target_probs, torch.tensor([True, False]), {})
+    out = rejection_sample([[], []], None, target_probs, torch.tensor([True, False]), {})
     assert out == RejectionOutput([[3], [0]], [0, 0])
-    none = rejection_sample(torch.empty(0, 2, dtype=torch.int64), [], None, torch.empty(0, 3, VOCAB), no_greedy(0), {})
+    none = rejection_sample([], None, torch.empty(0, VOCAB), no_greedy(0), {})
     assert none == RejectionOutput([], [])
 
 
 def test_bad_shapes_raise():
-    ids = torch.zeros(2, 2, dtype=torch.int64)
-    target_probs = torch.full((2, 3, VOCAB), 1.0 / VOCAB)
-    with pytest.raises(ValueError, match="num_draft_tokens"):
-        rejection_sample(ids, [1, 3], None, target_probs, no_greedy(2), {})
-    with pytest.raises(ValueError, match="target_probs"):
-        rejection_sample(ids, [1, 2], None, target_probs[:, :2], no_greedy(2), {})
-    with pytest.raises(ValueError, match="draft_probs"):
-        rejection_sample(ids, [1, 2], target_probs, target_probs, no_greedy(2), {})
+    target_probs = torch.full((5, VOCAB), 1.0 / VOCAB)  # rows for drafts of 1 and 2
+    with pytest.raises(ValueError, match="target_probs must be"):
+        rejection_sample([[1], [2, 3]], None, target_probs[:4], no_greedy(2), {})
+    with pytest.raises(ValueError, match="draft_probs must be"):
+        rejection_sample([[1], [2, 3]], target_probs, target_probs, no_greedy(2), {})
+    with pytest.raises(ValueError, match="greedy must be"):
+        rejection_sample([[1], [2, 3]], None, target_probs, no_greedy(3), {})
     with pytest.raises(ValueError, match="seeded"):
-        rejection_sample(ids, [1, 2], None, target_probs, no_greedy(2), {2: SeedKey(0, 0)})
+        rejection_sample([[1], [2, 3]], None, target_probs, no_greedy(2), {2: SeedKey(0, 0)})
+
+
+# ---------------------------------------------------------------- the one-request reference
+
+
+def two_sample_chi2(a: list[int], b: list[int], num_categories: int) -> Chi2:
+    """Chi-square test that two samples come from one distribution (categories seen in neither
+    are left out; one expected fewer than 5 times in either sample merges into a neighbour)."""
+    counts = np.stack([np.bincount(a, minlength=num_categories), np.bincount(b, minlength=num_categories)])
+    counts = counts[:, counts.sum(axis=0) > 0].astype(np.float64)
+    expected = counts.sum(axis=1, keepdims=True) * counts.sum(axis=0, keepdims=True) / counts.sum()
+    while expected.shape[1] > 1 and expected.min() < 5:  # fold the smallest column into a neighbour
+        col = int(expected.min(axis=0).argmin())
+        counts[:, col + 1 if col + 1 < counts.shape[1] else col - 1] += counts[:, col]
+        counts = np.delete(counts, col, axis=1)
+        expected = counts.sum(axis=1, keepdims=True) * counts.sum(axis=0, keepdims=True) / counts.sum()
+    df = counts.shape[1] - 1
+    assert df >= 1, "test setup: too few samples to test anything"
+    return Chi2(float(((counts - expected) ** 2 / expected).sum()), chi2_quantile(0.999, df), df)
+
+
+def _against_reference(kind: str, with_draft_probs: bool, num_rows: int = 6000) -> list[Chi2]:
+    """The batched sampler and the one-request reference on the same rows (k = 3, ragged by
+    drawing each row's k): the law of the number accepted and of the token at every position."""
+    k = 3
+    target, draft = per_position_distributions(kind, k)
+    generator = torch.Generator().manual_seed(21)
+    counts = torch.randint(0, k + 1, (num_rows,), generator=generator).tolist()
+    full = draw_drafts(draft, num_rows, generator)  # without draft_probs: the same tokens read as one-hot
+    drafts = [full[i, :n].tolist() for i, n in enumerate(counts)]
+    torch.manual_seed(22)
+    batched = rejection_sample(drafts, torch.cat([draft[:n] for n in counts]) if with_draft_probs else None,
+                               torch.cat([target[: n + 1] for n in counts]), no_greedy(num_rows), {})
+    reference = [speculative_sample(d, draft[: len(d)] if with_draft_probs else None, target[: len(d) + 1],
+                                    generator) for d in drafts]
+    results = [two_sample_chi2(batched.num_accepted, [n for _, n in reference], k + 1)]
+    for position in range(k + 1):
+        column = [ids[position] for ids in batched.output_token_ids if len(ids) > position]
+        want = [ids[position] for ids, _ in reference if len(ids) > position]
+        if min(len(column), len(want)) >= 200:  # a position reached too rarely is not tested
+            results.append(two_sample_chi2(column, want, VOCAB))
+    assert len(results) >= 3, "test setup: positions 0 and 1 must be tested"
+    return results
+
+
+@pytest.mark.parametrize("with_draft_probs", [True, False])
+@pytest.mark.parametrize("kind", ["softmax", "top_p"])
+def test_the_batched_sampler_follows_the_one_request_reference(kind, with_draft_probs):
+    for result in _against_reference(kind, with_draft_probs):
+        assert result.statistic < result.critical, result
+
+
+def test_a_broken_recovered_distribution_departs_from_the_reference(monkeypatch):
+    monkeypatch.setattr(rejection, "recovered_probs", lambda target_probs, draft_probs: target_probs)
+    assert any(r.statistic > r.critical for r in _against_reference("softmax", True))
+
+
+def test_greedy_rows_match_the_reference():
+    generator = torch.Generator().manual_seed(5)
+    rows = []
+    for _ in range(300):
+        k = int(torch.randint(0, 5, (1,), generator=generator))
+        target = torch.rand(k + 1, VOCAB, generator=generator)
+        drafts = torch.where(torch.rand(k, generator=generator) < 0.7, target[:k].argmax(-1),
+                             torch.randint(0, VOCAB, (k,), generator=generator)).tolist()
+        rows.append(Row(drafts, torch.rand(k, VOCAB, generator=generator), target, greedy=True))
+    out = rejection_sample(*packed_batch(rows), {})
+    want = [greedy_verify_one(row.draft_token_ids, row.target_probs) for row in rows]
+    assert out.output_token_ids == [ids for ids, _ in want]
+    assert out.num_accepted == [n for _, n in want]
