@@ -12,7 +12,7 @@ $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	# torch first and alone: the exact pin takes the CPU build on our machines.
 	$(BIN)/pip install "torch==2.13.0"
-	$(BIN)/pip install -e ".[test]"
+	$(BIN)/pip install -e ".[test,bench,dashboards]"
 	# promtool (checks and unit-tests the rendered alerts) from Debian's prometheus package,
 	# pinned; where apt is missing or not ours, tests/unit/test_alerts.py says it skipped why.
 	command -v promtool >/dev/null || apt-get install -y -q --no-install-recommends $(PROMETHEUS_DEB) \

@@ -22,10 +22,10 @@
 from __future__ import annotations
 
 import argparse
+import importlib
 import logging
 import sys
 
-from cluster.bench.cli import add_bench_parser
 from cluster.config import ConfigError, TandemConfig, add_engine_args, engine_config_from_args, load_config
 from cluster.drafts.cli import add_draft_parser
 from cluster.engine.llm import LLM, apply_chat_template
@@ -35,8 +35,10 @@ from cluster.planning.cli import add_config_parser
 from cluster.planning.memory_plan import check_memory
 from cluster.profiling.cli import add_profile_parser
 from cluster.shared.sampling_params import SamplingParams
-from cluster.sim.cli import add_sim_parser
-from deployments.bench_router import add_router_args, run_router_bench
+
+# The tools' own dependencies are extras of the package (pyproject.toml): the server runs without
+# them, and a tool whose extra is missing says which one to install.
+EXTRAS = {"rich": "bench", "matplotlib": "bench", "aiohttp": "bench", "grafana_client": "dashboards"}
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
@@ -72,9 +74,43 @@ def cmd_serve(args: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_bench_router(args: argparse.Namespace) -> int:
-    run_router_bench(args)
+def _missing_extra(err: ModuleNotFoundError) -> str | None:
+    """The extra that provides the module ``err`` could not find (None: not an extra's)."""
+    return EXTRAS.get((err.name or "").split(".")[0])
+
+
+def _add_bench_and_sim(sub) -> None:
+    """``tandem bench`` (with ``bench router``, which needs Ray) and ``tandem sim``; their modules
+    import the bench extra's packages, so they are imported here, and without that extra the
+    commands stay listed and say what to install."""
+    try:
+        bench = importlib.import_module("cluster.bench.cli").add_bench_parser(sub)
+        router = importlib.import_module("deployments.bench_router")
+        importlib.import_module("cluster.sim.cli").add_sim_parser(sub)
+    except ModuleNotFoundError as err:
+        extra = _missing_extra(err)
+        if extra is None:
+            raise
+        for name in ("bench", "sim"):
+            parser = sub.add_parser(name, help=f"(needs the {extra} extra: pip install 'tandem-serve[{extra}]')")
+            parser.add_argument("rest", nargs=argparse.REMAINDER)
+            parser.set_defaults(func=lambda args, err=err: _refuse(args.command, err))
+        return
+    router_bench = bench.add_parser("router", help="Tandem's router vs power-of-two choices on a fast+slow cluster")
+    router.add_router_args(router_bench)
+    router_bench.set_defaults(func=lambda args: _exit_zero(router.run_router_bench, args))
+
+
+def _exit_zero(run, args: argparse.Namespace) -> int:
+    run(args)  # prints its table and writes its JSON
     return 0
+
+
+def _refuse(command: str, err: ModuleNotFoundError) -> int:
+    extra = _missing_extra(err)
+    print(f"tandem: error: `tandem {command}` needs {err.name}, which comes with the {extra} extra: "
+          f"pip install 'tandem-serve[{extra}]' (make install installs every extra)", file=sys.stderr)
+    return 2
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -103,11 +139,7 @@ def build_parser() -> argparse.ArgumentParser:
     srv.set_defaults(func=cmd_serve)
 
     add_profile_parser(sub)
-    bench = add_bench_parser(sub)
-    router_bench = bench.add_parser("router", help="Tandem's router vs power-of-two choices on a fast+slow cluster")
-    add_router_args(router_bench)
-    router_bench.set_defaults(func=cmd_bench_router)
-    add_sim_parser(sub)
+    _add_bench_and_sim(sub)
     add_dashboards_parser(sub)
     add_k8s_parser(sub)
     add_draft_parser(sub)
@@ -124,6 +156,10 @@ def main(argv: list[str] | None = None) -> int:
     except (ConfigError, ValueError) as err:
         print(f"tandem: error: {err}", file=sys.stderr)
         return 2
+    except ModuleNotFoundError as err:  # a tool that imports its extra's packages when it runs
+        if _missing_extra(err) is None:
+            raise
+        return _refuse(args.command, err)
 
 
 if __name__ == "__main__":

