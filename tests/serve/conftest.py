@@ -75,7 +75,8 @@ def serve_config(tiny_chat_model, tiny_lora, tiny_lora_dir):
         # Self-speculation: every draft is accepted, so the speculation metrics have values.
         "speculative": {"method": "draft", "draft_model": str(tiny_chat_model), "num_speculative_tokens": 2},
         "serve": {
-            "port": _free_port(), "metrics_export_port": _free_port(),
+            # The proxy gets a port of its own: its default, port + 1, may be some other socket's already.
+            "port": _free_port(), "proxy_port": _free_port(), "metrics_export_port": _free_port(),
             "served_model_name": MODEL, "api_key": API_KEY,
             "groups": [
                 {"name": "fast", "num_cpus": 0.5, "engine": {"lora_modules": {LORA: str(tiny_lora)},

@@ -41,7 +41,9 @@ def main(model: str, out_path: str) -> None:
         "device": {"device": "cpu", "num_threads": 1},
         "parallel": {"collective_timeout_s": 20},
         "speculative": {"method": "draft", "draft_model": model, "num_speculative_tokens": 2},
-        "serve": {"port": _free_port(), "metrics_export_port": _free_port(), "served_model_name": "m",
+        # The proxy gets a port of its own: its default, port + 1, may be some other socket's already.
+        "serve": {"port": _free_port(), "proxy_port": _free_port(), "metrics_export_port": _free_port(),
+                  "served_model_name": "m",
                   "groups": [{"name": "tp", "num_cpus": 0.5, "tensor_parallel_size": 2}]},
     })
     facts: dict = {}
