@@ -83,22 +83,38 @@ def _add_bench_and_sim(sub) -> None:
     """``tandem bench`` (with ``bench router``, which needs Ray) and ``tandem sim``; their modules
     import the bench extra's packages, so they are imported here, and without that extra the
     commands stay listed and say what to install."""
+    bench = _add_tool(sub, "bench", "cluster.bench.cli", "add_bench_parser")
+    router = _import_tool("deployments.bench_router") if bench is not None else None
+    if router is not None:
+        router_bench = bench.add_parser("router", help="Tandem's router vs power-of-two choices on a fast+slow cluster")
+        router.add_router_args(router_bench)
+        router_bench.set_defaults(func=lambda args: _exit_zero(router.run_router_bench, args))
+    _add_tool(sub, "sim", "cluster.sim.cli", "add_sim_parser")
+
+
+def _import_tool(module: str):
+    """The tool's module, or None where an extra it needs is missing (any other import error raises)."""
     try:
-        bench = importlib.import_module("cluster.bench.cli").add_bench_parser(sub)
-        router = importlib.import_module("deployments.bench_router")
-        importlib.import_module("cluster.sim.cli").add_sim_parser(sub)
+        return importlib.import_module(module)
+    except ModuleNotFoundError as err:
+        if _missing_extra(err) is None:
+            raise
+        return None
+
+
+def _add_tool(sub, name: str, module: str, adder: str):
+    """Register command ``name`` with ``module.adder(sub)`` (its return value is returned); without
+    the extra the module needs, register it as a command that says which extra to install."""
+    try:
+        return getattr(importlib.import_module(module), adder)(sub)
     except ModuleNotFoundError as err:
         extra = _missing_extra(err)
         if extra is None:
             raise
-        for name in ("bench", "sim"):
-            parser = sub.add_parser(name, help=f"(needs the {extra} extra: pip install 'tandem-serve[{extra}]')")
-            parser.add_argument("rest", nargs=argparse.REMAINDER)
-            parser.set_defaults(func=lambda args, err=err: _refuse(args.command, err))
-        return
-    router_bench = bench.add_parser("router", help="Tandem's router vs power-of-two choices on a fast+slow cluster")
-    router.add_router_args(router_bench)
-    router_bench.set_defaults(func=lambda args: _exit_zero(router.run_router_bench, args))
+        parser = sub.add_parser(name, help=f"(needs the {extra} extra: pip install 'tandem-serve[{extra}]')")
+        parser.add_argument("rest", nargs=argparse.REMAINDER)
+        parser.set_defaults(func=lambda args, err=err: _refuse(args.command, err))
+        return None
 
 
 def _exit_zero(run, args: argparse.Namespace) -> int:
