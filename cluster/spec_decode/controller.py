@@ -227,20 +227,25 @@ class AdaptiveController:
         ``explore_every`` steps; and, while drafting, a plain step (k = 0: its time at this
         batch size), as often. Held at one k, the controller sees only that k's steps, so what
         drafting adds to a step is the profile's word alone, and a profile measured on another
-        machine or context length can be wrong about it by more than drafting gains. An up probe costs its predicted step time over the held k's,
-        minus one; a plain one the time its single token takes beyond the held k's time per
-        token (nothing where k = 0 is predicted as good, which is when measuring it matters)."""
+        machine or context length can be wrong about it by more than drafting gains. An up probe
+        costs its predicted step time over the held k's, minus one; a plain one the time its
+        single token takes beyond the held k's time per token (nothing where k = 0 is predicted
+        as good, which is when measuring it matters)."""
+        up_due = self.k < self.max_k and self._steps_since_probe >= self.explore_every
+        plain_due = self.k > 0 and self._steps_since_plain >= self.explore_every
+        if not (up_due or plain_due):  # most steps: no model evaluation beyond choose_k's
+            return None
         held = self.model.step_time(b, self.k, self.coverage)
         if held <= 0:
             return None
-        if self.k < self.max_k and self._steps_since_probe >= self.explore_every:
+        if up_due:
             cost = max(self.model.step_time(b, self.k + 1, self.coverage) / held - 1.0, 0.0)
             if cost <= self._probe_credit:
                 self._probe_credit -= cost
                 self._steps_since_probe = 0
                 self.num_probes += 1
                 return self.k + 1
-        if self.k > 0 and self._steps_since_plain >= self.explore_every:
+        if plain_due:
             cost = max((costs[0] - costs[self.k]) / held, 0.0)
             if cost <= self._probe_credit:
                 self._probe_credit -= cost
