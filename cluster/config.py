@@ -115,8 +115,10 @@ class SchedulerConfig(_Strict):
 
 
 class SpeculativeConfig(_Strict):
-    method: Literal["none", "draft", "ngram"] = "none"
-    draft_model: str | None = Field(None, description="short name, HF folder or .gguf file (method: draft)")
+    method: Literal["none", "draft", "ngram", "eagle3"] = "none"
+    draft_model: str | None = Field(
+        None, description="method draft: short name, HF folder or .gguf file; method eagle3: an EAGLE-3 head "
+        "folder (the published layout) or a shipped head's name")
     draft_dtype: DType | None = Field(None, description="defaults to the target's dtype")
     draft_quantization: Quantization | None = Field(
         None, description="the draft's model.quantization (defaults to the target's); int4 or int8 with the "
@@ -140,8 +142,8 @@ class SpeculativeConfig(_Strict):
 
     @model_validator(mode="after")
     def _check(self) -> "SpeculativeConfig":
-        if self.method == "draft" and not self.draft_model:
-            raise ValueError("speculative.draft_model is required when speculative.method is 'draft'")
+        if self.method in ("draft", "eagle3") and not self.draft_model:
+            raise ValueError(f"speculative.draft_model is required when speculative.method is {self.method!r}")
         if self.ngram_min > self.ngram_max:
             raise ValueError("speculative.ngram_min must be <= speculative.ngram_max")
         return self

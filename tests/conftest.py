@@ -42,3 +42,18 @@ def noisy_draft_dir(tiny_llama_dir, tmp_path_factory):
     path = save_noisy_draft(tiny_llama_dir, tmp_path_factory.mktemp("noisy_draft"))
     save_tiny_tokenizer(path)
     return path
+
+
+TINY_HEAD_SETTINGS = dict(steps=150, batch_size=8, seq_len=512, lr=3e-3, warmup_steps=10, ttt_steps=3,
+                          draft_vocab=160, num_open=24, max_new_tokens=48, checkpoint_every=1000)
+
+
+@pytest.fixture(scope="session")
+def tiny_head_dir(tiny_llama_dir, tmp_path_factory):
+    """An EAGLE-3 head trained briefly on tiny_llama's own text by ``tandem draft train``'s code:
+    it agrees with the target often but not always."""
+    from cluster.drafts.head_train import HeadSettings, train_head
+
+    out = tmp_path_factory.mktemp("tiny_head")
+    train_head(str(tiny_llama_dir), out, HeadSettings(**TINY_HEAD_SETTINGS), progress=False, device="cpu")
+    return out

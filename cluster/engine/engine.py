@@ -111,6 +111,8 @@ class Engine:
         self.adapters.drop(request_id)
         self.scheduler.finish_request(request_id, RequestStatus.FINISHED_ABORTED)
         self.worker.runner.free_request(request_id)
+        if self.proposer is not None:
+            self.proposer.free(request_id)
         self.outputs.drop(request_id)
 
     @property
@@ -138,6 +140,8 @@ class Engine:
         result = self.worker.runner.execute(out.scheduled, tables, drafts, masks)
         execute_seconds = time.perf_counter() - executing
         sampled = result.sampled
+        if result.aux_hidden:
+            self.proposer.record(result.aux_hidden)
         if result.prompt_logprobs:
             self.outputs.add_prompt_logprobs(result.prompt_logprobs)
         self.scheduler.update(out, sampled)
@@ -190,6 +194,8 @@ class Engine:
         output = self.outputs.build(request, sampled)
         if output.finished:
             self.worker.runner.free_request(request.request_id)
+            if self.proposer is not None:
+                self.proposer.free(request.request_id)
         return output
 
     def stats(self) -> EngineStats:

@@ -103,6 +103,10 @@ class LlamaForCausalLM(nn.Module):
         self.num_kv_heads = self.layers[0].num_kv_heads  # this rank's
         self.head_dim = head_dim
         self.vocab_size = config.vocab_size
+        # Layers whose input stream a draft head reads (cluster/models/eagle3.py); each forward
+        # then leaves their concatenation, [num_tokens, len * hidden_size], in ``aux_hidden``.
+        self.aux_layer_ids: tuple[int, ...] = ()
+        self.aux_hidden: torch.Tensor | None = None
 
     def forward(
         self,
@@ -113,8 +117,12 @@ class LlamaForCausalLM(nn.Module):
     ) -> torch.Tensor:  # [num_tokens, hidden_size]
         hidden = self.embed_tokens(input_ids)
         rope = self.rotary(positions, hidden.dtype)
+        aux = {}
         for i, layer in enumerate(self.layers):
+            if i in self.aux_layer_ids:
+                aux[i] = hidden
             hidden = layer(rope, hidden, kv_caches[i], meta)
+        self.aux_hidden = torch.cat([aux[i] for i in self.aux_layer_ids], dim=-1) if aux else None
         return self.norm(hidden)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [n, hidden] -> [n, vocab]

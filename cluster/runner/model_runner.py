@@ -35,6 +35,9 @@ class StepResult(NamedTuple):
 
     sampled: dict[str, SampledTokens]  # per request that reached the end of its tokens
     prompt_logprobs: dict[str, PromptLogprobs]  # per request that asked for them and ran prompt tokens
+    # With a draft head attached (``model.aux_layer_ids``), per request: the position of its chunk's
+    # first token and the target's aux states of every token the chunk computed, [n, aux width].
+    aux_hidden: dict[str, tuple[int, torch.Tensor]] = {}
 
 
 @dataclass(frozen=True)
@@ -120,6 +123,10 @@ class ModelRunner:
             self.graphs = DecodeGraphs(model, self.kv_caches, self.flex, spec.block_size,
                                        num_blocks * spec.block_size, device, capture=True, lora=lora)
 
+    @property
+    def wants_aux(self) -> bool:
+        return bool(getattr(self.model, "aux_layer_ids", ()))
+
     def free_request(self, request_id: str) -> None:
         if self.own_seeds is not None:
             self.own_seeds.pop(request_id, None)
@@ -160,7 +167,8 @@ class ModelRunner:
         inputs = prepare_inputs(chunks, block_tables, self.spec.block_size, self.device, self.short_query_max,
                                 self.flex)
         slots = [c.lora_slot for c in chunks] if self.lora is not None else []
-        if self.graphs is not None and self.graphs.covers(inputs, len(chunks)):
+        # A draft head's aux states are read off the eager forward (decode graphs do not capture them).
+        if self.graphs is not None and not self.wants_aux and self.graphs.covers(inputs, len(chunks)):
             # A decode step: one token per chunk, so the chunks' slots are the tokens'.
             lora_slots = torch.tensor(slots, device=self.device) if any(slots) else None
             return self.model.compute_logits(self.graphs.forward(inputs, len(chunks), lora_slots)).float()
@@ -219,6 +227,7 @@ class ModelRunner:
                 (spec if proposed else plain).append((request, proposed))
             offset += num_logits
         logits = self.forward_logits(chunks, block_tables)
+        aux_hidden = self._aux_by_request(scheduled, chunks) if self.wants_aux else {}
         prompt_logprobs = {request.request_id: self._prompt_logprobs(logits[row_slice], request, first)
                            for request, row_slice, first in prompt_rows}
         results: dict[str, SampledTokens] = {}
@@ -230,7 +239,16 @@ class ModelRunner:
         if spec:
             bitmask = _bitmask_rows(token_bitmasks, [r for r, _ in spec], [len(d) + 1 for _, d in spec])
             results.update(self._verify(logits, rows, spec, drafts, bitmask))
-        return StepResult(results, prompt_logprobs)
+        return StepResult(results, prompt_logprobs, aux_hidden)
+
+    def _aux_by_request(self, scheduled: list[ScheduledRequest], chunks: list[SeqChunk]):
+        aux = self.model.aux_hidden  # [num_tokens, width], the chunks' tokens in order
+        out, offset = {}, 0
+        for sched, chunk in zip(scheduled, chunks):
+            n = len(chunk.token_ids)
+            out[sched.request.request_id] = (chunk.start, aux[offset : offset + n])
+            offset += n
+        return out
 
     def _lora_slot(self, request) -> int:
         name = getattr(request, "lora_name", None)

@@ -194,7 +194,7 @@ def start_tensor_parallel(config: TandemConfig, launcher: RankLauncher | None = 
         executor.wait_ready()
         num_blocks = executor.group.min_int(num_kv_blocks(config, loaded.spec, device))
         runner = TensorParallelRunner(executor, loaded.model, num_blocks, loaded.spec, device, False,
-                                      config.speculative.verification, config.speculative.method == "draft",
+                                      config.speculative.verification, config.speculative.method in ("draft", "eagle3"),
                                       choose_attention(config, device, loaded.max_model_len, True))
         use_step_threads(config, device)
         executor.serving = True

@@ -55,7 +55,7 @@ class Worker:
         loaded = load_model(config, device)
         num_blocks = num_kv_blocks(config, loaded.spec, device, on_demand_lora_bytes(config, loaded))
         runner = ModelRunner(loaded.model, num_blocks, loaded.spec, device, config.model.batch_invariant,
-                             config.speculative.verification, config.speculative.method == "draft",
+                             config.speculative.verification, config.speculative.method in ("draft", "eagle3"),
                              choose_attention(config, device, loaded.max_model_len), lora=loaded.lora)
         use_step_threads(config, device)
         logger.info(

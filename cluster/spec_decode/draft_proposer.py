@@ -42,6 +42,12 @@ class DraftModelProposer:
         self.target = target
         self.lane = Lane.SAMPLE if target.coupled else Lane.DRAFT
 
+    def record(self, aux_hidden: dict) -> None:
+        pass
+
+    def free(self, request_id: str) -> None:
+        pass
+
     @torch.inference_mode()
     def propose(
         self, scheduled: list[ScheduledRequest], block_tables: list[list[int]]

@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 from cluster.config import ConfigError, TandemConfig, with_overrides
+from cluster.models.eagle3 import load_head
+from cluster.models.shipped_heads import resolve_head
 from cluster.runner.worker import Worker
 from cluster.spec_decode.controller import AdaptiveController, FixedController, SpeculationController, TableController
 from cluster.spec_decode.draft_proposer import DraftModelProposer, check_vocab_compatible
+from cluster.spec_decode.eagle3_proposer import Eagle3Proposer
 from cluster.spec_decode.latency_model import LatencyModel
 from cluster.spec_decode.profile_data import SpeculationProfile
 from cluster.spec_decode.proposer import NgramStepProposer, Proposer
@@ -20,6 +23,8 @@ def build_speculation(config: TandemConfig, target_worker) -> tuple[Proposer | N
     controller = build_controller(config)
     if spec.method == "ngram":
         return NgramStepProposer(spec.ngram_min, spec.ngram_max, spec.ngram_draft_per_match_token), controller
+    if spec.method == "eagle3":
+        return build_eagle3(config, target_worker), controller
 
     draft_config = with_overrides(
         config,
@@ -35,6 +40,33 @@ def build_speculation(config: TandemConfig, target_worker) -> tuple[Proposer | N
     draft = Worker.from_config(draft_config)
     check_vocab_compatible(target_worker.tokenizer, draft.tokenizer, target_worker.vocab_size, draft.vocab_size)
     return DraftModelProposer(draft.runner, target_worker.runner), controller
+
+
+def build_eagle3(config: TandemConfig, target_worker) -> Eagle3Proposer:
+    """The head of ``speculative.draft_model`` on the target's device and dtype, the target set to
+    leave the head's aux states; raises ConfigError when the head does not fit the target."""
+    if config.parallel.tensor_parallel_size > 1:
+        raise ConfigError("speculative.method eagle3 runs with tensor_parallel_size 1 only")
+    runner = target_worker.runner
+    model = runner.model
+    if not hasattr(model, "aux_layer_ids"):
+        raise ConfigError(f"speculative.method eagle3 needs a Llama-family target; {config.model.model} is "
+                          f"{type(model).__name__}")
+    try:
+        head = load_head(resolve_head(config.speculative.draft_model), model.num_layers)
+    except ValueError as exc:  # ModelLoadError included
+        raise ConfigError(f"speculative.draft_model: {exc}") from exc
+    hc = head.config
+    if hc.vocab_size != model.vocab_size:
+        raise ConfigError(f"the EAGLE-3 head was trained for a vocabulary of {hc.vocab_size} tokens, the target "
+                          f"has {model.vocab_size}")
+    if hc.target_hidden_size != model.config.hidden_size or max(hc.aux_layer_ids) >= model.num_layers:
+        raise ConfigError(f"the EAGLE-3 head reads layers {list(hc.aux_layer_ids)} of width {hc.target_hidden_size}; "
+                          f"the target has {model.num_layers} layers of width {model.config.hidden_size}")
+    head = head.to(device=runner.device, dtype=runner.spec.dtype).eval()
+    model.aux_layer_ids = hc.aux_layer_ids
+    embed = head.embed_tokens if head.embed_tokens is not None else model.embed_tokens
+    return Eagle3Proposer(head, embed, runner)
 
 
 def profile_step_model(config: TandemConfig) -> tuple[LatencyModel | None, list[float] | None]:

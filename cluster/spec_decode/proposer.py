@@ -22,12 +22,24 @@ class Proposer(Protocol):
         self, scheduled: list[ScheduledRequest], block_tables: list[list[int]]
     ) -> DraftProposal: ...
 
+    def record(self, aux_hidden: dict) -> None:
+        """The target's aux states of a step (``StepResult.aux_hidden``; empty unless a head asked)."""
+
+    def free(self, request_id: str) -> None:
+        """The request is finished or aborted."""
+
 
 class NgramStepProposer:
     """Prompt lookup over each request's own tokens; no model, no KV cache."""
 
     def __init__(self, min_n: int, max_n: int, draft_per_match_token: float | None = None) -> None:
         self.ngram = NgramProposer(min_n, max_n, draft_per_match_token)
+
+    def record(self, aux_hidden: dict) -> None:
+        pass
+
+    def free(self, request_id: str) -> None:
+        pass
 
     def propose(
         self, scheduled: list[ScheduledRequest], block_tables: list[list[int]]

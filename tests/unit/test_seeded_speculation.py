@@ -4,8 +4,8 @@ The reference is the same request decoded by the same engine without speculation
 With coupled verification (the default for seeded requests) every draft length, controller,
 batch partner and preemption must give that text token for token; rejection sampling
 (``verification: rejection``) must not, or this test could not tell the two apart. An n-gram
-engine samples as an engine without speculation does (inverse CDF); a draft-model engine draws
-seeded tokens by an exponential race, so its text is its own. Float32 tiny models: bfloat16
+engine samples as an engine without speculation does (inverse CDF); an engine with a draft model or
+an EAGLE-3 head draws seeded tokens by an exponential race, so its text is its own. Float32 tiny models: bfloat16
 numerics move with the batch shape.
 """
 
@@ -23,9 +23,10 @@ from tests.engine_helpers import make_engine, run_to_completion
 SEEDED = SamplingParams(max_tokens=32, temperature=0.7, top_p=0.95, seed=1234, ignore_eos=True)
 PROMPT = [5, 6, 7, 8, 9] * 4  # repeats, so n-gram lookup finds drafts
 PROPOSERS = {
-    "ngram": lambda target, noisy: dict(method="ngram"),
-    "noisy-draft": lambda target, noisy: dict(method="draft", draft_model=str(noisy)),
-    "self-draft": lambda target, noisy: dict(method="draft", draft_model=str(target)),
+    "ngram": lambda target, noisy, head: dict(method="ngram"),
+    "noisy-draft": lambda target, noisy, head: dict(method="draft", draft_model=str(noisy)),
+    "self-draft": lambda target, noisy, head: dict(method="draft", draft_model=str(target)),
+    "eagle3": lambda target, noisy, head: dict(method="eagle3", draft_model=str(head)),
 }
 
 
@@ -75,26 +76,27 @@ def _run(target, alongside: bool, controller: str | None = None, num_blocks: int
 
 
 @pytest.fixture(scope="module")
-def plain(tiny_llama_dir, noisy_draft_dir):
+def plain(tiny_llama_dir, noisy_draft_dir, tiny_head_dir):
     """Per proposer, the seeded text at k = 0."""
-    return {name: _run(tiny_llama_dir, False, num_speculative_tokens=0, **settings(tiny_llama_dir, noisy_draft_dir))[0]
+    return {name: _run(tiny_llama_dir, False, num_speculative_tokens=0,
+                       **settings(tiny_llama_dir, noisy_draft_dir, tiny_head_dir))[0]
             for name, settings in PROPOSERS.items()}
 
 
 def test_plain_decoding_references(tiny_llama_dir, plain):
     """k = 0 with n-gram lookup is decoding without speculation; both draft-model engines race alike."""
     assert plain["ngram"] == _run(tiny_llama_dir, False)[0]
-    assert plain["noisy-draft"] == plain["self-draft"] != plain["ngram"]
+    assert plain["noisy-draft"] == plain["self-draft"] == plain["eagle3"] != plain["ngram"]
 
 
 @pytest.mark.parametrize("alongside", [False, True], ids=["alone", "alongside"])
 @pytest.mark.parametrize("proposer", sorted(PROPOSERS))
-def test_every_fixed_k_gives_the_text_of_plain_decoding(tiny_llama_dir, noisy_draft_dir, plain, proposer,
-                                                         alongside):
+def test_every_fixed_k_gives_the_text_of_plain_decoding(tiny_llama_dir, noisy_draft_dir, tiny_head_dir, plain,
+                                                         proposer, alongside):
     accepted = 0
     for k in (0, 1, 2, 4, 8):
         tokens, engine = _run(tiny_llama_dir, alongside, num_speculative_tokens=k,
-                              **PROPOSERS[proposer](tiny_llama_dir, noisy_draft_dir))
+                              **PROPOSERS[proposer](tiny_llama_dir, noisy_draft_dir, tiny_head_dir))
         assert tokens == plain[proposer], f"k={k}"
         accepted += engine.stats().spec.num_accepted_tokens
     assert accepted > 0, "no draft was accepted: the coupling was not exercised"
@@ -102,10 +104,10 @@ def test_every_fixed_k_gives_the_text_of_plain_decoding(tiny_llama_dir, noisy_dr
 
 @pytest.mark.parametrize("controller", ["table", "adaptive", "cycling"])
 @pytest.mark.parametrize("proposer", sorted(PROPOSERS))
-def test_every_controller_gives_the_text_of_plain_decoding(tiny_llama_dir, noisy_draft_dir, plain, proposer,
-                                                            controller):
+def test_every_controller_gives_the_text_of_plain_decoding(tiny_llama_dir, noisy_draft_dir, tiny_head_dir, plain,
+                                                            proposer, controller):
     tokens, engine = _run(tiny_llama_dir, True, controller, num_speculative_tokens=8,
-                          **PROPOSERS[proposer](tiny_llama_dir, noisy_draft_dir))
+                          **PROPOSERS[proposer](tiny_llama_dir, noisy_draft_dir, tiny_head_dir))
     assert tokens == plain[proposer]
     assert len(set(engine.stats().spec.k_per_step)) > 1, "the controller never changed k"
 

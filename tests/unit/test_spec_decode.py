@@ -24,24 +24,26 @@ def expected_greedy(tiny_llama_dir):
     return run_to_completion(make_engine(tiny_llama_dir, num_blocks=128), _prompts(), GREEDY)
 
 
-SPEC_SETUPS = {
-    "self-draft": lambda t, d: dict(method="draft", draft_model=str(t)),
-    "noisy-draft": lambda t, d: dict(method="draft", draft_model=str(d)),
-    "ngram": lambda t, d: dict(method="ngram"),
+SPEC_SETUPS = {  # (target, noisy draft, EAGLE-3 head) -> settings
+    "self-draft": lambda t, d, h: dict(method="draft", draft_model=str(t)),
+    "noisy-draft": lambda t, d, h: dict(method="draft", draft_model=str(d)),
+    "ngram": lambda t, d, h: dict(method="ngram"),
+    "eagle3": lambda t, d, h: dict(method="eagle3", draft_model=str(h)),
 }
 
 
 @pytest.mark.parametrize("setup", sorted(SPEC_SETUPS))
 @pytest.mark.parametrize("k", [1, 4])
-def test_greedy_outputs_equal_plain_decoding(setup, k, tiny_llama_dir, noisy_draft_dir, expected_greedy):
+def test_greedy_outputs_equal_plain_decoding(setup, k, tiny_llama_dir, noisy_draft_dir, tiny_head_dir,
+                                             expected_greedy):
     engine = make_engine(tiny_llama_dir, num_blocks=128, num_speculative_tokens=k,
-                     **SPEC_SETUPS[setup](tiny_llama_dir, noisy_draft_dir))
+                     **SPEC_SETUPS[setup](tiny_llama_dir, noisy_draft_dir, tiny_head_dir))
     assert run_to_completion(engine, _prompts(), GREEDY) == expected_greedy
     spec = engine.stats().spec
     assert spec.num_draft_tokens > 0
     if setup == "self-draft":
         assert spec.num_accepted_tokens == spec.num_draft_tokens
-    if setup == "noisy-draft":
+    if setup in ("noisy-draft", "eagle3"):
         assert 0 < spec.num_accepted_tokens < spec.num_draft_tokens
 
 

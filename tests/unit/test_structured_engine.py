@@ -37,10 +37,11 @@ REGEX = r"[0-9]{2}-[a-f]{1,3}"
 CHOICES = ("alpha", "beta", "gamma")
 
 
-def _speculation(method: str, draft_dir) -> dict:
+def _speculation(method: str, draft_dir, head_dir=None) -> dict:
     if method == "none":
         return {}
-    extra = {"draft_model": str(draft_dir)} if method == "draft" else {"ngram_min": 1}
+    extra = {"ngram": {"ngram_min": 1}, "draft": {"draft_model": str(draft_dir)},
+             "eagle3": {"draft_model": str(head_dir)}}[method]
     return dict(method=method, num_speculative_tokens=3, controller="fixed", **extra)
 
 
@@ -68,9 +69,9 @@ def _finish_all(engine) -> dict:
 CONSTRAINTS = [StructuredOutputs(json=SCHEMA), StructuredOutputs(regex=REGEX), StructuredOutputs(choice=CHOICES)]
 
 
-@pytest.mark.parametrize("method", ["none", "ngram", "draft"])
-def test_outputs_match_their_grammar_beside_free_requests(tiny_llama_dir, noisy_draft_dir, method):
-    engine = make_engine(tiny_llama_dir, **_speculation(method, noisy_draft_dir))
+@pytest.mark.parametrize("method", ["none", "ngram", "draft", "eagle3"])
+def test_outputs_match_their_grammar_beside_free_requests(tiny_llama_dir, noisy_draft_dir, tiny_head_dir, method):
+    engine = make_engine(tiny_llama_dir, **_speculation(method, noisy_draft_dir, tiny_head_dir))
     prompts, params = [], []
     for seed in range(4):
         for constraint in CONSTRAINTS:
@@ -90,13 +91,15 @@ def test_outputs_match_their_grammar_beside_free_requests(tiny_llama_dir, noisy_
         assert engine.stats().spec.num_draft_tokens > 0
 
 
-def test_greedy_outputs_equal_with_and_without_speculation(tiny_llama_dir, noisy_draft_dir):
+def test_greedy_outputs_equal_with_and_without_speculation(tiny_llama_dir, noisy_draft_dir, tiny_head_dir):
     prompts = [f"record {i}: " for i in range(3)]
     params = [SamplingParams(max_tokens=80, temperature=0, structured_outputs=c) for c in CONSTRAINTS]
-    outputs = {m: run_to_completion(make_engine(tiny_llama_dir, **_speculation(m, noisy_draft_dir)), prompts, params)
-               for m in ("none", "ngram", "draft")}
+    outputs = {m: run_to_completion(make_engine(tiny_llama_dir, **_speculation(m, noisy_draft_dir, tiny_head_dir)),
+                                    prompts, params)
+               for m in ("none", "ngram", "draft", "eagle3")}
     assert outputs["ngram"] == outputs["none"]
     assert outputs["draft"] == outputs["none"]
+    assert outputs["eagle3"] == outputs["none"]
 
 
 def test_preemption_and_prefix_caching_keep_the_grammar(tiny_llama_dir):
