@@ -38,6 +38,7 @@ from cluster.config_serve import ReplicaGroupConfig
 from cluster.hosting.backend import BackendContext, EngineUnhealthyError, SpecState, error_param
 from cluster.hosting.protocol import ErrorInfo, GenerateDelta, GenerateRequest
 from cluster.models.loader import load_hf_config, resolve_model
+from cluster.models.shipped_heads import resolve_head
 from cluster.routing.policy import peak_tokens_per_second
 from cluster.routing.stats import EngineLoad
 from cluster.routing.step_times import StepTimeTracker
@@ -319,6 +320,8 @@ def group_settings(config: TandemConfig, tensor_parallel_size: int,
     draft = None
     if config.speculative.method == "draft":
         draft = str(resolve_model(config.speculative.draft_model, config.model.cache_dir).path)
+    elif config.speculative.method == "eagle3":
+        draft = str(resolve_head(config.speculative.draft_model))
     has_schedule = "num_speculative_tokens_per_batch_size" in getattr(SpeculativeConfig, "__dataclass_fields__", {})
     settings = vllm_settings(config, tensor_parallel_size, str(source.path), draft, profile_table, has_schedule)
     if current_platform.is_cpu() and "block_size" not in config.engine.vllm_args:

@@ -79,6 +79,8 @@ def _rate_list(text: str) -> list[float]:
 
 def add_paper_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default="smollm2-135m-instruct", help="short name, HF folder or .gguf file")
+    parser.add_argument("--method", choices=("ngram", "eagle3"), default="ngram", help="how drafts are proposed")
+    parser.add_argument("--draft-model", help="the EAGLE-3 head (folder or shipped name) for --method eagle3")
     parser.add_argument("--dtype", choices=(*DTYPES, "auto"), default="auto",
                         help="auto: bfloat16 where the device computes it natively, else float32")
     parser.add_argument("--batch-sizes", type=int_list, default=[1, 2, 4, 8, 16],
@@ -125,8 +127,11 @@ def run_paper_bench(args: argparse.Namespace) -> dict:
                                                  lambda i: [{"role": "user", "content": texts[i]}])
     top_k = max(args.max_k, max(args.ks))
     console = Console()
-    console.print(f"loading {Path(args.model).name} {args.dtype} with n-gram speculation")
-    llm = LLM(str(source.path), dtype=args.dtype, device="cpu", method="ngram", num_speculative_tokens=top_k,
+    if args.method == "eagle3" and not args.draft_model:
+        raise ValueError("--method eagle3 needs --draft-model (an EAGLE-3 head folder or a shipped head's name)")
+    console.print(f"loading {Path(args.model).name} {args.dtype} with {args.method} speculation")
+    llm = LLM(str(source.path), dtype=args.dtype, device="cpu", method=args.method, draft_model=args.draft_model,
+              num_speculative_tokens=top_k,
               max_num_seqs=args.max_num_seqs or max(args.batch_sizes), enable_prefix_caching=False,
               kv_cache_memory=args.kv_cache_memory)
     engine = llm.engine
@@ -154,7 +159,8 @@ def run_paper_bench(args: argparse.Namespace) -> dict:
         "machine": {"cpu_count": os.cpu_count(), "processor": platform.processor() or platform.machine(),
                     "torch_version": torch.__version__, "threads": torch.get_num_threads(),
                     "load_average_1_5_15m": list(load_average)},
-        "settings": {"model": args.model, "model_path": str(source.path), "method": "ngram", "dtype": args.dtype,
+        "settings": {"model": args.model, "model_path": str(source.path), "method": args.method,
+                     "draft_model": args.draft_model, "dtype": args.dtype,
                      "batch_sizes": args.batch_sizes, "ks": args.ks, "max_k": args.max_k,
                      "max_num_seqs": engine.config.scheduler.max_num_seqs,
                      "output_len": args.output_len, "requests": args.requests, "repeats": args.repeats,

@@ -28,7 +28,7 @@ def _print_sweep(console, result: dict) -> None:
     cells = {(c["batch_size"], c["k"]): c for c in sweep["cells"]}
     best = {p["batch_size"]: p["best_k"] for p in sweep["per_batch"]}
     table = Table(
-        title=f"TPOT ms vs k, measured / predicted, {model} {settings['dtype']} n-gram, "
+        title=f"TPOT ms vs k, measured / predicted, {model} {settings['dtype']} {settings['method']}, "
               f"{settings['output_len']} tokens per request, batch submitted at once, "
               f"{settings['prompts']} prompts",
         caption=f"predicted: the latency model fitted by run_profile (fit error {profile['fit_error']:.1%}) with the "

@@ -32,7 +32,7 @@ def sweep(engine, args, prompt_ids, progress, task) -> list[dict]:
                 timings += round_timings
                 seconds += round_seconds
             stats = engine.spec_stats
-            cell = asdict(make_cell("tandem", "ngram", b, k, args.output_len, timings, seconds,
+            cell = asdict(make_cell("tandem", args.method, b, k, args.output_len, timings, seconds,
                                     SpecCounts.of(stats)))
             cell["conditional_acceptance"] = stats.conditional_acceptance[:k]  # vLLM's meaning: over proposed
             acceptance, coverage = stats.effective_acceptance[:k], stats.coverage[:k]  # over asked for

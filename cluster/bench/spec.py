@@ -62,8 +62,10 @@ WORKLOAD = ("each prompt asks to rewrite, summarize, proofread or continue a sho
 
 def add_spec_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default="smollm2-135m-instruct", help="short name, HF folder or .gguf file")
-    parser.add_argument("--method", choices=("ngram", "draft"), default="ngram", help="how drafts are proposed")
-    parser.add_argument("--draft-model", help="draft model for --method draft (the target itself = self-draft)")
+    parser.add_argument("--method", choices=("ngram", "draft", "eagle3"), default="ngram",
+                        help="how drafts are proposed")
+    parser.add_argument("--draft-model", help="draft model for --method draft (the target itself = self-draft); "
+                        "the EAGLE-3 head (folder or shipped name) for --method eagle3")
     parser.add_argument("--ngram-draft-per-match-token", type=ratio_or_none, default=1.0,
                         help="n-gram: a match shorter than 4 tokens drafts at most this many tokens per matched "
                              "token (default 1; none: every match drafts k, as vLLM)")
@@ -159,6 +161,8 @@ def engine_variants(args) -> list[tuple[str, dict]]:
 def _measure_tandem(args, source, prompt_ids, progress, task, system: str, variant: dict) -> list[SpecCell]:
     if args.method == "draft" and not args.draft_model:
         raise ValueError("--method draft needs --draft-model (a model sharing the target's tokenizer)")
+    if args.method == "eagle3" and not args.draft_model:
+        raise ValueError("--method eagle3 needs --draft-model (an EAGLE-3 head folder or a shipped head's name)")
     progress.update(task, description=f"loading {Path(args.model).name} {args.dtype}, {args.method} drafts")
     settings = dict(quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype)
     if args.draft_quantization:

@@ -12,7 +12,7 @@ Contract of :func:`train_head`:
   a pure function of seed and step, and ``OUT/checkpoint/state.pt`` (every
   ``checkpoint_every`` steps and at the end) holds weights, optimizer, step and RNG state, so a
   run resumed with the same settings takes the same steps as an uninterrupted one;
-- when done, ``OUT`` is a published-layout EAGLE-3 folder (:func:`cluster.models.eagle3.save_head`)
+- when done, ``OUT`` is a published-layout EAGLE-3 folder in bfloat16 (:func:`cluster.models.eagle3.save_head`)
   and ``OUT/head_report.json`` holds the loss curve and the held-out acceptance per draft position
   on ``tandem bench spec``'s prompts, which training never sees.
 """
@@ -221,7 +221,7 @@ def train_head(target: str, out: Path, settings: HeadSettings, stop_after: int |
                   "num_train_texts": len(texts.train),
                   "num_train_tokens": sum(len(t.token_ids) - t.prompt_len for t in texts.train),
                   "held_out_vocab_coverage": coverage, **acceptance}
-        save_head(head, out)
+        save_head(head, out, torch.bfloat16)  # as published heads are stored; the engine casts to its dtype
         tmp = out / f".head_report.json.{os.getpid()}.tmp"
         tmp.write_text(json.dumps(report, indent=1))
         os.replace(tmp, out / "head_report.json")

@@ -137,6 +137,9 @@ class HeadLayer(nn.Module):
         self.self_attn = HeadAttention(config)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = HeadMLP(config)
+        # Inference only (:meth:`Eagle3Head.fuse_projections`): Q, K, V as one matrix, gate and up as another.
+        self.qkv_proj: nn.Linear | None = None
+        self.gate_up_proj: nn.Linear | None = None
 
     def attention_input(self, embeds: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
         return torch.cat([self.input_layernorm(embeds), self.hidden_norm(hidden)], dim=-1)
@@ -144,7 +147,11 @@ class HeadLayer(nn.Module):
     def finish(self, attn_out: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
         """The layer's output (the residual stream, before the head's final norm)."""
         hidden = hidden + self.self_attn.o_proj(attn_out)
-        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+        normed = self.post_attention_layernorm(hidden)
+        if self.gate_up_proj is None:
+            return hidden + self.mlp(normed)
+        gate, up = self.gate_up_proj(normed).chunk(2, dim=-1)
+        return hidden + self.mlp.down_proj(F.silu(gate) * up)
 
 
 class Eagle3Head(nn.Module):
@@ -159,6 +166,15 @@ class Eagle3Head(nn.Module):
         self.embed_tokens: nn.Embedding | None = None  # its own, when a checkpoint has one
         self.rotary = RotaryEmbedding(_RopeConfig(config.rope_theta), config.head_dim, config.max_position_embeddings)
         self.attn = PagedAttention(config.num_heads, config.num_kv_heads, config.head_dim, config.head_dim**-0.5)
+
+    def fuse_projections(self) -> None:
+        """For inference: one matrix for Q, K and V and one for gate and up (as the target's layers
+        have), so a draft step runs four matrix products and the compiled attention kernel can take
+        its QKV; the separate matrices are dropped (the head can no longer be saved)."""
+        layer, attn, mlp = self.midlayer, self.midlayer.self_attn, self.midlayer.mlp
+        layer.qkv_proj = _stacked([attn.q_proj, attn.k_proj, attn.v_proj])
+        layer.gate_up_proj = _stacked([mlp.gate_proj, mlp.up_proj])
+        del attn.q_proj, attn.k_proj, attn.v_proj, mlp.gate_proj, mlp.up_proj
 
     def fuse(self, aux: torch.Tensor) -> torch.Tensor:
         """The target's concatenated aux states [n, len(aux) * target_hidden] -> [n, hidden]."""
@@ -176,28 +192,55 @@ class Eagle3Head(nn.Module):
         meta: AttentionMetadata,
     ) -> torch.Tensor:  # [n, hidden]: the layer's output before the final norm
         layer = self.midlayer
-        q, k, v = layer.self_attn.rotated_qkv(layer.attention_input(embeds, hidden),
-                                              self.rotary(positions, hidden.dtype))
-        n = q.shape[0]
-        attn_out = self.attn(q.reshape(n, -1), k.reshape(n, -1), v.reshape(n, -1), kv_cache, meta)
+        x = layer.attention_input(embeds, hidden)
+        rope = self.rotary(positions, hidden.dtype)
+        if layer.qkv_proj is not None and self.attn.decodes_in_kernel(kv_cache, meta):
+            attn_out = self.attn.rotary_decode(layer.qkv_proj(x), rope, kv_cache, meta)
+        else:
+            if layer.qkv_proj is not None:
+                q, k, v = _split_qkv(layer.qkv_proj(x), self.config, rope)
+            else:
+                q, k, v = layer.self_attn.rotated_qkv(x, rope)
+            n = q.shape[0]
+            attn_out = self.attn(q.reshape(n, -1), k.reshape(n, -1), v.reshape(n, -1), kv_cache, meta)
         return layer.finish(attn_out, hidden)
 
     def logits(self, out: torch.Tensor) -> torch.Tensor:  # [n, hidden] -> [n, draft_vocab] float32
         return self.lm_head(self.norm(out)).float()
 
 
+def _stacked(linears: list[nn.Linear]) -> nn.Linear:
+    weight = torch.cat([lin.weight.detach() for lin in linears])
+    stacked = nn.Linear(weight.shape[1], weight.shape[0], bias=False, device=weight.device, dtype=weight.dtype)
+    stacked.weight.data.copy_(weight)
+    return stacked
+
+
+def _split_qkv(qkv: torch.Tensor, config: HeadConfig, rope: tuple[torch.Tensor, torch.Tensor]):
+    n, dim = qkv.shape[0], config.head_dim
+    q_size, kv_size = config.num_heads * dim, config.num_kv_heads * dim
+    q = apply_rotary(qkv[:, :q_size].reshape(n, config.num_heads, dim), *rope)
+    k = apply_rotary(qkv[:, q_size : q_size + kv_size].reshape(n, config.num_kv_heads, dim), *rope)
+    return q, k, qkv[:, q_size + kv_size :].reshape(n, config.num_kv_heads, dim)
+
+
 WEIGHTS_FILE = "model.safetensors"
 
 
-def save_head(head: Eagle3Head, out: Path, extra_config: dict | None = None) -> None:
-    """A published-layout folder: ``config.json`` and ``model.safetensors`` (with ``t2d``)."""
+def save_head(head: Eagle3Head, out: Path, dtype: torch.dtype | None = None) -> None:
+    """A published-layout folder: ``config.json`` and ``model.safetensors`` (with ``t2d``); ``dtype``
+    stores the weights in another floating type (``torch_dtype`` in the config says which)."""
     out.mkdir(parents=True, exist_ok=True)
     tensors = {k: v.detach().contiguous() for k, v in head.state_dict().items() if not k.startswith("rotary.")}
+    if dtype is not None:
+        tensors = {k: v.to(dtype) if v.is_floating_point() else v for k, v in tensors.items()}
     t2d = torch.zeros(head.config.vocab_size, dtype=torch.bool)
     t2d[head.to_target_ids(torch.arange(head.config.draft_vocab_size))] = True
     tensors["t2d"] = t2d
     save_file(tensors, str(out / WEIGHTS_FILE), metadata={"format": "pt"})
-    (out / "config.json").write_text(json.dumps({**head.config.to_json(), **(extra_config or {})}, indent=1))
+    stored = next(v.dtype for v in tensors.values() if v.is_floating_point())
+    (out / "config.json").write_text(json.dumps({**head.config.to_json(), "torch_dtype": str(stored).removeprefix("torch.")},
+                                                indent=1))
 
 
 def load_head(folder: Path, num_target_layers: int | None = None) -> Eagle3Head:
@@ -231,6 +274,7 @@ def load_head(folder: Path, num_target_layers: int | None = None) -> Eagle3Head:
     renamed["d2t"] = renamed["d2t"].to(torch.int64)
     for name, tensor in renamed.items():
         current = head.get_parameter(name) if name != "d2t" else head.d2t
+        tensor = tensor.to(current.dtype)
         if current.shape != tensor.shape:
             raise ValueError(f"{folder}: {name} has shape {tuple(tensor.shape)}, the config implies "
                              f"{tuple(current.shape)}")

@@ -29,6 +29,7 @@ from cluster.runner.input_batch import SeqChunk
 from cluster.profiling.calibration import CALIBRATION_PROMPTS, acceptance_prompts
 from cluster.spec_decode.controller import FixedController
 from cluster.spec_decode.draft_proposer import DraftModelProposer
+from cluster.spec_decode.eagle3_proposer import Eagle3Proposer
 from cluster.spec_decode.latency_model import LatencyModel, power_of_two_sizes  # noqa: F401 (re-exported)
 from cluster.spec_decode.profile_data import SpeculationProfile
 
@@ -122,7 +123,7 @@ def run_profile(
     prompt_set: str = "calibration",
 ) -> SpeculationProfile:
     if engine.proposer is None:
-        raise ValueError("profiling needs speculation on: set speculative.method to 'draft' or 'ngram'")
+        raise ValueError("profiling needs speculation on: set speculative.method to 'ngram', 'draft' or 'eagle3'")
     prompts = acceptance_prompts(prompt_set)
     runner = engine.worker.runner
     vocab = runner.model.vocab_size
@@ -181,12 +182,17 @@ def run_profile(
 
 def _draft_pass(engine: Engine, tables, b: int, context_len: int, max_k: int, vocab: int, gen):
     """A call to time for ``b`` sequences' drafting and the draft passes it makes: one draft
-    model pass, or (n-gram) a whole proposal of ``max_k`` tokens, counted as ``max_k`` passes."""
+    model or head pass, or (n-gram) a whole proposal of ``max_k`` tokens, counted as ``max_k`` passes."""
     proposer = engine.proposer
     if isinstance(proposer, DraftModelProposer):
         tokens = torch.randint(3, vocab, (b,), generator=gen).tolist()
         chunks = [SeqChunk([t], context_len, 1) for t in tokens]
         return (lambda: proposer.runner.forward_logits(chunks, tables)), 1
+    if isinstance(proposer, Eagle3Proposer):
+        tokens = torch.randint(3, vocab, (b,), generator=gen).tolist()
+        chunks = [SeqChunk([t], context_len, 1) for t in tokens]
+        hidden = torch.randn(b, proposer.head.config.hidden_size, generator=gen).to(proposer.kv_cache)
+        return (lambda: proposer.head.logits(proposer.draft_pass(chunks, tables, hidden)).argmax(-1).tolist()), 1
     sequences = torch.randint(3, vocab, (b, context_len), generator=gen).tolist()
     ngram = proposer.ngram
     return (lambda: ngram.propose(sequences, [max_k] * b)), max(1, max_k)
@@ -203,7 +209,7 @@ def _batch_groups(engine: Engine, batch_sizes: list[int], num_tokens: int) -> li
 def _draft_name(speculative) -> str:
     """The draft model, or the method where no model drafts (n-gram, with its cap on short
     matches when one is set: it changes the coverage and acceptance measured)."""
-    if speculative.method == "draft" and speculative.draft_model:
+    if speculative.method in ("draft", "eagle3") and speculative.draft_model:
         return speculative.draft_model
     cap = speculative.ngram_draft_per_match_token
     if speculative.method == "ngram" and cap is not None:

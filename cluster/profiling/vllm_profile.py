@@ -205,7 +205,7 @@ def run_vllm_profile(config: TandemConfig, batch_sizes: list[int], max_k: int, o
         engine="vllm",
         device=f"{device_name(default_device(config.device.device))}, vLLM",
         target_model=config.model.model,
-        draft=sc.draft_model if sc.method == "draft" else sc.method,
+        draft=sc.draft_model if sc.method in ("draft", "eagle3") else sc.method,
         dtype=config.model.dtype,
         tensor_parallel_size=config.parallel.tensor_parallel_size,
         max_k=max_k,

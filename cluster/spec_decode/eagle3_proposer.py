@@ -55,7 +55,7 @@ class Eagle3Proposer:
         if not aux_hidden:
             return
         ids = list(aux_hidden)
-        fused = self.head.fuse(torch.cat([aux_hidden[r][1] for r in ids]).to(self.head.fc.weight.dtype))
+        fused = self.head.fuse(torch.cat([aux_hidden[r][1] for r in ids]).to(self.kv_cache.dtype))
         offset = 0
         for rid in ids:
             start, rows = aux_hidden[rid]
@@ -96,7 +96,7 @@ class Eagle3Proposer:
         hidden_in = torch.cat(hidden)
         rows = list(range(len(active)))
         for step in range(max(wanted)):
-            out = self._forward(chunks, [tables[i] for i in rows], hidden_in)
+            out = self.draft_pass(chunks, [tables[i] for i in rows], hidden_in)
             logits = self.head.logits(out)
             if greedy:
                 tokens = self.head.to_target_ids(logits.argmax(-1)).tolist()
@@ -139,8 +139,9 @@ class Eagle3Proposer:
             return None
         return first
 
-    def _forward(self, chunks: list[SeqChunk], tables: list[list[int]], hidden: torch.Tensor) -> torch.Tensor:
-        """The head's outputs at each chunk's last token: [num_chunks, hidden]."""
+    def draft_pass(self, chunks: list[SeqChunk], tables: list[list[int]], hidden: torch.Tensor) -> torch.Tensor:
+        """One head pass (entries of ``chunks`` from ``hidden``, one row per token): its outputs at
+        each chunk's last token, [num_chunks, hidden]."""
         inputs = prepare_inputs(chunks, tables, self.block_size, hidden.device, SHORT_QUERY_MAX)
         embeds = self.embed(inputs.input_ids).to(hidden.dtype)
         out = self.head(embeds, hidden, inputs.positions, self.kv_cache, inputs.attn)

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 from cluster.config import ConfigError, TandemConfig, with_overrides
+from cluster.kernels.packed_linear import pack_linears
 from cluster.models.eagle3 import load_head
+from cluster.models.layers.cpu_ops import attach_decode_ops
 from cluster.models.shipped_heads import resolve_head
 from cluster.runner.worker import Worker
 from cluster.spec_decode.controller import AdaptiveController, FixedController, SpeculationController, TableController
@@ -64,6 +66,9 @@ def build_eagle3(config: TandemConfig, target_worker) -> Eagle3Proposer:
         raise ConfigError(f"the EAGLE-3 head reads layers {list(hc.aux_layer_ids)} of width {hc.target_hidden_size}; "
                           f"the target has {model.num_layers} layers of width {model.config.hidden_size}")
     head = head.to(device=runner.device, dtype=runner.spec.dtype).eval()
+    head.fuse_projections()
+    pack_linears(head, runner.device, runner.spec.dtype)
+    attach_decode_ops(head, runner.device, runner.spec.dtype)
     model.aux_layer_ids = hc.aux_layer_ids
     embed = head.embed_tokens if head.embed_tokens is not None else model.embed_tokens
     return Eagle3Proposer(head, embed, runner)

@@ -133,3 +133,37 @@ def test_heads_that_do_not_fit_the_target_are_refused(tiny_llama_dir, tiny_opt_d
         make_engine(tiny_llama_dir, **_eagle3(tmp_path / "absent", num_blocks=32))
     with pytest.raises(ValueError, match="draft_model is required"):
         make_engine(tiny_llama_dir, method="eagle3")
+
+
+class _PricedSplit:
+    """k = 6 every step, each request's share priced by ``split_k`` with a fixed model; records the splits."""
+
+    def __init__(self, model) -> None:
+        self.model, self.splits = model, []
+
+    def choose_k(self, state) -> int:
+        return 6
+
+    def observe(self, obs) -> None:
+        """Learns nothing: the wall times of tiny models would soon make k = 0 best."""
+
+    def split_k(self, k, requests, asked):
+        from cluster.spec_decode.per_request_k import request_acceptance, split_k
+
+        ks = split_k(self.model, k, asked, [request_acceptance(r, [0.5] * 6) for r in requests])
+        self.splits.append(ks)
+        return ks
+
+
+def test_per_request_k_cuts_drafts_and_keeps_outputs(tiny_llama_dir, tiny_head_dir, expected):
+    from cluster.spec_decode.latency_model import LatencyModel
+
+    engine = make_engine(tiny_llama_dir, **_eagle3(tiny_head_dir, num_blocks=128, num_speculative_tokens=6))
+    # Drafting pays, but a verified token costs a twentieth of a step: the deep positions of requests
+    # that rarely accept do not.
+    engine.controller = _PricedSplit(LatencyModel([0.004, 0.0, 0.0002], [0.0002, 0.0]))
+    engine.per_request_k = True
+    assert run_to_completion(engine, _prompts(), GREEDY) == expected
+    assert any(ks and 0 < min(ks) < 6 for ks in engine.controller.splits), "no request's drafts were cut"
+    spec = engine.stats().spec
+    assert spec.num_draft_tokens < 6 * spec.num_drafts  # the cuts reached the proposer

@@ -10,6 +10,7 @@ from safetensors.torch import save_file
 
 from cluster.drafts.head_ttt import unrolled_logits
 from cluster.models.eagle3 import load_head, save_head
+from cluster.models.layers.cpu_ops import attach_decode_ops
 from cluster.models.tiny import tiny_llama_config
 from cluster.runner.input_batch import SHORT_QUERY_MAX, SeqChunk, prepare_inputs
 from tests.head_helpers import random_head, tiny_head_config
@@ -81,11 +82,13 @@ def test_folders_that_are_not_the_layout_are_refused(tmp_path):
         load_head(tmp_path)
 
 
+@pytest.mark.parametrize("engine_form", [False, True], ids=["as-trained", "fused-with-kernels"])
 @torch.no_grad()
-def test_drafting_over_the_paged_cache_computes_the_unrolled_training_forward():
+def test_drafting_over_the_paged_cache_computes_the_unrolled_training_forward(engine_form):
     """Entry ``t`` reads (target state t, token t + 1); draft step ``j`` at index ``t`` reads the
     step before's output and token ``t + j + 1``: the same numbers, whether unrolled over a whole
-    text (training) or one step at a time over the paged cache (the engine)."""
+    text (training) or one step at a time over the paged cache (the engine, also in the form it
+    runs: fused projections, the compiled CPU norm and attention where they built)."""
     head = random_head(CONFIG, seed=4).eval()
     embed = torch.nn.Embedding(CONFIG.vocab_size, CONFIG.hidden_size)
     length, steps, block_size = 21, 3, 4
@@ -93,6 +96,9 @@ def test_drafting_over_the_paged_cache_computes_the_unrolled_training_forward():
     aux = torch.randn(1, length, 3 * CONFIG.hidden_size)
     tokens = torch.randint(0, CONFIG.vocab_size, (1, length))
     dense = unrolled_logits(head, embed, aux, tokens, steps)
+    if engine_form:
+        head.fuse_projections()
+        attach_decode_ops(head, torch.device("cpu"), torch.float32)
 
     kv = torch.zeros(2, 16 * block_size, CONFIG.num_kv_heads, CONFIG.head_dim)
     table = list(range(16))

@@ -73,6 +73,9 @@ def test_draft_model_and_no_speculation():
     assert draft.engine_args["speculative_config"] == {"method": "draft_model", "model": "/d",
                                                        "num_speculative_tokens": 3}
     assert draft.engine_args["tensor_parallel_size"] == 2 and draft.spec.policy == "fixed"
+    head = vllm_settings(_config(method="eagle3", draft_model="/h", num_speculative_tokens=3), 1, "/m", "/h",
+                         None, True)
+    assert head.engine_args["speculative_config"] == {"method": "eagle3", "model": "/h", "num_speculative_tokens": 3}
     plain = vllm_settings(_config(), 1, "/m", None, None, True)
     assert "speculative_config" not in plain.engine_args and plain.spec.policy == "none"
 
