@@ -25,6 +25,7 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 from torch import nn
+from transformers import LlamaConfig
 
 from cluster.models.layers.attention import AttentionMetadata, PagedAttention
 from cluster.models.layers.rotary import RotaryEmbedding, apply_rotary
@@ -53,6 +54,7 @@ class HeadConfig:
     aux_layer_ids: tuple[int, ...]
     rope_theta: float
     max_position_embeddings: int
+    rope_scaling: dict | None = None  # as a Hugging Face config names it (llama3, yarn, ...)
 
     @classmethod
     def from_json(cls, data: dict, num_target_layers: int | None = None) -> "HeadConfig":
@@ -61,8 +63,6 @@ class HeadConfig:
             raise ValueError(f"an EAGLE-3 head has one decoder layer, this config has {data['num_hidden_layers']}")
         if data.get("hidden_act", "silu") != "silu":
             raise ValueError(f"EAGLE-3 heads with hidden_act {data['hidden_act']!r} are not supported (silu is)")
-        if data.get("rope_scaling"):
-            raise ValueError("EAGLE-3 heads with rope_scaling are not supported")
         hidden = data["hidden_size"]
         aux = (data.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
         if aux is None:
@@ -70,6 +70,9 @@ class HeadConfig:
                 raise ValueError("the head names no eagle_aux_hidden_state_layer_ids and the target's depth is unknown")
             aux = default_aux_layers(num_target_layers)
         heads = data["num_attention_heads"]
+        params = data.get("rope_parameters") or {}  # transformers 5's name for theta and scaling together
+        scaling = data.get("rope_scaling") or ({k: v for k, v in params.items() if k != "rope_theta"}
+                                               if params.get("rope_type", "default") != "default" else None)
         return cls(
             hidden_size=hidden, num_heads=heads, num_kv_heads=data.get("num_key_value_heads", heads),
             head_dim=data.get("head_dim") or hidden // heads, intermediate_size=data["intermediate_size"],
@@ -78,6 +81,7 @@ class HeadConfig:
             target_hidden_size=data.get("target_hidden_size") or hidden, aux_layer_ids=tuple(aux),
             rope_theta=float(data.get("rope_theta") or (data.get("rope_parameters") or {}).get("rope_theta", 10000.0)),
             max_position_embeddings=data.get("max_position_embeddings", 4096),
+            rope_scaling=scaling,
         )
 
     def to_json(self) -> dict:
@@ -87,17 +91,11 @@ class HeadConfig:
             "num_key_value_heads": self.num_kv_heads, "head_dim": self.head_dim,
             "intermediate_size": self.intermediate_size, "hidden_act": "silu", "rms_norm_eps": self.rms_norm_eps,
             "vocab_size": self.vocab_size, "draft_vocab_size": self.draft_vocab_size,
-            "target_hidden_size": self.target_hidden_size, "rope_theta": self.rope_theta, "rope_scaling": None,
+            "target_hidden_size": self.target_hidden_size, "rope_theta": self.rope_theta,
+            "rope_scaling": self.rope_scaling,
             "max_position_embeddings": self.max_position_embeddings, "tie_word_embeddings": False,
             "eagle_config": {"eagle_aux_hidden_state_layer_ids": list(self.aux_layer_ids)},
         }
-
-
-class _RopeConfig:
-    """What :class:`RotaryEmbedding` reads of a config."""
-
-    def __init__(self, theta: float) -> None:
-        self.rope_parameters = {"rope_type": "default", "rope_theta": theta}
 
 
 class HeadAttention(nn.Module):
@@ -155,7 +153,8 @@ class HeadLayer(nn.Module):
 
 
 class Eagle3Head(nn.Module):
-    def __init__(self, config: HeadConfig) -> None:
+    def __init__(self, config: HeadConfig, max_position: int | None = None) -> None:
+        """``max_position``: the longest context it drafts in (default: the config's)."""
         super().__init__()
         self.config = config
         self.fc = nn.Linear(len(config.aux_layer_ids) * config.target_hidden_size, config.hidden_size, bias=False)
@@ -164,7 +163,10 @@ class Eagle3Head(nn.Module):
         self.lm_head = nn.Linear(config.hidden_size, config.draft_vocab_size, bias=False)
         self.register_buffer("d2t", torch.zeros(config.draft_vocab_size, dtype=torch.int64))
         self.embed_tokens: nn.Embedding | None = None  # its own, when a checkpoint has one
-        self.rotary = RotaryEmbedding(_RopeConfig(config.rope_theta), config.head_dim, config.max_position_embeddings)
+        rope = LlamaConfig(hidden_size=config.hidden_size, num_attention_heads=config.num_heads,
+                           head_dim=config.head_dim, max_position_embeddings=config.max_position_embeddings,
+                           rope_theta=config.rope_theta, rope_scaling=config.rope_scaling)
+        self.rotary = RotaryEmbedding(rope, config.head_dim, max_position or config.max_position_embeddings)
         self.attn = PagedAttention(config.num_heads, config.num_kv_heads, config.head_dim, config.head_dim**-0.5)
 
     def fuse_projections(self) -> None:
@@ -243,7 +245,7 @@ def save_head(head: Eagle3Head, out: Path, dtype: torch.dtype | None = None) -> 
                                                 indent=1))
 
 
-def load_head(folder: Path, num_target_layers: int | None = None) -> Eagle3Head:
+def load_head(folder: Path, num_target_layers: int | None = None, max_position: int | None = None) -> Eagle3Head:
     """A head from a published-layout folder (``model.safetensors`` or ``pytorch_model.bin``);
     raises ValueError naming what is missing or unexpected."""
     folder = Path(folder)
@@ -252,7 +254,7 @@ def load_head(folder: Path, num_target_layers: int | None = None) -> Eagle3Head:
         raise ValueError(f"{folder} holds no config.json: not an EAGLE-3 head folder")
     config = HeadConfig.from_json(json.loads(config_path.read_text()), num_target_layers)
     tensors = _read_tensors(folder)
-    head = Eagle3Head(config)
+    head = Eagle3Head(config, max_position)
     renamed = {}
     for name, tensor in tensors.items():
         name = name.removeprefix("model.").replace("layers.0.", "midlayer.")

@@ -55,7 +55,9 @@ def build_eagle3(config: TandemConfig, target_worker) -> Eagle3Proposer:
         raise ConfigError(f"speculative.method eagle3 needs a Llama-family target; {config.model.model} is "
                           f"{type(model).__name__}")
     try:
-        head = load_head(resolve_head(config.speculative.draft_model), model.num_layers)
+        # Draft entries sit up to k - 2 positions past the context's end.
+        head = load_head(resolve_head(config.speculative.draft_model), model.num_layers,
+                         target_worker.max_model_len + config.speculative.num_speculative_tokens)
     except ValueError as exc:  # ModelLoadError included
         raise ConfigError(f"speculative.draft_model: {exc}") from exc
     hc = head.config

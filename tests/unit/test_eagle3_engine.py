@@ -167,3 +167,13 @@ def test_per_request_k_cuts_drafts_and_keeps_outputs(tiny_llama_dir, tiny_head_d
     assert any(ks and 0 < min(ks) < 6 for ks in engine.controller.splits), "no request's drafts were cut"
     spec = engine.stats().spec
     assert spec.num_draft_tokens < 6 * spec.num_drafts  # the cuts reached the proposer
+
+
+def test_profiling_times_the_heads_passes(tiny_llama_dir, tiny_head_dir):
+    from cluster.profiling.profiler import run_profile
+
+    engine = make_engine(tiny_llama_dir, **_eagle3(tiny_head_dir, num_blocks=64, num_speculative_tokens=2))
+    profile = run_profile(engine, [1, 2], 2, context_len=16, repeats=1)
+    assert profile.draft == str(tiny_head_dir)
+    assert [b for b, _ in profile.draft_grid] == [1, 2] and all(s > 0 for _, s in profile.draft_grid)
+    assert len(profile.acceptance) == 2 and set(profile.table) == {1, 2}

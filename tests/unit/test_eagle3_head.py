@@ -60,6 +60,19 @@ def test_the_published_layouts_load(tmp_path, prefix, file):
     assert torch.equal(loaded.d2t, head.d2t)
 
 
+def test_a_heads_rope_scaling_is_applied(tmp_path):
+    """Heads for Llama 3.1 targets name llama3 RoPE scaling; the head rotates as the config says."""
+    head = random_head(CONFIG, seed=2)
+    save_head(head, tmp_path)
+    data = json.loads((tmp_path / "config.json").read_text())
+    data["rope_scaling"] = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                            "original_max_position_embeddings": 64}
+    (tmp_path / "config.json").write_text(json.dumps(data))
+    scaled = load_head(tmp_path, max_position=600)
+    assert scaled.config.rope_scaling["rope_type"] == "llama3" and scaled.rotary.cos.shape[0] == 600
+    assert not torch.allclose(scaled.rotary.cos[:512], head.rotary.cos[:512])
+
+
 def test_folders_that_are_not_the_layout_are_refused(tmp_path):
     head = random_head(CONFIG, seed=3)
     save_head(head, tmp_path / "ok")

@@ -1,0 +1,56 @@
+"""``tandem draft train``: made prompts, the draft vocabulary, resumable deterministic training and a
+head folder in the published layout with its report."""
+
+from __future__ import annotations
+
+import json
+
+import torch
+
+from cluster.drafts.head_data import held_out_prompts
+from cluster.drafts.head_prompts import EDIT_TASKS, edit_prompts, open_prompts
+from cluster.drafts.head_train import HeadSettings, choose_draft_vocab, train_head
+from cluster.drafts.checkpoint import load_state
+from cluster.models.eagle3 import load_head
+
+SMALL = dict(steps=8, batch_size=4, seq_len=512, lr=3e-3, warmup_steps=2, ttt_steps=2, draft_vocab=64, num_open=6,
+             max_new_tokens=12, checkpoint_every=100)
+
+
+def test_made_prompts_are_distinct_seeded_and_never_the_benchmarks():
+    first = open_prompts(200, seed=0)
+    assert len(set(first)) == 200 and first == open_prompts(200, seed=0) and first != open_prompts(200, seed=1)
+    edits = edit_prompts(["A passage.", "Another one."], seed=0)
+    assert all(any(e.startswith(task) for task in EDIT_TASKS) for e in edits)
+    assert not set(held_out_prompts()) & set(first + edits)
+
+
+def test_the_draft_vocabulary_is_the_targets_most_chosen_tokens():
+    labels = [torch.tensor([5, 5, 5, 9, 9, 1]), torch.tensor([9, 7])]
+    assert choose_draft_vocab(labels, vocab_size=12, size=2).tolist() == [5, 9]
+    assert choose_draft_vocab(labels, vocab_size=12, size=3).tolist() == [1, 5, 9]  # a tie goes to the lower id
+
+
+def test_training_writes_a_loadable_head_and_its_report(tiny_llama_dir, tmp_path):
+    result = train_head(str(tiny_llama_dir), tmp_path / "head", HeadSettings(**SMALL), progress=False, device="cpu")
+    assert result.finished and result.step == 8
+    assert sum(result.losses[-3:]) < sum(result.losses[:3])
+    head = load_head(tmp_path / "head")
+    assert head.config.draft_vocab_size == 64 and head.fc.weight.dtype == torch.bfloat16
+    state = load_state(tmp_path / "head" / "checkpoint" / "state.pt")
+    assert torch.equal(head.to_target_ids(torch.arange(64)), state["vocab_ids"])
+    report = json.loads((tmp_path / "head" / "head_report.json").read_text())
+    assert len(report["acceptance_per_position"]) == 2 and report["held_out_places"] > 0
+    assert 1.0 <= report["mean_acceptance_length"] <= 3.0
+
+
+def test_a_resumed_run_takes_the_steps_an_uninterrupted_one_takes(tiny_llama_dir, tmp_path):
+    settings = HeadSettings(**SMALL)
+    whole = train_head(str(tiny_llama_dir), tmp_path / "whole", settings, progress=False, device="cpu")
+    first = train_head(str(tiny_llama_dir), tmp_path / "split", settings, stop_after=3, progress=False, device="cpu")
+    assert not first.finished and first.step == 3
+    resumed = train_head(str(tiny_llama_dir), tmp_path / "split", settings, progress=False, device="cpu")
+    assert resumed.finished and resumed.losses == whole.losses
+    a = load_state(tmp_path / "whole" / "checkpoint" / "state.pt")["head"]
+    b = load_state(tmp_path / "split" / "checkpoint" / "state.pt")["head"]
+    assert all(torch.equal(a[k], b[k]) for k in a)
