@@ -29,7 +29,6 @@ import torch
 from tqdm import tqdm
 
 from cluster.drafts.checkpoint import load_state, save_state
-from cluster.drafts.distill import batch_rows
 from cluster.drafts.head_data import Features, Text, TextSettings, load_or_extract, load_or_generate_texts
 from cluster.drafts.head_ttt import loss as ttt_loss
 from cluster.drafts.head_ttt import step_hits, unrolled_logits
@@ -50,6 +49,7 @@ class HeadSettings:
     ttt_steps: int = 4
     decay: float = 0.8
     draft_vocab: int = 8192
+    compute_dtype: str = "bfloat16"  # matrix products under autocast (float32: none); weights stay float32
     seed: int = 0
     num_open: int = 1600
     max_new_tokens: int = 192
@@ -65,6 +65,8 @@ class HeadSettings:
             raise ValueError(f"num_open must be at least 2 (round two edits half of round one), got {self.num_open}")
         if not self.lr > 0:
             raise ValueError(f"lr must be positive, got {self.lr}")
+        if self.compute_dtype not in ("bfloat16", "float32"):
+            raise ValueError(f"compute_dtype must be bfloat16 or float32, got {self.compute_dtype!r}")
 
     @property
     def texts(self) -> TextSettings:
@@ -114,6 +116,17 @@ class Batches:
             # token, and x[u] is not the text's last (its input x[u] exists for every step's shift).
             answer[r, max(text.prompt_len - 1, 0) : n - 1] = True
         return aux, tokens, labels, answer
+
+
+def grouped_batch(step: int, batch_size: int, lengths: list[int], seed: int) -> list[int]:
+    """Texts of ``step``'s batch: each epoch cuts the texts, sorted by length, into batches of
+    ``batch_size`` and visits them in a seeded order, so a batch pads little and a step number
+    is a data position (a resumed run reads what an uninterrupted one would)."""
+    order = sorted(range(len(lengths)), key=lambda i: (lengths[i], i))
+    batches = [order[i : i + batch_size] for i in range(0, len(order), batch_size)]
+    epoch, index = divmod(step, len(batches))
+    generator = torch.Generator().manual_seed(seed * 1_000_003 + epoch)
+    return batches[int(torch.randperm(len(batches), generator=generator)[index])]
 
 
 def choose_draft_vocab(labels: list[torch.Tensor], vocab_size: int, size: int) -> torch.Tensor:
@@ -191,12 +204,15 @@ def train_head(target: str, out: Path, settings: HeadSettings, stop_after: int |
     end = settings.steps if stop_after is None else min(settings.steps, step + stop_after)
     bar = tqdm(total=settings.steps, initial=step, desc="training head", unit="step") if progress else None
     head.train()
+    lengths = [min(len(t.token_ids), settings.seq_len) for t in texts.train]
+    autocast = settings.compute_dtype == "bfloat16"
     while step < end:
-        aux, tokens, labels, answer = train.rows(batch_rows(step, settings.batch_size, len(train), settings.seed))
+        aux, tokens, labels, answer = train.rows(grouped_batch(step, settings.batch_size, lengths, settings.seed))
         for group in optimizer.param_groups:
             group["lr"] = settings.lr_at(step)
-        logits = unrolled_logits(head, embed, aux.float(), tokens, settings.ttt_steps)
-        value = ttt_loss(logits, labels, answer, t2d, settings.decay)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            logits = unrolled_logits(head, embed, aux.float(), tokens, settings.ttt_steps)
+            value = ttt_loss(logits, labels, answer, t2d, settings.decay)
         optimizer.zero_grad(set_to_none=True)
         value.backward()
         torch.nn.utils.clip_grad_norm_(params, 1.0)

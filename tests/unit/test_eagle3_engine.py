@@ -177,3 +177,20 @@ def test_profiling_times_the_heads_passes(tiny_llama_dir, tiny_head_dir):
     assert profile.draft == str(tiny_head_dir)
     assert [b for b, _ in profile.draft_grid] == [1, 2] and all(s > 0 for _, s in profile.draft_grid)
     assert len(profile.acceptance) == 2 and set(profile.table) == {1, 2}
+
+
+def test_the_shipped_head_drafts_for_the_embedded_default():
+    """The head trained for SmolLM2-135M-Instruct, on the benchmark's edit prompts (which it never
+    trained on): greedy text equal to plain decoding's (float32), and most first drafts accepted."""
+    from cluster.models.loader import load_tokenizer, resolve_model
+    from cluster.profiling.edit_prompts import build_prompt_ids
+
+    prompts, _ = build_prompt_ids(load_tokenizer(resolve_model("smollm2-135m-instruct")), 4)
+    params = SamplingParams(max_tokens=32, temperature=0, ignore_eos=True)
+    settings = dict(num_blocks=128, dtype="float32")
+    plain = run_to_completion(make_engine("smollm2-135m-instruct", **settings), prompts, params)
+    engine = make_engine("smollm2-135m-instruct", **_eagle3("smollm2-135m-instruct-eagle3", num_speculative_tokens=3,
+                                                            **settings))
+    assert run_to_completion(engine, prompts, params) == plain
+    spec = engine.stats().spec
+    assert spec.accepted_per_position[0] / spec.reached_per_position[0] > 0.5

@@ -9,7 +9,7 @@ import torch
 
 from cluster.drafts.head_data import held_out_prompts
 from cluster.drafts.head_prompts import EDIT_TASKS, edit_prompts, open_prompts
-from cluster.drafts.head_train import HeadSettings, choose_draft_vocab, train_head
+from cluster.drafts.head_train import HeadSettings, choose_draft_vocab, grouped_batch, train_head
 from cluster.drafts.checkpoint import load_state
 from cluster.models.eagle3 import load_head
 
@@ -29,6 +29,15 @@ def test_the_draft_vocabulary_is_the_targets_most_chosen_tokens():
     labels = [torch.tensor([5, 5, 5, 9, 9, 1]), torch.tensor([9, 7])]
     assert choose_draft_vocab(labels, vocab_size=12, size=2).tolist() == [5, 9]
     assert choose_draft_vocab(labels, vocab_size=12, size=3).tolist() == [1, 5, 9]  # a tie goes to the lower id
+
+
+def test_batches_group_texts_of_like_length_and_cover_each_epoch_once():
+    lengths = [30, 5, 17, 6, 29, 18, 4, 31, 16]
+    epoch = [grouped_batch(step, 3, lengths, seed=0) for step in range(3)]
+    assert sorted(i for batch in epoch for i in batch) == list(range(9))
+    assert sorted(sorted(lengths[i] for i in batch) for batch in epoch) == [[4, 5, 6], [16, 17, 18], [29, 30, 31]]
+    assert [grouped_batch(step, 3, lengths, seed=0) for step in range(3, 6)] != epoch  # another order next epoch
+    assert grouped_batch(4, 3, lengths, seed=0) == grouped_batch(4, 3, lengths, seed=0)
 
 
 def test_training_writes_a_loadable_head_and_its_report(tiny_llama_dir, tmp_path):
