@@ -130,9 +130,6 @@ class SpeculativeConfig(_Strict):
     explore_budget: float = Field(
         0.001, ge=0, le=1, description="adaptive: the most its probes (one draft token more than the k held) "
         "may add to the mean predicted step time")
-    per_request_k: bool = Field(
-        False, description="adaptive: within the step's k, each request drafts only as deep as its own acceptance "
-        "pays (cluster/spec_decode/per_request_k.py)")
     verification: Literal["auto", "rejection", "coupled"] = Field(
         "auto", description="how drafts are checked: rejection sampling, or coupling (the target's own draw at each "
         "position with that position's seeded number; a seeded request's text is then the same whatever k). auto: "
@@ -149,9 +146,6 @@ class SpeculativeConfig(_Strict):
             raise ValueError(f"speculative.draft_model is required when speculative.method is {self.method!r}")
         if self.ngram_min > self.ngram_max:
             raise ValueError("speculative.ngram_min must be <= speculative.ngram_max")
-        if self.per_request_k and self.controller != "adaptive":
-            raise ValueError("speculative.per_request_k needs controller: adaptive (its step-time model prices "
-                             "each request's drafts)")
         return self
 
 

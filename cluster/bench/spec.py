@@ -25,8 +25,7 @@ reports what the mode costs and whether greedy output then equals plain decoding
 sampling (one engine each): acceptance, speed, and how many requests keep k = 0's text.
 ``--adaptive PROFILE`` adds a cell per batch size run by the adaptive controller started from
 that ``tandem profile`` (k up to the largest of ``--ks``, fresh at each batch size and round),
-printed as k = ``adaptive``, with its speed-up over k = 0 like any other; ``--per-request-k``
-adds another (``adaptive/request``) with each request given its own k.
+printed as k = ``adaptive``, with its speed-up over k = 0 like any other.
 """
 
 from __future__ import annotations
@@ -45,8 +44,8 @@ from rich.progress import Progress
 
 from cluster.bench.args import int_list, k_list, positive_int, ratio_or_none
 from cluster.bench.offline import DTYPES, concrete_dtype
-from cluster.bench.spec_cells import (ADAPTIVE_K, PER_REQUEST_K, WARMUP_LEN, RequestTiming, SpecCell, SpecCounts,
-                                      k_name, pool_rounds)
+from cluster.bench.spec_cells import (ADAPTIVE_K, WARMUP_LEN, RequestTiming, SpecCell, SpecCounts, k_name,
+                                      pool_rounds)
 from cluster.bench.spec_report import TANDEM_INVARIANT, TANDEM_REJECTION, build_result, print_tables
 from cluster.bench.spec_vllm import VllmResult, measure_vllm
 from cluster.engine.llm import LLM
@@ -93,8 +92,6 @@ def add_spec_args(parser: argparse.ArgumentParser) -> None:
                         help="speculative.verification; both: measure each cell coupled and by rejection sampling")
     parser.add_argument("--adaptive", type=Path, metavar="PROFILE",
                         help="also measure the adaptive controller started from this `tandem profile` JSON")
-    parser.add_argument("--per-request-k", action="store_true",
-                        help="with --adaptive: also measure it giving each request its own k (speculative.per_request_k)")
     parser.add_argument("--vllm", action="store_true", help="also measure vLLM's CPU server (n-gram) as a peer")
     parser.add_argument("--vllm-ks", type=k_list, default=[0, 2, 4], help="vLLM's speculation lengths")
     parser.add_argument("--vllm-script", type=Path, default=DEFAULT_VLLM_SCRIPT, help="the vllm_cpu.sh anchor")
@@ -177,8 +174,7 @@ def _measure_tandem(args, source, prompt_ids, progress, task, system: str, varia
               max_num_seqs=max(args.batch_sizes), kv_cache_memory=args.kv_cache_memory, **variant, **settings)
     engine = llm.engine
     cells = []
-    ks = sorted(args.ks) + ([ADAPTIVE_K] if args.adaptive else []) + (
-        [PER_REQUEST_K] if args.adaptive and args.per_request_k else [])
+    ks = sorted(args.ks) + ([ADAPTIVE_K] if args.adaptive else [])
     for batch_size in args.batch_sizes:
         rounds: dict[int, list[tuple]] = {k: [] for k in ks}  # per k, each round's (timings, seconds, counts, outputs)
         for round_ in range(args.repeats):
@@ -187,7 +183,6 @@ def _measure_tandem(args, source, prompt_ids, progress, task, system: str, varia
                 progress.update(task, description=f"{system} batch {batch_size}, k={k_name(k)}"
                                 + (f" (round {round_ + 1})" if args.repeats > 1 else ""))
                 engine.controller = _controller(args, k)
-                engine.per_request_k = k == PER_REQUEST_K
                 run_closed_loop(engine, prompt_ids[:batch_size], min(WARMUP_LEN, args.output_len), batch_size,
                                 temperature=args.temperature)
                 before = SpecCounts.of(engine.stats().spec)
@@ -209,7 +204,7 @@ def _measure_tandem(args, source, prompt_ids, progress, task, system: str, varia
 
 
 def _controller(args, k: int):
-    if k >= 0:
+    if k != ADAPTIVE_K:
         return FixedController(k)
     profile = SpeculationProfile.load(str(args.adaptive))
     return AdaptiveController.from_profile(profile, min(max(args.ks), profile.max_k))
@@ -220,8 +215,6 @@ def run_spec_bench(args: argparse.Namespace) -> dict:
     if args.vllm and args.temperature > 0:
         raise ValueError("the vLLM peer is measured greedy: drop --vllm or --temperature")
     variants = engine_variants(args)
-    if args.per_request_k and not args.adaptive:
-        raise ValueError("--per-request-k measures the adaptive controller: give --adaptive PROFILE")
     if args.adaptive:
         SpeculationProfile.load(str(args.adaptive))  # a missing or broken profile fails before any model loads
     if args.threads:
@@ -237,7 +230,7 @@ def run_spec_bench(args: argparse.Namespace) -> dict:
     vllm = VllmResult(enabled=False)
     num_vllm = len(args.vllm_ks) * len(args.batch_sizes) if args.vllm else 0
     with Progress(console=console) as progress:
-        cells_per_batch = len(args.ks) + (2 if args.per_request_k else 1 if args.adaptive else 0)
+        cells_per_batch = len(args.ks) + (1 if args.adaptive else 0)
         task = progress.add_task("loading", total=len(variants) * cells_per_batch * len(args.batch_sizes) * args.repeats
                                  + num_vllm)
         cells = [c for system, variant in variants

@@ -53,12 +53,11 @@ class SpecCounts:
 
 # The k of a cell run by the adaptive controller (``--adaptive``), which picks k itself every step.
 ADAPTIVE_K = -1
-PER_REQUEST_K = -2  # the adaptive controller with speculative.per_request_k
 
 
 def k_name(k: int) -> str:
     """How a cell's k is printed."""
-    return {ADAPTIVE_K: "adaptive", PER_REQUEST_K: "adaptive/request"}.get(k, str(k))
+    return "adaptive" if k == ADAPTIVE_K else str(k)
 
 
 @dataclass(frozen=True)
@@ -68,7 +67,7 @@ class SpecCell:
     system: str  # "tandem" or "vllm"
     method: str
     batch_size: int
-    k: int  # ADAPTIVE_K / PER_REQUEST_K for the adaptive controller's cells
+    k: int  # ADAPTIVE_K for the adaptive controller's cell
     num_requests: int
     output_tokens: int
     seconds: float

@@ -12,7 +12,7 @@ import torch
 from rich import box
 from rich.table import Table
 
-from cluster.bench.spec_cells import k_name
+from cluster.bench.spec_cells import ADAPTIVE_K, k_name
 
 TANDEM_INVARIANT = "tandem-batch-invariant"  # the system name of cells measured with model.batch_invariant
 TANDEM_REJECTION = "tandem-rejection"  # cells verified by rejection sampling (--verification both)
@@ -108,7 +108,7 @@ def _with_speedups(cells: list) -> list[dict]:
     """Cells ordered by (batch size, k), the adaptive controller's last, each with its tok/s over
     k = 0 at the same batch size."""
     base = {(c.system, c.batch_size): c.tok_per_s for c in cells if c.k == 0}
-    cells = sorted(cells, key=lambda c: (c.batch_size, c.k < 0, -c.k))  # fixed k up, then the controllers
+    cells = sorted(cells, key=lambda c: (c.batch_size, c.k == ADAPTIVE_K, c.k))
     return [asdict(c) | {"speedup_vs_k0": (c.tok_per_s / base[(c.system, c.batch_size)]
                                            if (c.system, c.batch_size) in base else None)} for c in cells]
 

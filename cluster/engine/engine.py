@@ -8,7 +8,6 @@ new tokens into outputs. Checking input (``input_processor``) and building outpu
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import time
 from dataclasses import dataclass
@@ -30,7 +29,6 @@ from cluster.shared.request import Request, RequestStatus
 from cluster.shared.sampling_params import SamplingParams
 from cluster.spec_decode.controller import BatchState, StepObservation
 from cluster.spec_decode.factory import build_speculation
-from cluster.spec_decode.per_request_k import record_verified
 from cluster.spec_decode.stats import SpecDecodeStats
 
 logger = logging.getLogger(__name__)
@@ -67,7 +65,6 @@ class Engine:
         self.vocab_size = self.worker.vocab_size
         self.proposer, self.controller = build_speculation(config, self.worker)
         self.spec_stats = SpecDecodeStats()
-        self.per_request_k = config.speculative.per_request_k
         self.grammars = Grammars(self.tokenizer, self.vocab_size, self.eos_token_id)
         self.inputs = InputProcessor(config, self.tokenizer, self.vocab_size, self.eos_token_id, self.max_model_len,
                                      self.block_manager, self.grammars, self.adapters, self._id_in_use)
@@ -134,8 +131,6 @@ class Engine:
                 self.scheduler.add_request(request)
         k = self._choose_k()
         out = self.scheduler.schedule(num_lookahead_tokens=k)
-        if k and self.per_request_k:
-            self._split_k(out, k)
         tables = [self.block_manager.get_block_table(s.request.request_id) for s in out.scheduled]
         drafts = None
         if any(s.num_draft_tokens for s in out.scheduled):
@@ -169,14 +164,6 @@ class Engine:
             return 0
         return self.controller.choose_k(BatchState(self.scheduler.num_running, self.scheduler.num_waiting))
 
-    def _split_k(self, out, k: int) -> None:
-        """Cut each request's draft tokens to what its own acceptance pays (``speculative.per_request_k``)."""
-        drafting = [i for i, s in enumerate(out.scheduled) if s.num_draft_tokens]
-        ks = self.controller.split_k(k, [out.scheduled[i].request for i in drafting],
-                                     [out.scheduled[i].num_draft_tokens for i in drafting])
-        for i, n in zip(drafting, ks):
-            out.scheduled[i] = dataclasses.replace(out.scheduled[i], num_draft_tokens=n)
-
     def _record_spec(self, k: int, out, drafts, sampled, seconds: float) -> None:
         if self.controller is None:
             return
@@ -189,12 +176,9 @@ class Engine:
                     proposed = len(drafts.token_ids.get(rid, ()))
                     accepted = sampled[rid].num_accepted if proposed else 0
                     self.spec_stats.record_request(proposed, accepted, s.num_draft_tokens)
-                    record_verified(s.request, proposed, accepted)
                     verified.append((s.num_draft_tokens, proposed, accepted))
         # Steps with prefill chunks are not what the latency model describes.
         if out.scheduled and all(s.num_new_tokens == 1 for s in out.scheduled):
-            if self.per_request_k:  # the draft passes run: the deepest request's
-                k = max((s.num_draft_tokens for s in out.scheduled), default=0)
             self.controller.observe(StepObservation(len(out.scheduled), k, seconds, verified,
                                                     sum(p for _, p, _ in verified)))
 

@@ -82,9 +82,6 @@ class Request:
         # Speculative decoding: tokens whose K/V the draft model holds (never more than
         # the target's verified ``num_computed_tokens``; 0 again after preemption).
         self.draft_num_computed_tokens = 0
-        # Per draft position: verifications that reached it, and those that accepted it.
-        self.spec_tries: list[int] = []
-        self.spec_hits: list[int] = []
         # bad_words as token sequences (set by the engine, which has the tokenizer).
         self.bad_words_token_ids: list[list[int]] = []
         # Structured outputs: the grammar state after the output tokens (None: unconstrained).

@@ -40,10 +40,8 @@ from typing import Protocol
 
 import numpy as np
 
-from cluster.shared.request import Request
 from cluster.spec_decode.latency_model import LatencyModel
 from cluster.spec_decode.pass_grid import PassGrid
-from cluster.spec_decode.per_request_k import request_acceptance, split_k
 
 
 @dataclass(frozen=True)
@@ -77,11 +75,6 @@ class SpeculationController(Protocol):
         """What a learning controller believes now, for the debug views (None: it learns nothing)."""
         ...
 
-    def split_k(self, k: int, requests: list[Request], asked: list[int]) -> list[int]:
-        """Each request's draft length within the step's ``k`` (``asked``: what the scheduler
-        gave each; a controller without a step-time model keeps it)."""
-        ...
-
 
 @dataclass
 class FixedController:
@@ -98,9 +91,6 @@ class FixedController:
 
     def estimates(self, batch_sizes: list[int]) -> None:
         return None
-
-    def split_k(self, k: int, requests: list[Request], asked: list[int]) -> list[int]:
-        return list(asked)
 
 
 class TableController:
@@ -125,9 +115,6 @@ class TableController:
 
     def estimates(self, batch_sizes: list[int]) -> None:
         return None
-
-    def split_k(self, k: int, requests: list[Request], asked: list[int]) -> list[int]:
-        return list(asked)
 
 
 class AdaptiveController:
@@ -286,10 +273,6 @@ class AdaptiveController:
             "ms_per_token_by_k": {b: [round(1000 * t, 3) for t in self.model.time_per_token_by_k(
                 b, self.acceptance, self.max_k, self.coverage)] for b in batch_sizes},
         }
-
-    def split_k(self, k: int, requests: list[Request], asked: list[int]) -> list[int]:
-        """Per request, as deep as its own acceptance pays (:mod:`cluster.spec_decode.per_request_k`)."""
-        return split_k(self.model, k, asked, [request_acceptance(r, self.acceptance) for r in requests])
 
     # ---- learning ---------------------------------------------------------------------
     def observe(self, obs: StepObservation) -> None:
