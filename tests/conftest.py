@@ -44,16 +44,10 @@ def noisy_draft_dir(tiny_llama_dir, tmp_path_factory):
     return path
 
 
-TINY_HEAD_SETTINGS = dict(steps=150, batch_size=8, seq_len=512, lr=3e-3, warmup_steps=10, ttt_steps=3,
-                          draft_vocab=160, num_open=24, max_new_tokens=48, checkpoint_every=1000)
-
-
 @pytest.fixture(scope="session")
 def tiny_head_dir(tiny_llama_dir, tmp_path_factory):
-    """An EAGLE-3 head trained briefly on tiny_llama's own text by ``tandem draft train``'s code:
-    it agrees with the target often but not always."""
-    from cluster.drafts.head_train import HeadSettings, train_head
+    """An EAGLE-3 head trained briefly on tiny_llama's greedy answers to random-token prompts: it
+    agrees with the target often but not always."""
+    from tests.head_helpers import train_tiny_head
 
-    out = tmp_path_factory.mktemp("tiny_head")
-    train_head(str(tiny_llama_dir), out, HeadSettings(**TINY_HEAD_SETTINGS), progress=False, device="cpu")
-    return out
+    return train_tiny_head(tiny_llama_dir, tmp_path_factory.mktemp("tiny_head"))

@@ -25,7 +25,6 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 from torch import nn
-from transformers import LlamaConfig
 
 from cluster.models.layers.attention import AttentionMetadata, PagedAttention
 from cluster.models.layers.rotary import RotaryEmbedding, apply_rotary
@@ -163,6 +162,9 @@ class Eagle3Head(nn.Module):
         self.lm_head = nn.Linear(config.hidden_size, config.draft_vocab_size, bias=False)
         self.register_buffer("d2t", torch.zeros(config.draft_vocab_size, dtype=torch.int64))
         self.embed_tokens: nn.Embedding | None = None  # its own, when a checkpoint has one
+        # here, not at the top: transformers' model configs would load with every server import
+        from transformers import LlamaConfig
+
         rope = LlamaConfig(hidden_size=config.hidden_size, num_attention_heads=config.num_heads,
                            head_dim=config.head_dim, max_position_embeddings=config.max_position_embeddings,
                            rope_theta=config.rope_theta, rope_scaling=config.rope_scaling)

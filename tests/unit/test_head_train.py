@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 
 import torch
+from safetensors.torch import load_file
 
 from cluster.drafts.head_data import held_out_prompts
 from cluster.drafts.head_prompts import EDIT_TASKS, edit_prompts, open_prompts
@@ -45,7 +46,8 @@ def test_training_writes_a_loadable_head_and_its_report(tiny_llama_dir, tmp_path
     assert result.finished and result.step == 8
     assert sum(result.losses[-3:]) < sum(result.losses[:3])
     head = load_head(tmp_path / "head")
-    assert head.config.draft_vocab_size == 64 and head.fc.weight.dtype == torch.bfloat16
+    assert head.config.draft_vocab_size == 64
+    assert load_file(str(tmp_path / "head" / "model.safetensors"))["fc.weight"].dtype == torch.bfloat16
     state = load_state(tmp_path / "head" / "checkpoint" / "state.pt")
     assert torch.equal(head.to_target_ids(torch.arange(64)), state["vocab_ids"])
     report = json.loads((tmp_path / "head" / "head_report.json").read_text())
