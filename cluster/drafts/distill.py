@@ -21,7 +21,6 @@ Contract of :func:`distill`:
 from __future__ import annotations
 
 import json
-import math
 import os
 import shutil
 from dataclasses import asdict, dataclass
@@ -30,7 +29,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from cluster.drafts.checkpoint import load_state, save_state
+from cluster.drafts.checkpoint import check_same_settings, load_state, save_state, warmup_cosine
 from cluster.drafts.distill_data import Rows, SampleSettings, load_instruction_prompts, load_or_generate, split_rows
 from cluster.drafts.prune import (LAYER_CHOICES, heldout_kl, kl_from_target_hidden, load_target, own_state_dict, prune,
                                   select_layers, target_hidden_states)
@@ -75,12 +74,8 @@ class DistillSettings:
         return SampleSettings(self.num_samples, self.max_new_tokens, self.temperature, self.top_p, self.seed)
 
     def lr_at(self, step: int) -> float:
-        """Linear warm-up (at most a fifth of the steps), then cosine decay to a tenth of ``lr``."""
-        warmup = min(self.warmup_steps, self.steps // 5)
-        if step < warmup:
-            return self.lr * (step + 1) / warmup
-        progress = (step - warmup) / max(1, self.steps - warmup)
-        return self.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(progress, 1.0))))
+        """Linear warm-up, then cosine decay to a tenth of ``lr``."""
+        return warmup_cosine(step, self.steps, self.warmup_steps, self.lr, 0.1)
 
 
 @dataclass(frozen=True)
@@ -111,7 +106,7 @@ def distill(target: str, out: Path, settings: DistillSettings, prompts: list[str
 
     state = load_state(ckpt_dir / "state.pt")
     if state is not None:
-        _check_same_settings(state["settings"], settings, ckpt_dir)
+        check_same_settings(state["settings"], settings, ckpt_dir)
         layers, report = state["layers"], state["report"]
     else:
         layers, report = _choose_layers(teacher, settings, probe)
@@ -200,15 +195,6 @@ def _choose_layers(teacher, settings: DistillSettings, probe: Rows) -> tuple[lis
     report = {"layer_choice": best, "layer_candidates": {c: {"layers": candidates[c], "kl": measured[c]}
                                                          for c in choices}}
     return candidates[best], report
-
-
-def _check_same_settings(saved: dict, settings: DistillSettings, ckpt_dir: Path) -> None:
-    saved_cmp = {**saved, "checkpoint_every": settings.checkpoint_every}
-    if saved_cmp != asdict(settings):
-        diff = {k: (saved_cmp.get(k), v) for k, v in asdict(settings).items() if saved_cmp.get(k) != v}
-        changed = ", ".join(f"{k}: was {a}, now {b}" for k, (a, b) in diff.items())
-        raise ValueError(f"{ckpt_dir} holds a run with other settings ({changed}); "
-                         "resume with the same settings or use another output folder")
 
 
 def _own(student) -> dict[str, torch.Tensor]:

@@ -20,7 +20,6 @@ Contract of :func:`train_head`:
 from __future__ import annotations
 
 import json
-import math
 import os
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -28,7 +27,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from cluster.drafts.checkpoint import load_state, save_state
+from cluster.drafts.checkpoint import check_same_settings, load_state, save_state, warmup_cosine
 from cluster.drafts.head_data import Features, Text, TextSettings, load_or_extract, load_or_generate_texts
 from cluster.drafts.head_ttt import loss as ttt_loss
 from cluster.drafts.head_ttt import step_hits, unrolled_logits
@@ -73,11 +72,8 @@ class HeadSettings:
         return TextSettings(self.num_open, self.max_new_tokens, self.temperature, self.seed)
 
     def lr_at(self, step: int) -> float:
-        warmup = min(self.warmup_steps, self.steps // 5)
-        if step < warmup:
-            return self.lr * (step + 1) / warmup
-        progress = (step - warmup) / max(1, self.steps - warmup)
-        return self.lr * (0.05 + 0.95 * 0.5 * (1 + math.cos(math.pi * min(progress, 1.0))))
+        """Linear warm-up, then cosine decay to a twentieth of ``lr``."""
+        return warmup_cosine(step, self.steps, self.warmup_steps, self.lr, 0.05)
 
 
 @dataclass(frozen=True)
@@ -183,7 +179,7 @@ def train_head(target: str, out: Path, settings: HeadSettings, stop_after: int |
 
     state = load_state(ckpt / "state.pt")
     if state is not None:
-        _check_same_settings(state["settings"], settings, ckpt)
+        check_same_settings(state["settings"], settings, ckpt)
         vocab_ids = state["vocab_ids"]
     else:
         vocab_ids = choose_draft_vocab(train_features.labels, config.vocab_size, settings.draft_vocab)
@@ -270,11 +266,3 @@ def held_out_acceptance(head: Eagle3Head, embed: torch.nn.Embedding, held: Batch
     return {"acceptance_per_position": per_position, "mean_acceptance_length": mean_length,
             "held_out_places": chained_tries[0]}
 
-
-def _check_same_settings(saved: dict, settings: HeadSettings, ckpt: Path) -> None:
-    saved_cmp = {**saved, "checkpoint_every": settings.checkpoint_every}
-    if saved_cmp != asdict(settings):
-        changed = ", ".join(f"{k}: was {saved_cmp.get(k)}, now {v}" for k, v in asdict(settings).items()
-                            if saved_cmp.get(k) != v)
-        raise ValueError(f"{ckpt} holds a run with other settings ({changed}); "
-                         "resume with the same settings or use another output folder")

@@ -70,10 +70,12 @@ class Eagle3Proposer:
 
     @torch.inference_mode()
     def propose(self, scheduled: list[ScheduledRequest], block_tables: list[list[int]]) -> DraftProposal:
-        active = []
+        active, firsts = [], []
         for s, table in zip(scheduled, block_tables):
-            if s.num_draft_tokens > 0 and self._catch_up_start(s.request) is not None:
+            first = self._catch_up_start(s.request) if s.num_draft_tokens > 0 else None
+            if first is not None:
                 active.append((s, table))
+                firsts.append(first)
         if not active:
             return DraftProposal({}, None)
         requests = [s.request for s, _ in active]
@@ -85,8 +87,7 @@ class Eagle3Proposer:
 
         # Pass 1: the catch-up entries; the last of each predicts the request's first draft.
         chunks, hidden = [], []
-        for request in requests:
-            first = self._catch_up_start(request)
+        for request, first in zip(requests, firsts):
             last = request.num_tokens - 2
             start, states = self.states[request.request_id]
             hidden.append(states[first - start : last - start + 1])

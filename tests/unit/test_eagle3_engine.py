@@ -1,21 +1,21 @@
-"""EAGLE-3 heads in the engine: outputs exactly the target's, under preemption, prefix caching,
-aborts and sampling, and heads that do not fit the target refused with a clear error."""
+"""EAGLE-3 heads in the engine: outputs exactly the target's, under preemption, prefix caching and
+sampling (aborts: tests/unit/test_spec_decode.py), and heads that do not fit the target refused with
+a clear error."""
 
 from __future__ import annotations
 
 import random
 
-import numpy as np
 import pytest
 
 from cluster.config import ConfigError
 from cluster.models.tiny import save_tiny_model, tiny_llama_config
 from cluster.shared.sampling_params import SamplingParams
-from tests.engine_helpers import drain, make_engine, run_to_completion
+from tests.engine_helpers import make_engine, run_to_completion
 from tests.goodness_of_fit import chi2_quantile, chi2_statistic
 from tests.head_helpers import save_random_head
 from tests.unit.test_spec_decode import CyclingController
-from tests.unit.test_spec_distribution import NUM_SAMPLES, PROMPT, VOCAB, _reference_joint
+from tests.unit.test_spec_distribution import VOCAB, _reference_joint, sample_pairs
 
 GREEDY = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
 
@@ -61,34 +61,6 @@ def test_k_changing_every_step_including_zero(tiny_llama_dir, tiny_head_dir, exp
     assert set(engine.stats().spec.k_per_step) == {0, 1, 2, 3, 4}
 
 
-@pytest.mark.parametrize("seed", [0, 1])
-def test_random_workload_with_aborts_leaks_nothing(tiny_llama_dir, tiny_head_dir, seed):
-    rng = random.Random(seed)
-    engine = make_engine(tiny_llama_dir, **_eagle3(tiny_head_dir, num_blocks=24, block_size=4, max_num_seqs=5,
-                                                   max_num_batched_tokens=32, num_speculative_tokens=3))
-    engine.controller = CyclingController()
-    live: set[str] = set()
-    for step in range(200):
-        if step < 100 and rng.random() < 0.4:
-            prompt = [rng.randrange(3, 256) for _ in range(rng.randint(1, 30))]
-            params = SamplingParams(max_tokens=rng.randint(1, 20), temperature=rng.choice([0, 1.0]),
-                                    seed=rng.choice([None, 3]), ignore_eos=True)
-            live.add(engine.add_request(prompt, params))
-        if live and rng.random() < 0.1:
-            victim = rng.choice(sorted(live))
-            engine.abort(victim)
-            live.discard(victim)
-        for out in engine.step():
-            if out.finished:
-                live.discard(out.request_id)
-        engine.check_invariants()
-        assert set(engine.proposer.states) <= set(engine.scheduler.requests)
-    drain(engine, live)
-    assert engine.block_manager.num_free_blocks == engine.block_manager.pool.num_blocks
-    assert engine.proposer.states == {}
-    assert engine.stats().spec.num_draft_tokens > 0
-
-
 @pytest.fixture(scope="module")
 def small_vocab(tmp_path_factory):
     config = tiny_llama_config(vocab_size=VOCAB, eos_token_id=None, bos_token_id=None, pad_token_id=None)
@@ -104,18 +76,7 @@ def test_sampled_tokens_follow_the_target_joint_distribution(small_vocab, verifi
     over 3000 seeded requests fit the target's own (transformers) joint distribution."""
     target, head = small_vocab
     joint = _reference_joint(target, 1.0, 1.0)
-    engine = make_engine(target, **_eagle3(head, num_blocks=1200, block_size=4, max_num_seqs=512,
-                                           num_speculative_tokens=2, verification=verification))
-    for seed in range(NUM_SAMPLES):
-        engine.add_request(PROMPT, SamplingParams(max_tokens=3, temperature=1.0, seed=seed, ignore_eos=True))
-    counts = np.zeros((VOCAB, VOCAB))
-    while engine.has_unfinished():
-        for out in engine.step():
-            if out.finished:
-                a, b = out.outputs[0].token_ids[:2]
-                counts[a, b] += 1
-    spec = engine.stats().spec
-    assert 0 < spec.num_accepted_tokens < spec.num_draft_tokens
+    counts = sample_pairs(target, _eagle3(head), 1.0, 1.0, verification)
     statistic, df = chi2_statistic(counts, joint)
     assert statistic < chi2_quantile(0.999, df), (statistic, df)
 

@@ -130,11 +130,13 @@ def test_seeded_sampling_with_speculation_is_reproducible(tiny_llama_dir, noisy_
     assert runs[0] == runs[1]
 
 
+@pytest.mark.parametrize("setup", ["noisy-draft", "eagle3"])
 @pytest.mark.parametrize("seed", [0, 1])
-def test_random_workload_with_speculation_and_aborts(tiny_llama_dir, noisy_draft_dir, seed):
+def test_random_workload_with_speculation_and_aborts(tiny_llama_dir, noisy_draft_dir, tiny_head_dir, seed, setup):
     rng = random.Random(seed)
     engine = make_engine(tiny_llama_dir, num_blocks=24, block_size=4, max_num_seqs=5, max_num_batched_tokens=32,
-                     num_speculative_tokens=3, method="draft", draft_model=str(noisy_draft_dir))
+                     num_speculative_tokens=3, **SPEC_SETUPS[setup](tiny_llama_dir, noisy_draft_dir, tiny_head_dir))
+    kept = getattr(engine.proposer, "states", {})  # a head's target states, per request
     engine.controller = CyclingController()
     live: set[str] = set()
     for step in range(250):
@@ -152,10 +154,12 @@ def test_random_workload_with_speculation_and_aborts(tiny_llama_dir, noisy_draft
                 live.discard(out.request_id)
                 assert len(out.outputs[0].token_ids) <= 20
         engine.check_invariants()
+        assert set(kept) <= set(engine.scheduler.requests)
     drain(engine, live)
     assert not live
     assert engine.block_manager.num_free_blocks == engine.block_manager.pool.num_blocks
     assert engine.stats().spec.num_draft_tokens > 0
+    assert not kept
 
 
 def test_draft_with_another_vocabulary_is_refused(tiny_llama_dir, tmp_path):

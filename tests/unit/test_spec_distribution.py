@@ -47,8 +47,9 @@ def _reference_joint(target, temperature: float, top_p: float) -> np.ndarray:
     return np.stack([first[t] * next_probs(PROMPT + [t]) for t in range(VOCAB)])  # [VOCAB, VOCAB]
 
 
-def _sample_pairs(target, draft, temperature: float, top_p: float, method: str, verification: str) -> np.ndarray:
-    spec = dict(method="draft", draft_model=str(draft)) if method == "draft" else {}
+def sample_pairs(target, spec: dict, temperature: float, top_p: float, verification: str) -> np.ndarray:
+    """Joint counts of the first two tokens of NUM_SAMPLES seeded requests; ``spec``: the speculation
+    settings (a draft model or head: some of its drafts must be accepted, not all)."""
     engine = Engine(with_overrides(TandemConfig(), model=str(target), device="cpu", num_blocks=1200,
                                    block_size=4, max_num_seqs=512, num_speculative_tokens=2,
                                    verification=verification, **spec))
@@ -62,7 +63,7 @@ def _sample_pairs(target, draft, temperature: float, top_p: float, method: str, 
             if out.finished:
                 a, b = out.outputs[0].token_ids[:2]
                 counts[a, b] += 1
-    if method == "draft":
+    if spec:
         spec_stats = engine.stats().spec
         assert 0 < spec_stats.num_accepted_tokens < spec_stats.num_draft_tokens
     return counts
@@ -73,6 +74,6 @@ def _sample_pairs(target, draft, temperature: float, top_p: float, method: str, 
 def test_speculative_samples_follow_the_target_joint_distribution(models, temperature, top_p, verification):
     target, draft = models
     joint = _reference_joint(target, temperature, top_p)
-    counts = _sample_pairs(target, draft, temperature, top_p, "draft", verification)
+    counts = sample_pairs(target, dict(method="draft", draft_model=str(draft)), temperature, top_p, verification)
     statistic, df = chi2_statistic(counts, joint)
     assert statistic < chi2_quantile(0.999, df), (statistic, df)
