@@ -9,6 +9,8 @@
     tandem bench compare [CONFIG] [--form peers|groups|both] [--json PATH] ...
     tandem bench served [CONFIG] [--datasets ...] [--rates ...] [--json PATH] ...
     tandem bench router [CONFIG] [--slow-factor F] [--request-rate R] ...
+    tandem bench quant | lora | structured [--json PATH] ...
+    tandem bench show RESULT.json [--plots DIR]   (any bench command's saved result, printed again)
     tandem sim CONFIG [--json PATH] [--plots DIR] [--num-requests N] ...
     tandem profile [CONFIG] [--group NAME] [--out PATH] ...   (a group with engine: vllm is profiled on vLLM)
     tandem serve CONFIG [--host H] [--port P] [--router tandem|pow2]
@@ -86,9 +88,7 @@ def _add_bench_and_sim(sub) -> None:
     bench = _add_tool(sub, "bench", "cluster.bench.cli", "add_bench_parser")
     router = _import_tool("deployments.bench_router") if bench is not None else None
     if router is not None:
-        router_bench = bench.add_parser("router", help="Tandem's router vs power-of-two choices on a fast+slow cluster")
-        router.add_router_args(router_bench)
-        router_bench.set_defaults(func=lambda args: _exit_zero(router.run_router_bench, args))
+        importlib.import_module("cluster.bench.cli").register_benchmark(bench, router.ROUTER)
     _add_tool(sub, "sim", "cluster.sim.cli", "add_sim_parser")
 
 
@@ -115,11 +115,6 @@ def _add_tool(sub, name: str, module: str, adder: str):
         parser.add_argument("rest", nargs=argparse.REMAINDER)
         parser.set_defaults(func=lambda args, err=err: _refuse(args.command, err))
         return None
-
-
-def _exit_zero(run, args: argparse.Namespace) -> int:
-    run(args)  # prints its table and writes its JSON
-    return 0
 
 
 def _refuse(command: str, err: ModuleNotFoundError) -> int:
@@ -164,7 +159,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
     args = build_parser().parse_args(argv)
+    args.argv = ["tandem", *argv]  # how the command was called, for the results that record it
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
                         format="%(levelname)s %(name)s: %(message)s")
     try:

@@ -29,6 +29,7 @@ from rich import box
 from rich.console import Console
 from rich.table import Table
 
+from cluster.bench.benchmark import Benchmark
 from cluster.bench.serve import ServeBenchOptions, run_serve_benchmark
 from cluster.bench.serve_metrics import percentile_key
 from cluster.config import TandemConfig, config_from_dict, load_config
@@ -102,7 +103,8 @@ def traffic_share(router_snapshot: dict) -> dict[str, float]:
     return {group: count / total for group, count in decisions.items()} if total else {}
 
 
-def run_router_bench(args: argparse.Namespace) -> dict:
+def measure_router(args: argparse.Namespace, console: Console) -> dict:
+    """The same workload through each routing policy on its own local cluster; returns the JSON result."""
     import ray  # here, not at the top: the tandem command imports this module and must not load Ray
 
     base = load_config(args.config)
@@ -120,31 +122,28 @@ def run_router_bench(args: argparse.Namespace) -> dict:
     finally:
         if ray.is_initialized():
             ray.shutdown()
+    for policy in POLICIES:
+        runs[policy]["share"] = traffic_share(runs[policy]["router"])
+    settings = {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items() if not callable(v)}
+    return {"config": settings, "groups": [g.model_dump() for g in config.serve.groups],
+            "ratios": {key: values[-1] for key, _, values in report_rows(runs)}, "runs": runs}
 
-    console = Console()
-    groups = ", ".join(f"{g.name} (step x{g.step_time_scale:g})" for g in config.serve.groups)
-    console.print(f"[bold]router benchmark[/bold]: {groups}; {args.num_prompts} requests at "
-                  f"{args.request_rate:g}/s (burstiness {args.burstiness:g}), "
-                  f"{args.input_len} prompt words, {args.output_len} output tokens")
+
+def print_router(console: Console, result: dict) -> None:
+    settings, runs = result["config"], result["runs"]
+    groups = ", ".join(f"{g['name']} (step x{g['step_time_scale']:g})" for g in result["groups"])
+    console.print(f"[bold]router benchmark[/bold]: {groups}; {settings['num_prompts']} requests at "
+                  f"{settings['request_rate']:g}/s (burstiness {settings['burstiness']:g}), "
+                  f"{settings['input_len']} prompt words, {settings['output_len']} output tokens")
     table = Table(box=box.SIMPLE_HEAD, show_edge=False)
     for column in ("metric", *POLICIES, "tandem / pow2"):
         table.add_column(column, justify="left" if column == "metric" else "right")
-    rows = report_rows(runs)
-    for _, label, values in rows:
+    for _, label, values in report_rows(runs):
         table.add_row(label, *("-" if v is None else f"{v:.3g}" if abs(v) < 10 else f"{v:.0f}" for v in values))
-    for policy in POLICIES:
-        runs[policy]["share"] = traffic_share(runs[policy]["router"])
     for group in runs[POLICIES[0]]["share"]:
         table.add_row(f"share to {group}", *(f"{runs[p]['share'].get(group, 0):.0%}" for p in POLICIES), "")
     table.add_row("failed requests", *(str(runs[p]["summary"]["failed"]) for p in POLICIES), "")
     console.print(table)
-    settings = {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items() if not callable(v)}
-    data = {"config": settings,
-            "groups": [g.model_dump() for g in config.serve.groups],
-            "ratios": {key: values[-1] for key, _, values in rows}, "runs": runs}
-    args.json.write_text(json.dumps(data, indent=2) + "\n")
-    console.print(f"wrote {args.json}")
-    return data
 
 
 def add_router_args(parser: argparse.ArgumentParser) -> None:
@@ -158,5 +157,8 @@ def add_router_args(parser: argparse.ArgumentParser) -> None:
     add("--output-len", type=int, default=64, help="output tokens (ignore_eos)")
     add("--num-warmups", type=int, default=4, help="untimed requests first, one at a time")
     add("--seed", type=int, default=0)
-    add("--json", type=Path, default=Path("bench-router.json"))
     add("--disable-tqdm", action="store_true")
+
+
+ROUTER = Benchmark("router", "Tandem's router vs power-of-two choices on a fast+slow cluster",
+                   add_router_args, measure_router, print_router, default_json=Path("bench-router.json"))

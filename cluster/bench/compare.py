@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import sys
 from pathlib import Path
 
@@ -31,6 +30,7 @@ from rich.console import Console
 from rich.table import Table
 
 from cluster.bench.args import positive_int
+from cluster.bench.benchmark import Benchmark
 from cluster.bench.compare_servers import python_with_vllm, start_or_report, start_tandem, start_vllm_anchor
 from cluster.bench.serve import ServeBenchOptions, run_serve_benchmark
 from cluster.bench.serve_workload import DATASETS
@@ -169,12 +169,11 @@ def add_compare_args(parser: argparse.ArgumentParser) -> None:
     add("--output-len", type=positive_int, default=64, help="max_tokens of every request (ignore_eos)")
     add("--num-warmups", type=int, default=2)
     add("--seed", type=int, default=0)
-    add("--json", type=Path, default=Path("bench-compare.json"))
     add("--disable-tqdm", action="store_true")
 
 
-def run_compare(args: argparse.Namespace) -> dict:
-    console = Console()
+def measure_compare(args: argparse.Namespace, console: Console) -> dict:
+    """Every pair of the chosen form(s), one system at a time; returns the JSON result."""
     args.python_native = args.python_native or sys.executable
     if args.form in ("peers", "both") and not Path(args.vllm_script).is_file():
         raise ValueError(f"the vLLM anchor script {args.vllm_script} does not exist (--vllm-script)")
@@ -187,7 +186,9 @@ def run_compare(args: argparse.Namespace) -> dict:
         report["peers"] = _run_peers(args, console)
     if args.form in ("groups", "both"):
         report["groups"] = _run_groups(args, console)
-    print_report(console, report)
-    args.json.write_text(json.dumps(report, indent=2) + "\n")
-    console.print(f"wrote {args.json}")
     return report
+
+
+COMPARE = Benchmark("compare", "one workload against Tandem and vLLM (servers, or the native and vLLM groups of one "
+                    "cluster): ratios", add_compare_args, measure_compare, print_report,
+                    default_json=Path("bench-compare.json"))

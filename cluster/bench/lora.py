@@ -32,6 +32,7 @@ from rich.table import Table
 from safetensors.torch import save_file
 
 from cluster.bench.args import int_list, positive_int, timed
+from cluster.bench.benchmark import Benchmark
 from cluster.bench.offline import PROMPTS, WARMUP_LEN
 from cluster.bench.offline_vllm import DEFAULT_VLLM_PYTHON, VllmRunner
 from cluster.engine.llm import LLM
@@ -55,7 +56,6 @@ def add_lora_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--systems", default="tandem,vllm", type=lambda t: [s for s in t.split(",") if s],
                         help="tandem and/or vllm")
     parser.add_argument("--vllm-python", type=Path, help="python of vLLM's environment (default: the vLLM tier's)")
-    parser.add_argument("--json", type=Path, help="write the results here")
 
 
 def write_random_adapter(folder: Path, hf_config, rank: int, seed: int) -> Path:
@@ -116,13 +116,13 @@ def _assignments(workload: str, batch_size: int, names: list[str]) -> list[str |
     return [names[i % len(names)] for i in range(batch_size)]
 
 
-def run_lora_bench(args: argparse.Namespace) -> dict:
+def measure_lora(args: argparse.Namespace, console: Console) -> dict:
+    """Every system at every batch size and adapter workload; returns the JSON result."""
     source = resolve_model(args.model)
     hf_config = load_hf_config(source)
     prompt_ids = load_tokenizer(source)(PROMPTS)["input_ids"]
     cells: list[Cell] = []
     tokens: dict[tuple[str, str, int], list[list[int]]] = {}
-    console = Console()
     with tempfile.TemporaryDirectory(prefix="tandem-lora-") as tmp:
         adapters = {f"adapter-{i}": str(write_random_adapter(Path(tmp) / f"adapter-{i}", hf_config, args.rank, i))
                     for i in range(args.num_adapters)}
@@ -154,14 +154,10 @@ def run_lora_bench(args: argparse.Namespace) -> dict:
                         console.print(f"  {system} {workload} batch {batch_size}: {produced / seconds:.1f} tok/s")
             finally:
                 runner.close()
-    result = _report(args, cells, tokens)
-    _print(console, result)
-    if args.json:
-        args.json.write_text(json.dumps(result, indent=2) + "\n")
-    return result
+    return _result(args, cells, tokens)
 
 
-def _report(args, cells: list[Cell], tokens: dict) -> dict:
+def _result(args, cells: list[Cell], tokens: dict) -> dict:
     rate = {(c.system, c.workload, c.batch_size): c.tok_per_s for c in cells}
     rows = []
     for batch_size in args.batch_sizes:
@@ -181,7 +177,7 @@ def _report(args, cells: list[Cell], tokens: dict) -> dict:
             "systems": args.systems, "rows": rows, "cells": [asdict(c) for c in cells]}
 
 
-def _print(console: Console, result: dict) -> None:
+def print_lora(console: Console, result: dict) -> None:
     systems = result["systems"]
     both = {"tandem", "vllm"} <= set(systems)
     held = f", {result['max_loras']} held at once (on demand)" if result["max_loras"] else ""
@@ -203,3 +199,7 @@ def _print(console: Console, result: dict) -> None:
             cells += [f"{row['tandem_over_vllm']:.2f}", row["same_tokens"]]
         table.add_row(*cells)
     console.print(table)
+
+
+LORA = Benchmark("lora", "what LoRA adapters cost: one and several adapters against the base model, vLLM as a peer",
+                 add_lora_args, measure_lora, print_lora)

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import os
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -26,6 +25,7 @@ from rich.progress import Progress
 from rich.table import Table
 
 from cluster.bench.args import int_list, positive_int, timed
+from cluster.bench.benchmark import Benchmark
 from cluster.bench.offline_vllm import DEFAULT_VLLM_PYTHON, VllmRunner
 from cluster.engine.llm import LLM
 from cluster.models.hf_folder import iter_weights
@@ -124,7 +124,6 @@ def add_offline_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tp", type=positive_int, default=1,
                         help="also run Tandem with the target split over this many ranks (system tandem-tpN, "
                              "gloo worker processes on the CPU) and compare its step latency with TP=1")
-    parser.add_argument("--json", type=Path, help="write the results here")
 
 
 class TandemRunner:
@@ -224,8 +223,8 @@ def measure_cell(runner, system: str, dtype: str, prompt_ids: list[list[int]], o
                 steps, seconds / steps * 1e3 if steps else None)
 
 
-def run_offline_bench(args: argparse.Namespace) -> dict:
-    """Measure every cell, print the table, write ``args.json`` if set; returns the JSON dict."""
+def measure_offline(args: argparse.Namespace, console: Console) -> dict:
+    """Measure every cell; returns the JSON result."""
     if args.threads:
         torch.set_num_threads(args.threads)
     source = resolve_model(args.model)
@@ -238,7 +237,6 @@ def run_offline_bench(args: argparse.Namespace) -> dict:
     num_params = params_read_per_token(source)
 
     cells: list[Cell] = []
-    console = Console()
     systems = list(args.systems) + ([f"tandem-tp{args.tp}"] if args.tp > 1 else [])
     with Progress(console=console) as progress:
         task = progress.add_task("cells", total=len(args.dtypes) * len(systems) * len(args.batch_sizes))
@@ -257,16 +255,16 @@ def run_offline_bench(args: argparse.Namespace) -> dict:
                 del runner
                 gc.collect()
 
-    result = _report(args, source, cells, bandwidth, num_params, prompt_ids)
+    return _result(args, source, cells, bandwidth, num_params, prompt_ids)
+
+
+def print_offline(console: Console, result: dict) -> None:
     _print_table(console, result)
-    if args.tp > 1:
-        _print_tp_table(console, result, args.tp)
-    if args.json:
-        args.json.write_text(json.dumps(result, indent=2) + "\n")
-    return result
+    if result["tensor_parallel"]:
+        _print_tp_table(console, result, result["tensor_parallel"][0]["tp"])
 
 
-def _report(args, source, cells: list[Cell], bandwidth: float, num_params: int, prompt_ids) -> dict:
+def _result(args, source, cells: list[Cell], bandwidth: float, num_params: int, prompt_ids) -> dict:
     rate = {(c.system, c.dtype, c.batch_size): c.tok_per_s for c in cells}
     ratios = []
     for d in args.dtypes:
@@ -352,3 +350,7 @@ def _print_table(console, result: dict) -> None:
                 fmt(at_1.get("bound_tok_per_s"), ".0f"), fmt(at_1.get("tandem_batch1_fraction"), ".0%"),
             )
     console.print(table)
+
+
+OFFLINE = Benchmark("offline", "output tok/s at several batch sizes, Tandem vs transformers",
+                    add_offline_args, measure_offline, print_offline)

@@ -31,7 +31,6 @@ every command.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import time
@@ -43,6 +42,7 @@ from rich.console import Console
 from rich.progress import Progress
 
 from cluster.bench.args import int_list, k_list, positive_int
+from cluster.bench.benchmark import Benchmark
 from cluster.bench.offline import DTYPES, concrete_dtype
 from cluster.bench.paper_plots import write_plots
 from cluster.bench.paper_report import print_tables
@@ -106,12 +106,10 @@ def add_paper_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=0, help="seed of the arrival traces")
     parser.add_argument("--threads", type=positive_int, help="torch.set_num_threads (default: torch's choice)")
     parser.add_argument("--kv-cache-memory", default="1GiB", help="Tandem's KV cache budget")
-    parser.add_argument("--json", type=Path, help="write the results here")
-    parser.add_argument("--plots", type=Path, help="write PNG figures into this folder")
 
 
-def run_paper_bench(args: argparse.Namespace) -> dict:
-    """Profile, sweep, serve the traffic; print the tables, write JSON and plots if asked."""
+def measure_paper(args: argparse.Namespace, console: Console) -> dict:
+    """Profile, sweep, serve the traffic; returns the JSON result."""
     if args.max_k > 16:
         raise ValueError(f"--max-k must be at most 16 (the engine's bound), got {args.max_k}")
     if args.threads:
@@ -126,7 +124,6 @@ def run_paper_bench(args: argparse.Namespace) -> dict:
     prompt_ids, prompt_format = build_prompt_ids(tokenizer, len(texts),
                                                  lambda i: [{"role": "user", "content": texts[i]}])
     top_k = max(args.max_k, max(args.ks))
-    console = Console()
     if args.method == "eagle3" and not args.draft_model:
         raise ValueError("--method eagle3 needs --draft-model (an EAGLE-3 head folder or a shipped head's name)")
     console.print(f"loading {Path(args.model).name} {args.dtype} with {args.method} speculation")
@@ -155,7 +152,7 @@ def run_paper_bench(args: argparse.Namespace) -> dict:
         workloads.append(phased_workload(min(rates), max(rates), args.requests, args.seed))
         traffic = [_serve(engine, w, policies, profile, prompt_ids, args, progress, task) for w in workloads]
 
-    result = {
+    return {
         "machine": {"cpu_count": os.cpu_count(), "processor": platform.processor() or platform.machine(),
                     "torch_version": torch.__version__, "threads": torch.get_num_threads(),
                     "load_average_1_5_15m": list(load_average)},
@@ -179,13 +176,6 @@ def run_paper_bench(args: argparse.Namespace) -> dict:
         "goals": _goals(traffic),
         "wall_s": time.perf_counter() - started,
     }
-    print_tables(console, result)
-    if args.json:
-        args.json.write_text(json.dumps(result, indent=2) + "\n")
-    if args.plots:
-        for path in write_plots(result, args.plots):
-            console.print(f"wrote {path}")
-    return result
 
 
 # ---- part 2: traffic ------------------------------------------------------------------
@@ -290,3 +280,7 @@ def _within_noise(margin: float, workload: dict) -> bool:
     """A goal missed (``margin`` > 0) or met (< 0) by no more than the workload's run-to-run spread."""
     spread = workload.get("run_to_run")
     return spread is not None and abs(margin) <= spread
+
+
+PAPER = Benchmark("paper", "arXiv 2310.18813 here: TPOT vs k per batch, k policies under traffic",
+                  add_paper_args, measure_paper, print_tables, plots=write_plots)

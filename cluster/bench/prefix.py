@@ -25,7 +25,6 @@ first-call warm-up and no measured prompt shares a block with it.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import random
@@ -41,6 +40,7 @@ from rich.progress import Progress
 from rich.table import Table
 
 from cluster.bench.args import positive_int, timed
+from cluster.bench.benchmark import Benchmark
 from cluster.bench.offline import DTYPES, PROMPTS, concrete_dtype
 from cluster.engine.llm import LLM
 from cluster.models.loader import resolve_model
@@ -97,7 +97,6 @@ def add_prefix_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--output-len", type=positive_int, default=32, help="tokens per chat turn (EOS ignored)")
     parser.add_argument("--threads", type=positive_int, help="torch.set_num_threads (default: torch's choice)")
     parser.add_argument("--kv-cache-memory", default="1GiB", help="KV cache budget of each engine")
-    parser.add_argument("--json", type=Path, help="write the results here")
 
 
 def make_system_prompt(tokenizer, num_tokens: int, seed: int) -> str:
@@ -179,14 +178,13 @@ def run_chat(llm, system: str, num_conversations: int, num_turns: int, output_le
     return run, output_ids
 
 
-def run_prefix_bench(args: argparse.Namespace) -> dict:
-    """Measure, print the tables, write ``args.json`` if set; returns the JSON dict."""
+def measure_prefix(args: argparse.Namespace, console: Console) -> dict:
+    """Measure TTFT and multi-turn chat with the prefix cache on and off; returns the JSON result."""
     if args.threads:
         torch.set_num_threads(args.threads)
     load_average = os.getloadavg()
     source = resolve_model(args.model)
     args.dtype = concrete_dtype(args.dtype, source)
-    console = Console()
     n = args.warm_requests
     with Progress(console=console) as progress:
         task = progress.add_task("loading", total=4 + 2 * n + 1 + 2 * args.turns)
@@ -224,19 +222,10 @@ def run_prefix_bench(args: argparse.Namespace) -> dict:
                                                        args.output_len)
             progress.advance(task, args.turns)
 
-    result = _report(args, source, load_average, samples, runs, outputs, llms[True].engine)
-    _print_tables(console, result)
-    chat = result["multi_turn"]
-    if not chat["outputs_identical"]:
-        console.print(f"[bold red]warning:[/] greedy outputs differ with the prefix cache on and off in "
-                      f"{chat['num_mismatched_turns']} of {args.conversations * args.turns} turns. In float32 "
-                      "that is a bug; in 16-bit dtypes near-tied logits can also flip: rerun with --dtype float32")
-    if args.json:
-        args.json.write_text(json.dumps(result, indent=2) + "\n")
-    return result
+    return _result(args, source, load_average, samples, runs, outputs, llms[True].engine)
 
 
-def _report(args, source, load_average, samples, runs, outputs, engine) -> dict:
+def _result(args, source, load_average, samples, runs, outputs, engine) -> dict:
     def median(kind: str) -> float:
         return statistics.median(s.ttft_s for s in samples if s.kind == kind)
 
@@ -272,7 +261,7 @@ def _first_diff(a: list[int], b: list[int]) -> int:
     return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
 
 
-def _print_tables(console, result: dict) -> None:
+def print_prefix(console: Console, result: dict) -> None:
     settings, ttft, chat = result["settings"], result["ttft"], result["multi_turn"]
     model = Path(settings["model"]).name
     table = Table(title=f"time to first token, {model} {settings['dtype']}, "
@@ -306,3 +295,12 @@ def _print_tables(console, result: dict) -> None:
     table.add_row("on/off", f"{on['seconds'] / off['seconds']:.2f}", f"{chat['on_over_off_tok_per_s']:.2f}", "",
                   f"{chat['on_over_off_computed_tokens']:.2f}", "")
     console.print(table)
+    if not chat["outputs_identical"]:
+        turns = settings["conversations"] * settings["turns"]
+        console.print(f"[bold red]warning:[/] greedy outputs differ with the prefix cache on and off in "
+                      f"{chat['num_mismatched_turns']} of {turns} turns. In float32 that is a bug; in 16-bit "
+                      "dtypes near-tied logits can also flip: rerun with --dtype float32")
+
+
+PREFIX = Benchmark("prefix", "TTFT and multi-turn chat throughput, prefix cache on vs off",
+                   add_prefix_args, measure_prefix, print_prefix)

@@ -21,12 +21,10 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import os
 import statistics
 import time
 from dataclasses import asdict, dataclass
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -35,10 +33,11 @@ from rich.progress import Progress
 from rich.table import Table
 
 from cluster.bench.args import int_list, positive_int
-from cluster.kernels.build import lowbit_gemm
+from cluster.bench.benchmark import Benchmark
 from cluster.bench.quant_quality import PERPLEXITY_TEXT, compare, reference_of
 from cluster.bench.spec import run_closed_loop
 from cluster.engine.llm import LLM
+from cluster.kernels.build import lowbit_gemm
 from cluster.kernels.packed_linear import PackedLinear, can_pack
 from cluster.models.loader import load_hf_config, resolve_model
 from cluster.profiling.calibration import CALIBRATION_PROMPTS
@@ -81,7 +80,6 @@ def add_quant_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--threads", type=positive_int, help="torch.set_num_threads (default: torch's choice)")
     parser.add_argument("--skip", type=lambda t: set(t.split(",")), default=set(),
                         help="parts to skip: kernels, quality, engine")
-    parser.add_argument("--json", type=Path, help="write the results here")
 
 
 def model_shapes(hf_config) -> dict[str, tuple[int, int]]:
@@ -210,7 +208,8 @@ def measure_engine(model: str, configs: list[str], batch_sizes: list[int], outpu
     return rows
 
 
-def run_quant_bench(args: argparse.Namespace) -> dict:
+def measure_quant(args: argparse.Namespace, console: Console) -> dict:
+    """Kernels, quality and engine speed of each configuration (those not skipped); returns the JSON result."""
     unknown = [c for c in args.configs if c not in CONFIGS]
     if unknown:
         raise ValueError(f"unknown configurations {unknown}; known: {', '.join(CONFIGS)}")
@@ -218,8 +217,7 @@ def run_quant_bench(args: argparse.Namespace) -> dict:
         torch.set_num_threads(args.threads)
     source = resolve_model(args.model)
     hf_config = load_hf_config(source)
-    console = Console()
-    result = {"model": args.model, "dtype": args.dtype, "threads": torch.get_num_threads(),
+    result = {"model": args.model, "dtype": args.dtype, "rows": args.rows, "threads": torch.get_num_threads(),
               "load_average_start": os.getloadavg()}
     if "kernels" not in args.skip:
         with Progress(console=console) as progress:
@@ -234,13 +232,11 @@ def run_quant_bench(args: argparse.Namespace) -> dict:
         console.print("engine: closed-loop decoding ...")
         result["engine"] = measure_engine(args.model, args.configs, args.batch_sizes, args.output_len, args.dtype)
     result["load_average_end"] = os.getloadavg()
-    _print(console, result, args.rows, args.dtype)
-    if args.json:
-        args.json.write_text(json.dumps(result, indent=2) + "\n")
     return result
 
 
-def _print(console, result: dict, rows: list[int], dtype: str) -> None:
+def print_quant(console: Console, result: dict) -> None:
+    rows, dtype = result["rows"], result["dtype"]
     if "decode_step_linear_ms" in result:
         table = Table(title="linear layers of one forward pass (ms; sum of per-shape medians)")
         table.add_column("kernel")
@@ -266,3 +262,7 @@ def _print(console, result: dict, rows: list[int], dtype: str) -> None:
             ratio = "-" if r["vs_full"] is None else f"{r['vs_full']:.2f}x"
             table.add_row(r["config"], str(r["batch_size"]), f"{r['tok_per_s']:.1f}", ratio, str(r["kv_blocks_512mib"]))
         console.print(table)
+
+
+QUANT = Benchmark("quant", "int8 and 4-bit kernels, quality and tok/s against full precision",
+                  add_quant_args, measure_quant, print_quant)

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import math
 import time
 from dataclasses import asdict, dataclass, field
@@ -28,6 +27,7 @@ from rich.console import Console
 from tqdm import tqdm
 
 from cluster.bench.args import positive_int
+from cluster.bench.benchmark import Benchmark
 from cluster.bench.serve_client import first_model_id, send_request
 from cluster.bench.serve_metrics import (
     DEFAULT_PERCENTILES, SLO_METRICS, RequestRecord, parse_goodput, parse_percentiles, summarize,
@@ -232,20 +232,15 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     add("--goodput", nargs="+", metavar="NAME:MS", help="SLOs for goodput, e.g. ttft:500 tpot:50 e2el:5000")
     add("--num-warmups", type=int, default=0, help="untimed requests sent first, one at a time")
     add("--timeout", type=float, default=6 * 3600.0, help="per-request timeout in seconds")
-    add("--json", type=Path, default=Path("bench-serve.json"), help="write config, summary and requests here")
-    add("--plots", type=Path, help="write latency CDF and throughput PNGs into this folder")
     add("--disable-tqdm", action="store_true", help="no progress bar")
 
 
-def run_serve_bench(args: argparse.Namespace) -> dict:
-    """The CLI: run, print the table, write the JSON (and plots); returns the JSON dict."""
-    result = asyncio.run(run_serve_benchmark(options_from_args(args)))
-    data = result.to_json()
-    console = Console()
-    print_summary(console, data)
-    args.json.write_text(json.dumps(data, indent=2) + "\n")
-    console.print(f"wrote {args.json}")
-    if args.plots:
-        for path in write_plots(data, args.plots):
-            console.print(f"wrote {path}")
-    return data
+def measure_serve(args: argparse.Namespace, console: Console) -> dict:
+    """Send the workload; returns the JSON result (config, summary and every request)."""
+    return asyncio.run(run_serve_benchmark(options_from_args(args))).to_json()
+
+
+SERVE = Benchmark("serve", "load-test an OpenAI-compatible server (vllm bench serve metrics)",
+                  add_serve_args, measure_serve, print_summary, plots=write_plots,
+                  plots_help="write latency CDF and throughput PNGs into this folder",
+                  default_json=Path("bench-serve.json"))

@@ -32,6 +32,7 @@ from pathlib import Path
 
 from rich.console import Console
 
+from cluster.bench.benchmark import Benchmark
 from cluster.bench.compare import DEFAULT_ANCHOR
 from cluster.bench.compare_servers import python_with_vllm, start_or_report, start_tandem, start_vllm_anchor
 from cluster.bench.offline import concrete_dtype
@@ -104,8 +105,8 @@ def _measure_system(args, console, name: str, start, work: Path, is_tandem: bool
     return results
 
 
-def run_served(args: argparse.Namespace) -> dict:
-    console = Console()
+def measure_served(args: argparse.Namespace, console: Console) -> dict:
+    """Every cell on Tandem, then on each vLLM placement, then offline; returns the JSON result."""
     args.python_vllm = args.python_vllm or python_with_vllm()
     if args.python_vllm is None:
         raise ValueError("vLLM's client needs an interpreter with vLLM: pass --python-vllm, or build the vLLM "
@@ -130,7 +131,7 @@ def run_served(args: argparse.Namespace) -> dict:
             console.print(f"[bold]offline engine[/]: {cell['name']}")
             offline[cell["name"]] = offline_output_throughput(args.config, cell["dataset"], cell["num_prompts"],
                                                               args.input_len, args.output_len, args.seed)
-    report = {"config": str(args.config), "machine_cores": _cores(), "systems": systems, "offline": offline,
+    return {"config": str(args.config), "machine_cores": _cores(), "systems": systems, "offline": offline,
               "settings": {"client": "vllm.benchmarks.serve (backend vllm, streamed completions, ignore_eos, "
                                      "no sampling settings sent: temperature 1)",
                            "input_len": args.input_len, "output_len": args.output_len, "seed": args.seed,
@@ -138,10 +139,6 @@ def run_served(args: argparse.Namespace) -> dict:
                                     "placements": VLLM_PLACEMENTS},
                            "tandem": "tandem serve CONFIG: every core to the engine replica (num_cpus), "
                                      "engine core process, direct ingress"}}
-    print_served_report(console, report)
-    args.json.write_text(json.dumps(report, indent=2) + "\n")
-    console.print(f"wrote {args.json}")
-    return report
 
 
 def tandem_dtype(config_path) -> str:
@@ -176,4 +173,8 @@ def add_served_args(parser: argparse.ArgumentParser) -> None:
     add("--tokenizer", default=None, help="tokenizer folder for the client (default: the anchor's model folder)")
     add("--skip-vllm", action="store_true", help="measure Tandem only")
     add("--cell-timeout-s", type=float, default=900.0)
-    add("--json", type=Path, default=Path("bench-served.json"))
+
+
+SERVED = Benchmark("served", "tandem serve against vLLM's server under vLLM's own client, at 2 requests/s and at "
+                   "saturation, with the offline engine beside", add_served_args, measure_served,
+                   print_served_report, default_json=Path("bench-served.json"))

@@ -33,7 +33,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import gc
-import json
 import os
 import time
 from pathlib import Path
@@ -43,6 +42,7 @@ from rich.console import Console
 from rich.progress import Progress
 
 from cluster.bench.args import int_list, k_list, positive_int, ratio_or_none
+from cluster.bench.benchmark import Benchmark
 from cluster.bench.offline import DTYPES, concrete_dtype
 from cluster.bench.spec_cells import (ADAPTIVE_K, WARMUP_LEN, RequestTiming, SpecCell, SpecCounts, k_name,
                                       pool_rounds)
@@ -95,7 +95,6 @@ def add_spec_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--vllm", action="store_true", help="also measure vLLM's CPU server (n-gram) as a peer")
     parser.add_argument("--vllm-ks", type=k_list, default=[0, 2, 4], help="vLLM's speculation lengths")
     parser.add_argument("--vllm-script", type=Path, default=DEFAULT_VLLM_SCRIPT, help="the vllm_cpu.sh anchor")
-    parser.add_argument("--json", type=Path, help="write the results here")
 
 
 def run_closed_loop(engine, prompt_ids: list[list[int]], output_len: int, concurrency: int,
@@ -210,8 +209,8 @@ def _controller(args, k: int):
     return AdaptiveController.from_profile(profile, min(max(args.ks), profile.max_k))
 
 
-def run_spec_bench(args: argparse.Namespace) -> dict:
-    """Measure every cell, print the tables, write ``args.json`` if set; returns the JSON dict."""
+def measure_spec(args: argparse.Namespace, console: Console) -> dict:
+    """Measure every cell; returns the JSON result."""
     if args.vllm and args.temperature > 0:
         raise ValueError("the vLLM peer is measured greedy: drop --vllm or --temperature")
     variants = engine_variants(args)
@@ -226,7 +225,6 @@ def run_spec_bench(args: argparse.Namespace) -> dict:
     if tokenizer is None:
         raise ValueError(f"{args.model} has no tokenizer; this benchmark builds text prompts")
     prompt_ids, prompt_format = build_prompt_ids(tokenizer, args.num_prompts)
-    console = Console()
     vllm = VllmResult(enabled=False)
     num_vllm = len(args.vllm_ks) * len(args.batch_sizes) if args.vllm else 0
     with Progress(console=console) as progress:
@@ -239,10 +237,8 @@ def run_spec_bench(args: argparse.Namespace) -> dict:
             vllm = measure_vllm(args, prompt_ids, console, progress, task)
 
     load_average = {"start": list(load_average), "end": list(os.getloadavg())}
-    result = build_result(args, source, load_average, prompt_ids, prompt_format, cells, vllm, WORKLOAD, WARMUP_LEN)
-    print_tables(console, result)
-    for error in vllm.errors:
-        console.print(f"[bold red]vLLM peer failed:[/] {error}")
-    if args.json:
-        args.json.write_text(json.dumps(result, indent=2) + "\n")
-    return result
+    return build_result(args, source, load_average, prompt_ids, prompt_format, cells, vllm, WORKLOAD, WARMUP_LEN)
+
+
+SPEC = Benchmark("spec", "tok/s and TPOT per batch size and k, with acceptance; vLLM as a peer",
+                 add_spec_args, measure_spec, print_tables)

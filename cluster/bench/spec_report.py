@@ -102,6 +102,8 @@ def print_tables(console, result: dict) -> None:
                           percent(row["coupled_acceptance_rate"]), percent(row["rejection_acceptance_rate"]),
                           f"{row['coupled_identical_to_k0']}/{n}", f"{row['rejection_identical_to_k0']}/{n}")
         console.print(table)
+    for error in result["vllm"]["errors"]:
+        console.print(f"[bold red]vLLM peer failed:[/] {error}")
 
 
 def _with_speedups(cells: list) -> list[dict]:

@@ -15,15 +15,15 @@ the texts differ in how well they draft (JSON repeats its keys, which n-gram loo
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import time
-from pathlib import Path
 
 import torch
 from rich.console import Console
 from rich.table import Table
 
+from cluster.bench.args import int_list, positive_int
+from cluster.bench.benchmark import Benchmark
 from cluster.config import load_config, with_overrides
 from cluster.engine.llm import LLM, apply_chat_template
 from cluster.shared.sampling_params import SamplingParams
@@ -43,15 +43,12 @@ LONG_SCHEMA = {
 PROMPT = "List 64 people with their name, age and city as JSON."
 
 
-def add_structured_parser(bench) -> None:
-    parser = bench.add_parser("structured", help="constrained (JSON schema) against free decoding, per batch size")
+def add_structured_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("config", nargs="?", default="configs/local.yaml", help="engine settings (default: local)")
-    parser.add_argument("--batch-sizes", default="1,8,32", help="comma-separated (default 1,8,32)")
-    parser.add_argument("--output-len", type=int, default=128, help="tokens per request (default 128)")
+    parser.add_argument("--batch-sizes", type=int_list, default=[1, 8, 32], help="comma-separated (default 1,8,32)")
+    parser.add_argument("--output-len", type=positive_int, default=128, help="tokens per request (default 128)")
     parser.add_argument("--temperature", type=float, default=1.0, help="sampling temperature (default 1, seeded)")
-    parser.add_argument("--repeats", type=int, default=3, help="rounds of free + constrained per batch size")
-    parser.add_argument("--json", type=Path, help="write the results here")
-    parser.set_defaults(func=lambda args: _print(run_structured_bench(args)))
+    parser.add_argument("--repeats", type=positive_int, default=3, help="rounds of free + constrained per batch size")
 
 
 def _round(llm: LLM, prompt: str, batch: int, args, constrained: bool) -> dict:
@@ -74,24 +71,22 @@ def _round(llm: LLM, prompt: str, batch: int, args, constrained: bool) -> dict:
             "grammar_seconds": llm.engine.grammars.seconds - grammar_before}
 
 
-def run_structured_bench(args: argparse.Namespace) -> dict:
+def measure_structured(args: argparse.Namespace, console: Console) -> dict:
+    """Free and constrained rounds per batch size, without and with the config's speculation."""
     config = load_config(args.config)
     cells = []
     for speculation in dict.fromkeys(("none", config.speculative.method)):
         cells += _cells(LLM(config=with_overrides(config, method=speculation)), speculation, args)
-    result = {"config": str(args.config), "output_len": args.output_len, "temperature": args.temperature,
-              "repeats": args.repeats, "threads": _threads(), "controller": config.speculative.controller,
-              "cells": cells}
-    if args.json:
-        args.json.write_text(json.dumps(result, indent=2) + "\n")
-    return result
+    return {"config": str(args.config), "output_len": args.output_len, "temperature": args.temperature,
+            "repeats": args.repeats, "threads": torch.get_num_threads(), "controller": config.speculative.controller,
+            "cells": cells}
 
 
 def _cells(llm: LLM, speculation: str, args) -> list[dict]:
     prompt = apply_chat_template(llm.engine.tokenizer, [{"role": "user", "content": PROMPT}])
     _round(llm, prompt, 2, argparse.Namespace(**{**vars(args), "output_len": 8}), True)  # warm-up, vocabulary
     cells = []
-    for batch in (int(b) for b in args.batch_sizes.split(",")):
+    for batch in args.batch_sizes:
         rounds = {"free": [], "constrained": []}
         for _ in range(args.repeats):
             for kind in ("free", "constrained"):
@@ -106,11 +101,7 @@ def _cells(llm: LLM, speculation: str, args) -> list[dict]:
     return cells
 
 
-def _threads() -> int:
-    return torch.get_num_threads()
-
-
-def _print(result: dict) -> int:
+def print_structured(console: Console, result: dict) -> None:
     table = Table(title=f"constrained vs free decoding ({result['config']}, {result['output_len']} tokens, "
                         f"temperature {result['temperature']}, {result['threads']} threads, "
                         f"median of {result['repeats']})")
@@ -119,5 +110,8 @@ def _print(result: dict) -> int:
     for c in result["cells"]:
         table.add_row(c["speculation"], str(c["batch_size"]), f"{c['free_tok_s']:.1f}", f"{c['constrained_tok_s']:.1f}",
                       f"{100 * c['slowdown']:.1f}%", f"{100 * c['grammar_share']:.1f}%")
-    Console().print(table)
-    return 0
+    console.print(table)
+
+
+STRUCTURED = Benchmark("structured", "constrained (JSON schema) against free decoding, per batch size",
+                       add_structured_args, measure_structured, print_structured)

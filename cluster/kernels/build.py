@@ -29,6 +29,7 @@ import torch
 from torch.utils import cpp_extension
 
 from cluster.shared.cache_dir import default_cache_dir
+from cluster.shared.cpu_info import cpu_flags
 
 logger = logging.getLogger(__name__)
 
@@ -36,19 +37,9 @@ _SOURCE_DIR = Path(__file__).resolve().parent
 _DISABLE_ENV = "TANDEM_CPU_KERNELS"
 
 
-def _cpu_flags() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return ""
-
-
 def cpu_has_vectors() -> bool:
     """Whether this CPU has what the kernels are written for: AVX2 with FMA, or AVX-512."""
-    flags = set(_cpu_flags().split())
+    flags = set(cpu_flags().split())
     return {"avx2", "fma"} <= flags or "avx512f" in flags
 
 
@@ -61,7 +52,7 @@ def build_key(source: Path, torch_dir: Path) -> str:
     digest = hashlib.sha256()
     headers = [h.read_bytes() for h in sorted(_SOURCE_DIR.glob("*.h"))]
     for part in (source.read_bytes(), *headers, torch.__version__.encode(), str(torch_dir).encode(),
-                 _cpu_flags().encode()):
+                 cpu_flags().encode()):
         digest.update(part)
     return digest.hexdigest()[:16]
 

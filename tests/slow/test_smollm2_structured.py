@@ -51,3 +51,22 @@ def test_greedy_outputs_equal_with_and_without_speculation(plain):
     speculative = _engine(method="ngram", num_speculative_tokens=4, controller="fixed")
     assert [o.token_ids for o in _generate(speculative, 0.0)] == expected
     assert speculative.engine.stats().spec.num_accepted_tokens > 0
+
+
+def test_bench_structured_measures_both_engines_and_its_result_prints_again(tmp_path, capsys):
+    """``tandem bench structured`` on the embedded default: a cell per engine and batch size,
+    every constrained output checked against the schema's opening by the benchmark itself."""
+    from cluster.cli import main
+
+    out = tmp_path / "structured.json"
+    assert main(["bench", "structured", "configs/local.yaml", "--batch-sizes", "1,2", "--output-len", "8",
+                 "--repeats", "1", "--json", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert [(c["speculation"], c["batch_size"]) for c in result["cells"]] == [
+        ("none", 1), ("none", 2), ("ngram", 1), ("ngram", 2)]
+    assert all(c["free_tok_s"] > 0 and c["constrained_tok_s"] > 0 and 0 < c["grammar_share"] < 1
+               for c in result["cells"])
+    assert result["run"]["benchmark"] == "structured"
+    printed = capsys.readouterr().out
+    assert main(["bench", "show", str(out)]) == 0
+    assert capsys.readouterr().out.split("wrote")[0] == printed.split("wrote")[0]

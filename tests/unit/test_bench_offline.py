@@ -79,7 +79,7 @@ def test_ratios_set_tandem_against_each_peer_measured_in_the_cell():
     """The ratio arithmetic on fixed numbers (no timing): a peer missing from a cell gets no ratio."""
     from types import SimpleNamespace
 
-    from cluster.bench.offline import Cell, _report
+    from cluster.bench.offline import Cell, _result
 
     def cell(system: str, batch_size: int, tok_per_s: float) -> Cell:
         return Cell(system, "float32", batch_size, 4, 4 * batch_size, 1.0, tok_per_s)
@@ -88,7 +88,7 @@ def test_ratios_set_tandem_against_each_peer_measured_in_the_cell():
              cell("tandem", 8, 300.0), cell("vllm", 8, 200.0), cell("transformers", 32, 100.0)]
     args = SimpleNamespace(dtypes=["float32"], batch_sizes=[1, 8, 32], systems=["tandem", "transformers", "vllm"],
                            model="m", output_len=4, repeats=1, tp=1)
-    result = _report(args, SimpleNamespace(path="m"), cells, 40.0, 1_000_000, [[1, 2]])
+    result = _result(args, SimpleNamespace(path="m"), cells, 40.0, 1_000_000, [[1, 2]])
     assert result["ratios"] == [
         {"dtype": "float32", "batch_size": 1, "tandem_over_transformers": 3.0, "tandem_over_vllm": 1.5},
         {"dtype": "float32", "batch_size": 8, "tandem_over_vllm": 1.5},

@@ -285,7 +285,10 @@ def test_cli_writes_json_and_plots(fake, tmp_path, capsys):
                  "--json", str(out), "--plots", str(plots)])
     assert code == 0
     result = json.loads(out.read_text())
-    assert set(result) == {"model", "config", "summary", "requests"}
+    assert set(result) == {"model", "config", "summary", "requests", "run"}
+    run = result["run"]
+    assert run["benchmark"] == "serve" and run["argv"][:3] == ["tandem", "bench", "serve"]
+    assert run["machine"]["cores_available"] >= 1 and run["machine"]["cpu_kind"] and run["wall_s"] > 0
     summary = result["summary"]
     for key in ("completed", "failed", "duration_s", "request_throughput", "output_throughput",
                 "total_token_throughput", "request_goodput", "mean_ttft_ms", "median_tpot_ms", "p99_itl_ms",
@@ -295,7 +298,24 @@ def test_cli_writes_json_and_plots(fake, tmp_path, capsys):
     assert result["config"]["dataset"] == "shared-prefix" and result["config"]["request_rate"] == "inf"
     assert len(result["requests"]) == 5 and all(r["ttft_s"] <= r["e2e_s"] for r in result["requests"])
     assert {p.name for p in plots.iterdir()} == {"latency_cdf.png", "throughput.png"}
-    assert "TTFT" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "TTFT" in printed
+
+    # the saved result alone prints the same tables and draws the same figures again
+    again = tmp_path / "again"
+    assert main(["bench", "show", str(out), "--plots", str(again)]) == 0
+    shown = capsys.readouterr().out
+    assert shown.split("wrote")[0] == printed.split("wrote")[0]
+    assert {p.name for p in again.iterdir()} == {"latency_cdf.png", "throughput.png"}
+
+
+def test_show_refuses_a_file_that_is_no_benchmark_result(tmp_path, capsys):
+    other = tmp_path / "other.json"
+    other.write_text(json.dumps({"summary": {}}))
+    assert main(["bench", "show", str(other)]) != 0
+    assert "names no known benchmark" in capsys.readouterr().err
+    assert main(["bench", "show", str(tmp_path / "missing.json")]) != 0
+    assert "cannot read" in capsys.readouterr().err
 
 
 def test_cli_rejects_bad_phases(capsys):
