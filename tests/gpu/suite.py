@@ -15,11 +15,11 @@ from report import CheckResult
 
 EMBEDDED = "smollm2-135m-instruct"
 TINY_CHECKS = ("parity/tiny-llama", "parity/tiny-qwen2", "parity/tiny-opt", "parity/tiny-llama-gather",
-               "parity/tiny-llama-flex", "speculative/tiny-ngram",
-               "speculative/tiny-draft", "kv/preemption", "kv/preemption-draft", "sync/tiny-llama",
+               "parity/tiny-llama-flex", "speculative/tiny-ngram", "speculative/tiny-draft",
+               "speculative/tiny-eagle3", "kv/preemption", "kv/preemption-draft", "sync/tiny-llama",
                "lora/tiny-llama", "core/tiny-llama")
 EMBEDDED_CHECKS = ("embedded/weights", "parity/smollm2-135m", "speculative/smollm2-ngram",
-                   "speculative/smollm2-draft")
+                   "speculative/smollm2-eagle3")
 ALL_CHECKS = (*TINY_CHECKS, *EMBEDDED_CHECKS, "throughput")
 
 
@@ -71,9 +71,11 @@ class Run:
 
 
 def tiny_models(work: Path) -> dict[str, Path]:
-    """Random-weight Llama, Qwen2 and OPT folders (as the unit tests' fixtures) and a noisy Llama draft."""
+    """Random-weight Llama, Qwen2 and OPT folders (as the unit tests' fixtures), a noisy Llama
+    draft and a random EAGLE-3 head for the Llama."""
     from cluster.models.tiny import (save_noisy_draft, save_tiny_model, save_tiny_tokenizer, tiny_llama_config,
                                      tiny_opt_config, tiny_qwen2_config)
+    from cluster.models.tiny_head import save_random_head
 
     made = {}
     for name, config, seed in (("llama", tiny_llama_config(), 0), ("qwen2", tiny_qwen2_config(), 1),
@@ -82,6 +84,7 @@ def tiny_models(work: Path) -> dict[str, Path]:
         save_tiny_tokenizer(made[name])
     made["noisy-draft"] = save_noisy_draft(made["llama"], work / "noisy-draft")
     save_tiny_tokenizer(made["noisy-draft"])
+    made["eagle3-head"] = save_random_head(tiny_llama_config(), work / "eagle3-head", draft_vocab=64)
     return made
 
 
@@ -100,6 +103,8 @@ def run_tiny(run: Run, device: str, models: dict[str, Path]) -> None:
     run.check("speculative/tiny-ngram", checks.speculative, llama, device, prompts, 20,
               dict(method="ngram", num_speculative_tokens=4), num_blocks=128)
     run.check("speculative/tiny-draft", checks.speculative, llama, device, prompts, 20, draft, num_blocks=128)
+    run.check("speculative/tiny-eagle3", checks.speculative, llama, device, prompts, 20,
+              dict(method="eagle3", draft_model=str(models["eagle3-head"]), num_speculative_tokens=4), num_blocks=128)
     # Blocks of 16: flex attention (model.attention auto on CUDA) takes powers of two from 16 up.
     tight = dict(num_blocks=7, block_size=16, max_num_batched_tokens=16)
     run.check("kv/preemption", checks.preemption, llama, device, prompts, 20, tight)
@@ -149,8 +154,8 @@ def run_embedded(run: Run, device: str, path: Path, stage: carry.StageReport) ->
     run.check("parity/smollm2-135m", checks.parity, path, device, prompts, 32, **kv)
     run.check("speculative/smollm2-ngram", checks.speculative, str(path), device, prompts, 32,
               dict(method="ngram", num_speculative_tokens=4), **kv)
-    run.check("speculative/smollm2-draft", checks.speculative, str(path), device, prompts, 32,
-              dict(method="draft", draft_model=f"{EMBEDDED}-draft", num_speculative_tokens=3), **kv)
+    run.check("speculative/smollm2-eagle3", checks.speculative, str(path), device, prompts, 32,
+              dict(method="eagle3", draft_model=f"{EMBEDDED}-eagle3", num_speculative_tokens=3), **kv)
 
 
 def throughput_model(quick: bool, models: dict[str, Path], embedded: Path | None, work: Path) -> tuple[str, Path]:

@@ -10,10 +10,10 @@ import pytest
 
 from cluster.config import ConfigError
 from cluster.models.tiny import save_tiny_model, tiny_llama_config
+from cluster.models.tiny_head import save_random_head
 from cluster.shared.sampling_params import SamplingParams
 from tests.engine_helpers import make_engine, run_to_completion
 from tests.goodness_of_fit import chi2_quantile, chi2_statistic
-from tests.head_helpers import save_random_head
 from tests.unit.test_spec_decode import CyclingController
 from tests.unit.test_spec_distribution import VOCAB, _reference_joint, sample_pairs
 

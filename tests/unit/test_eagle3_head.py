@@ -12,8 +12,8 @@ from cluster.drafts.head_ttt import unrolled_logits
 from cluster.models.eagle3 import load_head, save_head
 from cluster.models.layers.cpu_ops import attach_decode_ops
 from cluster.models.tiny import tiny_llama_config
+from cluster.models.tiny_head import random_head, tiny_head_config
 from cluster.runner.input_batch import SHORT_QUERY_MAX, SeqChunk, prepare_inputs
-from tests.head_helpers import random_head, tiny_head_config
 
 CONFIG = tiny_head_config(tiny_llama_config(num_hidden_layers=6), draft_vocab=96)
 

@@ -24,11 +24,11 @@ GPU = ROOT / "tests" / "gpu"
 SCRIPT = GPU / "validate.py"
 RUN = ["parity/tiny-llama", "parity/tiny-qwen2", "parity/tiny-opt", "parity/tiny-llama-gather",
        "parity/tiny-llama-flex", "speculative/tiny-ngram",
-       "speculative/tiny-draft", "kv/preemption", "kv/preemption-draft"]
+       "speculative/tiny-draft", "speculative/tiny-eagle3", "kv/preemption", "kv/preemption-draft"]
 SYNC = "sync/tiny-llama"  # CUDA only: skipped in the dry run
 LORA = "lora/tiny-llama"
 CORE = "core/tiny-llama"
-EMBEDDED = ["embedded/weights", "parity/smollm2-135m", "speculative/smollm2-ngram", "speculative/smollm2-draft"]
+EMBEDDED = ["embedded/weights", "parity/smollm2-135m", "speculative/smollm2-ngram", "speculative/smollm2-eagle3"]
 
 
 @pytest.fixture(scope="module")
@@ -49,7 +49,7 @@ def test_the_dry_run_reports_every_check_and_passes_those_it_runs(dry_run):
     assert all(status[name][0] == "passed" for name in [*RUN, LORA, CORE, "throughput"]), text
     assert all(status[name] == ("skipped", "--quick: tiny models only") for name in EMBEDDED)
     assert status[SYNC] == ("skipped", "CUDA only: synchronisation is a CUDA notion")
-    assert doc["summary"] == {"passed": 12, "failed": 0, "skipped": 5, "error": 0}
+    assert doc["summary"] == {"passed": 13, "failed": 0, "skipped": 5, "error": 0}
     assert doc["settings"]["device"] == "cpu" and doc["environment"]["missing_required"] == []
     assert "12 passed, 0 failed, 5 skipped, 0 error" in text
 
@@ -57,7 +57,7 @@ def test_the_dry_run_reports_every_check_and_passes_those_it_runs(dry_run):
 def test_speculation_preemption_and_the_core_process_were_exercised(dry_run):
     _, doc, _ = dry_run
     data = {c["name"]: c["data"] for c in doc["checks"]}
-    for name in ("speculative/tiny-ngram", "speculative/tiny-draft"):
+    for name in ("speculative/tiny-ngram", "speculative/tiny-draft", "speculative/tiny-eagle3"):
         assert data[name]["mismatches"] == [] and data[name]["num_draft_tokens"] > 0
     draft = data["speculative/tiny-draft"]
     assert 0 < draft["num_accepted_tokens"] < draft["num_draft_tokens"]
