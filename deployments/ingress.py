@@ -31,7 +31,8 @@ from pathlib import Path
 
 from fastapi import Query, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, PlainTextResponse
+from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import ValidationError
 from ray import serve
 from ray.serve.handle import DeploymentHandle
@@ -56,6 +57,8 @@ from cluster.config import config_from_dict, group_engine_config
 from cluster.hosting.backend import error_param
 from cluster.errors import require_unicode
 from cluster.kv.prefix_cache import engine_hash_seed
+from cluster.metrics.exposition import merge
+from cluster.metrics.prometheus_sink import PrometheusSink
 from cluster.models.loader import load_hf_config, load_tokenizer_if_present, resolve_model
 from cluster.models.registry import engine_max_model_len
 from cluster.routing.group_router import GroupRouter
@@ -65,7 +68,7 @@ from deployments.feeds import DeltaFeeds
 from deployments.http_app import answer, app
 from deployments.http_app import error_response as _error
 from deployments.ingress_port import reuse_address
-from deployments.metrics import RaySink
+from deployments.metrics import MetricsPusher, metrics_hub
 from deployments.readiness import unready_groups
 from deployments.responses_routes import ResponsesRoutes
 from deployments.streams import ChoiceStream, respond
@@ -109,13 +112,19 @@ class OpenAIIngress(ResponsesRoutes):
             self.shapes[group.name] = GroupShape(engine_config.cache.block_size,
                                                  engine_hash_seed(model.model, model.dtype, model.seed), max_model_len)
             sizes[group.name] = group.autoscaling.min_replicas if group.autoscaling else group.num_replicas
-        decisions = RaySink("ingress")
+        decisions = PrometheusSink("ingress")
         # Groups autoscaled to zero replicas do not count against readiness (a request starts one).
         self.required_groups = [name for name, size in sizes.items() if size > 0]
+        self._pusher = None
         try:
-            self.app_name = serve.get_replica_context().app_name
+            replica = serve.get_replica_context()
         except Exception:  # constructed outside Serve (unit tests)
             self.app_name = None
+        else:
+            self.app_name = replica.app_name
+            self._pusher = MetricsPusher(self.app_name, {
+                "application": self.app_name, "deployment": replica.deployment,
+                "replica": replica.replica_id.unique_id}, decisions.exposition)
         self.router = GroupRouter(sizes, serve_config.router, staleness_seconds=60.0,
                                   on_decision=lambda group: decisions.inc("tandem_router_decisions", 1,
                                                                           (("group", group),)))
@@ -215,6 +224,16 @@ class OpenAIIngress(ResponsesRoutes):
     @app.get("/version")
     async def version(self):
         return {"version": importlib.metadata.version("tandem-serve")}
+
+    @app.get("/metrics")
+    async def metrics(self):
+        """Every engine replica's and ingress's metrics of this application, in Prometheus' text
+        format: vLLM's series (``vllm:...``) and Tandem's (``tandem:...``), as the processes last
+        pushed them (every few seconds). No API key, as vLLM's server and Ray's metrics port."""
+        if self.app_name is None:
+            return PlainTextResponse("", media_type=CONTENT_TYPE_LATEST)
+        sources = await metrics_hub(self.app_name).fresh.remote()
+        return PlainTextResponse(merge(sources), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/debug/router")
     async def debug_router(self, request: Request):

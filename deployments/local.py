@@ -129,7 +129,8 @@ def start_local(config: TandemConfig, app_name: str = "tandem", blocking: bool =
     _wait_for_http(url)
     if blocking:
         print(f"Tandem serves {config.serve.served_model_name or config.model.model} at {url}/v1 "
-              f"(OpenAI API), Prometheus metrics at http://{host}:{config.serve.metrics_export_port}/metrics; "
+              f"(OpenAI API), its metrics at {url}/metrics (Ray's at "
+              f"http://{host}:{config.serve.metrics_export_port}/metrics); "
               "Ctrl-C or SIGTERM stops it", flush=True)
         serve_until_signalled()
     return url

@@ -1,48 +1,78 @@
-"""The metric catalog bound to Ray: ``ray.serve.metrics`` objects that Ray's Prometheus
-endpoint (``metrics_export_port`` on every node) exposes with Serve's ``deployment``,
-``replica`` and ``application`` labels. See ``cluster/metrics/catalog.py`` for the list."""
+"""Where the processes' metrics meet: a Ray actor per Serve application that keeps the latest
+Prometheus text of every engine replica and ingress, pushed every ``PUSH_INTERVAL_S``, and
+hands the fresh ones to the ingress that answers ``GET /metrics``.
+
+A process whose pushes stop (it died, or was replaced) drops out after ``MAX_AGE_S``; a
+process's counters live in the process, so the hub holds nothing a restart of it would lose.
+The hub is detached and named after the application, so every replica and ingress of it
+finds the same one, whichever started first.
+"""
 
 from __future__ import annotations
 
-from ray.serve import metrics as serve_metrics
+import logging
+import threading
+import time
+from typing import Callable
 
-from cluster.metrics.catalog import METRICS, MetricSpec
-from cluster.metrics.collector import Labels
+import ray
 
+logger = logging.getLogger(__name__)
 
-class RaySink:
-    """A ``MetricsSink`` writing to Ray; ``default_tags`` fills the common labels
-    (a replica's group and device kind)."""
-
-    def __init__(self, source: str, default_tags: dict[str, str] | None = None) -> None:
-        self._metrics = {spec.name: _make(spec, default_tags or {}) for spec in METRICS if spec.source == source}
-
-    def inc(self, name: str, value: float, labels: Labels = ()) -> None:
-        if value == 0:
-            # A counter is exported from 0, as Prometheus clients do; Ray's public inc()
-            # refuses 0, so the point goes through the method inc() itself ends in.
-            self._metrics[name]._record(0.0, tags=dict(labels))
-            return
-        self._metrics[name].inc(value, tags=dict(labels))
-
-    def set(self, name: str, value: float, labels: Labels = ()) -> None:
-        self._metrics[name].set(value, tags=dict(labels))
-
-    def observe(self, name: str, value: float, labels: Labels = ()) -> None:
-        self._metrics[name].observe(max(0.0, value), tags=dict(labels))
+PUSH_INTERVAL_S = 2.0
+MAX_AGE_S = 30.0
 
 
-def _make(spec: MetricSpec, default_tags: dict[str, str]):
-    description = f"{spec.description} ({spec.unit})"
-    tag_keys = spec.all_labels
-    if spec.kind == "counter":
-        metric = serve_metrics.Counter(spec.name, description=description, tag_keys=tag_keys)
-    elif spec.kind == "gauge":
-        metric = serve_metrics.Gauge(spec.name, description=description, tag_keys=tag_keys)
-    else:
-        metric = serve_metrics.Histogram(spec.name, description=description, boundaries=list(spec.buckets),
-                                         tag_keys=tag_keys)
-    defaults = {k: v for k, v in default_tags.items() if k in tag_keys}
-    if defaults:
-        metric.set_default_tags(defaults)
-    return metric
+@ray.remote(num_cpus=0, max_restarts=-1)
+class MetricsHub:
+    def __init__(self) -> None:
+        self._latest: dict[str, tuple[float, dict[str, str], str]] = {}
+
+    def put(self, source_id: str, labels: dict[str, str], text: str) -> None:
+        self._latest[source_id] = (time.time(), labels, text)
+
+    def fresh(self, max_age_s: float = MAX_AGE_S) -> list[tuple[dict[str, str], str]]:
+        """(labels, text) of every source heard from within ``max_age_s``; older ones are forgotten."""
+        now = time.time()
+        for source_id in [k for k, (at, _, _) in self._latest.items() if now - at > max_age_s]:
+            del self._latest[source_id]
+        return [(labels, text) for _, labels, text in self._latest.values()]
+
+
+def metrics_hub(app_name: str | None):
+    """The application's hub, started by the first process that asks."""
+    return MetricsHub.options(name=f"tandem-metrics-{app_name or 'default'}", namespace="tandem",
+                              lifetime="detached", get_if_exists=True).remote()
+
+
+class MetricsPusher:
+    """Pushes ``render()`` (a process's Prometheus text) to the hub every ``interval_s`` from a
+    daemon thread, under ``labels`` (its application, deployment and replica); a failed push is
+    logged once and retried with a fresh handle at the next tick."""
+
+    def __init__(self, app_name: str | None, labels: dict[str, str], render: Callable[[], str],
+                 interval_s: float = PUSH_INTERVAL_S) -> None:
+        self.app_name, self.labels, self.render, self.interval_s = app_name, labels, render, interval_s
+        self._stop = threading.Event()
+        self._hub = None
+        self._warned = False
+        threading.Thread(target=self._run, name="tandem-metrics-push", daemon=True).start()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            self.push()
+
+    def push(self) -> None:
+        try:
+            if self._hub is None:
+                self._hub = metrics_hub(self.app_name)
+            self._hub.put.remote(self.labels["replica"], self.labels, self.render())
+            self._warned = False
+        except Exception as err:  # the hub restarting, the cluster shutting down: try again next time
+            self._hub = None
+            if not self._warned:
+                logger.warning("metrics push to the hub failed (%s: %s); retrying", type(err).__name__, err)
+                self._warned = True
+
+    def stop(self) -> None:
+        self._stop.set()

@@ -26,7 +26,8 @@ from cluster.hosting.backend import BackendContext, EngineUnhealthyError
 from cluster.hosting.feed_outbox import FeedOutbox
 from cluster.hosting.protocol import FeedRequest, GenerateDelta, GenerateRequest
 from cluster.routing.stats import ReplicaStats
-from deployments.metrics import RaySink
+from cluster.metrics.prometheus_sink import PrometheusSink
+from deployments.metrics import MetricsPusher
 from deployments.tp_ranks import RayLauncher
 
 logger = logging.getLogger(__name__)
@@ -45,13 +46,21 @@ class TandemReplica:
             # A CPU replica computes with as many threads as Ray reserved CPUs for it.
             self.config = with_overrides(self.config, num_threads=max(1, int(self.group.num_cpus)))
         self.prefix_depth = full.serve.prefix_affinity_blocks
-        tags = {"group": self.group.name, "device_kind": self.group.device_kind}
-        context = BackendContext(metrics_sink=RaySink("replica", tags), tp_launcher=self._tp_launcher)
+        self.metrics = PrometheusSink("replica", {
+            "model_name": full.serve.served_model_name or full.model.model, "group": self.group.name,
+            "device_kind": self.group.device_kind})
+        context = BackendContext(metrics_sink=self.metrics, tp_launcher=self._tp_launcher)
         self.backend = build_backend(self.config, self.group, context)
+        self._pusher = None
         try:
-            self.replica_id = serve.get_replica_context().replica_id.unique_id
+            replica = serve.get_replica_context()
         except Exception:  # constructed outside Serve (unit tests)
             self.replica_id = f"{group_name}-local"
+        else:
+            self.replica_id = replica.replica_id.unique_id
+            self._pusher = MetricsPusher(replica.app_name, {
+                "application": replica.app_name, "deployment": replica.deployment, "replica": self.replica_id},
+                self.metrics.exposition)
         self._outboxes: dict[str, FeedOutbox] = {}
         logger.info("replica %s of group %s ready (%s engine, %s, %d torch threads)", self.replica_id, group_name,
                     self.backend.name, self.config.model.model, torch.get_num_threads())
@@ -140,6 +149,9 @@ class TandemReplica:
 
     async def __del__(self) -> None:
         # Serve has already waited graceful_shutdown_timeout_s for in-flight requests.
+        pusher = getattr(self, "_pusher", None)
+        if pusher is not None:
+            pusher.stop()
         backend = getattr(self, "backend", None)  # absent when __init__ failed
         if backend is not None:
             await backend.shutdown()

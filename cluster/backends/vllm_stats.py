@@ -145,11 +145,31 @@ class VllmStatsRecorder:
             self.sink.observe("time_to_first_token_seconds", ttft)
         for itl in it.inter_token_latencies_iter:
             self.sink.observe("inter_token_latency_seconds", itl)
+        self.sink.observe("iteration_tokens_total", it.num_prompt_tokens + it.num_generation_tokens)
+        for n in it.n_params_iter:
+            self.sink.observe("request_params_n", n)
+        for most in it.max_num_generation_tokens_iter:
+            self.sink.observe("request_max_num_generation_tokens", most)
         for done in it.finished_requests:
-            reason = _FINISH_REASONS.get(str(done.finish_reason), "stop")
-            self.sink.inc("request_success", 1, _labels(finished_reason=reason))
-            self.sink.observe("e2e_request_latency_seconds", done.e2e_latency)
-            self.sink.observe("request_queue_time_seconds", done.queued_time)
+            self._finished(done)
+
+    def _finished(self, done) -> None:
+        """vLLM's per-request figures of a finished request (its FinishedRequestStats)."""
+        reason = _FINISH_REASONS.get(str(done.finish_reason), "stop")
+        self.sink.inc("request_success", 1, _labels(finished_reason=reason))
+        for name, value in (("e2e_request_latency_seconds", done.e2e_latency),
+                            ("request_queue_time_seconds", done.queued_time),
+                            ("request_prefill_time_seconds", done.prefill_time),
+                            ("request_inference_time_seconds", done.inference_time),
+                            ("request_decode_time_seconds", done.decode_time),
+                            ("request_prompt_tokens", done.num_prompt_tokens),
+                            ("request_generation_tokens", done.num_generation_tokens),
+                            ("request_num_preemptions", done.num_preemptions)):
+            self.sink.observe(name, value)
+        if done.num_generation_tokens > 1:
+            self.sink.observe("request_time_per_output_token_seconds", done.mean_time_per_output_token)
+        if done.max_tokens_param is not None:
+            self.sink.observe("request_params_max_tokens", done.max_tokens_param)
 
     def submitted(self, now: float | None = None) -> None:
         """A request was handed to vLLM: an idle engine's next step starts now."""

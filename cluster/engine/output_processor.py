@@ -119,7 +119,8 @@ class OutputProcessor:
         if state.prompt_logprobs is not None and (state.cumulative or not state.prompt_logprobs_sent):
             prompt_logprobs, state.prompt_logprobs_sent = state.prompt_logprobs, True
         return RequestOutput(request.request_id, request.prompt, request.prompt_token_ids, [completion],
-                             finished, usage, times, prompt_logprobs)
+                             finished, usage, times, prompt_logprobs, request.sampling_params.max_tokens,
+                             request.num_preemptions)
 
     def _logprobs(self, entry: tuple[list[int], list[float], int]) -> TokenLogprobs:
         ids, values, rank = entry

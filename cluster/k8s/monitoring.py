@@ -1,10 +1,13 @@
 """PodMonitors (prometheus-operator) for the Ray head and the Ray workers.
 
-Every Ray node exports its metrics, Ray's, Serve's and Tandem's (``ray.util.metrics``),
-on ``serve.metrics_export_port`` (``ray start --metrics-export-port``), a container port
-named ``metrics``. The head also serves the autoscaler's and the dashboard's metrics.
-Each scraped series gets ``ray_io_cluster`` (the label Ray's own Grafana dashboards
-filter by) and the worker series ``ray_group`` (the serve group, i.e. the GPU kind).
+Tandem's metrics (vLLM's ``vllm:*`` series and Tandem's ``tandem:*``, every replica's and
+ingress's) are served by the ingress at ``/metrics`` on the API port: the head's PodMonitor
+scrapes them once, through the head's Serve proxy (scraping every pod's proxy would repeat
+each series per pod). Every Ray node exports Ray's and Serve's own metrics on
+``serve.metrics_export_port`` (``ray start --metrics-export-port``), a container port named
+``metrics``; the head also serves the autoscaler's and the dashboard's. Each scraped series
+gets ``ray_io_cluster`` (the label Ray's own Grafana dashboards filter by) and the worker
+series ``ray_group`` (the serve group, i.e. the GPU kind).
 """
 
 from __future__ import annotations
@@ -44,7 +47,8 @@ def pod_monitors(k8s: KubernetesConfig) -> list[dict]:
         return []
     cluster = _relabel("ray.io/cluster", "ray_io_cluster")
     return [
-        _pod_monitor(k8s, f"{k8s.name}-ray-head", "head", ["metrics", "as-metrics", "dash-metrics"], [cluster]),
+        _pod_monitor(k8s, f"{k8s.name}-ray-head", "head", ["serve", "metrics", "as-metrics", "dash-metrics"],
+                     [cluster]),
         _pod_monitor(k8s, f"{k8s.name}-ray-workers", "worker", ["metrics"],
                      [cluster, _relabel("ray.io/group", "ray_group")]),
     ]

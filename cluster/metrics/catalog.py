@@ -1,11 +1,15 @@
 """Every metric Tandem exports, with its kind, unit, labels and meaning.
 
-Engine figures use vLLM's names where the meaning is the same (vLLM's ``vllm:``
-namespace dropped: Ray no longer allows ``:`` in metric names); Tandem's own carry a
-``tandem_`` prefix. Ray's Prometheus endpoint adds ``ray_`` in front of every name,
-``_total`` after a counter's, and ``_bucket``/``_sum``/``_count`` after a
-histogram's. Every series also carries Ray Serve's ``deployment``, ``replica`` and
-``application`` labels and the ``COMMON_LABELS`` below.
+Engine figures carry vLLM's names, types, buckets and ``model_name`` label
+(``vllm:num_requests_running``, ``vllm:time_to_first_token_seconds``, ...), so the
+dashboards, alerts and autoscalers written for vLLM's ``/metrics`` read Tandem's unchanged;
+Tandem's own figures (the speculation controller, capacity, LoRA, the router) carry
+``tandem:``. Every process that records them (engine replicas, ingresses) keeps them in a
+Prometheus registry of its own (``prometheus_sink.py``); the ingress serves all of them
+merged at ``GET /metrics`` on the API port (``exposition.py``), each series with the
+``application``, ``deployment`` and ``replica`` it came from (``SOURCE_LABELS``) beside
+its own labels. A counter shows with ``_total`` after its name, a histogram as
+``_bucket``/``_sum``/``_count``.
 """
 
 from __future__ import annotations
@@ -13,18 +17,34 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-PROMETHEUS_PREFIX = "ray_"
-COMMON_LABELS = ("group", "device_kind")  # the replica group and its kind of device
+# Every replica series: the served model (vLLM's label), the replica group and its kind of device.
+COMMON_LABELS = ("model_name", "group", "device_kind")
+# Added to every series when the ingress merges the processes' registries.
+SOURCE_LABELS = ("application", "deployment", "replica")
 
-# Latency buckets in seconds, as vLLM's; ITL also below 10 ms, where a step's time is
-# divided among the several tokens speculation accepts.
+
+def _one_two_five(top: int) -> tuple[float, ...]:
+    """1, 2, 5, 10, 20, 50, ... up to ``top``: vLLM's buckets for token counts."""
+    out, scale = [], 1
+    while True:
+        for m in (1, 2, 5):
+            if m * scale > top:
+                return tuple(float(b) for b in out)
+            out.append(m * scale)
+        scale *= 10
+
+
+# vLLM's bucket bounds (vllm/v1/metrics/buckets.py), so histogram_quantile reads the same.
 _TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
-                 10.0, 20.0, 40.0, 80.0, 160.0)
-_ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
-                10.0, 20.0, 40.0, 80.0)
+                 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
+_ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
+                40.0, 80.0)
 _REQUEST_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0,
-                    120.0, 240.0, 480.0, 960.0, 1920.0)
-
+                    120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
+_TOKEN_BUCKETS = _one_two_five(1_000_000)  # request lengths; vLLM stops at max_model_len, here one scale fits all
+_ITERATION_BUCKETS = (1.0, 8.0, 16.0, 32.0, 64.0, 128.0, 256.0, 512.0, 1024.0, 2048.0, 4096.0, 8192.0, 16384.0)
+_N_BUCKETS = (1.0, 2.0, 5.0, 10.0, 20.0)
+_PREEMPTION_BUCKETS = (1.0, 2.0, 3.0, 4.0, 5.0, 10.0, 20.0)
 
 @dataclass(frozen=True)
 class MetricSpec:
@@ -38,14 +58,19 @@ class MetricSpec:
 
     @property
     def all_labels(self) -> tuple[str, ...]:
-        """Labels besides Ray Serve's own: a replica's metric also carries COMMON_LABELS."""
+        """The labels the recording process gives it: a replica's also carry COMMON_LABELS."""
         return (*COMMON_LABELS, *self.labels) if self.source == "replica" else self.labels
+
+    @property
+    def exposed_name(self) -> str:
+        """The metric's name at ``/metrics``: ``vllm:...`` for vLLM's figures, ``tandem:...`` for Tandem's."""
+        return f"tandem:{self.name.removeprefix('tandem_')}" if self.name.startswith("tandem_") else f"vllm:{self.name}"
 
     @property
     def prometheus_name(self) -> str:
         """The series name a PromQL query uses (a histogram's base name)."""
         suffix = "_total" if self.kind == "counter" else ""
-        return f"{PROMETHEUS_PREFIX}{self.name}{suffix}"
+        return f"{self.exposed_name}{suffix}"
 
     @property
     def prometheus_names(self) -> tuple[str, ...]:
@@ -64,8 +89,8 @@ def _g(name, unit, description, labels=()):
     return MetricSpec(name, "gauge", unit, description, tuple(labels))
 
 
-def _h(name, description, buckets):
-    return MetricSpec(name, "histogram", "seconds", description, buckets=buckets)
+def _h(name, description, buckets, unit="seconds"):
+    return MetricSpec(name, "histogram", unit, description, buckets=buckets)
 
 
 METRICS: tuple[MetricSpec, ...] = (
@@ -88,6 +113,27 @@ METRICS: tuple[MetricSpec, ...] = (
        _REQUEST_BUCKETS),
     _h("request_queue_time_seconds", "time a request waited before it was first scheduled",
        _REQUEST_BUCKETS),
+    _h("request_time_per_output_token_seconds", "per finished request: (last token - first token) / "
+       "(output tokens - 1)", _ITL_BUCKETS),
+    _h("request_inference_time_seconds", "per finished request: from its first scheduling to its last token",
+       _REQUEST_BUCKETS),
+    _h("request_prefill_time_seconds", "per finished request: from its first scheduling to its first token",
+       _REQUEST_BUCKETS),
+    _h("request_decode_time_seconds", "per finished request: from its first token to its last", _REQUEST_BUCKETS),
+    _h("request_prompt_tokens", "per finished request: its prompt tokens", _TOKEN_BUCKETS, unit="tokens"),
+    _h("request_generation_tokens", "per finished request: its output tokens", _TOKEN_BUCKETS, unit="tokens"),
+    _h("request_max_num_generation_tokens", "per finished request: the most output tokens it could have had "
+       "(max_tokens, or the room left in the context)", _TOKEN_BUCKETS, unit="tokens"),
+    _h("request_params_max_tokens", "per finished request: its max_tokens", _TOKEN_BUCKETS, unit="tokens"),
+    _h("request_params_n", "per finished request: its n (each choice is one engine request: 1)", _N_BUCKETS,
+       unit="choices"),
+    _h("request_num_preemptions", "per finished request: the times it was preempted", _PREEMPTION_BUCKETS,
+       unit="preemptions"),
+    _h("iteration_tokens_total", "per engine step: the tokens it computed (prompt and output)", _ITERATION_BUCKETS,
+       unit="tokens"),
+    # Names an older vLLM exported, still read by vLLM's example dashboard: the same figures again.
+    _g("gpu_cache_usage_perc", "fraction", "kv_cache_usage_perc under vLLM's earlier name"),
+    _h("time_per_output_token_seconds", "inter_token_latency_seconds under vLLM's earlier name", _ITL_BUCKETS),
     _c("spec_decode_num_drafts", "drafts", "request-steps that verified at least one draft token"),
     _c("spec_decode_num_draft_tokens", "tokens", "draft tokens proposed and verified"),
     _c("spec_decode_num_accepted_tokens", "tokens", "draft tokens accepted"),
@@ -115,6 +161,9 @@ METRICS: tuple[MetricSpec, ...] = (
 )
 
 METRICS_BY_NAME = {m.name: m for m in METRICS}
+
+# Recorded once, exported under both names: metric -> its older vLLM name.
+ALIASES = {"kv_cache_usage_perc": "gpu_cache_usage_perc", "inter_token_latency_seconds": "time_per_output_token_seconds"}
 
 
 def exported_series_names() -> set[str]:

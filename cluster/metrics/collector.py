@@ -4,7 +4,7 @@ The collector is fed by the engine loop (``hosting/core.py``): ``on_step`` with 
 step's outputs, ``on_abort`` when a running request is aborted, and ``poll`` for the
 gauges and the engine's cumulative counters (sent as increments since the last poll).
 It writes to a ``MetricsSink``; ``MemorySink`` keeps the samples for tests, and
-``deployments/metrics.py`` sends them to Ray. No Ray and no torch here.
+``PrometheusSink`` the registry a replica serves (``prometheus_sink.py``). No Ray and no torch here.
 
 Timings are taken with ``time.monotonic()``, the clock of ``RequestTimes``:
 - TTFT and E2E run from the request's arrival at this engine, queue time from
@@ -105,8 +105,10 @@ class EngineMetricsCollector:
     def on_step(self, outputs: list[RequestOutput], now: float | None = None) -> None:
         now = time.monotonic() if now is None else now
         record = self.engine.last_step
-        if record is not None and self.engine.controller is not None:
-            self.sink.inc("tandem_spec_steps", 1, _labels(k=record.k))
+        if record is not None:
+            self.sink.observe("iteration_tokens_total", record.num_tokens)
+            if self.engine.controller is not None:
+                self.sink.inc("tandem_spec_steps", 1, _labels(k=record.k))
         for out in outputs:
             self._on_output(out, now)
         if now - self._last_poll >= self.poll_interval_s:
@@ -147,6 +149,28 @@ class EngineMetricsCollector:
             self.sink.inc("request_success", 1, _labels(finished_reason=reason))
             if arrival is not None:
                 self.sink.observe("e2e_request_latency_seconds", now - arrival)
+            self._on_finished(out, now)
+
+    def _on_finished(self, out: RequestOutput, now: float) -> None:
+        """The per-request histograms vLLM keeps, observed when a request ends."""
+        generated = out.usage.completion_tokens
+        self.sink.observe("request_prompt_tokens", out.usage.prompt_tokens)
+        self.sink.observe("request_generation_tokens", generated)
+        self.sink.observe("request_params_n", 1)
+        self.sink.observe("request_num_preemptions", out.num_preemptions)
+        if out.max_tokens is not None:
+            self.sink.observe("request_params_max_tokens", out.max_tokens)
+            self.sink.observe("request_max_num_generation_tokens", out.max_tokens)
+        times = out.times
+        if times is None or times.scheduled_time is None:
+            return
+        self.sink.observe("request_inference_time_seconds", now - times.scheduled_time)
+        if times.first_token_time is not None:
+            self.sink.observe("request_prefill_time_seconds", times.first_token_time - times.scheduled_time)
+            self.sink.observe("request_decode_time_seconds", now - times.first_token_time)
+            if generated > 1:
+                self.sink.observe("request_time_per_output_token_seconds",
+                                  (now - times.first_token_time) / (generated - 1))
 
     # ---- gauges and cumulative counters -------------------------------------------------
     def poll(self, now: float | None = None) -> None:

@@ -8,8 +8,8 @@
 - ``tandem-router``: how the router spreads traffic over replica groups against the
   capacity each group offers.
 
-Queries use the Prometheus names of ``catalog.METRICS`` (``ray_`` prefix, ``_total``
-counters) and a few of Ray Serve's own (``SERVE_METRICS`` in ``dashboard_check``); a
+Queries use the Prometheus names of ``catalog.METRICS`` (``vllm:`` and ``tandem:``, ``_total``
+counters: what ``GET /metrics`` serves) and a few of Ray Serve's own (``SERVE_METRICS`` in ``dashboard_check``); a
 unit test parses every query and checks both the names and the labels. The committed
 JSON under ``k8s/grafana/`` and the sidecar ConfigMap are this module's output:
 regenerate them with ``tandem dashboards render``.
@@ -52,12 +52,12 @@ _SCOPE = 'ray_io_cluster=~"$cluster", namespace=~"$namespace", application=~"$ap
 _S = "{" + _SCOPE + "}"
 _G = "{" + _SCOPE + ', group=~"$group"}'
 _SCOPE_VARIABLES = (
-    Variable("cluster", "Ray cluster", "label_values(ray_num_requests_running, ray_io_cluster)"),
-    Variable("namespace", "Namespace", 'label_values(ray_num_requests_running{ray_io_cluster=~"$cluster"}, namespace)'),
+    Variable("cluster", "Ray cluster", "label_values(vllm:num_requests_running, ray_io_cluster)"),
+    Variable("namespace", "Namespace", 'label_values(vllm:num_requests_running{ray_io_cluster=~"$cluster"}, namespace)'),
     Variable("application", "Serve application",
-             'label_values(ray_num_requests_running{ray_io_cluster=~"$cluster", namespace=~"$namespace"}, application)'),
+             'label_values(vllm:num_requests_running{ray_io_cluster=~"$cluster", namespace=~"$namespace"}, application)'),
 )
-_GROUP = Variable("group", "Replica group", f"label_values(ray_num_requests_running{_S}, group)")
+_GROUP = Variable("group", "Replica group", f"label_values(vllm:num_requests_running{_S}, group)")
 
 OVERVIEW = DashboardSpec(
     uid="tandem-overview",
@@ -68,7 +68,7 @@ OVERVIEW = DashboardSpec(
         Row("Requests"),
         Panel("Finished requests/s by finish reason",
               "Requests the replicas finished, by why they stopped (stop, length, abort).",
-              (Query(f'sum by (finished_reason) (rate(ray_request_success_total{_G}{RATE}))',
+              (Query(f'sum by (finished_reason) (rate(vllm:request_success_total{_G}{RATE}))',
                      "{{finished_reason}}"),), unit="reqps"),
         Panel("HTTP requests/s by status code",
               "Every HTTP request Ray Serve's proxy answered, all routes.",
@@ -76,29 +76,29 @@ OVERVIEW = DashboardSpec(
                      "{{status_code}}"),), unit="reqps"),
         Row("Latency (measured in the replicas)"),
         _quantiles("Time to first token", "From arrival at the replica to the first output token.",
-                   "ray_time_to_first_token_seconds", _G),
+                   "vllm:time_to_first_token_seconds", _G),
         _quantiles("Time per output token",
                    "Inter-token latency: the gap between two outputs of a request, per token it carried.",
-                   "ray_inter_token_latency_seconds", _G),
+                   "vllm:inter_token_latency_seconds", _G),
         _quantiles("End-to-end request latency", "From arrival at the replica to the last token.",
-                   "ray_e2e_request_latency_seconds", _G),
+                   "vllm:e2e_request_latency_seconds", _G),
         _quantiles("Queue time", "From arrival at the replica to the request's first scheduling.",
-                   "ray_request_queue_time_seconds", _G),
+                   "vllm:request_queue_time_seconds", _G),
         _quantiles("HTTP latency at the proxy", "Ray Serve's proxy: whole request, all routes.",
                    "ray_serve_http_request_latency_ms", _S, unit="ms"),
         Row("Throughput"),
         Panel("Output tokens/s by group", "Tokens generated per second (accepted draft tokens included).",
-              (Query(f"sum by (group) (rate(ray_generation_tokens_total{_G}{RATE}))", "{{group}}"),
-               Query(f"sum(rate(ray_generation_tokens_total{_G}{RATE}))", "total")), unit=TOKENS_PER_S),
+              (Query(f"sum by (group) (rate(vllm:generation_tokens_total{_G}{RATE}))", "{{group}}"),
+               Query(f"sum(rate(vllm:generation_tokens_total{_G}{RATE}))", "total")), unit=TOKENS_PER_S),
         Panel("Prompt tokens/s by group", "Prompt tokens of finished requests, per second.",
-              (Query(f"sum by (group) (rate(ray_prompt_tokens_total{_G}{RATE}))", "{{group}}"),
-               Query(f"sum(rate(ray_prompt_tokens_total{_G}{RATE}))", "total")), unit=TOKENS_PER_S),
+              (Query(f"sum by (group) (rate(vllm:prompt_tokens_total{_G}{RATE}))", "{{group}}"),
+               Query(f"sum(rate(vllm:prompt_tokens_total{_G}{RATE}))", "total")), unit=TOKENS_PER_S),
         Row("Errors"),
         Panel("HTTP errors/s by code", "Responses with a 4xx or 5xx status, from Ray Serve's proxy.",
               (Query(f"sum by (error_code) (rate(ray_serve_num_http_error_requests_total{_S}{RATE}))",
                      "{{error_code}}"),), unit="reqps", width=8),
         Panel("Aborted requests/s by group", "Requests aborted while running (e.g. the client went away).",
-              (Query(f'sum by (group) (rate(ray_request_success_total{{finished_reason="abort", {_SCOPE}, group=~"$group"}}'
+              (Query(f'sum by (group) (rate(vllm:request_success_total{{finished_reason="abort", {_SCOPE}, group=~"$group"}}'
                      f"{RATE}))", "{{group}}"),), unit="reqps", width=8),
         Panel("Healthy replicas by deployment", "Replicas passing Ray Serve's health check.",
               (Query(f"sum by (deployment) (ray_serve_deployment_replica_healthy{_S})", "{{deployment}}"),),
@@ -127,66 +127,66 @@ REPLICAS = DashboardSpec(
     variables=(
         *_SCOPE_VARIABLES,
         _GROUP,
-        Variable("device_kind", "GPU kind", f"label_values(ray_num_requests_running{_G}, device_kind)"),
+        Variable("device_kind", "GPU kind", f"label_values(vllm:num_requests_running{_G}, device_kind)"),
         Variable("replica", "Replica",
-                 "label_values(ray_num_requests_running{" + _SCOPE + ', group=~"$group", device_kind=~"$device_kind"}, '
+                 "label_values(vllm:num_requests_running{" + _SCOPE + ', group=~"$group", device_kind=~"$device_kind"}, '
                  "replica)"),
     ),
     items=(
         Row("Load"),
         _by_replica("Batch size (running requests)", "Requests in the running batch.",
-                    f"sum by (group, replica) (ray_num_requests_running{_R})"),
+                    f"sum by (group, replica) (vllm:num_requests_running{_R})"),
         _by_replica("Waiting requests", "Requests admitted to the replica but not yet scheduled.",
-                    f"sum by (group, replica) (ray_num_requests_waiting{_R})"),
+                    f"sum by (group, replica) (vllm:num_requests_waiting{_R})"),
         _by_replica("KV cache usage", "Fraction of KV cache blocks held by requests (1 = full).",
-                    f"max by (group, replica) (ray_kv_cache_usage_perc{_R})", unit="percentunit"),
+                    f"max by (group, replica) (vllm:kv_cache_usage_perc{_R})", unit="percentunit"),
         _by_replica("Preemptions/s", "Requests preempted (to be recomputed) for lack of KV blocks.",
-                    f"sum by (group, replica) (rate(ray_num_preemptions_total{_R}{RATE}))", unit="ops"),
+                    f"sum by (group, replica) (rate(vllm:num_preemptions_total{_R}{RATE}))", unit="ops"),
         _by_replica("LoRA adapters loaded", "Adapters loaded in the engine (lora_modules and those loaded on "
                     "demand from lora_dir, at most max_loras).",
-                    f"max by (group, replica) (ray_tandem_lora_adapters_loaded{_R})"),
+                    f"max by (group, replica) (tandem:lora_adapters_loaded{_R})"),
         _by_replica("Requests waiting for an adapter", "Requests whose adapter waits for room: every one of "
                     "max_loras held by requests in the engine.",
-                    f"sum by (group, replica) (ray_tandem_lora_requests_waiting{_R})"),
+                    f"sum by (group, replica) (tandem:lora_requests_waiting{_R})"),
         Row("Speculation"),
         Panel("Speculation length k against batch size",
               "Lines: the k the controller chose for the latest step (left axis). Dashed, right axis: "
               "the running batch size it chose it for.",
-              (Query(f"max by (group, replica) (ray_tandem_spec_k{_R})", "k {{group}} {{replica}}"),
-               Query(f"sum by (group, replica) (ray_num_requests_running{_R})", "batch {{group}} {{replica}}")),
+              (Query(f"max by (group, replica) (tandem:spec_k{_R})", "k {{group}} {{replica}}"),
+               Query(f"sum by (group, replica) (vllm:num_requests_running{_R})", "batch {{group}} {{replica}}")),
               right_axis="^batch ", right_unit="short", dashed="^batch "),
         Panel("k table in force (rows: batch size, columns: replica)",
               "The controller's chosen k for each batch size, as last re-fitted from live timings and acceptance.",
-              (Query(f"max by (batch_size, replica) (ray_tandem_spec_k_table{_R})"),),
+              (Query(f"max by (batch_size, replica) (tandem:spec_k_table{_R})"),),
               matrix=("batch_size", "replica")),
         _by_replica("Draft acceptance rate", "Accepted draft tokens / proposed draft tokens.",
-                    _ratio("ray_spec_decode_num_accepted_tokens_total", "ray_spec_decode_num_draft_tokens_total",
+                    _ratio("vllm:spec_decode_num_accepted_tokens_total", "vllm:spec_decode_num_draft_tokens_total",
                            "group, replica"), unit="percentunit"),
         Panel("Acceptance estimate per draft position",
               "The controller's P(draft at position i accepted | earlier ones accepted), mean over replicas.",
-              (Query(f"avg by (group, position) (ray_tandem_spec_acceptance_estimate{_R})",
+              (Query(f"avg by (group, position) (tandem:spec_acceptance_estimate{_R})",
                      "{{group}} position {{position}}"),), unit="percentunit"),
         Panel("Engine steps/s by k", "Engine steps by the speculation length they ran with.",
-              (Query(f"sum by (k) (rate(ray_tandem_spec_steps_total{_R}{RATE}))", "k={{k}}"),), unit="ops"),
+              (Query(f"sum by (k) (rate(tandem:spec_steps_total{_R}{RATE}))", "k={{k}}"),), unit="ops"),
         _by_replica("Prefix cache hit rate", "Prompt tokens found in the prefix cache / prompt tokens looked up.",
-                    _ratio("ray_prefix_cache_hits_total", "ray_prefix_cache_queries_total", "group, replica"),
+                    _ratio("vllm:prefix_cache_hits_total", "vllm:prefix_cache_queries_total", "group, replica"),
                     unit="percentunit"),
         Row("Per GPU kind"),
         Panel("Output tokens/s by GPU kind", "Tokens generated per second, summed over the kind's replicas.",
-              (Query(f"sum by (device_kind) (rate(ray_generation_tokens_total{_R}{RATE}))", "{{device_kind}}"),),
+              (Query(f"sum by (device_kind) (rate(vllm:generation_tokens_total{_R}{RATE}))", "{{device_kind}}"),),
               unit=TOKENS_PER_S, width=8),
         Panel("Mean batch size by GPU kind", "Running requests per replica, averaged over the kind's replicas.",
-              (Query(f"avg by (device_kind) (ray_num_requests_running{_R})", "{{device_kind}}"),), width=8),
+              (Query(f"avg by (device_kind) (vllm:num_requests_running{_R})", "{{device_kind}}"),), width=8),
         Panel("Acceptance rate by GPU kind", "Accepted / proposed draft tokens over the kind's replicas.",
-              (Query(_ratio("ray_spec_decode_num_accepted_tokens_total", "ray_spec_decode_num_draft_tokens_total",
+              (Query(_ratio("vllm:spec_decode_num_accepted_tokens_total", "vllm:spec_decode_num_draft_tokens_total",
                             "device_kind"), "{{device_kind}}"),), unit="percentunit", width=8),
     ),
 )
 
 # ---- the router ----------------------------------------------------------------------------
 
-_DECISIONS = f"rate(ray_tandem_router_decisions_total{_G}{RATE})"
-_CAPACITY = f"ray_tandem_capacity_tokens_per_second{_G}"
+_DECISIONS = f"rate(tandem:router_decisions_total{_G}{RATE})"
+_CAPACITY = f"tandem:capacity_tokens_per_second{_G}"
 _TRAFFIC_SHARE = f"sum by (group) ({_DECISIONS}) / ignoring (group) group_left sum({_DECISIONS})"
 _CAPACITY_SHARE = f"sum by (group) ({_CAPACITY}) / ignoring (group) group_left sum({_CAPACITY})"
 
@@ -209,12 +209,12 @@ ROUTER = DashboardSpec(
               (Query(f"sum by (group) ({_DECISIONS})", "{{group}}"),), unit="reqps"),
         Panel("Output tokens/s against capacity by group",
               "Solid: tokens generated per second. Dashed: the group's predicted peak.",
-              (Query(f"sum by (group) (rate(ray_generation_tokens_total{_G}{RATE}))", "output {{group}}"),
+              (Query(f"sum by (group) (rate(vllm:generation_tokens_total{_G}{RATE}))", "output {{group}}"),
                Query(f"sum by (group) ({_CAPACITY})", "capacity {{group}}")),
               unit=TOKENS_PER_S, dashed="^capacity "),
         Panel("Running and waiting requests by group", "The load the router sees, summed over each group.",
-              (Query(f"sum by (group) (ray_num_requests_running{_G})", "running {{group}}"),
-               Query(f"sum by (group) (ray_num_requests_waiting{_G})", "waiting {{group}}")),
+              (Query(f"sum by (group) (vllm:num_requests_running{_G})", "running {{group}}"),
+               Query(f"sum by (group) (vllm:num_requests_waiting{_G})", "waiting {{group}}")),
               dashed="^waiting "),
         Panel("Capacity per replica", "Each replica's predicted peak output tokens/s.",
               (Query(f"sum by (group, device_kind, replica) ({_CAPACITY})",

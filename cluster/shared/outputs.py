@@ -71,3 +71,5 @@ class RequestOutput:
     # With ``prompt_logprobs``: per prompt token, its logprob given the tokens before it and the
     # top ones (None for the first token). Outputs of delta streams carry it on the first only.
     prompt_logprobs: list[TokenLogprobs | None] | None = None
+    max_tokens: int | None = None  # the request's max_tokens (the metrics' request_params_max_tokens)
+    num_preemptions: int = 0  # how often it was preempted so far

@@ -19,12 +19,14 @@ LORA = "tiny-lora"  # the adapter the fast group serves beside MODEL
 DIR_LORAS = ("dir-a", "dir-b")  # the adapters in the fast group's model.lora_dir
 
 
-def scrape_metrics(port: int) -> dict[str, list]:
-    """Series name -> samples, from the node's Prometheus endpoint (Ray's metrics port)."""
+def scrape_metrics(where: int | str) -> dict[str, list]:
+    """Series name -> samples, from a Prometheus endpoint: a port (Ray's metrics port of this node)
+    or a base URL (the API's ``GET /metrics``)."""
     import httpx
     from prometheus_client.parser import text_string_to_metric_families
 
-    text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=30).text
+    base = f"http://127.0.0.1:{where}" if isinstance(where, int) else where
+    text = httpx.get(f"{base}/metrics", timeout=30).text
     series: dict[str, list] = {}
     for family in text_string_to_metric_families(text):
         for sample in family.samples:

@@ -1,5 +1,6 @@
-"""Every series a Grafana dashboard queries shows up on a live cluster's Prometheus
-endpoint, with the labels the dashboard checker assumes it carries."""
+"""Every series a Grafana dashboard queries shows up on a live cluster's Prometheus endpoints
+(Tandem's at ``GET /metrics``, Ray Serve's own on Ray's metrics port), with the labels the
+dashboard checker assumes it carries."""
 
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ AUTH = {"Authorization": f"Bearer {API_KEY}"}
 def test_every_dashboard_series_is_in_the_live_scrape(server_url, serve_config, client):
     queried = {name for d in dashboards().values() for expr, _ in dashboard_queries(d)
                for name in selected_series(expr)}
-    assert {"ray_tandem_capacity_tokens_per_second", "ray_serve_num_http_error_requests_total"} <= queried
+    assert {"tandem:capacity_tokens_per_second", "ray_serve_num_http_error_requests_total"} <= queried
     for i in range(4):
         client.completions.create(model=MODEL, prompt=f"dashboards {i}", max_tokens=6, temperature=0,
                                   extra_body={"ignore_eos": True})
@@ -29,7 +30,7 @@ def test_every_dashboard_series_is_in_the_live_scrape(server_url, serve_config, 
     port = serve_config.serve.metrics_export_port
     deadline = time.time() + 120
     while True:
-        series = scrape_metrics(port)
+        series = scrape_metrics(port) | scrape_metrics(server_url)
         missing = sorted(queried - set(series))
         if not missing or time.time() > deadline:
             break

@@ -1,5 +1,5 @@
-"""Every metric of the catalog reaches Ray's Prometheus endpoint, with its labels,
-and the counters agree with the requests this test sends."""
+"""Every metric of the catalog reaches ``GET /metrics`` on the API port, with its labels, and
+the counters agree with the requests this test sends."""
 
 from __future__ import annotations
 
@@ -7,11 +7,10 @@ import time
 
 import httpx
 
-from cluster.metrics.catalog import COMMON_LABELS, METRICS
+from cluster.metrics.catalog import COMMON_LABELS, METRICS, SOURCE_LABELS
 from tests.serve.conftest import API_KEY, MODEL, scrape_metrics
 
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
-SERVE_LABELS = {"deployment", "replica", "application"}
 
 
 def _total(samples, **labels) -> float:
@@ -19,9 +18,8 @@ def _total(samples, **labels) -> float:
 
 
 def test_every_catalog_metric_is_exported_with_its_labels(server_url, serve_config, client):
-    port = serve_config.serve.metrics_export_port
     groups = {g.name for g in serve_config.serve.groups}
-    before = scrape_metrics(port).get("ray_request_success_total", [])
+    before = scrape_metrics(server_url).get("vllm:request_success_total", [])
     for i in range(4):
         client.completions.create(model=MODEL, prompt=f"metrics {i}", max_tokens=6, temperature=0,
                                   extra_body={"ignore_eos": True})
@@ -38,12 +36,12 @@ def test_every_catalog_metric_is_exported_with_its_labels(server_url, serve_conf
     wanted = {name: spec for spec in METRICS for name in spec.prometheus_names}
     deadline = time.time() + 90
     while True:
-        series = scrape_metrics(port)
+        series = scrape_metrics(server_url)
         missing = sorted(set(wanted) - set(series))
-        length = _total(series.get("ray_request_success_total", []), finished_reason="length")
-        aborted = _total(series.get("ray_request_success_total", []), finished_reason="abort")
+        length = _total(series.get("vllm:request_success_total", []), finished_reason="length")
+        aborted = _total(series.get("vllm:request_success_total", []), finished_reason="abort")
         # A group that has decoded has measured step times, so it predicts a capacity.
-        capacity = {s.labels["group"]: s.value for s in series.get("ray_tandem_capacity_tokens_per_second", [])}
+        capacity = {s.labels["group"]: s.value for s in series.get("tandem:capacity_tokens_per_second", [])}
         done = (not missing and length >= _total(before, finished_reason="length") + 4 + len(groups)
                 and aborted >= 1 and set(capacity) == groups and all(capacity.values()))
         if done or time.time() > deadline:
@@ -56,16 +54,21 @@ def test_every_catalog_metric_is_exported_with_its_labels(server_url, serve_conf
     for name, spec in wanted.items():
         for sample in series[name]:
             labels = set(sample.labels)
-            assert set(spec.all_labels) <= labels, (name, sample.labels)
+            assert set(spec.all_labels) | set(SOURCE_LABELS) <= labels, (name, sample.labels)
+            assert sample.labels["application"] == "tandem-test"
             if spec.source == "replica":
-                assert SERVE_LABELS <= labels, (name, sample.labels)
                 assert sample.labels["group"] in groups and sample.labels["device_kind"] == "cpu"
                 assert sample.labels["deployment"] == f"replica-{sample.labels['group']}"
-    assert {s.labels["group"] for s in series["ray_tandem_router_decisions_total"]} <= groups
-    assert set(COMMON_LABELS) == {"group", "device_kind"}
+                assert sample.labels["model_name"] == MODEL
+    assert {s.labels["group"] for s in series["tandem:router_decisions_total"]} <= groups
+    assert set(COMMON_LABELS) == {"model_name", "group", "device_kind"}
+    # Each replica's series once: no two samples of a series share their labels.
+    for name, samples in series.items():
+        keys = [tuple(sorted(s.labels.items())) for s in samples]
+        assert len(keys) == len(set(keys)), name
     # Self-speculation accepts every draft token, in the slow group; the fast group also serves a LoRA
     # adapter, whose requests verify drafts the draft model made without it.
-    drafted = _total(series["ray_spec_decode_num_draft_tokens_total"], group="slow")
-    assert drafted > 0 and _total(series["ray_spec_decode_num_accepted_tokens_total"], group="slow") == drafted
-    assert (_total(series["ray_spec_decode_num_accepted_tokens_total"], group="fast")
-            <= _total(series["ray_spec_decode_num_draft_tokens_total"], group="fast"))
+    drafted = _total(series["vllm:spec_decode_num_draft_tokens_total"], group="slow")
+    assert drafted > 0 and _total(series["vllm:spec_decode_num_accepted_tokens_total"], group="slow") == drafted
+    assert (_total(series["vllm:spec_decode_num_accepted_tokens_total"], group="fast")
+            <= _total(series["vllm:spec_decode_num_draft_tokens_total"], group="fast"))

@@ -49,14 +49,14 @@ def test_each_alert_fires_on_its_condition_and_only_then(tmp_path):
     replica = f'{APP}, group="a10g", replica="r1", deployment="replica-a10g", device_kind="A10G"'
     cases = [
         # the queue grows for 30 minutes / stays flat at 5
-        _case([(f"ray_num_requests_waiting{{{replica}}}", "0+1x40")], "30m", "TandemQueueGrowing",
+        _case([(f"vllm:num_requests_waiting{{{replica}}}", "0+1x40")], "30m", "TandemQueueGrowing",
               [_fired({"severity": "warning", "application": "tandem", "group": "a10g"},
                       "Requests keep queueing in group a10g: add replicas or raise autoscaling's bounds")]),
-        _case([(f"ray_num_requests_waiting{{{replica}}}", "5x40")], "30m", "TandemQueueGrowing", []),
-        _case([(f"ray_kv_cache_usage_perc{{{replica}}}", "0.97x20")], "10m", "TandemKVCacheFull",
+        _case([(f"vllm:num_requests_waiting{{{replica}}}", "5x40")], "30m", "TandemQueueGrowing", []),
+        _case([(f"vllm:kv_cache_usage_perc{{{replica}}}", "0.97x20")], "10m", "TandemKVCacheFull",
               [_fired({"severity": "warning", "application": "tandem", "group": "a10g", "replica": "r1"},
                       "KV cache of r1 above 95%: requests will be preempted and queue")]),
-        _case([(f"ray_kv_cache_usage_perc{{{replica}}}", "0.90x20")], "10m", "TandemKVCacheFull", []),
+        _case([(f"vllm:kv_cache_usage_perc{{{replica}}}", "0.90x20")], "10m", "TandemKVCacheFull", []),
         # 10 of 100 responses per minute are 500s / 1 of 100
         _case([(f'ray_serve_num_http_requests_total{{{APP}, route="/v1/completions", method="POST", '
                 f'status_code="200"}}', "0+100x20"),
@@ -68,15 +68,15 @@ def test_each_alert_fires_on_its_condition_and_only_then(tmp_path):
                (f'ray_serve_num_http_error_requests_total{{{APP}, route="/v1/completions", method="POST", '
                 f'error_code="500"}}', "0+1x20")], "15m", "TandemHighErrorRatio", []),
         # every first token in the 10 s bucket / in the 1 s bucket
-        _case([(f'ray_time_to_first_token_seconds_bucket{{{replica}, le="1"}}', "0x30"),
-               (f'ray_time_to_first_token_seconds_bucket{{{replica}, le="10"}}', "0+10x30"),
-               (f'ray_time_to_first_token_seconds_bucket{{{replica}, le="+Inf"}}', "0+10x30")],
+        _case([(f'vllm:time_to_first_token_seconds_bucket{{{replica}, le="1"}}', "0x30"),
+               (f'vllm:time_to_first_token_seconds_bucket{{{replica}, le="10"}}', "0+10x30"),
+               (f'vllm:time_to_first_token_seconds_bucket{{{replica}, le="+Inf"}}', "0+10x30")],
               "20m", "TandemSlowFirstToken",
               [_fired({"severity": "warning", "application": "tandem", "group": "a10g"},
                       "TTFT p99 of group a10g above 5.0 s")]),
-        _case([(f'ray_time_to_first_token_seconds_bucket{{{replica}, le="1"}}', "0+10x30"),
-               (f'ray_time_to_first_token_seconds_bucket{{{replica}, le="10"}}', "0+10x30"),
-               (f'ray_time_to_first_token_seconds_bucket{{{replica}, le="+Inf"}}', "0+10x30")],
+        _case([(f'vllm:time_to_first_token_seconds_bucket{{{replica}, le="1"}}', "0+10x30"),
+               (f'vllm:time_to_first_token_seconds_bucket{{{replica}, le="10"}}', "0+10x30"),
+               (f'vllm:time_to_first_token_seconds_bucket{{{replica}, le="+Inf"}}', "0+10x30")],
               "20m", "TandemSlowFirstToken", []),
         _case([(f'ray_serve_deployment_replica_healthy{{{APP}, deployment="replica-a10g", replica="r1"}}', "0x10")],
               "8m", "TandemReplicaUnhealthy",

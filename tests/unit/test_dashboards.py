@@ -51,14 +51,14 @@ def test_every_query_selects_exported_series_with_their_labels(spec):
 def test_the_dashboards_query_what_the_issue_asks_for():
     series = {spec.uid: set().union(*(selected_series(e) for e, _ in dashboard_queries(build_dashboard(spec))))
               for spec in DASHBOARDS}
-    assert {"ray_time_to_first_token_seconds_bucket", "ray_inter_token_latency_seconds_bucket",
-            "ray_e2e_request_latency_seconds_bucket", "ray_generation_tokens_total", "ray_prompt_tokens_total",
-            "ray_request_success_total", "ray_serve_num_http_error_requests_total"} <= series["tandem-overview"]
-    assert {"ray_num_requests_running", "ray_num_requests_waiting", "ray_kv_cache_usage_perc", "ray_tandem_spec_k",
-            "ray_tandem_spec_k_table", "ray_tandem_spec_acceptance_estimate", "ray_num_preemptions_total",
-            "ray_spec_decode_num_accepted_tokens_total", "ray_spec_decode_num_draft_tokens_total",
-            "ray_prefix_cache_hits_total", "ray_prefix_cache_queries_total"} <= series["tandem-replicas"]
-    router = {"ray_tandem_router_decisions_total", "ray_tandem_capacity_tokens_per_second"}
+    assert {"vllm:time_to_first_token_seconds_bucket", "vllm:inter_token_latency_seconds_bucket",
+            "vllm:e2e_request_latency_seconds_bucket", "vllm:generation_tokens_total", "vllm:prompt_tokens_total",
+            "vllm:request_success_total", "ray_serve_num_http_error_requests_total"} <= series["tandem-overview"]
+    assert {"vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc", "tandem:spec_k",
+            "tandem:spec_k_table", "tandem:spec_acceptance_estimate", "vllm:num_preemptions_total",
+            "vllm:spec_decode_num_accepted_tokens_total", "vllm:spec_decode_num_draft_tokens_total",
+            "vllm:prefix_cache_hits_total", "vllm:prefix_cache_queries_total"} <= series["tandem-replicas"]
+    router = {"tandem:router_decisions_total", "tandem:capacity_tokens_per_second"}
     assert router <= series["tandem-router"]
 
 
@@ -115,12 +115,12 @@ def _with_query(spec, expr, legend=""):
 
 
 def test_checker_catches_a_misspelled_metric_in_a_dashboard():
-    misspelled = 'sum by (group) (rate(ray_generation_token_total{group=~"$group"}[$__rate_interval]))'
+    misspelled = 'sum by (group) (rate(vllm:generation_token_total{group=~"$group"}[$__rate_interval]))'
     dashboard = _with_query(OVERVIEW, misspelled, "{{group}}")
     problems = check_dashboard(dashboard)
-    assert len(problems) == 1 and "ray_generation_token_total is not a series" in problems[0]
-    assert check_dashboard(_with_query(OVERVIEW, "ray_num_requests_running_total")) != []  # a gauge has no _total
-    histogram_base = "rate(ray_time_to_first_token_seconds[5m])"  # a histogram is only _bucket/_sum/_count
+    assert len(problems) == 1 and "vllm:generation_token_total is not a series" in problems[0]
+    assert check_dashboard(_with_query(OVERVIEW, "vllm:num_requests_running_total")) != []  # a gauge has no _total
+    histogram_base = "rate(vllm:time_to_first_token_seconds[5m])"  # a histogram is only _bucket/_sum/_count
     assert check_dashboard(_with_query(OVERVIEW, histogram_base)) != []
 
 
@@ -128,21 +128,21 @@ def test_checker_catches_a_misspelled_variable_query():
     variable = Variable("group", "Group", "label_values(ray_num_request_running, group)")
     bad = dataclasses.replace(ROUTER, variables=(variable,))
     assert any("ray_num_request_running is not a series" in p for p in check_dashboard(build_dashboard(bad)))
-    assert check_query("label_values(ray_num_requests_running, gpu)") != []
+    assert check_query("label_values(vllm:num_requests_running, gpu)") != []
 
 
 @pytest.mark.parametrize("expr, legend, says", [
-    ('sum by (gpu) (ray_num_requests_running)', "", "['gpu']"),
-    ('ray_num_requests_running{gpu="H100"}', "", "['gpu']"),
-    ('sum by (group) (ray_num_requests_running)', "{{replica}}", "['replica']"),
-    ('sum by (group) (ray_tandem_router_decisions_total{device_kind="cpu"})', "", "['device_kind']"),
+    ('sum by (gpu) (vllm:num_requests_running)', "", "['gpu']"),
+    ('vllm:num_requests_running{gpu="H100"}', "", "['gpu']"),
+    ('sum by (group) (vllm:num_requests_running)', "{{replica}}", "['replica']"),
+    ('sum by (group) (tandem:router_decisions_total{device_kind="cpu"})', "", "['device_kind']"),
     ('ray_serve_num_http_requests_total{group="a"}', "", "['group']"),
-    ('histogram_quantile(0.9, sum by (group) (rate(ray_e2e_request_latency_seconds_bucket[5m])))', "", "['le']"),
-    ('sum by (group) (rate(ray_generation_tokens_total[5m])) / sum(rate(ray_generation_tokens_total[5m]))', "",
+    ('histogram_quantile(0.9, sum by (group) (rate(vllm:e2e_request_latency_seconds_bucket[5m])))', "", "['le']"),
+    ('sum by (group) (rate(vllm:generation_tokens_total[5m])) / sum(rate(vllm:generation_tokens_total[5m]))', "",
      "match on different labels"),
-    ('sum by (group) (ray_num_requests_running) / on (replica) sum by (group) (ray_num_requests_waiting)', "",
+    ('sum by (group) (vllm:num_requests_running) / on (replica) sum by (group) (vllm:num_requests_waiting)', "",
      "['replica']"),
-    ('sum(rate(ray_generation_tokens_total[5m]', "", "does not parse"),
+    ('sum(rate(vllm:generation_tokens_total[5m]', "", "does not parse"),
 ])
 def test_checker_catches_labels_the_series_do_not_carry(expr, legend, says):
     problems = check_query(expr, legend)
@@ -150,12 +150,12 @@ def test_checker_catches_labels_the_series_do_not_carry(expr, legend, says):
 
 
 @pytest.mark.parametrize("expr, legend", [
-    ('sum by (group) (rate(ray_tandem_router_decisions_total[$__rate_interval])) / ignoring (group) group_left '
-     'sum(rate(ray_tandem_router_decisions_total[$__rate_interval]))', "{{group}}"),
-    ('histogram_quantile(0.5, sum by (le, group) (rate(ray_time_to_first_token_seconds_bucket[5m])))',
+    ('sum by (group) (rate(tandem:router_decisions_total[$__rate_interval])) / ignoring (group) group_left '
+     'sum(rate(tandem:router_decisions_total[$__rate_interval]))', "{{group}}"),
+    ('histogram_quantile(0.5, sum by (le, group) (rate(vllm:time_to_first_token_seconds_bucket[5m])))',
      "{{group}}"),
-    ('sum without (replica) (ray_num_requests_running{device_kind=~"${device_kind}"})', "{{deployment}}"),
-    ('ray_kv_cache_usage_perc > 0.9', "{{replica}}"),
+    ('sum without (replica) (vllm:num_requests_running{device_kind=~"${device_kind}"})', "{{deployment}}"),
+    ('vllm:kv_cache_usage_perc > 0.9', "{{replica}}"),
 ])
 def test_checker_accepts_sound_queries(expr, legend):
     assert check_query(expr, legend) == []

@@ -18,7 +18,7 @@ from cluster.metrics.catalog import METRICS, METRICS_BY_NAME, exported_series_na
 from cluster.metrics.collector import EngineMetricsCollector, MemorySink
 from tests.engine_helpers import make_engine
 
-# The engine figures issue 9 asks for under vLLM's names.
+# The engine figures under vLLM's names (vllm/v1/metrics/loggers.py), and the two older names.
 VLLM_NAMES = {
     "num_requests_running": "gauge", "num_requests_waiting": "gauge", "kv_cache_usage_perc": "gauge",
     "prefix_cache_queries": "counter", "prefix_cache_hits": "counter", "num_preemptions": "counter",
@@ -27,6 +27,12 @@ VLLM_NAMES = {
     "e2e_request_latency_seconds": "histogram", "request_queue_time_seconds": "histogram",
     "spec_decode_num_drafts": "counter", "spec_decode_num_draft_tokens": "counter",
     "spec_decode_num_accepted_tokens": "counter", "spec_decode_num_accepted_tokens_per_pos": "counter",
+    "request_time_per_output_token_seconds": "histogram", "request_inference_time_seconds": "histogram",
+    "request_prefill_time_seconds": "histogram", "request_decode_time_seconds": "histogram",
+    "request_prompt_tokens": "histogram", "request_generation_tokens": "histogram",
+    "request_max_num_generation_tokens": "histogram", "request_params_max_tokens": "histogram",
+    "request_params_n": "histogram", "request_num_preemptions": "histogram", "iteration_tokens_total": "histogram",
+    "gpu_cache_usage_perc": "gauge", "time_per_output_token_seconds": "histogram",
 }
 
 
@@ -36,8 +42,8 @@ def test_catalog_has_vllm_names_and_tandem_prefix_for_the_rest():
         assert METRICS_BY_NAME[name].kind == kind
     assert all(m.name.startswith("tandem_") for m in METRICS if m.name not in VLLM_NAMES)
     series = exported_series_names()
-    assert "ray_prefix_cache_hits_total" in series and "ray_num_requests_running" in series
-    assert "ray_time_to_first_token_seconds_bucket" in series and "ray_tandem_spec_k" in series
+    assert "vllm:prefix_cache_hits_total" in series and "vllm:num_requests_running" in series
+    assert "vllm:time_to_first_token_seconds_bucket" in series and "tandem:spec_k" in series
     table = markdown_table()
     assert all(f"`{m.prometheus_name}`" in table for m in METRICS)
 
@@ -109,6 +115,20 @@ def test_counters_and_histograms_add_up_to_what_the_engine_did(tiny_llama_dir):
     assert len(obs[("inter_token_latency_seconds", ())]) == num_tokens - 4
     assert all(v >= 0 for values in obs.values() for v in values)
     assert max(obs[("e2e_request_latency_seconds", ())]) >= max(obs[("time_to_first_token_seconds", ())])
+    # vLLM's per-request histograms: one observation per finished request, from its own figures.
+    assert sorted(obs[("request_prompt_tokens", ())]) == sorted(len(tokenizer(p)["input_ids"]) for p in prompts)
+    assert obs[("request_generation_tokens", ())] == [12] * 4
+    assert obs[("request_params_max_tokens", ())] == [12] * 4 and obs[("request_params_n", ())] == [1] * 4
+    assert obs[("request_num_preemptions", ())] == [0] * 4
+    for name in ("request_prefill_time_seconds", "request_decode_time_seconds", "request_inference_time_seconds",
+                 "request_time_per_output_token_seconds"):
+        assert len(obs[(name, ())]) == 4, name
+    for prefill, decode, inference in zip(obs[("request_prefill_time_seconds", ())],
+                                          obs[("request_decode_time_seconds", ())],
+                                          obs[("request_inference_time_seconds", ())]):
+        assert abs(prefill + decode - inference) < 1e-6
+    # One observation per engine step, of the tokens it computed: together all the engine computed.
+    assert sum(obs[("iteration_tokens_total", ())]) == engine.stats().num_computed_tokens
     # Engine counters arrive whole, as increments.
     stats = engine.stats()
     assert sink.counter("prefix_cache_queries") == stats.prefix_cache_queries
