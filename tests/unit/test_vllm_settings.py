@@ -96,10 +96,12 @@ def _step(running, waiting, usage, spec=None, cache=(0, 0)):
                            prefix_cache_stats=SimpleNamespace(reset=False, queries=cache[0], hits=cache[1]))
 
 
-def _iteration(prompt=0, generated=0, ttft=(), itl=(), finished=()):
+def _iteration(prompt=0, generated=0, ttft=(), itl=(), finished=(), n=(), most=()):
+    """The fields of vLLM 0.32's IterationStats that the recorder reads."""
     return SimpleNamespace(num_prompt_tokens=prompt, num_generation_tokens=generated, num_preempted_reqs=0,
                            time_to_first_tokens_iter=list(ttft), inter_token_latencies_iter=list(itl),
-                           finished_requests=list(finished))
+                           finished_requests=list(finished), n_params_iter=list(n),
+                           max_num_generation_tokens_iter=list(most))
 
 
 def test_vllm_step_stats_feed_the_router_and_the_catalog_series():
@@ -107,9 +109,13 @@ def test_vllm_step_stats_feed_the_router_and_the_catalog_series():
     recorder = VllmStatsRecorder(sink, lambda b: 3 if b <= 2 else 1, {1: 3, 2: 3, 4: 1}, StepTimeTracker(), True)
     spec = SimpleNamespace(num_drafts=2, num_draft_tokens=6, num_accepted_tokens=3,
                            num_accepted_tokens_per_pos=[2, 1, 0], num_draft_tokens_per_pos=[2, 2, 2])
-    recorder.record(_step(2, 1, 0.25, cache=(32, 16)), _iteration(prompt=32, generated=2, ttft=[0.1, 0.2]), now=1.0)
+    recorder.record(_step(2, 1, 0.25, cache=(32, 16)),
+                    _iteration(prompt=32, generated=2, ttft=[0.1, 0.2], n=[1, 1], most=[8, 8]), now=1.0)
     recorder.record(_step(2, 0, 0.3, spec=spec), _iteration(generated=8, itl=[0.05, 0.05]), now=1.1)
-    done = SimpleNamespace(finish_reason="length", e2e_latency=0.5, queued_time=0.01)
+    # vLLM 0.32's FinishedRequestStats fields
+    done = SimpleNamespace(finish_reason="length", e2e_latency=0.5, queued_time=0.01, prefill_time=0.1,
+                           inference_time=0.45, decode_time=0.35, num_prompt_tokens=16, num_generation_tokens=5,
+                           num_preemptions=0, max_tokens_param=5, mean_time_per_output_token=0.0875)
     recorder.record(_step(0, 0, 0.0), _iteration(finished=[done]), now=1.2)
     assert (recorder.num_running, recorder.num_waiting, recorder.kv_cache_usage) == (0, 0, 0.0)
     assert recorder.spec.acceptance_rate == 0.5
@@ -122,6 +128,13 @@ def test_vllm_step_stats_feed_the_router_and_the_catalog_series():
     assert sink.counter("request_success", finished_reason="length") == 1
     assert sink.counter("tandem_spec_steps", k="3") == 3  # the finishing step ran with 2
     assert sink.observations[("time_to_first_token_seconds", ())] == [0.1, 0.2]
+    obs = sink.observations
+    assert obs[("iteration_tokens_total", ())] == [34, 8, 0]
+    assert obs[("request_params_n", ())] == [1, 1] and obs[("request_max_num_generation_tokens", ())] == [8, 8]
+    assert obs[("request_prefill_time_seconds", ())] == [0.1] and obs[("request_decode_time_seconds", ())] == [0.35]
+    assert obs[("request_prompt_tokens", ())] == [16] and obs[("request_generation_tokens", ())] == [5]
+    assert obs[("request_time_per_output_token_seconds", ())] == [0.0875]
+    assert obs[("request_params_max_tokens", ())] == [5]
     assert sink.gauges[("tandem_spec_k_table", (("batch_size", "4"),))] == 1
     assert sink.gauges[("num_requests_running", ())] == 0
 
