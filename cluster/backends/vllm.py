@@ -89,6 +89,8 @@ class VllmBackend:
         self.recorder = VllmStatsRecorder(context.metrics_sink, self._k_for_batch, self._k_table(plan),
                                           self.step_times, plan.method != "none")
         self.recorder.capacity = self.capacity_tokens_per_second
+        self.recorder.max_loras = self.settings.engine_args.get("max_loras") if self.settings.engine_args.get(
+            "enable_lora") else None
         logger.info("group %s: starting vLLM %s with %s", group.name, vllm.__version__, self.settings.engine_args)
         self.engine = AsyncLLM.from_engine_args(AsyncEngineArgs(**self.settings.engine_args),
                                                 stat_loggers=[stat_logger(self.recorder.record)])

@@ -21,7 +21,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable
 
-from cluster.metrics.collector import MetricsSink
+from cluster.metrics.collector import MetricsSink, lora_info_labels
 from cluster.routing.step_times import StepTimeTracker
 
 _FINISH_REASONS = {"stop": "stop", "length": "length", "abort": "abort", "error": "abort", "repetition": "stop"}
@@ -73,6 +73,7 @@ class VllmStatsRecorder:
         self.step_times = step_times
         self.speculating = speculating
         self.capacity = capacity
+        self.max_loras: int | None = None  # set when vLLM serves LoRA adapters
         self.num_running = 0
         self.num_waiting = 0
         self.kv_cache_usage = 0.0
@@ -120,6 +121,9 @@ class VllmStatsRecorder:
             self._inc("prefix_cache_hits", cache.hits)
             self.prefix_cache_queries += cache.queries
             self.prefix_cache_hits += cache.hits
+        if self.max_loras is not None and self.sink is not None:
+            running, waiting = set(stats.running_lora_adapters), set(stats.waiting_lora_adapters)
+            self.sink.set("lora_requests_info", time.time(), lora_info_labels(self.max_loras, running, waiting))
         spec = getattr(stats, "spec_decoding_stats", None)
         if spec is not None:
             self._spec_step(spec)

@@ -55,6 +55,7 @@ class MetricSpec:
     labels: tuple[str, ...] = ()  # besides Serve's and COMMON_LABELS
     buckets: tuple[float, ...] = ()
     source: Literal["replica", "ingress"] = "replica"
+    latest_only: bool = False  # a gauge whose labels change: only the latest label set is kept
 
     @property
     def all_labels(self) -> tuple[str, ...]:
@@ -134,6 +135,9 @@ METRICS: tuple[MetricSpec, ...] = (
     # Names an older vLLM exported, still read by vLLM's example dashboard: the same figures again.
     _g("gpu_cache_usage_perc", "fraction", "kv_cache_usage_perc under vLLM's earlier name"),
     _h("time_per_output_token_seconds", "inter_token_latency_seconds under vLLM's earlier name", _ITL_BUCKETS),
+    MetricSpec("lora_requests_info", "gauge", "seconds", "with LoRA: the time of the latest step, labelled with the "
+               "adapters of running and of waiting requests (comma-separated) and max_loras",
+               ("max_lora", "waiting_lora_adapters", "running_lora_adapters"), latest_only=True),
     _c("spec_decode_num_drafts", "drafts", "request-steps that verified at least one draft token"),
     _c("spec_decode_num_draft_tokens", "tokens", "draft tokens proposed and verified"),
     _c("spec_decode_num_accepted_tokens", "tokens", "draft tokens accepted"),

@@ -88,6 +88,12 @@ def _labels(**values: object) -> Labels:
     return tuple(sorted((k, str(v)) for k, v in values.items()))
 
 
+def lora_info_labels(max_loras: int, running: set[str], waiting: set[str]) -> Labels:
+    """The labels of ``lora_requests_info``, as vLLM writes them (names joined by commas)."""
+    return _labels(max_lora=max_loras, running_lora_adapters=",".join(sorted(running)),
+                   waiting_lora_adapters=",".join(sorted(waiting)))
+
+
 class EngineMetricsCollector:
     def __init__(self, engine: EngineReadings, sink: MetricsSink, poll_interval_s: float = 1.0,
                  capacity: Callable[[], float] | None = None) -> None:
@@ -190,6 +196,12 @@ class EngineMetricsCollector:
             self.sink.set("tandem_lora_adapters_loaded", len(adapters.loaded))
             self.sink.set("tandem_lora_requests_waiting", len(adapters.waiting) + adapters.num_reading)
             self._advance("tandem_lora_adapter_loads", adapters.num_loads)
+            scheduler = engine.scheduler
+            running = {r.lora_name for r in scheduler.running if r.lora_name}
+            waiting = {r.lora_name for r in scheduler.waiting if r.lora_name}
+            waiting |= {request.lora_name for request, _ in adapters.waiting}
+            self.sink.set("lora_requests_info", time.time(), lora_info_labels(
+                engine.config.model.max_loras, running, waiting))
         controller = engine.controller
         if controller is None:
             return

@@ -40,6 +40,8 @@ class PrometheusSink:
         self._child(name, labels).inc(value)
 
     def set(self, name: str, value: float, labels: Labels = ()) -> None:
+        if METRICS_BY_NAME[name].latest_only:
+            self._metrics[name].clear()
         for target in (name, ALIASES.get(name)):
             if target is not None:
                 self._child(target, labels).set(value)

@@ -62,6 +62,10 @@ def test_every_catalog_metric_is_exported_with_its_labels(server_url, serve_conf
                 assert sample.labels["model_name"] == MODEL
     assert {s.labels["group"] for s in series["tandem:router_decisions_total"]} <= groups
     assert set(COMMON_LABELS) == {"model_name", "group", "device_kind"}
+    # The LoRA info the Gateway API Inference Extension reads: one series per replica serving adapters.
+    info = series["vllm:lora_requests_info"]
+    assert {s.labels["group"] for s in info} == {"fast"} and len(info) == len({s.labels["replica"] for s in info})
+    assert all(s.labels["max_lora"] == "2" for s in info)  # the fast group's model.max_loras
     # Each replica's series once: no two samples of a series share their labels.
     for name, samples in series.items():
         keys = [tuple(sorted(s.labels.items())) for s in samples]

@@ -32,7 +32,7 @@ VLLM_NAMES = {
     "request_prompt_tokens": "histogram", "request_generation_tokens": "histogram",
     "request_max_num_generation_tokens": "histogram", "request_params_max_tokens": "histogram",
     "request_params_n": "histogram", "request_num_preemptions": "histogram", "iteration_tokens_total": "histogram",
-    "gpu_cache_usage_perc": "gauge", "time_per_output_token_seconds": "histogram",
+    "gpu_cache_usage_perc": "gauge", "time_per_output_token_seconds": "histogram", "lora_requests_info": "gauge",
 }
 
 

@@ -69,3 +69,14 @@ def test_the_merged_page_keeps_each_source_apart_and_each_family_once():
 def test_a_sink_refuses_a_missing_fixed_label():
     with pytest.raises(ValueError, match="device_kind"):
         PrometheusSink("replica", {"model_name": "tiny", "group": "fast"})
+
+
+def test_lora_info_keeps_only_the_latest_adapter_lists():
+    sink = PrometheusSink("replica", FIXED)
+    sink.set("lora_requests_info", 100.0, (("max_lora", "2"), ("running_lora_adapters", "a"),
+                                           ("waiting_lora_adapters", "")))
+    sink.set("lora_requests_info", 101.0, (("max_lora", "2"), ("running_lora_adapters", "a,b"),
+                                           ("waiting_lora_adapters", "c")))
+    [sample] = _series(sink.exposition())["vllm:lora_requests_info"]
+    assert sample.value == 101.0 and sample.labels["running_lora_adapters"] == "a,b"
+    assert sample.labels["waiting_lora_adapters"] == "c" and sample.labels["max_lora"] == "2"
