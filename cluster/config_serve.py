@@ -81,6 +81,10 @@ class ServeConfig(_Strict):
         "tandem", description="tandem: predicted completion time; pow2: Ray Serve's power of two choices"
     )
     routing_stats_period_s: float = Field(0.5, gt=0)
+    drain_timeout_s: float = Field(
+        30.0, ge=0, description="on SIGTERM (and when Serve stops a replica): the seconds requests in flight get to "
+        "finish while new ones are turned away with a 503; what is left is then aborted. On Kubernetes the pods' "
+        "terminationGracePeriodSeconds is this plus 30")
     routing_staleness_s: float = Field(5.0, gt=0, description="older replica stats make the router fall back")
     prefix_affinity_blocks: int = Field(8, ge=0, description="leading blocks of a prompt used for cache affinity")
     max_queued_requests: int = Field(

@@ -54,7 +54,8 @@ def build_app(config: TandemConfig | dict | str | Path) -> Application:
         replicas[group.name] = deployment.bind(data, group.name)
     ingress = OpenAIIngress.options(
         name="ingress", ray_actor_options={"num_cpus": config.serve.ingress_num_cpus},
-        max_ongoing_requests=config.serve.ingress_max_ongoing_requests, **ingress_scaling(config),
+        max_ongoing_requests=config.serve.ingress_max_ongoing_requests,
+        graceful_shutdown_timeout_s=config.serve.drain_timeout_s, **ingress_scaling(config),
     )
     store = None
     if config.serve.responses_store_size > 0:
@@ -89,7 +90,7 @@ def replica_options(config: TandemConfig, group: ReplicaGroupConfig) -> dict:
         "ray_actor_options": actor,
         "max_ongoing_requests": group.max_ongoing_requests,
         "max_queued_requests": config.serve.max_queued_requests,
-        "graceful_shutdown_timeout_s": 30,
+        "graceful_shutdown_timeout_s": config.serve.drain_timeout_s,
         "health_check_period_s": 5,
     }
     if group.tensor_parallel_size > 1:

@@ -7,8 +7,10 @@ or as server-sent events. Errors: 400 bad input, 401 wrong or missing API key, 4
 unknown model, 429 a replica's queue is full, 503 Serve's queue is full. vLLM's
 ``/tokenize`` and ``/detokenize`` answer from the ingress's tokenizer, rendering chat
 messages exactly as ``/v1/chat/completions`` does. ``/v1/responses`` (OpenAI's Responses API)
-and the stored responses are the routes of ``deployments/responses_routes.py`` (a mixin); the
-FastAPI app and OpenAI's error shape are ``deployments/http_app.py``.
+and the stored responses are the routes of ``deployments/responses_routes.py`` (a mixin), and
+``/health``, ``/metrics`` and ``/debug`` those of ``deployments/operations_routes.py``; the FastAPI
+app and OpenAI's error shape are ``deployments/http_app.py``. Once the application drains
+(``tandem serve`` stopping), new API calls get a 503 while those in flight finish.
 
 A request may pin its replica group with the header ``X-Tandem-Group: NAME`` (benchmarks
 and tests send the same workload to each group, e.g. a native and a vLLM one); the
@@ -21,7 +23,6 @@ tool-call format (``ModelConfig.tool_call_format``, ``auto`` read from the chat 
 and calls are parsed out of the output.
 """
 
-import asyncio
 import importlib.metadata
 import logging
 import time
@@ -29,10 +30,9 @@ import uuid
 from functools import partial
 from pathlib import Path
 
-from fastapi import Query, Request
+from fastapi import Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, PlainTextResponse
-from prometheus_client import CONTENT_TYPE_LATEST
+from fastapi.responses import JSONResponse
 from pydantic import ValidationError
 from ray import serve
 from ray.serve.handle import DeploymentHandle
@@ -57,19 +57,18 @@ from cluster.config import config_from_dict, group_engine_config
 from cluster.hosting.backend import error_param
 from cluster.errors import require_unicode
 from cluster.kv.prefix_cache import engine_hash_seed
-from cluster.metrics.exposition import merge
 from cluster.metrics.prometheus_sink import PrometheusSink
 from cluster.models.loader import load_hf_config, load_tokenizer_if_present, resolve_model
 from cluster.models.registry import engine_max_model_len
 from cluster.routing.group_router import GroupRouter
 from cluster.shared.lora_dir import adapter_folder, is_adapter_name, listed_adapters
 from cluster.structured.constraint import StructuredOutputs
+from deployments.app_hub import HubReporter
 from deployments.feeds import DeltaFeeds
 from deployments.http_app import answer, app
 from deployments.http_app import error_response as _error
 from deployments.ingress_port import reuse_address
-from deployments.metrics import MetricsPusher, metrics_hub
-from deployments.readiness import unready_groups
+from deployments.operations_routes import OperationsRoutes
 from deployments.responses_routes import ResponsesRoutes
 from deployments.streams import ChoiceStream, respond
 
@@ -77,7 +76,7 @@ logger = logging.getLogger(__name__)
 
 @serve.deployment
 @serve.ingress(app)
-class OpenAIIngress(ResponsesRoutes):
+class OpenAIIngress(OperationsRoutes, ResponsesRoutes):
     def __init__(self, config: dict, groups: dict[str, DeploymentHandle],
                  store: DeploymentHandle | None = None) -> None:
         """``store``: the cluster's Responses API store (None: responses are not kept)."""
@@ -115,16 +114,19 @@ class OpenAIIngress(ResponsesRoutes):
         decisions = PrometheusSink("ingress")
         # Groups autoscaled to zero replicas do not count against readiness (a request starts one).
         self.required_groups = [name for name, size in sizes.items() if size > 0]
-        self._pusher = None
+        self._reporter = None
+        self.draining = False  # set when the application drains: new API calls get a 503
         try:
             replica = serve.get_replica_context()
         except Exception:  # constructed outside Serve (unit tests)
             self.app_name = None
         else:
             self.app_name = replica.app_name
-            self._pusher = MetricsPusher(self.app_name, {
+            self._reporter = HubReporter(self.app_name, {
                 "application": self.app_name, "deployment": replica.deployment,
-                "replica": replica.replica_id.unique_id}, decisions.exposition)
+                "replica": replica.replica_id.unique_id}, decisions.exposition,
+                in_flight=lambda: sum(self.router.inflight.values()), draining=lambda: self.draining,
+                on_drain=self._drain)
         self.router = GroupRouter(sizes, serve_config.router, staleness_seconds=60.0,
                                   on_decision=lambda group: decisions.inc("tandem_router_decisions", 1,
                                                                           (("group", group),)))
@@ -134,18 +136,6 @@ class OpenAIIngress(ResponsesRoutes):
         self.created = int(time.time())
 
     # ---- routes -------------------------------------------------------------------
-    @app.get("/health")
-    async def health(self):
-        """200 once every replica group that keeps replicas has one running; 503 naming the
-        groups that have none (still loading their models, or being replaced)."""
-        if self.app_name is None:
-            return {"status": "ok"}
-        problems = await asyncio.to_thread(lambda: unready_groups(serve.status(), self.app_name,
-                                                                  self.required_groups))
-        if problems:
-            return JSONResponse({"status": "unavailable", "groups": problems}, status_code=503)
-        return {"status": "ok"}
-
     @app.get("/v1/models")
     async def models(self, request: Request):
         """The served model, then its LoRA adapters (those of ``lora_modules``, then those in each
@@ -225,40 +215,6 @@ class OpenAIIngress(ResponsesRoutes):
     async def version(self):
         return {"version": importlib.metadata.version("tandem-serve")}
 
-    @app.get("/metrics")
-    async def metrics(self):
-        """Every engine replica's and ingress's metrics of this application, in Prometheus' text
-        format: vLLM's series (``vllm:...``) and Tandem's (``tandem:...``), as the processes last
-        pushed them (every few seconds). No API key, as vLLM's server and Ray's metrics port."""
-        if self.app_name is None:
-            return PlainTextResponse("", media_type=CONTENT_TYPE_LATEST)
-        sources = await metrics_hub(self.app_name).fresh.remote()
-        return PlainTextResponse(merge(sources), media_type=CONTENT_TYPE_LATEST)
-
-    @app.get("/debug/router")
-    async def debug_router(self, request: Request):
-        if (denied := self._check_key(request)) is not None:
-            return denied
-        return self.router.snapshot()
-
-    @app.get("/debug/engines")
-    async def debug_engines(self, request: Request):
-        """Engine counters of one replica per group (all of them when each group has one)."""
-        if (denied := self._check_key(request)) is not None:
-            return denied
-        results = {}
-        for name, handle in self.groups.items():
-            results[name] = await handle.engine_stats.remote()
-        return results
-
-    @app.get("/debug/timeline")
-    async def debug_timeline(self, request: Request, last_seconds: float | None = Query(None, gt=0)):
-        """The step timeline of one replica per group (``cluster/engine/step_timeline.py``), its summary
-        over the last ``last_seconds`` (a query parameter; default: every step kept)."""
-        if (denied := self._check_key(request)) is not None:
-            return denied
-        return {name: await handle.step_timeline.remote(last_seconds) for name, handle in self.groups.items()}
-
     # ---- the work -----------------------------------------------------------------
     async def _serve(self, body, request: Request, chat: bool):
         prepared = self._prepare(body, request, chat)
@@ -332,7 +288,14 @@ class OpenAIIngress(ResponsesRoutes):
         return _error(404, f"the model {model!r} does not exist; this server serves {served}",
                       "not_found_error", "model", "model_not_found")
 
+    def _drain(self) -> None:
+        self.draining = True
+
     def _check_key(self, request: Request) -> JSONResponse | None:
+        """The refusal of a call: a 503 once draining (an API call), a 401 without a valid key."""
+        if self.draining and request.url.path.startswith("/v1/"):
+            return _error(503, "the server is shutting down: send the request again (another replica of the service "
+                          "will take it)", "server_error", code="shutting_down")
         reason = self.api_keys.refusal(request.headers.get("authorization", ""))
         if reason is not None:
             return _error(401, f"API key {reason}: send 'Authorization: Bearer <key>'", code="invalid_api_key")

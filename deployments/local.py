@@ -19,9 +19,10 @@ released port back at once instead of holding it 150 s for a load balancer's sta
 process listens on the port, and waits while connections of a listener that did not allow
 reuse (a server of an older Tandem, another program) still hold it.
 
-SIGTERM and SIGINT stop the server alike: Serve is shut down (in-flight requests are
-aborted, which frees their blocks) within ``SHUTDOWN_TIMEOUT_S``, then Ray, then the
-process exits.
+SIGTERM and SIGINT stop the server alike, draining it first: the ingress turns new API calls
+away with a 503 (and ``/health`` says ``draining``) while the calls in flight finish, for at
+most ``serve.drain_timeout_s``; then Serve is shut down (what is left is aborted, which frees
+its blocks) within ``SHUTDOWN_TIMEOUT_S``, then Ray, and the process exits.
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ from ray import serve
 
 from cluster.config import ConfigError, TandemConfig
 from deployments.app import build_app
+from deployments.app_hub import REPORT_INTERVAL_S, application_hub
 from deployments.ingress_port import binds
 
 logger = logging.getLogger(__name__)
@@ -132,7 +134,7 @@ def start_local(config: TandemConfig, app_name: str = "tandem", blocking: bool =
               f"(OpenAI API), its metrics at {url}/metrics (Ray's at "
               f"http://{host}:{config.serve.metrics_export_port}/metrics); "
               "Ctrl-C or SIGTERM stops it", flush=True)
-        serve_until_signalled()
+        serve_until_signalled(app_name, config.serve.drain_timeout_s)
     return url
 
 
@@ -150,14 +152,15 @@ def _wait_for_http(url: str) -> None:
         time.sleep(0.5)
 
 
-def serve_until_signalled() -> None:
-    """Block until SIGINT or SIGTERM, then stop Serve and Ray within a bounded time."""
+def serve_until_signalled(app_name: str, drain_timeout_s: float) -> None:
+    """Block until SIGINT or SIGTERM, drain, then stop Serve and Ray within a bounded time."""
     stop = threading.Event()
     for signum in (signal.SIGINT, signal.SIGTERM):
         signal.signal(signum, lambda received, _frame: stop.set())
     while not stop.wait(0.5):  # a timed wait lets the handler run promptly
         pass
-    print("stopping: shutting Serve down (in-flight requests are aborted)", flush=True)
+    drain(app_name, drain_timeout_s)
+    print("stopping: shutting Serve down (requests still in flight are aborted)", flush=True)
     done = threading.Event()
 
     def shut_down() -> None:
@@ -171,3 +174,29 @@ def serve_until_signalled() -> None:
     if not done.wait(SHUTDOWN_TIMEOUT_S):
         print(f"Serve did not stop within {SHUTDOWN_TIMEOUT_S:.0f} s; stopping Ray", flush=True)
     ray.shutdown()
+
+
+def drain(app_name: str, timeout_s: float) -> None:
+    """Tell the application's ingresses to turn new calls away and wait, at most ``timeout_s``,
+    until every one of them has and none has a call in flight."""
+    if timeout_s <= 0:
+        return
+    print(f"draining: new requests get a 503, those in flight have up to {timeout_s:g} s to finish", flush=True)
+    start = time.monotonic()
+    in_flight = 0
+    try:
+        hub = application_hub(app_name)
+        ray.get(hub.drain.remote(), timeout=10)
+        while time.monotonic() < start + timeout_s:
+            ingresses, draining, in_flight = ray.get(hub.drain_status.remote(), timeout=10)
+            if ingresses and draining == ingresses and in_flight == 0:
+                print("drained: no request in flight", flush=True)
+                return
+            if not ingresses and time.monotonic() > start + 3 * REPORT_INTERVAL_S:
+                print("no ingress reports to the hub: stopping without a drain", flush=True)
+                return
+            time.sleep(0.25)
+    except Exception as err:  # Ray going away under us: stop as without a drain
+        print(f"draining stopped early ({type(err).__name__}: {err})", flush=True)
+        return
+    print(f"{in_flight} request(s) still in flight after {timeout_s:g} s", flush=True)

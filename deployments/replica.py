@@ -27,7 +27,7 @@ from cluster.hosting.feed_outbox import FeedOutbox
 from cluster.hosting.protocol import FeedRequest, GenerateDelta, GenerateRequest
 from cluster.routing.stats import ReplicaStats
 from cluster.metrics.prometheus_sink import PrometheusSink
-from deployments.metrics import MetricsPusher
+from deployments.app_hub import HubReporter
 from deployments.tp_ranks import RayLauncher
 
 logger = logging.getLogger(__name__)
@@ -51,14 +51,14 @@ class TandemReplica:
             "device_kind": self.group.device_kind})
         context = BackendContext(metrics_sink=self.metrics, tp_launcher=self._tp_launcher)
         self.backend = build_backend(self.config, self.group, context)
-        self._pusher = None
+        self._reporter = None
         try:
             replica = serve.get_replica_context()
         except Exception:  # constructed outside Serve (unit tests)
             self.replica_id = f"{group_name}-local"
         else:
             self.replica_id = replica.replica_id.unique_id
-            self._pusher = MetricsPusher(replica.app_name, {
+            self._reporter = HubReporter(replica.app_name, {
                 "application": replica.app_name, "deployment": replica.deployment, "replica": self.replica_id},
                 self.metrics.exposition)
         self._outboxes: dict[str, FeedOutbox] = {}
@@ -149,9 +149,9 @@ class TandemReplica:
 
     async def __del__(self) -> None:
         # Serve has already waited graceful_shutdown_timeout_s for in-flight requests.
-        pusher = getattr(self, "_pusher", None)
-        if pusher is not None:
-            pusher.stop()
+        reporter = getattr(self, "_reporter", None)
+        if reporter is not None:
+            reporter.stop()
         backend = getattr(self, "backend", None)  # absent when __init__ failed
         if backend is not None:
             await backend.shutdown()

@@ -81,8 +81,9 @@ def _port(name: str, number: int) -> dict:
     return {"name": name, "containerPort": number, "protocol": "TCP"}
 
 
-def head_template(k8s: KubernetesConfig, ports: RayPorts, api_key_env: str | None) -> dict:
-    """The head pod: no GPU, no replica; the Serve controller, a proxy and the dashboard."""
+def head_template(k8s: KubernetesConfig, ports: RayPorts, api_key_env: str | None, grace_s: int) -> dict:
+    """The head pod: no GPU, no replica; the Serve controller, a proxy and the dashboard. ``grace_s``:
+    its terminationGracePeriodSeconds (the serve config's drain time and a margin)."""
     models, models_mount = model_volume(k8s)
     shm, shm_mount = shm_volume(k8s.head.shm_size)
     size = {"cpu": k8s.head.cpu, "memory": k8s.head.memory}
@@ -99,7 +100,7 @@ def head_template(k8s: KubernetesConfig, ports: RayPorts, api_key_env: str | Non
         "livenessProbe": _http_probe(ports.dashboard_agent, "/api/local_raylet_healthz", 40),
         "readinessProbe": _http_probe(ports.dashboard, "/api/gcs_healthz", 20),
     }
-    spec: dict = {"containers": [container], "volumes": [models, shm]}
+    spec: dict = {"containers": [container], "volumes": [models, shm], "terminationGracePeriodSeconds": grace_s}
     if k8s.head.node_selector:
         spec["nodeSelector"] = dict(k8s.head.node_selector)
     if k8s.head.tolerations:
@@ -108,8 +109,8 @@ def head_template(k8s: KubernetesConfig, ports: RayPorts, api_key_env: str | Non
 
 
 def worker_template(k8s: KubernetesConfig, plan: WorkerGroupPlan, ports: RayPorts,
-                    api_key_env: str | None) -> dict:
-    """A worker pod of one group: the node's GPUs, its replicas, a Serve proxy."""
+                    api_key_env: str | None, grace_s: int) -> dict:
+    """A worker pod of one group: the node's GPUs, its replicas, a Serve proxy; ``grace_s`` as the head's."""
     models, models_mount = model_volume(k8s)
     shm, shm_mount = shm_volume(plan.pods.shm_size)
     requests = {"cpu": str(plan.cpus_per_pod), "memory": plan.pods.memory}
@@ -127,7 +128,7 @@ def worker_template(k8s: KubernetesConfig, plan: WorkerGroupPlan, ports: RayPort
         "livenessProbe": _http_probe(ports.dashboard_agent, "/api/local_raylet_healthz", 40),
         "readinessProbe": _http_probe(ports.serve, "/-/healthz", 3),
     }
-    spec: dict = {"containers": [container], "volumes": [models, shm]}
+    spec: dict = {"containers": [container], "volumes": [models, shm], "terminationGracePeriodSeconds": grace_s}
     if plan.node_selector:
         spec["nodeSelector"] = dict(plan.node_selector)
     if plan.tolerations:

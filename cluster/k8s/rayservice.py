@@ -39,12 +39,13 @@ def ray_service(config: TandemConfig, embedded: dict, plans: list[WorkerGroupPla
     k8s = config.kubernetes
     ports = RayPorts(serve=config.serve.port, metrics=config.serve.metrics_export_port)
     api_key_env = config.serve.api_key_env
+    grace_s = int(config.serve.drain_timeout_s + 0.999) + 30  # the drain, then Serve and Ray stopping
     common_params = {"metrics-export-port": str(ports.metrics),
                      "dashboard-agent-listen-port": str(ports.dashboard_agent)}
     head = {
         "serviceType": "ClusterIP",
         "rayStartParams": {"dashboard-host": "0.0.0.0", "num-cpus": "0", "num-gpus": "0", **common_params},
-        "template": head_template(k8s, ports, api_key_env),
+        "template": head_template(k8s, ports, api_key_env, grace_s),
     }
     workers = []
     for plan in plans:
@@ -59,7 +60,7 @@ def ray_service(config: TandemConfig, embedded: dict, plans: list[WorkerGroupPla
         if plan.accelerator_type:
             group["resources"] = {f"accelerator_type:{plan.accelerator_type}": "1"}
         group["rayStartParams"] = {"num-gpus": str(plan.gpus_per_pod), **common_params}
-        group["template"] = worker_template(k8s, plan, ports, api_key_env)
+        group["template"] = worker_template(k8s, plan, ports, api_key_env, grace_s)
         workers.append(group)
     serve_yaml = yaml.safe_dump(serve_config(config, embedded), sort_keys=False, width=100)
     cluster = {

@@ -160,6 +160,11 @@ def test_fixed_size_group_has_num_replicas_and_no_autoscaling():
     assert "placement_group_bundles" not in options
 
 
+def test_serve_waits_the_drain_time_for_a_stopping_replicas_requests():
+    assert options_of({"name": "a"})["graceful_shutdown_timeout_s"] == 30
+    assert options_of({"name": "a"}, drain_timeout_s=90)["graceful_shutdown_timeout_s"] == 90
+
+
 def test_autoscaling_group_passes_its_bounds_through():
     options = options_of({"name": "a", "autoscaling": {"min_replicas": 2, "max_replicas": 5,
                                                       "initial_replicas": 3, "target_ongoing_requests": 12}})

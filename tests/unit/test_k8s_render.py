@@ -220,3 +220,17 @@ def test_incremental_upgrades_and_head_fault_tolerance_render_valid_manifests():
     k8s["upgrades"] = {"strategy": "NewClusterWithIncrementalUpgrade"}
     with pytest.raises(ConfigError, match="gateway_class_name is required"):
         config_from_dict({**embedded, "kubernetes": k8s})
+
+
+def test_pods_get_the_drain_time_and_a_margin_to_stop(tmp_path):
+    data = yaml.safe_load(Path(HETERO).read_text())
+    data["serve"]["drain_timeout_s"] = 45
+    path = tmp_path / "hetero-drain.yaml"
+    path.write_text(yaml.safe_dump(data))
+    config, embedded = read_config(path)
+    service = yaml.safe_load(render(config, embedded, "configs/hetero-gpu.yaml")["rayservice.yaml"])
+    cluster = service["spec"]["rayClusterConfig"]
+    pods = [cluster["headGroupSpec"]] + cluster["workerGroupSpecs"]
+    assert [p["template"]["spec"]["terminationGracePeriodSeconds"] for p in pods] == [75] * len(pods)
+    app = yaml.safe_load(service["spec"]["serveConfigV2"])["applications"][0]
+    assert app["args"]["config"]["serve"]["drain_timeout_s"] == 45  # the replicas' graceful_shutdown_timeout_s
