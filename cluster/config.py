@@ -125,7 +125,8 @@ class SpeculativeConfig(_Strict):
         "target itself as draft_model is self-speculation")
     num_speculative_tokens: int = Field(4, ge=0, le=16, description="k (fixed), or the largest k (table, adaptive)")
     controller: Literal["fixed", "table", "adaptive"] = "fixed"
-    profile: str | None = Field(None, description="`tandem profile` JSON, needed by table and adaptive")
+    profile: str | None = Field(None, description="`tandem profile` JSON: needed by table; adaptive starts from it "
+                                "when it exists, else from a built-in prior, and learns online either way")
     hysteresis: float = Field(0.05, ge=0, lt=1, description="adaptive: switch k only when this much better")
     explore_budget: float = Field(
         0.001, ge=0, le=1, description="adaptive: the most its probes (one draft token more than the k held) "
@@ -226,12 +227,12 @@ class TandemConfig(_Strict):
                     "when chunked prefill is off"
                 )
         spec = self.speculative
-        if spec.controller != "fixed" and spec.method != "none" and not spec.profile:
+        if spec.controller == "table" and spec.method != "none" and not spec.profile:
             # Each replica group may bring the profile measured on its own device.
             missing = [g.name for g in self.serve.groups if not g.profile]
             if missing:
-                raise ValueError(f"speculative.profile is required by the {spec.controller!r} controller "
-                                 f"(or a profile in every serve group; missing in: {', '.join(missing)})")
+                raise ValueError("speculative.profile is required by the 'table' controller (or a profile in every "
+                                 f"serve group; missing in: {', '.join(missing)}); 'adaptive' starts without one")
         for group in self.serve.groups:
             if group.engine:
                 try:

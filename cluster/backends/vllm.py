@@ -45,7 +45,7 @@ from cluster.routing.step_times import StepTimeTracker
 from cluster.shared.outputs import Logprob
 from cluster.shared.sampling_params import SamplingParams, check_priority
 from cluster.spec_decode.latency_model import power_of_two_sizes
-from cluster.spec_decode.profile_data import SpeculationProfile
+from cluster.spec_decode.profile_data import load_profile_if_present
 from cluster.structured.constraint import vllm_fields
 
 logger = logging.getLogger(__name__)
@@ -333,9 +333,9 @@ def group_settings(config: TandemConfig, tensor_parallel_size: int,
 
 
 def _profile(config: TandemConfig):
-    if config.speculative.method == "none" or not config.speculative.profile:
+    if config.speculative.method == "none":
         return None
-    return SpeculationProfile.load(config.speculative.profile)
+    return load_profile_if_present(config.speculative.profile)
 
 
 def _delta(out, num_output_before: int) -> GenerateDelta:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import torch
+
 from cluster.config import ConfigError, TandemConfig, with_overrides
 from cluster.kernels.packed_linear import pack_linears
 from cluster.models.eagle3 import load_head
@@ -12,7 +14,8 @@ from cluster.spec_decode.controller import AdaptiveController, FixedController, 
 from cluster.spec_decode.draft_proposer import DraftModelProposer, check_vocab_compatible
 from cluster.spec_decode.eagle3_proposer import Eagle3Proposer
 from cluster.spec_decode.latency_model import LatencyModel
-from cluster.spec_decode.profile_data import SpeculationProfile
+from cluster.spec_decode.prior import PRIOR_ACCEPTANCE, PRIOR_WEIGHT, prior_model
+from cluster.spec_decode.profile_data import load_profile_if_present
 from cluster.spec_decode.proposer import NgramStepProposer, Proposer
 
 
@@ -81,20 +84,36 @@ def profile_step_model(config: TandemConfig) -> tuple[LatencyModel | None, list[
     ((None, None) without speculation or without a profile): what shapes the step-time curve
     a replica publishes for the router, so replicas that differ only in controller are
     routed alike."""
-    if config.speculative.method == "none" or not config.speculative.profile:
+    profile = None if config.speculative.method == "none" else load_profile_if_present(config.speculative.profile)
+    if profile is None:
         return None, None
-    profile = SpeculationProfile.load(config.speculative.profile)
     return profile.latency_model, profile.coverage
 
 
+def device_type(config: TandemConfig) -> str:
+    """cpu or cuda: the kind of device ``device.device`` names ("auto": cuda when there is one)."""
+    name = config.device.device
+    if name == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    return name.split(":")[0]
+
+
 def build_controller(config: TandemConfig) -> SpeculationController:
+    """The controller ``speculative.controller`` names. The table controller needs its profile;
+    the adaptive one starts from its profile where there is one, else from the built-in prior
+    (``prior.py``), and learns online either way."""
     spec = config.speculative
     if spec.controller == "fixed":
         return FixedController(spec.num_speculative_tokens)
-    if not spec.profile:
-        raise ConfigError(f"the {spec.controller!r} controller needs speculative.profile "
-                          "(or run a replica group that has its own profile)")
-    profile = SpeculationProfile.load(spec.profile)
+    profile = load_profile_if_present(spec.profile)
+    if profile is None:
+        if spec.controller == "table":
+            raise ConfigError("the 'table' controller needs speculative.profile (a `tandem profile` JSON that "
+                              f"exists: {spec.profile!r} does not); the 'adaptive' one can start without")
+        k = spec.num_speculative_tokens
+        return AdaptiveController(prior_model(spec.method, device_type(config)), [PRIOR_ACCEPTANCE] * k, k,
+                                  hysteresis=spec.hysteresis, explore_budget=spec.explore_budget,
+                                  prior_weight=PRIOR_WEIGHT)
     max_k = min(spec.num_speculative_tokens, profile.max_k)
     if spec.controller == "table":
         return TableController({b: min(k, max_k) for b, k in profile.table.items()})

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 from typing import Literal
 
@@ -9,6 +10,8 @@ from pydantic import BaseModel, ConfigDict, ValidationError
 
 from cluster.spec_decode.latency_model import LatencyModel
 from cluster.spec_decode.pass_grid import PassGrid
+
+logger = logging.getLogger(__name__)
 
 
 class SpeculationProfile(BaseModel):
@@ -87,6 +90,18 @@ class SpeculationProfile(BaseModel):
             return cls.model_validate_json(path.read_text())
         except ValidationError as err:
             raise ValueError(f"{path} is not a speculation profile: {err}") from None
+
+
+def load_profile_if_present(path: str | None) -> SpeculationProfile | None:
+    """The profile at ``path``; None, with a warning, when it is not written yet (a profiling Job
+    may still be running: replicas started later read it), and None when no path is named."""
+    if not path:
+        return None
+    if not Path(path).is_file():
+        logger.warning("speculation profile %s does not exist (yet): starting without it; replicas started "
+                       "after it is written (`tandem profile`) read it", path)
+        return None
+    return SpeculationProfile.load(path)
 
 
 def measured_model(grid: PassGrid) -> LatencyModel:

@@ -31,9 +31,9 @@ def serve_config(*groups: dict, **serve):
     return config_from_dict({"serve": {**serve, "groups": list(groups)}}, "test")
 
 
-def adaptive_config(*groups: dict, profile: str | None = None):
-    """A config with the adaptive controller, which needs profiles."""
-    speculative = {"method": "ngram", "controller": "adaptive"}
+def adaptive_config(*groups: dict, profile: str | None = None, controller: str = "adaptive"):
+    """A config with a controller that reads profiles (adaptive, or table)."""
+    speculative = {"method": "ngram", "controller": controller}
     if profile is not None:
         speculative["profile"] = profile
     return config_from_dict({"speculative": speculative, "serve": {"groups": list(groups)}}, "test")
@@ -135,9 +135,11 @@ def test_bad_group_engine_override_names_the_group():
         serve_config({"name": "a", "engine": {"max_num_seqs": "lots"}})
 
 
-def test_adaptive_controller_needs_a_profile_in_every_group():
+def test_the_table_controller_needs_a_profile_in_every_group_and_adaptive_none():
     with pytest.raises(ConfigError, match="missing in: b"):
-        adaptive_config({"name": "a", "profile": "/p/a.json"}, {"name": "b"})
+        adaptive_config({"name": "a", "profile": "/p/a.json"}, {"name": "b"}, controller="table")
+    config = adaptive_config({"name": "a", "profile": "/p/a.json"}, {"name": "b"})  # b starts from the prior
+    assert group_engine_config(config, "b").speculative.profile is None
     config = adaptive_config({"name": "a", "profile": "/p/a.json"}, {"name": "b", "profile": "/p/b.json"})
     assert group_engine_config(config, "b").speculative.profile == "/p/b.json"
     # A shared profile covers every group; a group's own one still wins.

@@ -382,11 +382,52 @@ def test_profile_command_writes_a_profile_the_controllers_load(tiny_llama_dir, t
             assert beliefs["k_held"] == engine.controller.k and len(beliefs["acceptance"]) == 3
 
 
-def test_table_and_adaptive_need_a_profile(tiny_llama_dir):
+def test_table_needs_a_profile_and_adaptive_starts_without(tiny_llama_dir):
     with pytest.raises(ValueError, match="profile"):
         make_engine(tiny_llama_dir, method="ngram", controller="table")
-    with pytest.raises(ValueError, match="does not exist"):
-        make_engine(tiny_llama_dir, method="ngram", controller="adaptive", profile="/nonexistent.json")
+    for profile in (None, "/not/written/yet.json"):  # none named, or a profiling Job still running
+        engine = make_engine(tiny_llama_dir, method="draft", draft_model=str(tiny_llama_dir), controller="adaptive",
+                             num_speculative_tokens=3, profile=profile)
+        assert isinstance(engine.controller, AdaptiveController)
+        run_to_completion(engine, [[5, 6, 7, 8] * 3], SamplingParams(max_tokens=24, temperature=0, ignore_eos=True))
+        assert engine.controller.k_table([1, 2, 4])  # it chose and keeps choosing k from what it learnt
+
+
+def _serve_from_prior(device: LatencyModel, acceptance: float, b: int, steps: int = 3000):
+    """The controller a replica without a profile runs (prior and weak prior weight), on a device of
+    ``device``'s step times and a draft accepted with ``acceptance`` per position; returns it, the
+    time it took per token, and plain decoding's."""
+    from cluster.spec_decode.prior import PRIOR_ACCEPTANCE, PRIOR_WEIGHT, prior_model
+
+    adaptive = AdaptiveController(prior_model("draft", "cuda"), [PRIOR_ACCEPTANCE] * 8, max_k=8,
+                                  prior_weight=PRIOR_WEIGHT, explore_budget=0.01)
+    rng = random.Random(7)
+    seconds = tokens = 0.0
+    for _ in range(steps):
+        k = adaptive.choose_k(_state(b))
+        drafts = [(k, k, next((j for j in range(k) if rng.random() >= acceptance), k)) for _ in range(b)] if k else []
+        step = device.step_time(b, k)
+        adaptive.observe(StepObservation(b, k, step, drafts))
+        seconds += step
+        tokens += b + sum(accepted for _, _, accepted in drafts)
+    return adaptive, seconds / tokens, device.step_time(b, 0) / b
+
+
+def test_without_a_profile_the_controller_finds_k_where_drafting_pays():
+    """TRUE's device in seconds (the prior is in relative units): at batch 1 with a draft accepted 80%
+    of the time, k = 3 is best; the controller learns it and serves well ahead of plain decoding."""
+    best = TRUE.best_k(1, [0.8] * 8, 8)
+    adaptive, per_token, plain = _serve_from_prior(TRUE, 0.8, 1)
+    assert abs(adaptive.k - best) <= 1
+    assert plain / per_token > 1.5
+
+
+def test_without_a_profile_the_controller_stops_drafting_where_it_does_not_pay():
+    """Drafts almost never accepted: the controller falls to k = 0, and what it spent learning that
+    leaves it within a few per cent of plain decoding over the run."""
+    adaptive, per_token, plain = _serve_from_prior(TRUE, 0.05, 8)
+    assert adaptive.k == 0
+    assert per_token / plain < 1.03
 
 
 def test_profile_measures_acceptance_on_the_prompt_set_asked_for(tiny_llama_dir, tmp_path, monkeypatch):
