@@ -47,7 +47,7 @@ class ModelVolume(_Strict):
 
 
 class HeadPod(_Strict):
-    """The Ray head: GCS, dashboard, Serve controller and HTTP proxy; it runs no replica."""
+    """The Ray head: GCS, dashboard, Serve controller and HTTP proxy, and one ingress replica (no engine)."""
 
     cpu: str = Field("4", pattern=QUANTITY)
     memory: str = Field("16Gi", pattern=QUANTITY)
@@ -128,7 +128,9 @@ class KubernetesConfig(_Strict):
     api_key_secret: str = Field(
         "tandem-api-key", pattern=r"^[a-z0-9]([a-z0-9.-]{0,251}[a-z0-9])?$",
         description="Secret whose key 'api-key' fills serve.api_key_env (only when that is set)")
-    autoscaler_idle_timeout_s: int = Field(60, ge=0, description="Ray autoscaler: idle seconds before a pod goes")
+    autoscaler_idle_timeout_s: int = Field(
+        600, ge=0, description="Ray autoscaler: idle seconds before a pod goes (as long as Serve's downscale delay: "
+        "a GPU pod takes minutes to come back)")
     upgrades: Upgrades = Field(default_factory=Upgrades)
     head_fault_tolerance: HeadFaultTolerance | None = Field(
         None, description="GCS fault tolerance with an external Redis (off by default)")

@@ -25,8 +25,10 @@ class AutoscalingConfig(_Strict):
     max_replicas: int = Field(1, ge=1)
     initial_replicas: int | None = Field(None, ge=0)
     target_ongoing_requests: float = Field(8.0, gt=0, description="per replica")
-    upscale_delay_s: float = Field(10.0, ge=0)
-    downscale_delay_s: float = Field(60.0, ge=0)
+    # Ray Serve's defaults: a GPU replica takes minutes to start (a node, the image, the weights), so one
+    # given back after a minute's lull would be paid for again at the next burst.
+    upscale_delay_s: float = Field(30.0, ge=0)
+    downscale_delay_s: float = Field(600.0, ge=0)
 
     @model_validator(mode="after")
     def _check(self) -> "AutoscalingConfig":
@@ -91,6 +93,9 @@ class ServeConfig(_Strict):
         -1, ge=-1, description="Ray Serve's per-caller queue cap before 503 (-1: unlimited)"
     )
     ingress_num_cpus: float = Field(0.5, ge=0)
+    ingress_max_replicas_per_node: int | None = Field(
+        None, ge=1, description="Ray Serve's max_replicas_per_node for the ingress; `tandem k8s render` sets 1, so "
+        "the ingress replicas sit on different nodes (the head among them) and draining one keeps the API up")
     ingress_num_replicas: int | None = Field(
         None, ge=1, description="ingress replicas when ingress_autoscaling is unset; default 1 with `tandem serve`, "
         "2 on Kubernetes (`tandem k8s render` sets it, and refuses fewer: a drained node must not take the API down)")

@@ -52,11 +52,7 @@ def build_app(config: TandemConfig | dict | str | Path) -> Application:
             name=replica_deployment_name(group.name), **replica_options(config, group)
         )
         replicas[group.name] = deployment.bind(data, group.name)
-    ingress = OpenAIIngress.options(
-        name="ingress", ray_actor_options={"num_cpus": config.serve.ingress_num_cpus},
-        max_ongoing_requests=config.serve.ingress_max_ongoing_requests,
-        graceful_shutdown_timeout_s=config.serve.drain_timeout_s, **ingress_scaling(config),
-    )
+    ingress = OpenAIIngress.options(**ingress_options(config))
     store = None
     if config.serve.responses_store_size > 0:
         store = serve.deployment(ResponseStoreReplica).options(
@@ -64,6 +60,17 @@ def build_app(config: TandemConfig | dict | str | Path) -> Application:
             max_ongoing_requests=config.serve.ingress_max_ongoing_requests,
         ).bind(config.serve.responses_store_size)
     return ingress.bind(data, replicas, store)
+
+
+def ingress_options(config: TandemConfig) -> dict:
+    """Serve deployment options of the ingress (resources, scaling, placement, shutdown)."""
+    serve_config = config.serve
+    options = {"name": "ingress", "ray_actor_options": {"num_cpus": serve_config.ingress_num_cpus},
+               "max_ongoing_requests": serve_config.ingress_max_ongoing_requests,
+               "graceful_shutdown_timeout_s": serve_config.drain_timeout_s, **ingress_scaling(config)}
+    if serve_config.ingress_max_replicas_per_node:
+        options["max_replicas_per_node"] = serve_config.ingress_max_replicas_per_node
+    return options
 
 
 def ingress_scaling(config: TandemConfig) -> dict:

@@ -11,6 +11,8 @@ and the autoscaler's choice of group, work before any pod of that kind exists.
 
 from __future__ import annotations
 
+import math
+
 import yaml
 
 from cluster.config import TandemConfig
@@ -44,7 +46,9 @@ def ray_service(config: TandemConfig, embedded: dict, plans: list[WorkerGroupPla
                      "dashboard-agent-listen-port": str(ports.dashboard_agent)}
     head = {
         "serviceType": "ClusterIP",
-        "rayStartParams": {"dashboard-host": "0.0.0.0", "num-cpus": "0", "num-gpus": "0", **common_params},
+        # CPUs for one ingress replica (the ingress goes one per node): the API stays up while a worker drains.
+        "rayStartParams": {"dashboard-host": "0.0.0.0", "num-cpus": str(math.ceil(config.serve.ingress_num_cpus)),
+                           "num-gpus": "0", **common_params},
         "template": head_template(k8s, ports, api_key_env, grace_s),
     }
     workers = []

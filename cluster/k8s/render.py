@@ -70,16 +70,19 @@ def read_config(path: str | Path) -> tuple[TandemConfig, dict]:
 
 def with_ingress_replicas(config: TandemConfig, embedded: dict) -> dict:
     """The inline config with at least 2 ingress replicas (ConfigError when the file asks for
-    fewer): one ingress on a drained node would take the whole API down."""
+    fewer), at most one per node (the head holds one): one ingress on a drained node, or two
+    on the same one, would take the whole API down."""
     serve = config.serve
     fewest = serve.ingress_autoscaling.min_replicas if serve.ingress_autoscaling else serve.ingress_num_replicas
     if fewest is not None and fewest < 2:
         key = "ingress_autoscaling.min_replicas" if serve.ingress_autoscaling else "ingress_num_replicas"
         raise ConfigError(f"serve.{key} is {fewest}: on Kubernetes the ingress needs at least 2 replicas, so that "
                           "draining one node (an upgrade, a node pool rotation) does not take the API down")
+    settings = dict(embedded.get("serve", {}))
     if fewest is None:
-        embedded = {**embedded, "serve": {**embedded.get("serve", {}), "ingress_num_replicas": 2}}
-    return embedded
+        settings["ingress_num_replicas"] = 2
+    settings.setdefault("ingress_max_replicas_per_node", 1)
+    return {**embedded, "serve": settings}
 
 
 def check_paths_on_volume(config: TandemConfig, mount_paths: list[str]) -> None:

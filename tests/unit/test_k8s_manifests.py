@@ -69,7 +69,7 @@ def test_the_rayservice_embeds_the_config_without_the_kubernetes_section(directo
     assert "kubernetes" not in app["args"]["config"]
     raw = yaml.safe_load((ROOT / RENDERED[directory]).read_text())
     expected = {k: v for k, v in raw.items() if k != "kubernetes"}
-    expected["serve"] = expected["serve"] | {"ingress_num_replicas": 2}  # Kubernetes' default
+    expected["serve"] = expected["serve"] | {"ingress_num_replicas": 2, "ingress_max_replicas_per_node": 1}  # K8s defaults
     assert embedded == expected
 
 

@@ -234,3 +234,20 @@ def test_pods_get_the_drain_time_and_a_margin_to_stop(tmp_path):
     assert [p["template"]["spec"]["terminationGracePeriodSeconds"] for p in pods] == [75] * len(pods)
     app = yaml.safe_load(service["spec"]["serveConfigV2"])["applications"][0]
     assert app["args"]["config"]["serve"]["drain_timeout_s"] == 45  # the replicas' graceful_shutdown_timeout_s
+
+
+def test_the_single_gpu_example_keeps_an_ingress_off_its_only_worker():
+    """Two ingress replicas, at most one per node, and the head has the CPU for one: draining the
+    only GPU worker (whose budget allows it) leaves the head's ingress answering."""
+    config, embedded = read_config(Path("configs/gpu-single.yaml"))
+    files = render(config, embedded, "configs/gpu-single.yaml")
+    service = yaml.safe_load(files["rayservice.yaml"])
+    serve = yaml.safe_load(service["spec"]["serveConfigV2"])["applications"][0]["args"]["config"]["serve"]
+    assert serve["ingress_num_replicas"] == 2 and serve["ingress_max_replicas_per_node"] == 1
+    head = service["spec"]["rayClusterConfig"]["headGroupSpec"]["rayStartParams"]
+    assert float(head["num-cpus"]) >= config.serve.ingress_num_cpus > 0
+    [budget] = [d for d in yaml.safe_load_all(files["disruption.yaml"]) if d]
+    assert budget["spec"]["maxUnavailable"] == 1
+    from deployments.app import ingress_options
+
+    assert ingress_options(config_from_dict(embedded, "embedded"))["max_replicas_per_node"] == 1  # what Serve places
