@@ -83,6 +83,11 @@ class ServeConfig(_Strict):
         "tandem", description="tandem: predicted completion time; pow2: Ray Serve's power of two choices"
     )
     routing_stats_period_s: float = Field(0.5, gt=0)
+    log_format: Literal["text", "json"] = Field(
+        "text", description="json: Ray Serve's logs (its access line per request, with the request's id) and the "
+        "engine cores' as JSON lines; `tandem k8s render` sets json unless the file says")
+    log_requests: bool = Field(False, description="a log line per request's start and end in the engine core, "
+                               "naming its id (vLLM's --enable-log-requests)")
     drain_timeout_s: float = Field(
         30.0, ge=0, description="on SIGTERM (and when Serve stops a replica): the seconds requests in flight get to "
         "finish while new ones are turned away with a 503; what is left is then aborted. On Kubernetes the pods' "
@@ -127,3 +132,9 @@ class ServeConfig(_Strict):
         if len(set(names)) != len(names):
             raise ValueError(f"serve.groups names must be unique, got {names}")
         return self
+
+    def logging_config(self) -> dict:
+        """Ray Serve's logging_config of the application: an access line per request (route, status,
+        latency, request id) and, with ``log_format: json``, JSON lines."""
+        return {"encoding": "JSON" if self.log_format == "json" else "TEXT", "enable_access_log": True}
+

@@ -25,6 +25,7 @@ and calls are parsed out of the output.
 
 import importlib.metadata
 import logging
+import re
 import time
 import uuid
 from functools import partial
@@ -73,6 +74,17 @@ from deployments.responses_routes import ResponsesRoutes
 from deployments.streams import ChoiceStream, respond
 
 logger = logging.getLogger(__name__)
+
+_REQUEST_KEY = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
+
+
+def request_key(request: Request) -> str | None:
+    """The HTTP request's id: the client's ``X-Request-Id`` (Ray Serve makes one where the client
+    sent none, logs it with the request and returns it in the response's header), when it is
+    short and plain enough to name engine requests; else None (a fresh id is made)."""
+    key = request.headers.get("x-request-id")
+    return key if key is not None and _REQUEST_KEY.match(key) else None
+
 
 @serve.deployment
 @serve.ingress(app)
@@ -247,7 +259,7 @@ class OpenAIIngress(OperationsRoutes, ResponsesRoutes):
             widest = max(shape.max_model_len for name, shape in self.shapes.items() if pinned in (None, name))
             truncated = [truncated_prompt(ids, body.truncate_prompt_tokens, widest) for ids in prompts]
             echoes = self._echoes(body, chat, prompts, truncated)
-            streams = self._make_requests(body, truncated, chat, pinned, constraint, echoes)
+            streams = self._make_requests(body, truncated, chat, pinned, constraint, echoes, request_key(request))
         except ValueError as err:  # a ParamError (most) names its field; error_param reads it
             message, param = renamed_error(str(err), error_param(err), params or {})
             return _error(400, message, param=param)
@@ -341,8 +353,9 @@ class OpenAIIngress(OperationsRoutes, ResponsesRoutes):
         return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
 
     def _make_requests(self, body, prompts: list[list[int]], chat: bool, pinned: str | None = None,
-                       constraint: StructuredOutputs | None = None,
-                       echoes: list[Echo | None] | None = None) -> list[ChoiceStream]:
+                       constraint: StructuredOutputs | None = None, echoes: list[Echo | None] | None = None,
+                       key: str | None = None) -> list[ChoiceStream]:
+        """``key``: the HTTP request's id, which the engine requests' ids (and so their log lines) carry."""
         num_logprobs = body.num_logprobs if chat else body.logprobs
         adapter_groups = self._adapter_groups(body.model)
         lora = body.model if adapter_groups else None
@@ -350,7 +363,8 @@ class OpenAIIngress(OperationsRoutes, ResponsesRoutes):
                   if pinned in (None, group) and (lora is None or group in adapter_groups)}
         if body.priority and shapes.keys() & self.priority_groups:  # else every group's engine refuses it by name
             shapes = {group: shape for group, shape in shapes.items() if group in self.priority_groups}
-        base_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+        # The key, then a suffix that keeps engine ids apart when a client sends one id twice.
+        base_id = f"{'chatcmpl' if chat else 'cmpl'}-{key or uuid.uuid4().hex}-{uuid.uuid4().hex[:8]}"
         streams = []
         for p_index, token_ids in enumerate(prompts):
             for j in range(body.n):

@@ -126,7 +126,7 @@ def start_local(config: TandemConfig, app_name: str = "tandem", blocking: bool =
         ray.init(num_cpus=num_cpus, include_dashboard=False, logging_level=logging.WARNING,
                  _metrics_export_port=config.serve.metrics_export_port)
     serve.start(http_options={"host": host, "port": proxy_port})
-    serve.run(app, name=app_name, route_prefix="/", blocking=False)
+    serve.run(app, name=app_name, route_prefix="/", blocking=False, logging_config=config.serve.logging_config())
     url = f"http://{host}:{port}"
     _wait_for_http(url)
     if blocking:

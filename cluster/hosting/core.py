@@ -72,6 +72,7 @@ class EngineCore:
         self.sink = BufferedSink()
         self.metrics = EngineMetricsCollector(engine, self.sink, capacity=self.view.capacity_tokens_per_second)
         self.failed: str | None = None
+        self.log_requests = engine.config.serve.log_requests  # a line per request's start and end
         self.timeline = StepTimeline()
         self._out = CoreMessage()
         self._last_snapshot = float("-inf")
@@ -117,8 +118,15 @@ class EngineCore:
                                                 request.cache_salt, request.lora)
             self.engine.add_prepared(prepared, cumulative=False)  # the replica streams deltas
         except ValueError as err:
+            if self.log_requests:
+                logger.info("request %s refused: %s", rid, err, extra={"request_id": rid})
             self._out.deltas.append((rid, GenerateDelta(error=input_error(err))))
             return
+        if self.log_requests:
+            params = request.sampling_params
+            logger.info("request %s added: %d prompt tokens, max_tokens %d, temperature %g%s", rid,
+                        len(request.prompt_token_ids), params.max_tokens, params.temperature,
+                        f", adapter {request.lora}" if request.lora else "", extra={"request_id": rid})
         self._out.deltas.append((rid, GenerateDelta(accepted=True, num_prompt_tokens=len(request.prompt_token_ids))))
 
     def take_reads(self) -> None:
@@ -134,6 +142,8 @@ class EngineCore:
     def _abort(self, request_id: str) -> None:
         if request_id in self.engine.scheduler.requests:
             self.metrics.on_abort(request_id)
+            if self.log_requests:
+                logger.info("request %s aborted", request_id, extra={"request_id": request_id})
         self.engine.abort(request_id)
 
     def _call(self, message: CallRequest) -> CallResult:
@@ -160,6 +170,12 @@ class EngineCore:
             return False
         self.metrics.on_step(outputs)
         self._out.deltas.extend((out.request_id, output_delta(out)) for out in outputs)
+        if self.log_requests:
+            for out in outputs:
+                if out.finished:
+                    logger.info("request %s finished: %s after %d output tokens", out.request_id,
+                                out.outputs[0].finish_reason, out.usage.completion_tokens,
+                                extra={"request_id": out.request_id})
         return True
 
     def _fail_all(self, message: str) -> None:

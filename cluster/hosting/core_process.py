@@ -19,6 +19,7 @@ from cluster.config import config_from_dict
 from cluster.engine.engine import Engine
 from cluster.hosting.core import EngineCore, close_engine
 from cluster.hosting.core_messages import CoreMessage, CoreReady, CoreStart
+from cluster.shared.json_logs import use_json_lines
 
 logger = logging.getLogger(__name__)
 
@@ -28,7 +29,10 @@ def main(argv: list[str]) -> int:
     conn = Connection(int(argv[0]))
     try:
         start: CoreStart = conn.recv()
-        engine = Engine(config_from_dict(start.config, "engine core config"))
+        config = config_from_dict(start.config, "engine core config")
+        if config.serve.log_format == "json":
+            use_json_lines("engine-core")
+        engine = Engine(config)
         core = EngineCore(engine, start.step_time_scale)
         # What start-up made (the model, compiled graphs, tokenizer) lives as long as the core: frozen out
         # of the collector, an oldest-generation pass no longer walks it (on a GPU such a pass took

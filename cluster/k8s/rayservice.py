@@ -15,7 +15,7 @@ import math
 
 import yaml
 
-from cluster.config import TandemConfig
+from cluster.config import TandemConfig, config_from_dict
 from cluster.k8s.pods import RayPorts, head_template, labels, worker_template
 from cluster.k8s.plan import WorkerGroupPlan
 
@@ -32,6 +32,7 @@ def serve_config(config: TandemConfig, embedded: dict) -> dict:
             "route_prefix": "/",
             "import_path": APP_IMPORT_PATH,
             "args": {"config": embedded},
+            "logging_config": config_from_dict(embedded, "the embedded config").serve.logging_config(),
         }],
     }
 

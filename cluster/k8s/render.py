@@ -71,7 +71,7 @@ def read_config(path: str | Path) -> tuple[TandemConfig, dict]:
 def with_ingress_replicas(config: TandemConfig, embedded: dict) -> dict:
     """The inline config with at least 2 ingress replicas (ConfigError when the file asks for
     fewer), at most one per node (the head holds one): one ingress on a drained node, or two
-    on the same one, would take the whole API down."""
+    on the same one, would take the whole API down; and JSON logs unless the file says."""
     serve = config.serve
     fewest = serve.ingress_autoscaling.min_replicas if serve.ingress_autoscaling else serve.ingress_num_replicas
     if fewest is not None and fewest < 2:
@@ -82,6 +82,7 @@ def with_ingress_replicas(config: TandemConfig, embedded: dict) -> dict:
     if fewest is None:
         settings["ingress_num_replicas"] = 2
     settings.setdefault("ingress_max_replicas_per_node", 1)
+    settings.setdefault("log_format", "json")  # for the cluster's log collector
     return {**embedded, "serve": settings}
 
 

@@ -79,7 +79,7 @@ def serve_config(tiny_chat_model, tiny_lora, tiny_lora_dir):
         "serve": {
             # The proxy gets a port of its own: its default, port + 1, may be some other socket's already.
             "port": _free_port(), "proxy_port": _free_port(), "metrics_export_port": _free_port(),
-            "served_model_name": MODEL, "api_key": API_KEY,
+            "served_model_name": MODEL, "api_key": API_KEY, "log_requests": True,
             "groups": [
                 {"name": "fast", "num_cpus": 0.5, "engine": {"lora_modules": {LORA: str(tiny_lora)},
                                                              "lora_dir": str(tiny_lora_dir), "max_loras": 2}},
