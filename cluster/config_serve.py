@@ -18,6 +18,14 @@ class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
 
+def replica_deployment_name(group: str) -> str:
+    """The Ray Serve deployment of a replica group's replicas."""
+    return f"replica-{group}"
+
+
+INGRESS_DEPLOYMENT = "ingress"
+
+
 class AutoscalingConfig(_Strict):
     """Ray Serve's autoscaling_config for one group."""
 

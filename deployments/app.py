@@ -18,10 +18,9 @@ from ray.serve.config import AutoscalingConfig as RayAutoscalingConfig
 from ray.serve.config import RequestRouterConfig
 
 from cluster.config import ConfigError, TandemConfig, config_from_dict, load_config
-from cluster.config_serve import ReplicaGroupConfig
+from cluster.config_serve import INGRESS_DEPLOYMENT, ReplicaGroupConfig, replica_deployment_name
 from cluster.planning.memory_plan import check_memory
 from deployments.ingress import OpenAIIngress
-from deployments.readiness import replica_deployment_name
 from deployments.response_store import DEPLOYMENT_NAME as STORE_DEPLOYMENT
 from deployments.response_store import ResponseStoreReplica
 from deployments.replica import TandemReplica
@@ -65,7 +64,7 @@ def build_app(config: TandemConfig | dict | str | Path) -> Application:
 def ingress_options(config: TandemConfig) -> dict:
     """Serve deployment options of the ingress (resources, scaling, placement, shutdown)."""
     serve_config = config.serve
-    options = {"name": "ingress", "ray_actor_options": {"num_cpus": serve_config.ingress_num_cpus},
+    options = {"name": INGRESS_DEPLOYMENT, "ray_actor_options": {"num_cpus": serve_config.ingress_num_cpus},
                "max_ongoing_requests": serve_config.ingress_max_ongoing_requests,
                "graceful_shutdown_timeout_s": serve_config.drain_timeout_s, **ingress_scaling(config)}
     if serve_config.ingress_max_replicas_per_node:

@@ -14,10 +14,7 @@ from __future__ import annotations
 
 from typing import Mapping
 
-
-def replica_deployment_name(group: str) -> str:
-    """The Serve deployment of a replica group's replicas."""
-    return f"replica-{group}"
+from cluster.config_serve import replica_deployment_name
 
 
 def unready_groups(status, app_name: str, required: list[str]) -> dict[str, str]:

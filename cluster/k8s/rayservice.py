@@ -18,12 +18,16 @@ import yaml
 from cluster.config import TandemConfig, config_from_dict
 from cluster.k8s.pods import RayPorts, head_template, labels, worker_template
 from cluster.k8s.plan import WorkerGroupPlan
+from cluster.k8s.serve_bounds import split_bounds
 
 APP_IMPORT_PATH = "deployments.app:app_builder"
 
 
 def serve_config(config: TandemConfig, embedded: dict) -> dict:
-    """Ray Serve's deploy config: one application, Tandem's builder, the config inline."""
+    """Ray Serve's deploy config: one application, Tandem's builder, the config inline without
+    the replica bounds, which the ``deployments:`` section carries (``serve_bounds.py``)."""
+    serve = config_from_dict(embedded, "the embedded config").serve
+    args, deployments = split_bounds(serve, embedded)
     return {
         "proxy_location": "EveryNode",
         "http_options": {"host": "0.0.0.0", "port": config.serve.port},
@@ -31,8 +35,9 @@ def serve_config(config: TandemConfig, embedded: dict) -> dict:
             "name": config.kubernetes.name,
             "route_prefix": "/",
             "import_path": APP_IMPORT_PATH,
-            "args": {"config": embedded},
-            "logging_config": config_from_dict(embedded, "the embedded config").serve.logging_config(),
+            "args": {"config": args},
+            "logging_config": serve.logging_config(),
+            "deployments": deployments,
         }],
     }
 

@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from cluster.config import config_from_dict
 from cluster.config_k8s import KubernetesConfig
 from cluster.k8s.render import read_config, render
 from cluster.k8s.validate import ManifestValidator
@@ -65,12 +66,24 @@ def test_the_rayservice_embeds_the_config_without_the_kubernetes_section(directo
     serve = yaml.safe_load(service["spec"]["serveConfigV2"])
     (app,) = serve["applications"]
     assert app["import_path"] == "deployments.app:app_builder"
-    assert app["args"]["config"] == embedded
     assert "kubernetes" not in app["args"]["config"]
     raw = yaml.safe_load((ROOT / RENDERED[directory]).read_text())
     expected = {k: v for k, v in raw.items() if k != "kubernetes"}
-    expected["serve"] = expected["serve"] | {"ingress_num_replicas": 2, "ingress_max_replicas_per_node": 1}  # K8s defaults
+    expected["serve"] = expected["serve"] | {"ingress_num_replicas": 2, "ingress_max_replicas_per_node": 1,
+                                             "log_format": "json"}  # Kubernetes' defaults
     assert embedded == expected
+    # The bounds live in the deployments: section (updated in place), the rest in args.
+    bounds = {d["name"]: d for d in app["deployments"]}
+    for group in config.serve.groups:
+        entry = bounds[f"replica-{group.name}"]
+        if group.autoscaling is not None:
+            assert entry["autoscaling_config"]["max_replicas"] == group.autoscaling.max_replicas
+        else:
+            assert entry["num_replicas"] == group.num_replicas
+    assert bounds["ingress"]["num_replicas"] == 2
+    served = config_from_dict(app["args"]["config"], "args").serve
+    assert [g.name for g in served.groups] == [g.name for g in config.serve.groups]
+    assert all(g.autoscaling is None or g.autoscaling.max_replicas == 1 for g in served.groups)
 
 
 @pytest.mark.parametrize("directory", sorted(RENDERED))

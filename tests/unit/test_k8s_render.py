@@ -242,8 +242,10 @@ def test_the_single_gpu_example_keeps_an_ingress_off_its_only_worker():
     config, embedded = read_config(Path("configs/gpu-single.yaml"))
     files = render(config, embedded, "configs/gpu-single.yaml")
     service = yaml.safe_load(files["rayservice.yaml"])
-    serve = yaml.safe_load(service["spec"]["serveConfigV2"])["applications"][0]["args"]["config"]["serve"]
-    assert serve["ingress_num_replicas"] == 2 and serve["ingress_max_replicas_per_node"] == 1
+    app = yaml.safe_load(service["spec"]["serveConfigV2"])["applications"][0]
+    serve = app["args"]["config"]["serve"]
+    assert serve["ingress_max_replicas_per_node"] == 1
+    assert {d["name"]: d for d in app["deployments"]}["ingress"]["num_replicas"] == 2
     head = service["spec"]["rayClusterConfig"]["headGroupSpec"]["rayStartParams"]
     assert float(head["num-cpus"]) >= config.serve.ingress_num_cpus > 0
     [budget] = [d for d in yaml.safe_load_all(files["disruption.yaml"]) if d]

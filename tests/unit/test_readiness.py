@@ -3,7 +3,8 @@
 from ray.serve._private.common import DeploymentStatus, DeploymentStatusTrigger, ReplicaState
 from ray.serve.schema import ApplicationStatus, ApplicationStatusOverview, DeploymentStatusOverview, ServeStatus
 
-from deployments.readiness import replica_deployment_name, unready_groups
+from cluster.config_serve import replica_deployment_name
+from deployments.readiness import unready_groups
 
 
 def _deployment(states: dict, status=DeploymentStatus.HEALTHY, message: str = "") -> DeploymentStatusOverview:

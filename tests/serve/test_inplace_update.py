@@ -1,0 +1,106 @@
+"""Replica bounds change in place: the Serve config ``tandem k8s render`` writes, deployed with
+Ray's own ``serve deploy`` on a Ray cluster of its own (``ray start`` on loopback), takes a new
+``max_replicas`` without restarting a replica (the same actors before and after).
+
+The cluster is separate from the session's (which this process is connected to), so it is
+driven by Ray's command-line tools and inspected from a subprocess."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+from cluster.config import config_from_dict
+from cluster.k8s.rayservice import serve_config
+
+BIN = Path(sys.executable).parent
+LIST_REPLICAS = """
+import json, sys, ray
+from ray.util.state import list_actors
+ray.init(address=sys.argv[1], logging_level="ERROR")
+alive = list_actors(filters=[("state", "=", "ALIVE")], limit=1000)
+print(json.dumps(sorted((a.class_name, a.actor_id) for a in alive if a.class_name.startswith("ServeReplica:"))))
+"""
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _run(*args: str, env: dict, timeout: float = 180) -> str:
+    done = subprocess.run([str(BIN / args[0]), *args[1:]], capture_output=True, text=True, env=env, timeout=timeout)
+    assert done.returncode == 0, f"{' '.join(args)}: {done.stdout[-2000:]}\n{done.stderr[-3000:]}"
+    return done.stdout
+
+
+@pytest.fixture()
+def ray_cluster():
+    temp = tempfile.mkdtemp(prefix="ray-", dir="/tmp")  # Ray's socket paths must stay under 108 bytes
+    gcs, dashboard = _free_port(), _free_port()
+    env = {**os.environ, "RAY_DASHBOARD_ADDRESS": f"http://127.0.0.1:{dashboard}", "RAY_AUTH_MODE": "disabled"}
+    env.pop("RAY_ADDRESS", None)
+    _run("ray", "start", "--head", f"--port={gcs}", "--node-ip-address=127.0.0.1", "--num-cpus=4",
+         "--include-dashboard=true", "--dashboard-host=127.0.0.1", f"--dashboard-port={dashboard}",
+         f"--temp-dir={temp}", "--disable-usage-stats", env=env)
+    try:
+        yield f"127.0.0.1:{gcs}", env
+    finally:
+        subprocess.run([str(BIN / "ray"), "stop", "--force"], env=env, capture_output=True, timeout=120)
+        shutil.rmtree(temp, ignore_errors=True)
+
+
+def _deploy(tiny_chat_model, max_replicas: int, path: Path, env: dict) -> None:
+    data = {"model": {"model": str(tiny_chat_model), "max_model_len": 256},
+            "cache": {"num_blocks": 32, "block_size": 16}, "device": {"device": "cpu", "num_threads": 1},
+            "serve": {"port": _free_port() if not path.exists() else json.loads(path.with_suffix(".port").read_text()),
+                      "served_model_name": "tiny", "ingress_num_cpus": 0.1,
+                      "groups": [{"name": "a", "num_cpus": 0.5,
+                                  "autoscaling": {"min_replicas": 1, "max_replicas": max_replicas}}]}}
+    path.with_suffix(".port").write_text(json.dumps(data["serve"]["port"]))
+    path.write_text(yaml.safe_dump(serve_config(config_from_dict(data, "test"), data)))
+    _run("serve", "deploy", str(path), env=env)
+
+
+def _wait_running(env: dict, timeout: float = 240) -> None:
+    deadline = time.time() + timeout
+    while True:
+        status = yaml.safe_load(_run("serve", "status", env=env)) or {}
+        app = (status.get("applications") or {}).get("tandem", {})
+        if app.get("status") == "RUNNING":
+            return
+        assert time.time() < deadline, f"never RUNNING: {status}"
+        time.sleep(2)
+
+
+def test_a_new_max_replicas_keeps_every_running_replica(tiny_chat_model, ray_cluster, tmp_path):
+    address, env = ray_cluster
+    config_path = tmp_path / "serve.yaml"
+    _deploy(tiny_chat_model, 2, config_path, env)
+    _wait_running(env)
+    before = json.loads(_run("python", "-c", LIST_REPLICAS, address, env=env))
+    assert {name for name, _ in before} >= {"ServeReplica:tandem:replica-a", "ServeReplica:tandem:ingress"}
+
+    _deploy(tiny_chat_model, 3, config_path, env)
+    deadline = time.time() + 120
+    while True:  # Serve applies the new bounds
+        deployed = yaml.safe_load(_run("serve", "config", env=env))
+        [entry] = [d for d in deployed["deployments"] if d["name"] == "replica-a"]
+        if entry["autoscaling_config"]["max_replicas"] == 3:
+            break
+        assert time.time() < deadline, entry
+        time.sleep(2)
+    _wait_running(env)
+    after = json.loads(_run("python", "-c", LIST_REPLICAS, address, env=env))
+    assert after == before  # the same replica actors, none restarted
