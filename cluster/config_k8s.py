@@ -104,6 +104,19 @@ class HeadFaultTolerance(_Strict):
     password_secret: str | None = Field(None, description="Secret holding the Redis password under key 'password'")
 
 
+class NetworkPolicySettings(_Strict):
+    """A NetworkPolicy on the Ray pods: Ray's ports (GCS, dashboard, job API, workers) answer only the
+    cluster's own pods, the KubeRay operator and Prometheus; the API port answers everyone."""
+
+    enabled: bool = True
+    operator_pods: dict[str, str] = Field(
+        default_factory=lambda: {"app.kubernetes.io/name": "kuberay-operator"},
+        description="labels of the KubeRay operator's pods (any namespace): they reach the dashboard and GCS")
+    prometheus_pods: dict[str, str] = Field(
+        default_factory=lambda: {"app.kubernetes.io/name": "prometheus"},
+        description="labels of Prometheus' pods (any namespace): they reach the metrics ports")
+
+
 class Monitoring(_Strict):
     """PodMonitors (prometheus-operator) that scrape Ray's metrics port on every Ray pod."""
 
@@ -141,3 +154,7 @@ class KubernetesConfig(_Strict):
     groups: dict[str, WorkerPods] = Field(
         default_factory=dict, description="worker pods per serve group name; a group left out gets the defaults")
     monitoring: Monitoring = Field(default_factory=Monitoring)
+    network_policy: NetworkPolicySettings = Field(default_factory=NetworkPolicySettings)
+    ray_auth: Literal["token", "disabled"] = Field(
+        "token", description="KubeRay authOptions: token makes Ray's dashboard and job API ask for the cluster's "
+        "token (KubeRay 1.5+ makes it and hands it to the pods and the operator)")

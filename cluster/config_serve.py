@@ -87,6 +87,9 @@ class ServeConfig(_Strict):
         None, description="when set, requests (/v1 and /debug) need 'Authorization: Bearer <key>' with one of these")
     api_key_env: str | None = Field(
         None, description="name of an environment variable holding the API key (several: comma-separated)")
+    api_key_file: str | None = Field(
+        None, description="a file of API keys (comma- or line-separated), read again when it changes: rotation "
+        "without a restart (`tandem k8s render` mounts the api_key_secret there in place of api_key_env)")
     router: Literal["tandem", "pow2"] = Field(
         "tandem", description="tandem: predicted completion time; pow2: Ray Serve's power of two choices"
     )

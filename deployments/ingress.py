@@ -98,7 +98,7 @@ class OpenAIIngress(OperationsRoutes, ResponsesRoutes):
         self.groups = groups
         self.store = store
         self.model_name = serve_config.served_model_name or self.config.model.model
-        self.api_keys = ApiKeys.from_settings(serve_config.api_key, serve_config.api_key_env)
+        self.api_keys = ApiKeys.from_settings(serve_config.api_key, serve_config.api_key_env, serve_config.api_key_file)
         source = resolve_model(self.config.model.model, self.config.model.cache_dir)
         self.tokenizer = load_tokenizer_if_present(source)
         self.tool_format = choose_tool_format(self.config.model.tool_call_format,

@@ -22,6 +22,8 @@ from cluster.config_k8s import KubernetesConfig
 from cluster.k8s.plan import WorkerGroupPlan, toleration_dict
 
 API_KEY_SECRET_KEY = "api-key"
+API_KEYS_DIR = "/etc/tandem/api-keys"  # the Secret, mounted: the kubelet updates it in place on rotation
+API_KEY_FILE = f"{API_KEYS_DIR}/{API_KEY_SECRET_KEY}"
 
 
 @dataclass(frozen=True)
@@ -44,18 +46,22 @@ def labels(k8s: KubernetesConfig, component: str) -> dict[str, str]:
             "app.kubernetes.io/component": component}
 
 
-def environment(k8s: KubernetesConfig, api_key_env: str | None) -> list[dict]:
-    """Environment of every Tandem container: cache on the volume, no hub access, the API key."""
-    env = [
+def environment(k8s: KubernetesConfig) -> list[dict]:
+    """Environment of every Tandem container: cache on the volume, no hub access."""
+    return [
         {"name": "TANDEM_CACHE_DIR", "value": f"{k8s.model_volume.mount_path.rstrip('/')}/"
                                               f"{k8s.model_volume.cache_subdir}"},
         {"name": "HF_HUB_OFFLINE", "value": "1"},
         {"name": "TRANSFORMERS_OFFLINE", "value": "1"},
     ]
-    if api_key_env:
-        env.append({"name": api_key_env, "valueFrom": {"secretKeyRef": {
-            "name": k8s.api_key_secret, "key": API_KEY_SECRET_KEY}}})
-    return env
+
+
+def api_key_volume(k8s: KubernetesConfig) -> tuple[dict, dict]:
+    """(volume, mount) of the API keys' Secret, as the file ``serve.api_key_file`` names: the ingress
+    reads it again when the kubelet updates it, so keys rotate without a restart."""
+    volume = {"name": "api-keys", "secret": {"secretName": k8s.api_key_secret,
+                                             "items": [{"key": API_KEY_SECRET_KEY, "path": API_KEY_SECRET_KEY}]}}
+    return volume, {"name": "api-keys", "mountPath": API_KEYS_DIR, "readOnly": True}
 
 
 def model_volume(k8s: KubernetesConfig, read_only: bool = True) -> tuple[dict, dict]:
@@ -81,9 +87,10 @@ def _port(name: str, number: int) -> dict:
     return {"name": name, "containerPort": number, "protocol": "TCP"}
 
 
-def head_template(k8s: KubernetesConfig, ports: RayPorts, api_key_env: str | None, grace_s: int) -> dict:
+def head_template(k8s: KubernetesConfig, ports: RayPorts, api_keys: bool, grace_s: int) -> dict:
     """The head pod: no GPU, no replica; the Serve controller, a proxy and the dashboard. ``grace_s``:
-    its terminationGracePeriodSeconds (the serve config's drain time and a margin)."""
+    its terminationGracePeriodSeconds (the serve config's drain time and a margin); ``api_keys``:
+    mount the API keys' Secret."""
     models, models_mount = model_volume(k8s)
     shm, shm_mount = shm_volume(k8s.head.shm_size)
     size = {"cpu": k8s.head.cpu, "memory": k8s.head.memory}
@@ -94,13 +101,14 @@ def head_template(k8s: KubernetesConfig, ports: RayPorts, api_key_env: str | Non
         "ports": [_port("gcs-server", ports.gcs), _port("dashboard", ports.dashboard),
                   _port("client", ports.client), _port("serve", ports.serve), _port("metrics", ports.metrics),
                   _port("as-metrics", ports.autoscaler_metrics), _port("dash-metrics", ports.dashboard_metrics)],
-        "env": environment(k8s, api_key_env),
+        "env": environment(k8s),
         "resources": {"requests": dict(size), "limits": dict(size)},
         "volumeMounts": [models_mount, shm_mount],
         "livenessProbe": _http_probe(ports.dashboard_agent, "/api/local_raylet_healthz", 40),
         "readinessProbe": _http_probe(ports.dashboard, "/api/gcs_healthz", 20),
     }
     spec: dict = {"containers": [container], "volumes": [models, shm], "terminationGracePeriodSeconds": grace_s}
+    _mount_api_keys(k8s, spec, api_keys)
     if k8s.head.node_selector:
         spec["nodeSelector"] = dict(k8s.head.node_selector)
     if k8s.head.tolerations:
@@ -109,7 +117,7 @@ def head_template(k8s: KubernetesConfig, ports: RayPorts, api_key_env: str | Non
 
 
 def worker_template(k8s: KubernetesConfig, plan: WorkerGroupPlan, ports: RayPorts,
-                    api_key_env: str | None, grace_s: int) -> dict:
+                    api_keys: bool, grace_s: int) -> dict:
     """A worker pod of one group: the node's GPUs, its replicas, a Serve proxy; ``grace_s`` as the head's."""
     models, models_mount = model_volume(k8s)
     shm, shm_mount = shm_volume(plan.pods.shm_size)
@@ -122,16 +130,24 @@ def worker_template(k8s: KubernetesConfig, plan: WorkerGroupPlan, ports: RayPort
         "image": k8s.image,
         "imagePullPolicy": k8s.image_pull_policy,
         "ports": [_port("serve", ports.serve), _port("metrics", ports.metrics)],
-        "env": environment(k8s, api_key_env),
+        "env": environment(k8s),
         "resources": {"requests": requests, "limits": limits},
         "volumeMounts": [models_mount, shm_mount],
         "livenessProbe": _http_probe(ports.dashboard_agent, "/api/local_raylet_healthz", 40),
         "readinessProbe": _http_probe(ports.serve, "/-/healthz", 3),
     }
     spec: dict = {"containers": [container], "volumes": [models, shm], "terminationGracePeriodSeconds": grace_s}
+    _mount_api_keys(k8s, spec, api_keys)
     if plan.node_selector:
         spec["nodeSelector"] = dict(plan.node_selector)
     if plan.tolerations:
         spec["tolerations"] = [dict(t) for t in plan.tolerations]
     template_labels = labels(k8s, "ray-worker") | {"tandem/group": plan.name}
     return {"metadata": {"labels": template_labels}, "spec": spec}
+
+
+def _mount_api_keys(k8s: KubernetesConfig, spec: dict, api_keys: bool) -> None:
+    if api_keys:
+        volume, mount = api_key_volume(k8s)
+        spec["volumes"].append(volume)
+        spec["containers"][0]["volumeMounts"].append(mount)

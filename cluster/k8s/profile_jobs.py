@@ -56,7 +56,7 @@ def profile_job(config: TandemConfig, plan: WorkerGroupPlan) -> dict | None:
         "image": k8s.image,
         "imagePullPolicy": k8s.image_pull_policy,
         "command": ["tandem", "profile", f"{CONFIG_MOUNT}/{CONFIG_KEY}", "--group", plan.name, "--out", out],
-        "env": environment(k8s, api_key_env=None),
+        "env": environment(k8s),
         "resources": {"requests": size, "limits": limits},
         "volumeMounts": [models_mount, shm_mount,
                          {"name": "tandem-config", "mountPath": CONFIG_MOUNT, "readOnly": True}],

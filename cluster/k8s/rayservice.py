@@ -46,7 +46,7 @@ def ray_service(config: TandemConfig, embedded: dict, plans: list[WorkerGroupPla
     """The RayService object; ``embedded`` is the Tandem config the replicas get."""
     k8s = config.kubernetes
     ports = RayPorts(serve=config.serve.port, metrics=config.serve.metrics_export_port)
-    api_key_env = config.serve.api_key_env
+    api_keys = config.serve.api_key_env is not None  # the render reads them from the Secret, mounted
     grace_s = int(config.serve.drain_timeout_s + 0.999) + 30  # the drain, then Serve and Ray stopping
     common_params = {"metrics-export-port": str(ports.metrics),
                      "dashboard-agent-listen-port": str(ports.dashboard_agent)}
@@ -55,7 +55,7 @@ def ray_service(config: TandemConfig, embedded: dict, plans: list[WorkerGroupPla
         # CPUs for one ingress replica (the ingress goes one per node): the API stays up while a worker drains.
         "rayStartParams": {"dashboard-host": "0.0.0.0", "num-cpus": str(math.ceil(config.serve.ingress_num_cpus)),
                            "num-gpus": "0", **common_params},
-        "template": head_template(k8s, ports, api_key_env, grace_s),
+        "template": head_template(k8s, ports, api_keys, grace_s),
     }
     workers = []
     for plan in plans:
@@ -70,7 +70,7 @@ def ray_service(config: TandemConfig, embedded: dict, plans: list[WorkerGroupPla
         if plan.accelerator_type:
             group["resources"] = {f"accelerator_type:{plan.accelerator_type}": "1"}
         group["rayStartParams"] = {"num-gpus": str(plan.gpus_per_pod), **common_params}
-        group["template"] = worker_template(k8s, plan, ports, api_key_env, grace_s)
+        group["template"] = worker_template(k8s, plan, ports, api_keys, grace_s)
         workers.append(group)
     serve_yaml = yaml.safe_dump(serve_config(config, embedded), sort_keys=False, width=100)
     cluster = {
@@ -80,6 +80,8 @@ def ray_service(config: TandemConfig, embedded: dict, plans: list[WorkerGroupPla
         "headGroupSpec": head,
         "workerGroupSpecs": workers,
     }
+    if k8s.ray_auth == "token":
+        cluster["authOptions"] = {"mode": "token"}
     if k8s.head_fault_tolerance is not None:
         cluster["gcsFaultToleranceOptions"] = gcs_fault_tolerance(k8s.head_fault_tolerance)
     return {

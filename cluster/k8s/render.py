@@ -24,8 +24,10 @@ from cluster.config import ConfigError, TandemConfig, config_from_dict, group_en
 from cluster.k8s.alerts import prometheus_rule
 from cluster.k8s.disruption import disruption_budgets
 from cluster.k8s.monitoring import pod_monitors
+from cluster.k8s.network_policy import network_policy
 from cluster.planning.memory_plan import check_memory
 from cluster.k8s.plan import plan_worker_groups
+from cluster.k8s.pods import API_KEY_FILE, API_KEY_SECRET_KEY
 from cluster.k8s.profile_jobs import config_map, profile_job
 from cluster.k8s.rayservice import ray_service
 
@@ -79,6 +81,12 @@ def with_ingress_replicas(config: TandemConfig, embedded: dict) -> dict:
         raise ConfigError(f"serve.{key} is {fewest}: on Kubernetes the ingress needs at least 2 replicas, so that "
                           "draining one node (an upgrade, a node pool rotation) does not take the API down")
     settings = dict(embedded.get("serve", {}))
+    if serve.api_key:
+        raise ConfigError("serve.api_key would be copied in clear into the RayService and the profiling ConfigMap: "
+                          f"put the keys in the Secret {config.kubernetes.api_key_secret!r} (key "
+                          f"{API_KEY_SECRET_KEY!r}) and set serve.api_key_env instead")
+    if settings.pop("api_key_env", None) is not None:
+        settings["api_key_file"] = API_KEY_FILE  # the Secret, mounted: re-read when it changes
     if fewest is None:
         settings["ingress_num_replicas"] = 2
     settings.setdefault("ingress_max_replicas_per_node", 1)
@@ -123,6 +131,9 @@ def render(config: TandemConfig, embedded: dict, source: str) -> dict[str, str]:
     budgets = disruption_budgets(config, plans)
     if budgets:
         files["disruption.yaml"] = dump_documents(budgets, header)
+    policy = network_policy(config)
+    if policy is not None:
+        files["networkpolicy.yaml"] = dump_documents([policy], header)
     monitors = pod_monitors(k8s)
     if monitors:
         files["monitoring.yaml"] = dump_documents(monitors, header)

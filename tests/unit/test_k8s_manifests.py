@@ -71,6 +71,8 @@ def test_the_rayservice_embeds_the_config_without_the_kubernetes_section(directo
     expected = {k: v for k, v in raw.items() if k != "kubernetes"}
     expected["serve"] = expected["serve"] | {"ingress_num_replicas": 2, "ingress_max_replicas_per_node": 1,
                                              "log_format": "json"}  # Kubernetes' defaults
+    if expected["serve"].pop("api_key_env", None):  # the keys' Secret, mounted as a file
+        expected["serve"]["api_key_file"] = "/etc/tandem/api-keys/api-key"
     assert embedded == expected
     # The bounds live in the deployments: section (updated in place), the rest in args.
     bounds = {d["name"]: d for d in app["deployments"]}
@@ -102,8 +104,10 @@ def test_worker_groups_follow_the_serve_groups(directory):
         container = worker["template"]["spec"]["containers"][0]
         assert worker["resources"] == {f"accelerator_type:{group.accelerator_type}": "1"}
         assert int(container["resources"]["limits"]["nvidia.com/gpu"]) >= group.tensor_parallel_size * group.num_gpus
+        # The weights read-only, shared memory, and the API keys' Secret (re-read when rotated).
         assert {m["mountPath"]: m.get("readOnly", False) for m in container["volumeMounts"]} == {
-            "/models": True, "/dev/shm": False}
+            "/models": True, "/dev/shm": False, "/etc/tandem/api-keys": True}
+        assert not any("secretKeyRef" in str(e) for e in container["env"])  # no key fixed at the pod's start
         assert container["readinessProbe"]["httpGet"]["path"] == "/-/healthz"
         assert 1 <= worker["maxReplicas"] and worker["minReplicas"] <= worker["maxReplicas"]
 

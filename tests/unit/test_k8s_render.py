@@ -160,7 +160,7 @@ def test_cli_renders_and_validates(tmp_path, capsys):
     assert "old.yaml was not rendered from this config" in capsys.readouterr().out
     (out / "old.yaml").unlink()
     assert main(["k8s", "validate", str(out)]) == 0
-    assert "8 manifests valid" in capsys.readouterr().out
+    assert "9 manifests valid" in capsys.readouterr().out
     assert main(["k8s", "render", str(tmp_path / "missing.yaml"), "--out", str(out)]) == 2
     assert "does not exist" in capsys.readouterr().err
 
@@ -253,3 +253,24 @@ def test_the_single_gpu_example_keeps_an_ingress_off_its_only_worker():
     from deployments.app import ingress_options
 
     assert ingress_options(config_from_dict(embedded, "embedded"))["max_replicas_per_node"] == 1  # what Serve places
+
+
+def test_inline_api_keys_are_refused_and_ray_is_locked_down(tmp_path):
+    data = yaml.safe_load(Path(HETERO).read_text())
+    data["serve"]["api_key"] = "sk-inline"
+    inline = tmp_path / "inline.yaml"
+    inline.write_text(yaml.safe_dump(data))
+    with pytest.raises(ConfigError, match="copied in clear.*api_key_env"):
+        read_config(inline)
+
+    config, embedded = read_config(Path(HETERO))
+    files = render(config, embedded, "configs/hetero-gpu.yaml")
+    cluster = yaml.safe_load(files["rayservice.yaml"])["spec"]["rayClusterConfig"]
+    assert cluster["authOptions"] == {"mode": "token"}  # Ray's dashboard and job API need the token
+    policy = yaml.safe_load(files["networkpolicy.yaml"].split("\n", 2)[2])
+    rules = policy["spec"]["ingress"]
+    ray_pods = policy["spec"]["podSelector"]["matchLabels"]
+    assert rules[0] == {"from": [{"podSelector": {"matchLabels": ray_pods}}]}  # the cluster's own pods: all ports
+    assert rules[1] == {"ports": [{"protocol": "TCP", "port": 8000}]}  # anyone: the API only
+    others = {p["port"] for rule in rules[2:] for p in rule["ports"]}
+    assert 8265 in others and all("from" in rule for rule in rules[2:])  # the job API: the operator alone
