@@ -78,6 +78,8 @@ class TandemReplica:
             async for delta in self.backend.generate(request):
                 if delta.accepted:
                     delta.replica_stats = self.record_routing_stats()
+                if not acknowledged:
+                    delta.replica_id = self.replica_id
                 if outbox is None or not acknowledged:  # the acknowledgement (or refusal) is the call's
                     acknowledged = True
                     yield delta

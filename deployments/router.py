@@ -40,6 +40,9 @@ class TandemRequestRouter(FIFOMixin, RequestRouter):
         if isinstance(argument, FeedRequest):  # a feed goes to the replica it names (none else holds its deltas)
             return [[by_id[argument.replica_id]]] if argument.replica_id in by_id else [candidate_replicas]
         request = argument.routing if isinstance(argument, GenerateRequest) else None
+        if request is not None and request.avoid_replica in by_id and len(by_id) > 1:  # a retry: elsewhere
+            del by_id[request.avoid_replica]
+            candidates = [c for c in candidates if c.replica_id != request.avoid_replica]
         if request is None:  # not a generate call (debug and health routes)
             order = power_of_two_choices(candidates, self.rng)
         else:

@@ -3,10 +3,13 @@ streaming call to a replica of the group the router chose, merged into one OpenA
 response or one server-sent-event stream. With delta feeds (``deployments/feeds.py``)
 the call answers only the acknowledgement and the tokens come by the replica's feed.
 
-Every stream is closed exactly once (``ChoiceStream.close``): that cancels the replica
+Every stream is closed when it ends (``ChoiceStream.close``): that cancels the replica
 call if it is still running (which aborts the request in the engine and frees its
 blocks) and tells the router the request left the group. A client that disconnects
-mid-stream cancels the response generator, whose ``finally`` closes the streams.
+mid-stream cancels the response generator, whose ``finally`` closes the streams. A choice
+whose engine died or failed before its first token reached the client is sent once more
+(its failed call closed first), to another group that may serve it, else to another
+replica of its group; the client sees only the second answer.
 
 When the request offers tools, each choice's text goes through a ``ToolCallParser``
 (``make_parser``): whole responses parse the full text, streams feed it delta by delta and
@@ -23,11 +26,12 @@ import time
 from typing import AsyncIterator, Callable
 
 from fastapi.responses import JSONResponse, StreamingResponse
+from ray.serve.exceptions import BackPressureError
 from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
 
 from cluster.api import openai_responses as responses
 from cluster.api.tool_calls import ToolCallParser
-from cluster.hosting.protocol import GenerateDelta, GenerateRequest
+from cluster.hosting.protocol import ENGINE_UNAVAILABLE, GenerateDelta, GenerateRequest
 from cluster.routing.group_router import GroupRouter
 from cluster.routing.stats import ReplicaStats
 from deployments.feeds import DeltaFeeds
@@ -36,9 +40,10 @@ logger = logging.getLogger("ray.serve")
 
 
 class ApiError(Exception):
-    def __init__(self, status: int, message: str, type_: str = "invalid_request_error", param: str | None = None):
+    def __init__(self, status: int, message: str, type_: str = "invalid_request_error", param: str | None = None,
+                 code: str | None = None):
         super().__init__(message)
-        self.status, self.message, self.type, self.param = status, message, type_, param
+        self.status, self.message, self.type, self.param, self.code = status, message, type_, param, code
 
 
 class ChoiceStream:
@@ -62,29 +67,72 @@ class ChoiceStream:
         self._done = False
         self._feeds = feeds
         self._queue: asyncio.Queue | None = None  # where the feed puts this choice's deltas
+        self.replica_id: str | None = None  # the replica that acknowledged (or refused) it
+        self._router_for_retry: GroupRouter | None = None
+        self._retried = False  # sent once more after its engine failed
+        self._streamed = False  # a token has reached the client: no retry past this
 
     @property
     def prompt_token_ids(self) -> list[int]:
         return next(iter(self.requests.values())).prompt_token_ids
 
     async def start(self, router: GroupRouter) -> None:
-        """Route, call the replica and wait for its acknowledgement (raises ApiError)."""
+        """Route, call the replica and wait for its acknowledgement (raises ApiError). A replica
+        whose engine is gone or failed (``ENGINE_UNAVAILABLE``) gets the request sent once more,
+        to another replica or group where there is one."""
+        try:
+            await self._send(router)
+        except ApiError as err:
+            if not self._may_retry(err.code):
+                raise
+            await self._retry()
+        except BackPressureError:
+            raise  # the replicas are full, not gone: answered with a 503
+        except Exception:  # the replica's process died under the call (Serve's actor error)
+            if not self._may_retry(ENGINE_UNAVAILABLE):
+                raise
+            self._done = True
+            await self._retry()
+
+    async def _send(self, router: GroupRouter, avoid_group: str | None = None,
+                    avoid_replica: str | None = None) -> None:
         self._router = router
-        self.group = router.choose({group: r.routing for group, r in self.requests.items()}, time.time())
+        others = {group: r.routing for group, r in self.requests.items() if group != avoid_group}
+        self.group = router.choose(others or {group: r.routing for group, r in self.requests.items()}, time.time())
         request = self.requests[self.group]
+        if avoid_replica is not None:
+            request = dataclasses.replace(request, routing=dataclasses.replace(request.routing,
+                                                                               avoid_replica=avoid_replica))
         if self._feeds is not None:
             self._queue = self._feeds.register(self.request_id)
             request = dataclasses.replace(request, feed=self._feeds.feed_id)
         self._call = self.groups[self.group].options(stream=True).generate.remote(request)
+        self._done = False
         ack: GenerateDelta = await self._call.__anext__()
+        self.replica_id = ack.replica_id
         if ack.error is not None:
             self._done = True
-            raise ApiError(ack.error.status, ack.error.message, ack.error.type, ack.error.param)
+            raise ApiError(ack.error.status, ack.error.message, ack.error.type, ack.error.param, ack.error.code)
         if ack.replica_stats:
             router.observe(ReplicaStats.from_dict(ack.replica_stats))
         if self._queue is not None:
             self._feeds.attach(self.request_id, ack.replica_stats["replica_id"], self.groups[self.group])
             self._feeds.spawn(self._watch_call())
+
+    def _may_retry(self, code: str | None) -> bool:
+        """Whether a failure may go to another replica: the engine's, not the request's, once, and
+        before any token reached the client."""
+        return code == ENGINE_UNAVAILABLE and not self._retried and not self._streamed
+
+    async def _retry(self) -> None:
+        failed_group, failed_replica = self.group, self.replica_id
+        logger.warning("request %s: the engine of replica %s (group %s) failed it before its first token; "
+                       "sending it to another replica", self.request_id, failed_replica, failed_group)
+        self._retried = True
+        self.close()
+        others = len(self.requests) > 1
+        await self._send(self._router_for_retry, failed_group if others else None,
+                         None if others else failed_replica)
 
     async def _watch_call(self) -> None:
         """The call carries nothing after the acknowledgement; its failure ends the choice."""
@@ -95,14 +143,35 @@ class ChoiceStream:
             self._queue.put_nowait(err)
 
     async def deltas(self) -> AsyncIterator[GenerateDelta]:
-        async for delta in (self._call if self._queue is None else self._fed()):
-            if delta.error is not None:
-                self._done = True
-                raise ApiError(delta.error.status, delta.error.message, delta.error.type, delta.error.param)
-            yield responses.with_token_id_names(delta) if self.tokens_as_ids else delta
-            if delta.finished:
-                self._done = True
+        while True:
+            try:
+                async for delta in self._deltas_once():
+                    yield delta
                 return
+            except _Retryable:
+                await self._retry()
+
+    async def _deltas_once(self) -> AsyncIterator[GenerateDelta]:
+        try:
+            async for delta in (self._call if self._queue is None else self._fed()):
+                if delta.error is not None:
+                    self._done = True
+                    if self._may_retry(delta.error.code):
+                        raise _Retryable()
+                    raise ApiError(delta.error.status, delta.error.message, delta.error.type, delta.error.param,
+                                   delta.error.code)
+                if delta.token_ids or delta.text:
+                    self._streamed = True
+                yield responses.with_token_id_names(delta) if self.tokens_as_ids else delta
+                if delta.finished:
+                    self._done = True
+                    return
+        except (ApiError, _Retryable, asyncio.CancelledError):
+            raise
+        except Exception as err:  # the replica's process died under the call
+            if self._may_retry(ENGINE_UNAVAILABLE):
+                raise _Retryable() from err
+            raise
 
     async def _fed(self) -> AsyncIterator[GenerateDelta]:
         while True:
@@ -118,9 +187,14 @@ class ChoiceStream:
         self._done = True
         if self._queue is not None:
             self._feeds.unregister(self.request_id)
+            self._queue = None
         if self._router is not None and self.group is not None:
             self._router.on_finish(self.group)
-            self._router = None
+            self._router_for_retry, self._router = self._router, None
+
+
+class _Retryable(Exception):
+    """The choice's engine failed before its first token: send it elsewhere (``ChoiceStream._retry``)."""
 
 
 async def respond(streams: list[ChoiceStream], body, chat: bool, model: str, router: GroupRouter,

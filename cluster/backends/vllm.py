@@ -36,7 +36,7 @@ from cluster.backends.vllm_stats import VllmStatsRecorder
 from cluster.config import TandemConfig
 from cluster.config_serve import ReplicaGroupConfig
 from cluster.hosting.backend import BackendContext, EngineUnhealthyError, SpecState, error_param
-from cluster.hosting.protocol import ErrorInfo, GenerateDelta, GenerateRequest
+from cluster.hosting.protocol import ENGINE_UNAVAILABLE, ErrorInfo, GenerateDelta, GenerateRequest
 from cluster.models.loader import load_hf_config, resolve_model
 from cluster.models.shipped_heads import resolve_head
 from cluster.routing.policy import peak_tokens_per_second
@@ -140,7 +140,8 @@ class VllmBackend:
             return
         except EngineDeadError as err:
             self._failed = str(err)
-            yield GenerateDelta(error=ErrorInfo(500, f"the engine failed: {err}", "server_error"))
+            yield GenerateDelta(error=ErrorInfo(500, f"the engine failed: {err}", "server_error",
+                                                          code=ENGINE_UNAVAILABLE))
             return
         finally:
             self._num_pending -= 1
@@ -160,7 +161,8 @@ class VllmBackend:
             return
         except EngineDeadError as err:
             self._failed = str(err)
-            yield GenerateDelta(error=ErrorInfo(500, f"the engine failed: {err}", "server_error"))
+            yield GenerateDelta(error=ErrorInfo(500, f"the engine failed: {err}", "server_error",
+                                                          code=ENGINE_UNAVAILABLE))
         finally:
             await stream.aclose()
             self._num_inflight -= 1

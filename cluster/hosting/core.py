@@ -27,7 +27,7 @@ from cluster.hosting.backend import input_error
 from cluster.hosting.core_messages import (AbortRequest, AddRequest, CallRequest, CallResult, CoreMessage,
                                            CoreSnapshot, Shutdown)
 from cluster.hosting.engine_view import EngineView, output_delta
-from cluster.hosting.protocol import ErrorInfo, GenerateDelta
+from cluster.hosting.protocol import ENGINE_UNAVAILABLE, ErrorInfo, GenerateDelta
 from cluster.hosting.step_timeline import StepTimeline, TimelineEntry
 from cluster.metrics.collector import EngineMetricsCollector
 from cluster.metrics.sample_buffer import BufferedSink
@@ -180,7 +180,8 @@ class EngineCore:
 
     def _fail_all(self, message: str) -> None:
         self.failed = message
-        error = GenerateDelta(error=ErrorInfo(500, f"the engine failed: {message}", "server_error"))
+        error = GenerateDelta(error=ErrorInfo(500, f"the engine failed: {message}", "server_error",
+                                              code=ENGINE_UNAVAILABLE))
         for rid in list(self.engine.scheduler.requests):
             self._abort(rid)
             self._out.deltas.append((rid, error))

@@ -25,7 +25,7 @@ from typing import AsyncIterator
 from cluster.config import TandemConfig
 from cluster.hosting.backend import EngineUnhealthyError, SpecState
 from cluster.hosting.core_messages import AbortRequest, AddRequest, CallRequest, CallResult, CoreMessage, CoreSnapshot
-from cluster.hosting.protocol import ErrorInfo, GenerateDelta, GenerateRequest, merge_deltas
+from cluster.hosting.protocol import ENGINE_UNAVAILABLE, ErrorInfo, GenerateDelta, GenerateRequest, merge_deltas
 from cluster.metrics.collector import MetricsSink
 from cluster.routing.stats import EngineLoad
 
@@ -206,4 +206,5 @@ class CoreClient:
 
 
 def _gone_delta(message: str) -> GenerateDelta:
-    return GenerateDelta(error=ErrorInfo(503, f"{message}; the replica is being replaced, retry", "server_error"))
+    return GenerateDelta(error=ErrorInfo(503, f"{message}; the replica is being replaced, retry", "server_error",
+                                         code=ENGINE_UNAVAILABLE))

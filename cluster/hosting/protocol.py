@@ -47,6 +47,11 @@ class FeedRequest:
     replica_id: str
 
 
+# The code of an error that says the engine is gone or failed, not the request: the ingress may
+# send a request that has streamed nothing yet to another replica.
+ENGINE_UNAVAILABLE = "engine_unavailable"
+
+
 @dataclass(frozen=True)
 class ErrorInfo:
     """An OpenAI-style error: HTTP status, message, type and the offending parameter."""
@@ -71,6 +76,7 @@ class GenerateDelta:
     accepted: bool = False  # the acknowledgement that starts every stream
     error: ErrorInfo | None = None
     replica_stats: dict | None = None  # ReplicaStats.to_dict() of the serving replica, on the acknowledgement
+    replica_id: str | None = None  # the replica that answered, on the acknowledgement or refusal
     # With prompt_logprobs, on the first token delta: per prompt token (None for the first)
     prompt_logprobs: list[TokenLogprobs | None] | None = None
 

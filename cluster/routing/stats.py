@@ -78,6 +78,7 @@ class RoutingRequest:
     # Engine block hashes of the prompt's leading full blocks, in order (block 0 first).
     prefix_hashes: tuple[int, ...] = ()
     lora: str | None = None  # the LoRA adapter it runs with
+    avoid_replica: str | None = None  # a replica whose engine just failed it: another one, if any, takes it
 
 
 class Candidate(NamedTuple):  # a NamedTuple: one per replica per request
