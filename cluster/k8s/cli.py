@@ -9,8 +9,9 @@ from cluster.k8s.validate import ManifestValidator
 
 
 def cmd_k8s_render(args: argparse.Namespace) -> int:
-    stale = render_to(args.config, args.out)
-    print(f"rendered {args.config} into {args.out}/ (kubectl apply -f {args.out}/)")
+    stale = render_to(args.config, args.out, kustomize=args.kustomize)
+    apply = f"kubectl apply -k {args.out}/overlays/site" if args.kustomize else f"kubectl apply -f {args.out}/"
+    print(f"rendered {args.config} into {args.out}/ ({apply})")
     for path in stale:
         print(f"note: {path} was not rendered from this config; delete it if it is stale")
     return 0
@@ -28,6 +29,8 @@ def add_k8s_parser(sub) -> None:
     k8s_render = k8s.add_parser("render", help="write the RayService, monitoring and profiling Jobs of a config")
     k8s_render.add_argument("config", help="YAML settings file, e.g. configs/gpu-single.yaml")
     k8s_render.add_argument("--out", required=True, help="directory for the manifests, e.g. k8s/single-gpu")
+    k8s_render.add_argument("--kustomize", action="store_true",
+                            help="write a kustomize base/ and an overlays/site/ with a patch of every Ray pod")
     k8s_render.set_defaults(func=cmd_k8s_render)
     k8s_validate = k8s.add_parser("validate", help="check manifests offline against Kubernetes' and KubeRay's schemas")
     k8s_validate.add_argument("paths", nargs="*", default=["k8s"], help="YAML files or directories (default: k8s)")

@@ -23,6 +23,7 @@ import yaml
 from cluster.config import ConfigError, TandemConfig, config_from_dict, group_engine_config
 from cluster.k8s.alerts import prometheus_rule
 from cluster.k8s.disruption import disruption_budgets
+from cluster.k8s.kustomize import OVERLAY, kustomize_files
 from cluster.k8s.monitoring import pod_monitors
 from cluster.k8s.network_policy import network_policy
 from cluster.planning.memory_plan import check_memory
@@ -170,8 +171,16 @@ def write(files: dict[str, str], out_dir: str | Path) -> list[Path]:
     return sorted(p for p in out_dir.rglob("*.yaml") if p not in written)
 
 
-def render_to(config_path: str | Path, out_dir: str | Path, source: str | None = None) -> list[Path]:
-    """Read, render and write; returns the stale YAML files left in ``out_dir``."""
+def render_to(config_path: str | Path, out_dir: str | Path, source: str | None = None,
+              kustomize: bool = False) -> list[Path]:
+    """Read, render and write (as a kustomize base and overlay with ``kustomize``; an overlay
+    already there is kept); returns the stale YAML files left in ``out_dir``."""
     config, embedded = read_config(config_path)
     check_memory(config)
-    return write(render(config, embedded, source or str(config_path)), out_dir)
+    files = render(config, embedded, source or str(config_path))
+    if kustomize:
+        files = kustomize_files(config, files)
+        kept = {name for name in files if name.startswith(OVERLAY) and (Path(out_dir) / name).exists()}
+        stale = write({name: text for name, text in files.items() if name not in kept}, out_dir)
+        return [p for p in stale if p not in {Path(out_dir) / name for name in kept}]
+    return write(files, out_dir)

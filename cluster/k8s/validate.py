@@ -104,7 +104,8 @@ class ManifestValidator:
         files: list[Path] = []
         for path in map(Path, paths):
             if path.is_dir():
-                files.extend(sorted(p for p in path.rglob("*") if p.suffix in (".yaml", ".yml")))
+                files.extend(sorted(p for p in path.rglob("*") if p.suffix in (".yaml", ".yml")
+                                    and not _kustomize_file(p)))
             elif path.is_file():
                 files.append(path)
             else:
@@ -210,3 +211,15 @@ def check_serve_config(text: object, mounts_per_group: list[list[str]], where: s
             check_paths_on_volume(config_from_dict(config, "args.config"), shared)
         except ConfigError as err:
             raise ManifestError(f"{app_where}: {err}") from None
+
+
+def _kustomize_file(path: Path) -> bool:
+    """A kustomization, or a file of a kustomize directory that is not one of its resources (a patch):
+    neither is a manifest (``kubectl kustomize`` builds the manifests they make)."""
+    if path.name == "kustomization.yaml":
+        return True
+    kustomization = path.parent / "kustomization.yaml"
+    if not kustomization.is_file():
+        return False
+    resources = (yaml.safe_load(kustomization.read_text()) or {}).get("resources", [])
+    return path.name not in resources
