@@ -24,6 +24,7 @@ def replica_deployment_name(group: str) -> str:
 
 
 INGRESS_DEPLOYMENT = "ingress"
+CAPACITY_POLICY = "deployments.autoscaling_policy:CapacityPolicy"  # Tandem's autoscaling policy, for Ray Serve
 
 
 class AutoscalingConfig(_Strict):
@@ -37,6 +38,11 @@ class AutoscalingConfig(_Strict):
     # given back after a minute's lull would be paid for again at the next burst.
     upscale_delay_s: float = Field(30.0, ge=0)
     downscale_delay_s: float = Field(600.0, ge=0)
+    policy: Literal["ongoing_requests", "capacity"] = Field(
+        "ongoing_requests", description="ongoing_requests: Ray Serve's own (target_ongoing_requests per replica); "
+        "capacity: Tandem's, each replica's requests over the batch size where its predicted throughput levels "
+        "off, kept near target_load (an engine group's replicas only)")
+    target_load: float = Field(0.8, gt=0, le=1, description="capacity policy: the load to keep each replica at")
 
     @model_validator(mode="after")
     def _check(self) -> "AutoscalingConfig":

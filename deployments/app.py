@@ -15,10 +15,11 @@ from pathlib import Path
 from ray import serve
 from ray.serve import Application
 from ray.serve.config import AutoscalingConfig as RayAutoscalingConfig
+from ray.serve.config import AutoscalingPolicy
 from ray.serve.config import RequestRouterConfig
 
 from cluster.config import ConfigError, TandemConfig, config_from_dict, load_config
-from cluster.config_serve import INGRESS_DEPLOYMENT, ReplicaGroupConfig, replica_deployment_name
+from cluster.config_serve import CAPACITY_POLICY, INGRESS_DEPLOYMENT, ReplicaGroupConfig, replica_deployment_name
 from cluster.planning.memory_plan import check_memory
 from deployments.ingress import OpenAIIngress
 from deployments.response_store import DEPLOYMENT_NAME as STORE_DEPLOYMENT
@@ -80,10 +81,14 @@ def ingress_scaling(config: TandemConfig) -> dict:
 
 
 def _autoscaling(a) -> RayAutoscalingConfig:
+    policy = {}
+    if a.policy == "capacity":
+        policy["policy"] = AutoscalingPolicy(policy_function=CAPACITY_POLICY,
+                                             policy_kwargs={"target_load": a.target_load})
     return RayAutoscalingConfig(
         min_replicas=a.min_replicas, max_replicas=a.max_replicas, initial_replicas=a.initial_replicas,
         target_ongoing_requests=a.target_ongoing_requests, upscale_delay_s=a.upscale_delay_s,
-        downscale_delay_s=a.downscale_delay_s,
+        downscale_delay_s=a.downscale_delay_s, **policy,
     )
 
 

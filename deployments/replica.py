@@ -25,9 +25,11 @@ from cluster.config import TandemConfig, config_from_dict, group_engine_config, 
 from cluster.hosting.backend import BackendContext, EngineUnhealthyError
 from cluster.hosting.feed_outbox import FeedOutbox
 from cluster.hosting.protocol import FeedRequest, GenerateDelta, GenerateRequest
+from cluster.routing.policy import saturation_batch
 from cluster.routing.stats import ReplicaStats
 from cluster.metrics.prometheus_sink import PrometheusSink
 from deployments.app_hub import HubReporter
+from deployments.autoscaling_policy import LOAD_METRIC
 from deployments.tp_ranks import RayLauncher
 
 logger = logging.getLogger(__name__)
@@ -124,6 +126,13 @@ class TandemReplica:
         stats = ReplicaStats(replica_id=self.replica_id, group=self.group.name, device_kind=self.group.device_kind,
                              timestamp=time.time(), **vars(load))
         return stats.to_dict()
+
+    def record_autoscaling_stats(self) -> dict[str, float]:
+        """For the capacity autoscaling policy (``autoscaling_policy.py``): requests over the batch size
+        where this replica's predicted throughput levels off."""
+        load = self.backend.load(0)
+        knee = saturation_batch(load.step_time_curve, load.acceptance, load.current_k) or load.max_num_seqs
+        return {LOAD_METRIC: (load.num_running + load.num_waiting) / max(1, knee)}
 
     def capacity_tokens_per_second(self) -> float:
         return self.backend.capacity_tokens_per_second()

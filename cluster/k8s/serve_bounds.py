@@ -14,7 +14,8 @@ from __future__ import annotations
 
 import copy
 
-from cluster.config_serve import INGRESS_DEPLOYMENT, AutoscalingConfig, ServeConfig, replica_deployment_name
+from cluster.config_serve import (CAPACITY_POLICY, INGRESS_DEPLOYMENT, AutoscalingConfig, ServeConfig,
+                                  replica_deployment_name)
 
 _AUTOSCALING_FIELDS = ("min_replicas", "max_replicas", "initial_replicas", "target_ongoing_requests",
                        "upscale_delay_s", "downscale_delay_s")
@@ -52,4 +53,7 @@ def _marker(scaling: AutoscalingConfig) -> dict:
 
 def _autoscaling(scaling: AutoscalingConfig) -> dict:
     values = scaling.model_dump()
-    return {key: values[key] for key in _AUTOSCALING_FIELDS if values[key] is not None}
+    config = {key: values[key] for key in _AUTOSCALING_FIELDS if values[key] is not None}
+    if scaling.policy == "capacity":
+        config["policy"] = {"policy_function": CAPACITY_POLICY, "policy_kwargs": {"target_load": scaling.target_load}}
+    return config

@@ -105,6 +105,16 @@ def peak_tokens_per_second(curve: Sequence[tuple[int, float]], acceptance: float
     return max((size * tokens_per_step / seconds for size, seconds in curve if seconds > 0), default=0.0)
 
 
+def saturation_batch(curve: Sequence[tuple[int, float]], acceptance: float, k: int, share: float = 0.9) -> int | None:
+    """The smallest batch size of the step-time ``curve`` whose output tokens/s reach ``share`` of the
+    peak: past it a replica mostly adds latency, not throughput. None when the curve is empty."""
+    peak = peak_tokens_per_second(curve, acceptance, k)
+    if peak <= 0:
+        return None
+    tokens_per_step = expected_tokens_per_step(acceptance, k)
+    return min(size for size, seconds in curve if seconds > 0 and size * tokens_per_step / seconds >= share * peak)
+
+
 def replica_load(stats: ReplicaStats | None, num_inflight: int) -> int:
     """Requests at the replica: what it reported (running + waiting), or what this router
     has sent there and not seen finish, whichever is larger (the in-flight count covers

@@ -34,6 +34,42 @@ def scrape_metrics(where: int | str) -> dict[str, list]:
     return series
 
 
+class ServeProcess:
+    """``tandem serve`` run as the command, in a process of its own (its own Ray)."""
+
+    def __init__(self, config: dict, folder) -> None:
+        import json
+        import subprocess
+        import sys
+        import time
+
+        import httpx
+
+        config = {**config, "serve": {"port": _free_port(), "proxy_port": _free_port(),
+                                      "metrics_export_port": _free_port(), **config.get("serve", {})}}
+        path = folder / "serve.yaml"
+        path.write_text(json.dumps(config))  # JSON is YAML
+        self.log = folder / "serve.log"
+        self.url = f"http://127.0.0.1:{config['serve']['port']}"
+        self.process = subprocess.Popen([sys.executable, "-m", "cluster.cli", "serve", str(path)],
+                                        stdout=open(self.log, "w"), stderr=subprocess.STDOUT)
+        deadline = time.time() + 180
+        while True:
+            assert self.process.poll() is None, self.log.read_text()[-3000:]
+            try:
+                if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            assert time.time() < deadline, "never ready: " + self.log.read_text()[-3000:]
+            time.sleep(0.5)
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            self.process.kill()
+            self.process.wait()
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -8,48 +8,22 @@ from __future__ import annotations
 
 import json
 import signal
-import socket
-import subprocess
-import sys
 import time
 
 import httpx
 
-from tests.serve.conftest import MODEL
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from tests.serve.conftest import MODEL, ServeProcess
 
 
 def test_sigterm_lets_the_stream_in_flight_finish(tiny_chat_model, tmp_path):
-    port = _free_port()
-    config = tmp_path / "drain.yaml"
-    config.write_text(json.dumps({  # JSON is YAML
+    server = ServeProcess({
         "model": {"model": str(tiny_chat_model), "max_model_len": 512},
         "cache": {"num_blocks": 64, "block_size": 16},
         "device": {"device": "cpu", "num_threads": 1},
-        "serve": {"port": port, "proxy_port": _free_port(), "metrics_export_port": _free_port(),
-                  "served_model_name": MODEL, "drain_timeout_s": 60,
-                  "groups": [{"name": "slow", "num_cpus": 0.5, "step_time_scale": 150.0}]}}))
-    log = tmp_path / "serve.log"
-    proc = subprocess.Popen([sys.executable, "-m", "cluster.cli", "serve", str(config)],
-                            stdout=open(log, "w"), stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
+        "serve": {"served_model_name": MODEL, "drain_timeout_s": 60,
+                  "groups": [{"name": "slow", "num_cpus": 0.5, "step_time_scale": 150.0}]}}, tmp_path)
+    proc, url, log = server.process, server.url, server.log
     try:
-        deadline = time.time() + 180
-        while True:
-            assert proc.poll() is None, log.read_text()[-3000:]
-            try:
-                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            assert time.time() < deadline, "never ready: " + log.read_text()[-3000:]
-            time.sleep(0.5)
-
         body = {"model": MODEL, "prompt": "drain", "max_tokens": 96, "ignore_eos": True, "temperature": 0,
                 "stream": True, "stream_options": {"include_usage": True}}
         usage, done, signalled, refused, health = None, False, None, None, None
@@ -79,6 +53,4 @@ def test_sigterm_lets_the_stream_in_flight_finish(tiny_chat_model, tmp_path):
         assert proc.wait(timeout=120) == 0
         assert "drained: no request in flight" in log.read_text()
     finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+        server.stop()
