@@ -48,8 +48,9 @@ class ApplicationHub:
         """(labels, page) of every source heard from within MAX_AGE_S."""
         return [(r.labels, r.metrics) for r in self._fresh()]
 
-    def drain(self) -> None:
-        self._draining = True
+    def drain(self, draining: bool = True) -> None:
+        """Start draining (or, with False, serve again: a new deployment of the application)."""
+        self._draining = draining
 
     def drain_status(self) -> tuple[int, int, int]:
         """(ingresses heard from, those of them that turn new calls away, API calls in flight)."""

@@ -125,6 +125,8 @@ def start_local(config: TandemConfig, app_name: str = "tandem", blocking: bool =
         num_cpus = max(os.cpu_count() or 1, int(logical_cpus_needed(config) + 0.999))
         ray.init(num_cpus=num_cpus, include_dashboard=False, logging_level=logging.WARNING,
                  _metrics_export_port=config.serve.metrics_export_port)
+    # A hub left draining by an earlier `tandem serve` on this Ray cluster would drain the new ingress.
+    ray.get(application_hub(app_name).drain.remote(False), timeout=30)
     serve.start(http_options={"host": host, "port": proxy_port})
     serve.run(app, name=app_name, route_prefix="/", blocking=False, logging_config=config.serve.logging_config())
     url = f"http://{host}:{port}"

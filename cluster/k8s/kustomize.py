@@ -43,8 +43,8 @@ def overlay_files(config: TandemConfig) -> dict[str, str]:
     overlay's name (a working example to edit; the comments list the usual pod fields)."""
     kustomization = {"apiVersion": "kustomize.config.k8s.io/v1beta1", "kind": "Kustomization",
                      "resources": ["../../base"],
-                     "patches": [{"path": "pods.yaml", "target": {"group": "ray.io", "version": "v1",
-                                                                   "kind": "RayService", "name": config.kubernetes.name}}]}
+                     "patches": [{"path": "pods.yaml", "target": {
+                         "group": "ray.io", "version": "v1", "kind": "RayService", "name": config.kubernetes.name}}]}
     operations = []
     lines = [f"{_HEADER} Yours to edit: rendering again leaves it alone.",
              "# JSON 6902 operations on the RayService's pod templates; for each pod, e.g.:"]

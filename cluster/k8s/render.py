@@ -68,13 +68,14 @@ def read_config(path: str | Path) -> tuple[TandemConfig, dict]:
     config = config_from_dict(data, str(path))
     embedded = {key: value for key, value in data.items() if key != "kubernetes"}
     check_paths_on_volume(config_from_dict(embedded, str(path)), [config.kubernetes.model_volume.mount_path])
-    return config, with_ingress_replicas(config, embedded)
+    return config, kubernetes_defaults(config, embedded)
 
 
-def with_ingress_replicas(config: TandemConfig, embedded: dict) -> dict:
-    """The inline config with at least 2 ingress replicas (ConfigError when the file asks for
-    fewer), at most one per node (the head holds one): one ingress on a drained node, or two
-    on the same one, would take the whole API down; and JSON logs unless the file says."""
+def kubernetes_defaults(config: TandemConfig, embedded: dict) -> dict:
+    """The inline config as Kubernetes wants it: at least 2 ingress replicas (ConfigError when the
+    file asks for fewer), at most one per node (the head holds one), since one ingress on a
+    drained node, or two on the same one, would take the whole API down; API keys from the
+    mounted Secret, never inline; JSON logs unless the file says."""
     serve = config.serve
     fewest = serve.ingress_autoscaling.min_replicas if serve.ingress_autoscaling else serve.ingress_num_replicas
     if fewest is not None and fewest < 2:

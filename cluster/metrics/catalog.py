@@ -46,6 +46,7 @@ _ITERATION_BUCKETS = (1.0, 8.0, 16.0, 32.0, 64.0, 128.0, 256.0, 512.0, 1024.0, 2
 _N_BUCKETS = (1.0, 2.0, 5.0, 10.0, 20.0)
 _PREEMPTION_BUCKETS = (1.0, 2.0, 3.0, 4.0, 5.0, 10.0, 20.0)
 
+
 @dataclass(frozen=True)
 class MetricSpec:
     name: str  # as recorded; Prometheus shows it as ``prometheus_names`` says
@@ -167,7 +168,8 @@ METRICS: tuple[MetricSpec, ...] = (
 METRICS_BY_NAME = {m.name: m for m in METRICS}
 
 # Recorded once, exported under both names: metric -> its older vLLM name.
-ALIASES = {"kv_cache_usage_perc": "gpu_cache_usage_perc", "inter_token_latency_seconds": "time_per_output_token_seconds"}
+ALIASES = {"kv_cache_usage_perc": "gpu_cache_usage_perc",
+           "inter_token_latency_seconds": "time_per_output_token_seconds"}
 
 
 def exported_series_names() -> set[str]:

@@ -9,8 +9,8 @@
   capacity each group offers.
 
 Queries use the Prometheus names of ``catalog.METRICS`` (``vllm:`` and ``tandem:``, ``_total``
-counters: what ``GET /metrics`` serves) and a few of Ray Serve's own (``SERVE_METRICS`` in ``dashboard_check``); a
-unit test parses every query and checks both the names and the labels. The committed
+counters: what ``GET /metrics`` serves) and a few of Ray Serve's own (``SERVE_METRICS`` in
+``dashboard_check``); a unit test parses every query and checks both the names and the labels. The committed
 JSON under ``k8s/grafana/`` and the sidecar ConfigMap are this module's output:
 regenerate them with ``tandem dashboards render``.
 """
