@@ -65,9 +65,17 @@ class ServeProcess:
             time.sleep(0.5)
 
     def stop(self) -> None:
+        """SIGTERM, as an operator stops it (it then stops the Ray it started); a kill past a minute."""
+        import signal
+        import subprocess
+
         if self.process.poll() is None:
-            self.process.kill()
-            self.process.wait()
+            self.process.send_signal(signal.SIGTERM)
+            try:
+                self.process.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
 
 
 def _free_port() -> int:

@@ -3,7 +3,8 @@ Ray's own ``serve deploy`` on a Ray cluster of its own (``ray start`` on loopbac
 ``max_replicas`` without restarting a replica (the same actors before and after).
 
 The cluster is separate from the session's (which this process is connected to), so it is
-driven by Ray's command-line tools and inspected from a subprocess."""
+driven by Ray's command-line tools, inspected from a subprocess, and stopped by killing exactly
+its processes."""
 
 from __future__ import annotations
 
@@ -22,13 +23,13 @@ import yaml
 
 from cluster.config import config_from_dict
 from cluster.k8s.rayservice import serve_config
+from tests.serve.ray_clusters import CURRENT_CLUSTER, cluster_pids, kill, restore, with_descendants
 
 BIN = Path(sys.executable).parent
 LIST_REPLICAS = """
-import json, sys, ray
+import json, os
 from ray.util.state import list_actors
-ray.init(address=sys.argv[1], logging_level="ERROR")
-alive = list_actors(filters=[("state", "=", "ALIVE")], limit=1000)
+alive = list_actors(address=os.environ["RAY_DASHBOARD_ADDRESS"], filters=[("state", "=", "ALIVE")], limit=1000)
 print(json.dumps(sorted((a.class_name, a.actor_id) for a in alive if a.class_name.startswith("ServeReplica:"))))
 """
 
@@ -51,13 +52,16 @@ def ray_cluster():
     gcs, dashboard = _free_port(), _free_port()
     env = {**os.environ, "RAY_DASHBOARD_ADDRESS": f"http://127.0.0.1:{dashboard}", "RAY_AUTH_MODE": "disabled"}
     env.pop("RAY_ADDRESS", None)
-    _run("ray", "start", "--head", f"--port={gcs}", "--node-ip-address=127.0.0.1", "--num-cpus=4",
-         "--include-dashboard=true", "--dashboard-host=127.0.0.1", f"--dashboard-port={dashboard}",
-         f"--temp-dir={temp}", "--disable-usage-stats", env=env)
+    saved = CURRENT_CLUSTER.read_bytes() if CURRENT_CLUSTER.exists() else None
     try:
-        yield f"127.0.0.1:{gcs}", env
+        _run("ray", "start", "--head", f"--port={gcs}", "--node-ip-address=127.0.0.1", "--num-cpus=4",
+             "--include-dashboard=true", "--dashboard-host=127.0.0.1", f"--dashboard-port={dashboard}",
+             f"--temp-dir={temp}", "--disable-usage-stats", env=env)
+        restore(saved)
+        yield env
     finally:
-        subprocess.run([str(BIN / "ray"), "stop", "--force"], env=env, capture_output=True, timeout=120)
+        kill(with_descendants(cluster_pids(gcs)))  # this cluster's processes only, not the session's
+        restore(saved)
         shutil.rmtree(temp, ignore_errors=True)
 
 
@@ -85,11 +89,11 @@ def _wait_running(env: dict, timeout: float = 240) -> None:
 
 
 def test_a_new_max_replicas_keeps_every_running_replica(tiny_chat_model, ray_cluster, tmp_path):
-    address, env = ray_cluster
+    env = ray_cluster
     config_path = tmp_path / "serve.yaml"
     _deploy(tiny_chat_model, 2, config_path, env)
     _wait_running(env)
-    before = json.loads(_run("python", "-c", LIST_REPLICAS, address, env=env))
+    before = json.loads(_run("python", "-c", LIST_REPLICAS, env=env))
     assert {name for name, _ in before} >= {"ServeReplica:tandem:replica-a", "ServeReplica:tandem:ingress"}
 
     _deploy(tiny_chat_model, 3, config_path, env)
@@ -102,5 +106,5 @@ def test_a_new_max_replicas_keeps_every_running_replica(tiny_chat_model, ray_clu
         assert time.time() < deadline, entry
         time.sleep(2)
     _wait_running(env)
-    after = json.loads(_run("python", "-c", LIST_REPLICAS, address, env=env))
+    after = json.loads(_run("python", "-c", LIST_REPLICAS, env=env))
     assert after == before  # the same replica actors, none restarted

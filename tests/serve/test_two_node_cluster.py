@@ -11,7 +11,6 @@ it starts both nodes with their own ports and kills exactly the processes of tha
 from __future__ import annotations
 
 import os
-import signal
 import socket
 import subprocess
 import sys
@@ -25,6 +24,7 @@ import pytest
 import yaml
 
 from cluster.models.tiny import TINY_CHAT_TEMPLATE, save_tiny_model, save_tiny_tokenizer, tiny_llama_config
+from tests.serve.ray_clusters import CURRENT_CLUSTER, cluster_pids, command_line, kill, restore, with_descendants
 
 BIN = Path(sys.executable).parent
 ENV = {**os.environ, "RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0"}
@@ -35,67 +35,6 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-def _cluster_pids(gcs_port: int, marker: str = "") -> list[int]:
-    """Processes of the cluster whose GCS listens on ``gcs_port`` (with ``marker`` in their command line)."""
-    pids = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            args = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-        except OSError:
-            continue
-        if (f":{gcs_port}" in args or f"--gcs_server_port={gcs_port}" in args) and marker in args:
-            pids.append(int(entry.name))
-    return pids
-
-
-def _with_descendants(pids: list[int]) -> list[int]:
-    """``pids`` and every process below them (a raylet's workers, a replica's engine core)."""
-    children: dict[int, list[int]] = {}
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                parent = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
-            except (OSError, IndexError, ValueError):
-                continue
-            children.setdefault(parent, []).append(int(entry.name))
-    found, todo = [], list(pids)
-    while todo:
-        pid = todo.pop()
-        found.append(pid)
-        todo.extend(children.get(pid, []))
-    return found
-
-
-def _command_line(pid: int) -> str:
-    """What /proc shows (a Ray worker's title, e.g. ``ray::ServeReplica:tandem:replica-fast``)."""
-    try:
-        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-    except OSError:
-        return ""
-
-
-def _kill(pids: list[int]) -> None:
-    for pid in pids:
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-
-
-# `ray start --head` records its address here, and a later `ray.init()` on this machine (the
-# other serve tests' local clusters) would try to join that cluster: put back what was there.
-CURRENT_CLUSTER = Path("/tmp/ray/ray_current_cluster")
-
-
-def _restore(saved: bytes | None) -> None:
-    if saved is None:
-        CURRENT_CLUSTER.unlink(missing_ok=True)
-    else:
-        CURRENT_CLUSTER.write_bytes(saved)
 
 
 @pytest.fixture(scope="module")
@@ -110,7 +49,7 @@ def cluster(tmp_path_factory):
         subprocess.run([*start, "--head", f"--port={gcs_port}", f"--dashboard-port={dashboard_port}",
                         "--resources", '{"accelerator_type:FAST": 1}'], env=ENV, check=True, timeout=120,
                        capture_output=True)
-        _restore(saved)
+        restore(saved)
         head_ip = socket.gethostbyname(socket.gethostname())
         subprocess.run([*start, f"--address={head_ip}:{gcs_port}", "--resources", '{"accelerator_type:SLOW": 1}'],
                        env=ENV, check=True, timeout=120, capture_output=True)
@@ -141,8 +80,8 @@ def cluster(tmp_path_factory):
             pytest.fail("the application did not serve within 240 s")
         yield url, gcs_port
     finally:
-        _kill(_with_descendants(_cluster_pids(gcs_port)))
-        _restore(saved)
+        kill(with_descendants(cluster_pids(gcs_port)))
+        restore(saved)
 
 
 def _complete(url: str, group: str | None = None, max_tokens: int = 12) -> httpx.Response:
@@ -156,8 +95,8 @@ def test_each_group_runs_on_its_node_and_the_faster_group_takes_more(cluster):
     url, gcs_port = cluster
     for group in ("fast", "slow"):  # both groups answer (pinned), each on the node of its kind
         assert _complete(url, group).status_code == 200
-        node = _with_descendants(_cluster_pids(gcs_port, f"accelerator_type:{group.upper()}"))
-        titles = [_command_line(pid) for pid in node]
+        node = with_descendants(cluster_pids(gcs_port, f"accelerator_type:{group.upper()}"))
+        titles = [command_line(pid) for pid in node]
         assert any(f"replica-{group}" in t for t in titles), f"no {group} replica under the {group.upper()} node"
         assert not any(f"replica-{other}" in t for t in titles for other in ("fast", "slow") if other != group)
     before = httpx.get(f"{url}/debug/router", timeout=30).json()["decisions"]
@@ -171,9 +110,9 @@ def test_each_group_runs_on_its_node_and_the_faster_group_takes_more(cluster):
 
 def test_a_node_stopped_mid_traffic_fails_its_streams_fast_and_the_other_group_serves_the_rest(cluster):
     url, gcs_port = cluster
-    slow_raylet = _cluster_pids(gcs_port, "accelerator_type:SLOW")
+    slow_raylet = cluster_pids(gcs_port, "accelerator_type:SLOW")
     assert slow_raylet, "no raylet advertises the SLOW accelerator type"
-    node = _with_descendants(slow_raylet)  # the raylet, its workers (the slow replica) and their engine cores
+    node = with_descendants(slow_raylet)  # the raylet, its workers (the slow replica) and their engine cores
     assert len(node) > 2
 
     started = [threading.Event() for _ in range(3)]
@@ -201,7 +140,7 @@ def test_a_node_stopped_mid_traffic_fails_its_streams_fast_and_the_other_group_s
     with ThreadPoolExecutor(3) as pool:
         in_flight = [pool.submit(stream, i) for i in range(3)]
         assert all(event.wait(60) for event in started)
-        _kill(node)
+        kill(node)
         # Every stream ends rather than hangs: result() raises past the bound.
         outcomes = [future.result(timeout=90) for future in in_flight]
     # Each stream was under way at the kill; it either still finished or ended with an error
