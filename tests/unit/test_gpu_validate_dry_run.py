@@ -51,7 +51,7 @@ def test_the_dry_run_reports_every_check_and_passes_those_it_runs(dry_run):
     assert status[SYNC] == ("skipped", "CUDA only: synchronisation is a CUDA notion")
     assert doc["summary"] == {"passed": 13, "failed": 0, "skipped": 5, "error": 0}
     assert doc["settings"]["device"] == "cpu" and doc["environment"]["missing_required"] == []
-    assert "12 passed, 0 failed, 5 skipped, 0 error" in text
+    assert "13 passed, 0 failed, 5 skipped, 0 error" in text
 
 
 def test_speculation_preemption_and_the_core_process_were_exercised(dry_run):
