@@ -1,6 +1,6 @@
 """What travels to the GPU machine beside the working tree, and how it is put back together there.
 
-``device`` sends the repository (about 37 MB, half of it the shipped EAGLE-3 head's weights) and at most
+``device`` sends the repository (about 27 MB, most of it the shipped EAGLE-3 head's weights) and at most
 8 ignored paths, 64 MiB in all per call, to a machine with torch and transformers, no registry and
 no network. ``tests/gpu/prepare.sh`` (here) fills ``tests/gpu/carry/`` (ignored by git):
 
