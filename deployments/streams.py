@@ -64,11 +64,11 @@ class ChoiceStream:
         self.group: str | None = None
         self._call: DeploymentResponseGenerator | None = None
         self._router: GroupRouter | None = None
+        self._counted = False  # the router counts this choice in flight in ``group``
         self._done = False
         self._feeds = feeds
         self._queue: asyncio.Queue | None = None  # where the feed puts this choice's deltas
         self.replica_id: str | None = None  # the replica that acknowledged (or refused) it
-        self._router_for_retry: GroupRouter | None = None
         self._retried = False  # sent once more after its engine failed
         self._streamed = False  # a token has reached the client: no retry past this
 
@@ -99,6 +99,7 @@ class ChoiceStream:
         self._router = router
         others = {group: r.routing for group, r in self.requests.items() if group != avoid_group}
         self.group = router.choose(others or {group: r.routing for group, r in self.requests.items()}, time.time())
+        self._counted = True
         request = self.requests[self.group]
         if avoid_replica is not None:
             request = dataclasses.replace(request, routing=dataclasses.replace(request.routing,
@@ -131,7 +132,7 @@ class ChoiceStream:
         self._retried = True
         self.close()
         others = len(self.requests) > 1
-        await self._send(self._router_for_retry, failed_group if others else None,
+        await self._send(self._router, failed_group if others else None,
                          None if others else failed_replica)
 
     async def _watch_call(self) -> None:
@@ -188,9 +189,9 @@ class ChoiceStream:
         if self._queue is not None:
             self._feeds.unregister(self.request_id)
             self._queue = None
-        if self._router is not None and self.group is not None:
+        if self._counted:
             self._router.on_finish(self.group)
-            self._router_for_retry, self._router = self._router, None
+            self._counted = False
 
 
 class _Retryable(Exception):

@@ -25,6 +25,7 @@ class PrometheusSink:
         self.registry = CollectorRegistry(auto_describe=False)
         self.fixed = dict(fixed_labels or {})
         self._metrics = {}
+        self._children = {}  # (name, labels) -> the labelled series: replayed samples hit it per token
         for spec in METRICS:
             if spec.source != source:
                 continue
@@ -56,9 +57,13 @@ class PrometheusSink:
         return generate_latest(self.registry).decode()
 
     def _child(self, name: str, labels: Labels):
-        spec = METRICS_BY_NAME[name]
-        values = self.fixed | dict(labels)
-        return self._metrics[name].labels(**{k: values[k] for k in spec.all_labels})
+        child = self._children.get((name, labels))
+        if child is None:
+            values = self.fixed | dict(labels)
+            child = self._metrics[name].labels(**{k: values[k] for k in METRICS_BY_NAME[name].all_labels})
+            if not METRICS_BY_NAME[name].latest_only:  # cleared on every set: never cached
+                self._children[(name, labels)] = child
+        return child
 
 
 def _make(spec: MetricSpec, registry: CollectorRegistry):

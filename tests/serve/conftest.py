@@ -45,8 +45,8 @@ class ServeProcess:
 
         import httpx
 
-        config = {**config, "serve": {"port": _free_port(), "proxy_port": _free_port(),
-                                      "metrics_export_port": _free_port(), **config.get("serve", {})}}
+        config = {**config, "serve": {"port": free_port(), "proxy_port": free_port(),
+                                      "metrics_export_port": free_port(), **config.get("serve", {})}}
         path = folder / "serve.yaml"
         path.write_text(json.dumps(config))  # JSON is YAML
         self.log = folder / "serve.log"
@@ -78,7 +78,7 @@ class ServeProcess:
                 self.process.wait()
 
 
-def _free_port() -> int:
+def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -122,7 +122,7 @@ def serve_config(tiny_chat_model, tiny_lora, tiny_lora_dir):
         "speculative": {"method": "draft", "draft_model": str(tiny_chat_model), "num_speculative_tokens": 2},
         "serve": {
             # The proxy gets a port of its own: its default, port + 1, may be some other socket's already.
-            "port": _free_port(), "proxy_port": _free_port(), "metrics_export_port": _free_port(),
+            "port": free_port(), "proxy_port": free_port(), "metrics_export_port": free_port(),
             "served_model_name": MODEL, "api_key": API_KEY, "log_requests": True,
             "groups": [
                 {"name": "fast", "num_cpus": 0.5, "engine": {"lora_modules": {LORA: str(tiny_lora)},

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import shutil
 import subprocess
 import sys
@@ -23,6 +22,7 @@ import yaml
 
 from cluster.config import config_from_dict
 from cluster.k8s.rayservice import serve_config
+from tests.serve.conftest import free_port
 from tests.serve.ray_clusters import CURRENT_CLUSTER, cluster_pids, kill, restore, with_descendants
 
 BIN = Path(sys.executable).parent
@@ -34,12 +34,6 @@ print(json.dumps(sorted((a.class_name, a.actor_id) for a in alive if a.class_nam
 """
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _run(*args: str, env: dict, timeout: float = 180) -> str:
     done = subprocess.run([str(BIN / args[0]), *args[1:]], capture_output=True, text=True, env=env, timeout=timeout)
     assert done.returncode == 0, f"{' '.join(args)}: {done.stdout[-2000:]}\n{done.stderr[-3000:]}"
@@ -49,7 +43,7 @@ def _run(*args: str, env: dict, timeout: float = 180) -> str:
 @pytest.fixture()
 def ray_cluster():
     temp = tempfile.mkdtemp(prefix="ray-", dir="/tmp")  # Ray's socket paths must stay under 108 bytes
-    gcs, dashboard = _free_port(), _free_port()
+    gcs, dashboard = free_port(), free_port()
     env = {**os.environ, "RAY_DASHBOARD_ADDRESS": f"http://127.0.0.1:{dashboard}", "RAY_AUTH_MODE": "disabled"}
     env.pop("RAY_ADDRESS", None)
     saved = CURRENT_CLUSTER.read_bytes() if CURRENT_CLUSTER.exists() else None
@@ -65,14 +59,13 @@ def ray_cluster():
         shutil.rmtree(temp, ignore_errors=True)
 
 
-def _deploy(tiny_chat_model, max_replicas: int, path: Path, env: dict) -> None:
+def _deploy(tiny_chat_model, max_replicas: int, port: int, path: Path, env: dict) -> None:
+    """Render the Serve config of a one-group cluster (through ``tandem k8s render``'s code) and deploy it."""
     data = {"model": {"model": str(tiny_chat_model), "max_model_len": 256},
             "cache": {"num_blocks": 32, "block_size": 16}, "device": {"device": "cpu", "num_threads": 1},
-            "serve": {"port": _free_port() if not path.exists() else json.loads(path.with_suffix(".port").read_text()),
-                      "served_model_name": "tiny", "ingress_num_cpus": 0.1,
+            "serve": {"port": port, "served_model_name": "tiny", "ingress_num_cpus": 0.1,
                       "groups": [{"name": "a", "num_cpus": 0.5,
                                   "autoscaling": {"min_replicas": 1, "max_replicas": max_replicas}}]}}
-    path.with_suffix(".port").write_text(json.dumps(data["serve"]["port"]))
     path.write_text(yaml.safe_dump(serve_config(config_from_dict(data, "test"), data)))
     _run("serve", "deploy", str(path), env=env)
 
@@ -90,13 +83,13 @@ def _wait_running(env: dict, timeout: float = 240) -> None:
 
 def test_a_new_max_replicas_keeps_every_running_replica(tiny_chat_model, ray_cluster, tmp_path):
     env = ray_cluster
-    config_path = tmp_path / "serve.yaml"
-    _deploy(tiny_chat_model, 2, config_path, env)
+    config_path, port = tmp_path / "serve.yaml", free_port()
+    _deploy(tiny_chat_model, 2, port, config_path, env)
     _wait_running(env)
     before = json.loads(_run("python", "-c", LIST_REPLICAS, env=env))
     assert {name for name, _ in before} >= {"ServeReplica:tandem:replica-a", "ServeReplica:tandem:ingress"}
 
-    _deploy(tiny_chat_model, 3, config_path, env)
+    _deploy(tiny_chat_model, 3, port, config_path, env)
     deadline = time.time() + 120
     while True:  # Serve applies the new bounds
         deployed = yaml.safe_load(_run("serve", "config", env=env))

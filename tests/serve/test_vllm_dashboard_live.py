@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import math
 import shutil
-import socket
 import subprocess
 import time
 from pathlib import Path
@@ -16,16 +15,10 @@ from urllib.parse import urlparse
 import httpx
 import pytest
 
-from tests.serve.conftest import MODEL
+from tests.serve.conftest import MODEL, free_port
 
 QUERIES = json.loads((Path(__file__).parent / "data" / "vllm_dashboard_queries.json").read_text())
 SCRAPE_INTERVAL_S = 1
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture()
@@ -40,7 +33,7 @@ def prometheus(server_url, tmp_path):
         "global": {"scrape_interval": f"{SCRAPE_INTERVAL_S}s", "evaluation_interval": f"{SCRAPE_INTERVAL_S}s"},
         "scrape_configs": [{"job_name": "tandem", "metrics_path": "/metrics",
                             "static_configs": [{"targets": [target]}]}]}))
-    port = _free_port()
+    port = free_port()
     proc = subprocess.Popen([binary, f"--config.file={config}", f"--storage.tsdb.path={tmp_path / 'data'}",
                              f"--web.listen-address=127.0.0.1:{port}"], stdout=subprocess.DEVNULL,
                             stderr=open(tmp_path / "prometheus.log", "w"))

@@ -394,40 +394,37 @@ def test_table_needs_a_profile_and_adaptive_starts_without(tiny_llama_dir):
 
 
 def _serve_from_prior(device: LatencyModel, acceptance: float, b: int, steps: int = 3000):
-    """The controller a replica without a profile runs (prior and weak prior weight), on a device of
-    ``device``'s step times and a draft accepted with ``acceptance`` per position; returns it, the
-    time it took per token, and plain decoding's."""
+    """The controller a replica without a profile runs (prior and weak prior weight), fed the step
+    times of the model ``device`` and drafts accepted with ``acceptance`` per position; returns it
+    and the k it chose at each step."""
     from cluster.spec_decode.prior import PRIOR_ACCEPTANCE, PRIOR_WEIGHT, prior_model
 
     adaptive = AdaptiveController(prior_model("draft", "cuda"), [PRIOR_ACCEPTANCE] * 8, max_k=8,
                                   prior_weight=PRIOR_WEIGHT, explore_budget=0.01)
-    rng = random.Random(7)
-    seconds = tokens = 0.0
+    rng, ks = random.Random(7), []
     for _ in range(steps):
         k = adaptive.choose_k(_state(b))
+        ks.append(k)
         drafts = [(k, k, next((j for j in range(k) if rng.random() >= acceptance), k)) for _ in range(b)] if k else []
-        step = device.step_time(b, k)
-        adaptive.observe(StepObservation(b, k, step, drafts))
-        seconds += step
-        tokens += b + sum(accepted for _, _, accepted in drafts)
-    return adaptive, seconds / tokens, device.step_time(b, 0) / b
+        adaptive.observe(StepObservation(b, k, device.step_time(b, k), drafts))
+    return adaptive, ks
 
 
 def test_without_a_profile_the_controller_finds_k_where_drafting_pays():
-    """TRUE's device in seconds (the prior is in relative units): at batch 1 with a draft accepted 80%
-    of the time, k = 3 is best; the controller learns it and serves well ahead of plain decoding."""
+    """TRUE's device (the prior is in relative units): at batch 1 with a draft accepted 80% of the
+    time, k = 3 is best; the controller settles within one of it and drafts on nearly every step."""
     best = TRUE.best_k(1, [0.8] * 8, 8)
-    adaptive, per_token, plain = _serve_from_prior(TRUE, 0.8, 1)
-    assert abs(adaptive.k - best) <= 1
-    assert plain / per_token > 1.5
+    adaptive, ks = _serve_from_prior(TRUE, 0.8, 1)
+    assert abs(adaptive.k - best) <= 1 and adaptive.k > 0
+    assert sum(k == 0 for k in ks[1000:]) < 0.05 * len(ks[1000:])
 
 
 def test_without_a_profile_the_controller_stops_drafting_where_it_does_not_pay():
-    """Drafts almost never accepted: the controller falls to k = 0, and what it spent learning that
-    leaves it within a few per cent of plain decoding over the run."""
-    adaptive, per_token, plain = _serve_from_prior(TRUE, 0.05, 8)
+    """Drafts almost never accepted: the controller falls to k = 0 and drafts again only in its rare
+    probes."""
+    adaptive, ks = _serve_from_prior(TRUE, 0.05, 8)
     assert adaptive.k == 0
-    assert per_token / plain < 1.03
+    assert sum(k > 0 for k in ks[500:]) < 0.05 * len(ks[500:])
 
 
 def test_profile_measures_acceptance_on_the_prompt_set_asked_for(tiny_llama_dir, tmp_path, monkeypatch):
