@@ -10,7 +10,9 @@ Per document, by ``apiVersion`` and ``kind``:
   must be a Serve config whose applications run ``deployments.app:app_builder`` on an
   inline config that :func:`cluster.config.config_from_dict` accepts, whose model and
   profile paths lie on a volume every Ray container mounts;
-- ``monitoring.coreos.com/v1`` PodMonitor and ServiceMonitor: :mod:`cluster.k8s.monitor_schema`;
+- ``monitoring.coreos.com/v1`` PodMonitor, ServiceMonitor and PrometheusRule: prometheus-operator's
+  CRD schemas (``k8s/schemas/prometheus-operator/``, vendored), closed the same way, and a monitor
+  must list at least one endpoint (one with none scrapes nothing);
 - anything else: the core schemas of ``kubernetes-validate`` in strict mode; a kind no
   schema knows is an error, not a pass.
 
@@ -29,12 +31,17 @@ import yaml
 from jsonschema.exceptions import best_match
 
 from cluster.config import ConfigError, config_from_dict
-from cluster.k8s.monitor_schema import SCHEMAS as MONITOR_SCHEMAS
 from cluster.k8s.rayservice import APP_IMPORT_PATH
 from cluster.k8s.render import check_paths_on_volume
 
 KUBERNETES_VERSION = "1.37.0"
-CRD_FILES = ("ray.io_rayservices.yaml", "ray.io_rayclusters.yaml")
+SCHEMA_DIR = Path(__file__).resolve().parents[2] / "k8s" / "schemas"
+CRD_FILES = {  # folder under SCHEMA_DIR -> the CRDs vendored there
+    "kuberay": ("ray.io_rayservices.yaml", "ray.io_rayclusters.yaml"),
+    "prometheus-operator": ("monitoring.coreos.com_podmonitors.yaml", "monitoring.coreos.com_servicemonitors.yaml",
+                            "monitoring.coreos.com_prometheusrules.yaml"),
+}
+MONITOR_ENDPOINTS = {"PodMonitor": "podMetricsEndpoints", "ServiceMonitor": "endpoints"}
 _LOADER = getattr(yaml, "CSafeLoader", yaml.SafeLoader)  # libyaml when present: the CRDs are 1 MB each
 _NAME = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$")
 
@@ -67,18 +74,19 @@ def closed(schema: dict) -> dict:
     return schema
 
 
-def _crd_schemas(crd_dir: Path) -> dict[tuple[str, str], dict]:
-    """(apiVersion, kind) -> closed schema, for every served version of the CRDs in ``crd_dir``."""
+def _crd_schemas(schema_dir: Path) -> dict[tuple[str, str], dict]:
+    """(apiVersion, kind) -> closed schema, for every served version of the CRDs vendored under ``schema_dir``."""
     schemas = {}
-    for name in CRD_FILES:
-        path = crd_dir / name
-        if not path.is_file():
-            raise ManifestError(f"KubeRay CRD {path} is missing; it is vendored under k8s/schemas/kuberay/")
-        crd = yaml.load(path.read_text(), Loader=_LOADER)
-        group, kind = crd["spec"]["group"], crd["spec"]["names"]["kind"]
-        for version in crd["spec"]["versions"]:
-            if version.get("served"):
-                schemas[(f"{group}/{version['name']}", kind)] = closed(version["schema"]["openAPIV3Schema"])
+    for folder, names in CRD_FILES.items():
+        for name in names:
+            path = schema_dir / folder / name
+            if not path.is_file():
+                raise ManifestError(f"CRD {path} is missing; it is vendored under k8s/schemas/{folder}/")
+            crd = yaml.load(path.read_text(), Loader=_LOADER)
+            group, kind = crd["spec"]["group"], crd["spec"]["names"]["kind"]
+            for version in crd["spec"]["versions"]:
+                if version.get("served"):
+                    schemas[(f"{group}/{version['name']}", kind)] = closed(version["schema"]["openAPIV3Schema"])
     return schemas
 
 
@@ -89,14 +97,14 @@ def _where(error: jsonschema.ValidationError) -> str:
 class ManifestValidator:
     """Validates manifests offline; holds the loaded CRD schemas (build it once, use it often)."""
 
-    def __init__(self, crd_dir: str | Path, kubernetes_version: str = KUBERNETES_VERSION) -> None:
-        self.crd_schemas = _crd_schemas(Path(crd_dir))
+    def __init__(self, schema_dir: str | Path, kubernetes_version: str = KUBERNETES_VERSION) -> None:
+        self.crd_schemas = _crd_schemas(Path(schema_dir))
         self.kubernetes_version = kubernetes_version
 
     @classmethod
     def from_repo(cls) -> "ManifestValidator":
-        """With the CRDs vendored in this checkout (``k8s/schemas/kuberay/``)."""
-        return cls(Path(__file__).resolve().parents[2] / "k8s" / "schemas" / "kuberay")
+        """With the CRDs vendored in this checkout (``k8s/schemas/``)."""
+        return cls(SCHEMA_DIR)
 
     # ---- files ----------------------------------------------------------------------
     def validate_paths(self, paths: list[str | Path]) -> int:
@@ -138,9 +146,10 @@ class ManifestValidator:
         key = (api_version, kind)
         if key in self.crd_schemas:
             self._check_schema(document, self.crd_schemas[key], where)
-            self._check_ray_object(document, where)
-        elif key in MONITOR_SCHEMAS:
-            self._check_schema(document, MONITOR_SCHEMAS[key], where)
+            if api_version.startswith("ray.io/"):
+                self._check_ray_object(document, where)
+            elif kind in MONITOR_ENDPOINTS and not document["spec"].get(MONITOR_ENDPOINTS[kind]):
+                raise ManifestError(f"{where}: spec.{MONITOR_ENDPOINTS[kind]} is empty: the monitor scrapes nothing")
         else:
             self._check_core(document, where)
 

@@ -2,7 +2,7 @@
 
 Validation is offline: core kinds against kubernetes-validate's strict schemas, RayService
 against KubeRay's vendored CRD (closed like the API server's strict field validation),
-PodMonitors against hand-written schemas, and the Tandem config inside the RayService
+monitors and alert rules against prometheus-operator's vendored CRDs, and the Tandem config inside the RayService
 against our pydantic config. No Ray, no cluster.
 """
 

@@ -98,7 +98,7 @@ def test_a_typo_in_a_core_object_is_rejected(validator, rendered):
     _rejects(validator, job, "'backofLimit' was unexpected")
 
 
-def test_pod_monitors_are_checked_by_hand_written_schemas(validator, rendered):
+def test_monitors_are_checked_against_prometheus_operators_crds(validator, rendered):
     monitor = copy.deepcopy(rendered["monitoring.yaml"][1])
     monitor["spec"]["podMetricsEndpoints"][0]["intervall"] = "15s"
     _rejects(validator, monitor, "PodMonitor tandem-ray-workers", "'intervall' was unexpected")
@@ -108,6 +108,19 @@ def test_pod_monitors_are_checked_by_hand_written_schemas(validator, rendered):
     monitor = copy.deepcopy(rendered["monitoring.yaml"][1])
     monitor["spec"]["podMetricsEndpoints"][0]["interval"] = "fifteen seconds"
     _rejects(validator, monitor, "interval")
+    monitor = copy.deepcopy(rendered["monitoring.yaml"][1])
+    monitor["spec"]["podMetricsEndpoints"] = []
+    _rejects(validator, monitor, "spec.podMetricsEndpoints is empty")
+
+
+def test_alert_rules_are_checked_against_prometheus_operators_crd(validator, rendered):
+    rules = next(d for docs in rendered.values() for d in docs if d["kind"] == "PrometheusRule")
+    rules = copy.deepcopy(rules)
+    rules["spec"]["groups"][0]["rules"][0]["annotation"] = {"summary": "a typo of annotations"}
+    _rejects(validator, rules, "PrometheusRule", "'annotation' was unexpected")
+    del rules["spec"]["groups"][0]["rules"][0]["annotation"]
+    rules["spec"]["groups"][0]["rules"][0]["for"] = "five minutes"
+    _rejects(validator, rules, "PrometheusRule", "for")
 
 
 def test_unknown_kinds_and_bad_names_are_errors(validator):
