@@ -70,6 +70,7 @@ from deployments.http_app import answer, app
 from deployments.http_app import error_response as _error
 from deployments.ingress_port import reuse_address
 from deployments.operations_routes import OperationsRoutes
+from deployments.readiness import GroupWatch
 from deployments.responses_routes import ResponsesRoutes
 from deployments.streams import ChoiceStream, respond
 
@@ -141,7 +142,13 @@ class OpenAIIngress(OperationsRoutes, ResponsesRoutes):
                 on_drain=self._drain)
         self.router = GroupRouter(sizes, serve_config.router, staleness_seconds=60.0,
                                   on_decision=lambda group: decisions.inc("tandem_router_decisions", 1,
-                                                                          (("group", group),)))
+                                                                          (("group", group),)),
+                                  on_retry=lambda group: decisions.inc("tandem_router_retries", 1,
+                                                                       (("group", group),)))
+        self._group_watch = None
+        if self.app_name is not None and len(self.required_groups) > 1:
+            self._group_watch = GroupWatch(serve.status, self.app_name, self.required_groups,
+                                           self.router.set_unavailable)
         self.prefix_blocks = serve_config.prefix_affinity_blocks
         # Tokens come by one feed per replica where Tandem's router can send a feed to the replica it names.
         self.feeds = DeltaFeeds() if serve_config.router == "tandem" else None

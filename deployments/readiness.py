@@ -12,9 +12,13 @@ replaces it.
 
 from __future__ import annotations
 
-from typing import Mapping
+import logging
+import threading
+from typing import Callable, Mapping
 
 from cluster.config_serve import replica_deployment_name
+
+logger = logging.getLogger("ray.serve")
 
 
 def unready_groups(status, app_name: str, required: list[str]) -> dict[str, str]:
@@ -43,3 +47,36 @@ def _running(replica_states: Mapping) -> int:
 def _name(state) -> str:
     """A Serve state enum's name (``ReplicaState.RUNNING`` -> ``RUNNING``), or the string itself."""
     return str(getattr(state, "value", state))
+
+
+class GroupWatch:
+    """Tells ``on_change`` which of ``required`` groups have no running replica, from a daemon
+    thread that reads ``status()`` (``serve.status``) every ``interval_s``: the ingress's router
+    then leaves those groups out while another can serve (a node lost with its replicas)."""
+
+    def __init__(self, status: Callable[[], object], app_name: str, required: list[str],
+                 on_change: Callable[[set[str]], None], interval_s: float = 1.0) -> None:
+        self._status, self._app_name, self._required = status, app_name, required
+        self._on_change, self._interval_s = on_change, interval_s
+        self._stop = threading.Event()
+        self.unavailable: set[str] = set()
+        threading.Thread(target=self._run, name="tandem-group-watch", daemon=True).start()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self._interval_s):
+            self.check()
+
+    def check(self) -> None:
+        try:
+            unavailable = set(unready_groups(self._status(), self._app_name, self._required))
+        except Exception as err:  # the controller busy or restarting: keep the last view
+            logger.warning("reading Serve's status failed (%s: %s)", type(err).__name__, err)
+            return
+        if unavailable != self.unavailable:
+            (logger.warning if unavailable else logger.info)("replica groups without a running replica: %s",
+                                                             sorted(unavailable) or "none")
+            self.unavailable = unavailable
+            self._on_change(unavailable)
+
+    def stop(self) -> None:
+        self._stop.set()

@@ -9,7 +9,9 @@ blocks) and tells the router the request left the group. A client that disconnec
 mid-stream cancels the response generator, whose ``finally`` closes the streams. A choice
 whose engine died or failed before its first token reached the client is sent once more
 (its failed call closed first), to another group that may serve it, else to another
-replica of its group; the client sees only the second answer.
+replica of its group; the client sees only the second answer. So is a call still waiting
+for its acknowledgement when its group loses its last running replica (a node gone: Serve
+would hold the call until a replacement starts) while another group can take it.
 
 When the request offers tools, each choice's text goes through a ``ToolCallParser``
 (``make_parser``): whole responses parse the full text, streams feed it delta by delta and
@@ -37,6 +39,7 @@ from cluster.routing.stats import ReplicaStats
 from deployments.feeds import DeltaFeeds
 
 logger = logging.getLogger("ray.serve")
+ACK_CHECK_SECONDS = 1.0  # how often a call waiting for its acknowledgement checks that its group still runs
 
 
 class ApiError(Exception):
@@ -86,6 +89,11 @@ class ChoiceStream:
             if not self._may_retry(err.code):
                 raise
             await self._retry()
+        except _GroupLost:
+            if not self._may_retry(ENGINE_UNAVAILABLE):
+                raise ApiError(503, f"replica group {self.group!r} has no running replica; retry", "server_error",
+                               code=ENGINE_UNAVAILABLE) from None
+            await self._retry()
         except BackPressureError:
             raise  # the replicas are full, not gone: answered with a 503
         except Exception:  # the replica's process died under the call (Serve's actor error)
@@ -109,7 +117,7 @@ class ChoiceStream:
             request = dataclasses.replace(request, feed=self._feeds.feed_id)
         self._call = self.groups[self.group].options(stream=True).generate.remote(request)
         self._done = False
-        ack: GenerateDelta = await self._call.__anext__()
+        ack = await self._acknowledgement(router)
         self.replica_id = ack.replica_id
         if ack.error is not None:
             self._done = True
@@ -120,6 +128,21 @@ class ChoiceStream:
             self._feeds.attach(self.request_id, ack.replica_stats["replica_id"], self.groups[self.group])
             self._feeds.spawn(self._watch_call())
 
+    async def _acknowledgement(self, router: GroupRouter) -> GenerateDelta:
+        """The call's first delta; raises _GroupLost if, while it waits, the group loses its last
+        running replica and another group could take the request."""
+        waiting = asyncio.ensure_future(self._call.__anext__())
+        try:
+            while True:
+                done, _ = await asyncio.wait({waiting}, timeout=ACK_CHECK_SECONDS)
+                if done:
+                    return waiting.result()
+                if router.may_leave(self.group, {g: r.routing for g, r in self.requests.items()}):
+                    raise _GroupLost()
+        finally:
+            if not waiting.done():
+                waiting.cancel()
+
     def _may_retry(self, code: str | None) -> bool:
         """Whether a failure may go to another replica: the engine's, not the request's, once, and
         before any token reached the client."""
@@ -127,9 +150,11 @@ class ChoiceStream:
 
     async def _retry(self) -> None:
         failed_group, failed_replica = self.group, self.replica_id
-        logger.warning("request %s: the engine of replica %s (group %s) failed it before its first token; "
-                       "sending it to another replica", self.request_id, failed_replica, failed_group)
+        what = (f"replica {failed_replica} of group {failed_group} failed it" if failed_replica is not None
+                else f"group {failed_group} failed it (its replica gone, or no replica left running)")
+        logger.warning("request %s: %s before its first token; sending it elsewhere", self.request_id, what)
         self._retried = True
+        self._router.note_retry(failed_group)
         self.close()
         others = len(self.requests) > 1
         await self._send(self._router, failed_group if others else None,
@@ -192,6 +217,10 @@ class ChoiceStream:
         if self._counted:
             self._router.on_finish(self.group)
             self._counted = False
+
+
+class _GroupLost(Exception):
+    """The choice's group lost its running replicas before acknowledging it (``ChoiceStream._acknowledgement``)."""
 
 
 class _Retryable(Exception):

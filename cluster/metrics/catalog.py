@@ -163,6 +163,9 @@ METRICS: tuple[MetricSpec, ...] = (
     _c("tandem_lora_adapter_loads", "adapters", "adapters loaded on demand from lora_dir"),
     _c("tandem_router_decisions", "requests", "requests the ingress sent to each replica group",
        labels=("group",), source="ingress"),
+    _c("tandem_router_retries", "requests", "requests a replica of the group failed before their first token "
+       "(its engine or process gone) that the ingress sent once more, to another replica or group",
+       labels=("group",), source="ingress"),
 )
 
 METRICS_BY_NAME = {m.name: m for m in METRICS}

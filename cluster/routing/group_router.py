@@ -10,6 +10,10 @@ load is the ingress's count, since a replica's reported queue is a snapshot that
 may predate the requests sent since. Several ingress replicas each balance their own
 share of the traffic this way.
 
+A group that has lost every running replica (``set_unavailable``, from Serve's own view) is
+left out while another group can take the request, so traffic does not queue behind a
+replica that is not coming back soon (a lost node).
+
 Policies: ``tandem`` ranks replicas of all groups by predicted completion time
 (:func:`rank_replicas`, which itself falls back to power-of-two choices when any
 group has no fresh stats); ``pow2`` is power-of-two choices over the same replicas
@@ -30,7 +34,8 @@ from cluster.routing.stats import Candidate, ReplicaStats, RoutingRequest
 
 class GroupRouter:
     def __init__(self, group_sizes: dict[str, int], policy: str = "tandem", staleness_seconds: float = 5.0,
-                 seed: int | None = None, on_decision: Callable[[str], None] | None = None) -> None:
+                 seed: int | None = None, on_decision: Callable[[str], None] | None = None,
+                 on_retry: Callable[[str], None] | None = None) -> None:
         if policy not in ("tandem", "pow2"):
             raise ValueError(f"router policy must be 'tandem' or 'pow2', got {policy!r}")
         if not group_sizes:
@@ -41,8 +46,11 @@ class GroupRouter:
         self.rng = random.Random(seed)
         self.inflight: Counter[str] = Counter()
         self.decisions: Counter[str] = Counter()
+        self.unavailable: frozenset[str] = frozenset()  # groups with no running replica (set by the ingress)
+        self.retries: Counter[str] = Counter()  # group -> requests its replicas failed and that were sent again
         self.fallbacks = 0
         self.on_decision = on_decision  # told the group of every decision (metrics)
+        self.on_retry = on_retry  # told the group whose replica failed a request that is sent again (metrics)
         self._stats: dict[str, ReplicaStats] = {}  # replica id -> latest stats
 
     def observe(self, stats: ReplicaStats) -> None:
@@ -56,6 +64,7 @@ class GroupRouter:
         groups = [g for g in self.group_sizes if g in requests]
         if not groups:
             raise ValueError(f"no known replica group among {sorted(requests)}; groups: {sorted(self.group_sizes)}")
+        groups = [g for g in groups if g not in self.unavailable] or groups
         if len(groups) == 1:
             return self._decide(groups[0])
         candidates: dict[str, list[Candidate]] = {}
@@ -82,10 +91,27 @@ class GroupRouter:
         if self.inflight[group] > 0:
             self.inflight[group] -= 1
 
+    def set_unavailable(self, groups: set[str]) -> None:
+        """The groups that have no running replica now (all others have one)."""
+        self.unavailable = frozenset(groups)
+
+    def may_leave(self, group: str, requests: dict[str, RoutingRequest]) -> bool:
+        """Whether a request sent to ``group`` should go elsewhere: the group has lost its running
+        replicas and another of the request's groups has one."""
+        return group in self.unavailable and any(g not in self.unavailable for g in requests if g != group)
+
+    def note_retry(self, failed_group: str) -> None:
+        """A replica of ``failed_group`` failed a request before its first token; it is being sent again."""
+        self.retries[failed_group] += 1
+        if self.on_retry is not None:
+            self.on_retry(failed_group)
+
     def snapshot(self) -> dict:
         return {
             "policy": self.policy,
             "decisions": dict(self.decisions),
+            "retries": dict(self.retries),
+            "unavailable": sorted(self.unavailable),
             "inflight": dict(self.inflight),
             "fallbacks": self.fallbacks,
             "replicas": {rid: {"group": s.group, "device_kind": s.device_kind, "speed_factor": s.speed_factor,

@@ -284,3 +284,16 @@ def test_choosing_among_no_known_group_is_a_clear_error():
     router = two_groups()
     with pytest.raises(ValueError, match="no known replica group"):
         router.choose({"other": REQUEST}, NOW)
+
+
+def test_a_group_without_a_running_replica_is_left_out_while_another_can_serve():
+    router = GroupRouter({"fast": 1, "slow": 1}, policy="pow2", seed=0)
+    requests = {"fast": RoutingRequest(4, 4), "slow": RoutingRequest(4, 4)}
+    router.set_unavailable({"fast"})
+    assert {router.choose(requests, 0.0) for _ in range(20)} == {"slow"}
+    assert router.may_leave("fast", requests) and not router.may_leave("slow", requests)
+    assert not router.may_leave("fast", {"fast": requests["fast"]})  # pinned: nowhere else to go
+    router.set_unavailable({"fast", "slow"})  # none can serve: the choice is as before
+    assert {router.choose(requests, 0.0) for _ in range(40)} == {"fast", "slow"}
+    assert not router.may_leave("fast", requests)
+    assert router.snapshot()["unavailable"] == ["fast", "slow"]

@@ -4,7 +4,7 @@ from ray.serve._private.common import DeploymentStatus, DeploymentStatusTrigger,
 from ray.serve.schema import ApplicationStatus, ApplicationStatusOverview, DeploymentStatusOverview, ServeStatus
 
 from cluster.config_serve import replica_deployment_name
-from deployments.readiness import unready_groups
+from deployments.readiness import GroupWatch, unready_groups
 
 
 def _deployment(states: dict, status=DeploymentStatus.HEALTHY, message: str = "") -> DeploymentStatusOverview:
@@ -42,3 +42,24 @@ def test_a_group_not_required_is_not_checked_and_missing_pieces_are_named():
         "fast": "no replica is running (replicas: none; deployment HEALTHY)"}
     assert unready_groups(status, "tandem", ["other"]) == {"other": "its deployment does not exist yet"}
     assert unready_groups(status, "elsewhere", ["fast"]) == {"fast": "the application 'elsewhere' is not deployed"}
+
+
+def test_the_group_watch_reports_each_change_of_the_groups_without_a_running_replica():
+    running = {replica_deployment_name("fast"): _deployment({ReplicaState.RUNNING: 1}),
+               replica_deployment_name("slow"): _deployment({ReplicaState.RUNNING: 1})}
+    lost = dict(running, **{replica_deployment_name("fast"): _deployment({ReplicaState.STARTING: 1})})
+    views = [_status(running), _status(lost), _status(lost), RuntimeError("controller busy"), _status(running)]
+    changes = []
+
+    def status():
+        view = views.pop(0)
+        if isinstance(view, Exception):
+            raise view
+        return view
+
+    watch = GroupWatch(status, "tandem", ["fast", "slow"], changes.append, interval_s=3600)  # checked by hand
+    for _ in range(5):
+        watch.check()
+    watch.stop()
+    # told once when fast lost its replica, kept through the failed read, told again when it came back
+    assert changes == [{"fast"}, set()]
