@@ -141,6 +141,10 @@ class KubernetesConfig(_Strict):
     api_key_secret: str = Field(
         "tandem-api-key", pattern=r"^[a-z0-9]([a-z0-9.-]{0,251}[a-z0-9])?$",
         description="Secret whose key 'api-key' fills serve.api_key_env (only when that is set)")
+    logs_sidecar: bool = Field(
+        True, description="with serve.log_format json: a container 'ray-logs' in every Ray pod prints the JSON lines "
+        "of Ray's log files (Serve's records and access lines, the engine cores') to its standard output, for "
+        "kubectl logs and node log agents; Ray's /tmp/ray becomes an emptyDir the two containers share")
     autoscaler_idle_timeout_s: int = Field(
         600, ge=0, description="Ray autoscaler: idle seconds before a pod goes (as long as Serve's downscale delay: "
         "a GPU pod takes minutes to come back)")

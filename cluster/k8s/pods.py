@@ -78,6 +78,26 @@ def shm_volume(size: str) -> tuple[dict, dict]:
             {"name": "dshm", "mountPath": "/dev/shm"})
 
 
+RAY_TEMP_DIR = "/tmp/ray"  # Ray's default temp folder; its logs are under session_latest/logs
+
+
+def add_logs_sidecar(k8s: KubernetesConfig, spec: dict) -> None:
+    """Add to a Ray pod's ``spec`` the ``ray-logs`` container, which prints the JSON lines of Ray's log
+    files to its standard output (``cluster/shared/log_follow.py``), and the emptyDir both containers
+    mount as Ray's temp folder. Requests equal limits, as the Ray container's (QoS unchanged)."""
+    spec["volumes"].append({"name": "ray-tmp", "emptyDir": {}})
+    spec["containers"][0]["volumeMounts"].append({"name": "ray-tmp", "mountPath": RAY_TEMP_DIR})
+    size = {"cpu": "100m", "memory": "64Mi"}
+    spec["containers"].append({
+        "name": "ray-logs",
+        "image": k8s.image,
+        "imagePullPolicy": k8s.image_pull_policy,
+        "command": ["python", "-m", "cluster.shared.log_follow", "--dir", f"{RAY_TEMP_DIR}/session_latest/logs"],
+        "resources": {"requests": dict(size), "limits": dict(size)},
+        "volumeMounts": [{"name": "ray-tmp", "mountPath": RAY_TEMP_DIR, "readOnly": True}],
+    })
+
+
 def _http_probe(port: int, path: str, failure_threshold: int) -> dict:
     return {"httpGet": {"path": path, "port": port}, "initialDelaySeconds": 10, "periodSeconds": 5,
             "timeoutSeconds": 2, "failureThreshold": failure_threshold}

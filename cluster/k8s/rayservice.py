@@ -16,7 +16,7 @@ import math
 import yaml
 
 from cluster.config import TandemConfig, config_from_dict
-from cluster.k8s.pods import RayPorts, head_template, labels, worker_template
+from cluster.k8s.pods import RayPorts, add_logs_sidecar, head_template, labels, worker_template
 from cluster.k8s.plan import WorkerGroupPlan
 from cluster.k8s.serve_bounds import split_bounds
 
@@ -72,6 +72,9 @@ def ray_service(config: TandemConfig, embedded: dict, plans: list[WorkerGroupPla
         group["rayStartParams"] = {"num-gpus": str(plan.gpus_per_pod), **common_params}
         group["template"] = worker_template(k8s, plan, ports, api_keys, grace_s)
         workers.append(group)
+    if k8s.logs_sidecar and config_from_dict(embedded, "the embedded config").serve.log_format == "json":
+        for template in [head["template"]] + [group["template"] for group in workers]:
+            add_logs_sidecar(k8s, template["spec"])
     serve_yaml = yaml.safe_dump(serve_config(config, embedded), sort_keys=False, width=100)
     cluster = {
         "rayVersion": k8s.ray_version,

@@ -37,8 +37,10 @@ def scrape_metrics(where: int | str) -> dict[str, list]:
 class ServeProcess:
     """``tandem serve`` run as the command, in a process of its own (its own Ray)."""
 
-    def __init__(self, config: dict, folder) -> None:
+    def __init__(self, config: dict, folder, env: dict | None = None) -> None:
+        """``env``: variables added to the command's environment (and so its Ray's)."""
         import json
+        import os
         import subprocess
         import sys
         import time
@@ -52,7 +54,8 @@ class ServeProcess:
         self.log = folder / "serve.log"
         self.url = f"http://127.0.0.1:{config['serve']['port']}"
         self.process = subprocess.Popen([sys.executable, "-m", "cluster.cli", "serve", str(path)],
-                                        stdout=open(self.log, "w"), stderr=subprocess.STDOUT)
+                                        stdout=open(self.log, "w"), stderr=subprocess.STDOUT,
+                                        env={**os.environ, **(env or {})})
         deadline = time.time() + 180
         while True:
             assert self.process.poll() is None, self.log.read_text()[-3000:]

@@ -104,9 +104,14 @@ def test_worker_groups_follow_the_serve_groups(directory):
         container = worker["template"]["spec"]["containers"][0]
         assert worker["resources"] == {f"accelerator_type:{group.accelerator_type}": "1"}
         assert int(container["resources"]["limits"]["nvidia.com/gpu"]) >= group.tensor_parallel_size * group.num_gpus
-        # The weights read-only, shared memory, and the API keys' Secret (re-read when rotated).
+        # The weights read-only, shared memory, the API keys' Secret (re-read when rotated), and Ray's
+        # temp folder, which the ray-logs sidecar reads (its JSON lines to the sidecar's stdout).
         assert {m["mountPath"]: m.get("readOnly", False) for m in container["volumeMounts"]} == {
-            "/models": True, "/dev/shm": False, "/etc/tandem/api-keys": True}
+            "/models": True, "/dev/shm": False, "/etc/tandem/api-keys": True, "/tmp/ray": False}
+        sidecar = worker["template"]["spec"]["containers"][1]
+        assert sidecar["name"] == "ray-logs" and sidecar["image"] == container["image"]
+        assert sidecar["command"][:3] == ["python", "-m", "cluster.shared.log_follow"]
+        assert sidecar["volumeMounts"] == [{"name": "ray-tmp", "mountPath": "/tmp/ray", "readOnly": True}]
         assert not any("secretKeyRef" in str(e) for e in container["env"])  # no key fixed at the pod's start
         assert container["readinessProbe"]["httpGet"]["path"] == "/-/healthz"
         assert 1 <= worker["maxReplicas"] and worker["minReplicas"] <= worker["maxReplicas"]

@@ -274,3 +274,20 @@ def test_inline_api_keys_are_refused_and_ray_is_locked_down(tmp_path):
     assert rules[1] == {"ports": [{"protocol": "TCP", "port": 8000}]}  # anyone: the API only
     others = {p["port"] for rule in rules[2:] for p in rule["ports"]}
     assert 8265 in others and all("from" in rule for rule in rules[2:])  # the job API: the operator alone
+
+
+@pytest.mark.parametrize("change, sidecar", [({}, True), ({"serve": {"log_format": "text"}}, False),
+                                             ({"kubernetes": {"logs_sidecar": False}}, False)])
+def test_every_ray_pod_gets_the_logs_sidecar_only_for_json_logs(change, sidecar, tmp_path):
+    raw = yaml.safe_load(SINGLE.read_text())
+    for section, fields in change.items():
+        raw.setdefault(section, {}).update(fields)
+    (tmp_path / "config.yaml").write_text(yaml.safe_dump(raw))
+    config, embedded = read_config(tmp_path / "config.yaml")
+    service = yaml.safe_load(render(config, embedded, "x")["rayservice.yaml"])
+    cluster = service["spec"]["rayClusterConfig"]
+    for group in [cluster["headGroupSpec"], *cluster["workerGroupSpecs"]]:
+        spec = group["template"]["spec"]
+        names = [c["name"] for c in spec["containers"]]
+        assert names == (["ray-head" if group is cluster["headGroupSpec"] else "ray-worker", "ray-logs"][:1 + sidecar])
+        assert ({"name": "ray-tmp", "emptyDir": {}} in spec["volumes"]) is sidecar
