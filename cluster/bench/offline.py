@@ -130,11 +130,12 @@ class TandemRunner:
     """Tandem's offline engine on ``device``: one batch of prompts run to the end, greedy."""
 
     def __init__(self, model: str, dtype: str, max_num_seqs: int, kv_cache_memory: str, tp: int = 1,
-                 device: str = "cpu") -> None:
+                 device: str = "cpu", **settings) -> None:
+        """``settings``: further engine settings (speculation, say), as ``LLM`` takes them."""
         # Each rank of a TP engine sets its own thread count; the bench keeps the one it was given.
         overrides = dict(tensor_parallel_size=tp, num_threads=torch.get_num_threads()) if tp > 1 else {}
         self.llm = LLM(model, dtype=dtype, device=device, max_num_seqs=max_num_seqs,
-                       kv_cache_memory=kv_cache_memory, **overrides)
+                       kv_cache_memory=kv_cache_memory, **overrides, **settings)
         self.num_steps = 0  # steps of the latest generate
 
     def generate(self, prompt_ids: list[list[int]], output_len: int) -> int:

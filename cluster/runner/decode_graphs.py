@@ -1,18 +1,27 @@
-"""Decode steps replayed from CUDA graphs, one per batch-size bucket (the flex path only).
+"""Decode and verify steps replayed from CUDA graphs, one per bucket (the flex path only).
 
-A decode step (every sequence computes one token and needs its logits) of ``n`` sequences
-runs as the graph of the smallest bucket ``B >= n``: its inputs are copied into the bucket's
-static tensors (token ids, positions, cache slots, and the block mask's tensors, which the
-captured ``mask_mod`` reads in place), the graph replays the whole model forward, and the
-first ``n`` rows of its static output are the step's hidden states. The ``B - n`` padding
-rows hold no blocks (their attention output is zero) and write their K/V into a scratch
-block that no sequence owns, so they change nothing anyone reads.
+A bucket is a shape ``(rows, queries)``: a decode step (every sequence computes one token) of
+``n`` sequences runs as the graph of the smallest decode bucket ``(B >= n, 1)``; a verify step
+(each sequence's last token and its drafts, up to ``k + 1`` queries, every one's logits needed)
+of at most ``max(verify_buckets)`` sequences as that of ``(B >= n, Q >= the longest)``. The
+step's tokens are copied into the bucket's static tensors at their padded places (row ``s``,
+query ``i`` at ``s * Q + i``; token ids, positions, cache slots, and the block mask's tensors,
+which the captured ``mask_mod`` reads in place), the graph replays the whole model forward, and
+the static output read back at the same places is the step's hidden states. Padding (the
+``B - n`` rows, which hold no blocks and whose attention output is zero, and the queries past
+a row's own, which repeat its last position) writes its K/V into a scratch block that no
+sequence owns, so it changes nothing anyone reads. With a draft head attached
+(``model.aux_layer_ids``) the graph's outputs include the aux states the head reads, read back
+the same way into ``model.aux_hidden``.
 
 With LoRA adapters attached, each bucket has a second graph, captured with the adapters'
-updates (``LoRABatch.static``): a decode step with adapter tokens copies each row's adapter slot
+updates (``LoRABatch.static``): a step with adapter tokens copies each token's adapter slot
 into the bucket's ``lora_slots`` too and replays that one. Its projections read every adapter
 stack whole, reserved at capacity first (``LoRAState.reserve``), so adapters loaded after the
 capture are in the tensors the graph reads.
+
+The graphs, and the memory their pool took, are counted at capture (``summary``); the buckets
+are few by construction (``decode_buckets``, ``verify_buckets``, ``query_buckets``).
 
 Capture needs CUDA; :class:`DecodeGraphs` with ``capture=False`` runs the same static
 tensors through the model eagerly, which is how the CPU tests check the padding and the
@@ -34,6 +43,7 @@ from cluster.runner.input_batch import ModelInputs
 logger = logging.getLogger(__name__)
 
 DECODE_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256)
+VERIFY_MAX_ROWS = 32  # verify steps of more sequences run eagerly (the controller drafts little there)
 
 
 def decode_buckets(max_num_seqs: int) -> tuple[int, ...]:
@@ -41,77 +51,113 @@ def decode_buckets(max_num_seqs: int) -> tuple[int, ...]:
     return tuple(sorted({b for b in DECODE_BUCKETS if b < max_num_seqs} | {max_num_seqs}))
 
 
+def verify_buckets(max_num_seqs: int) -> tuple[int, ...]:
+    """The sequence counts verify steps are padded to: the decode buckets up to VERIFY_MAX_ROWS."""
+    return tuple(b for b in decode_buckets(min(max_num_seqs, VERIFY_MAX_ROWS)))
+
+
+def query_buckets(max_k: int) -> tuple[int, ...]:
+    """The queries per sequence verify steps are padded to: k + 1 for k = 1, 2, 4, 8, ... below
+    ``max_k``, and ``max_k + 1`` (none without speculation)."""
+    if max_k < 1:
+        return ()
+    return tuple(sorted({k + 1 for k in (1, 2, 4, 8, 16) if k < max_k} | {max_k + 1}))
+
+
 @dataclass
 class _Bucket:
-    input_ids: torch.Tensor  # [B]
-    positions: torch.Tensor  # [B]
-    slot_mapping: torch.Tensor  # [B]
+    rows: int
+    queries: int  # per row: 1 for decode, k + 1 for verify
+    input_ids: torch.Tensor  # [rows * queries]
+    positions: torch.Tensor  # [rows * queries]
+    slot_mapping: torch.Tensor  # [rows * queries]
     meta: AttentionMetadata  # its flex block mask reads the static tensors below
-    kv_num_blocks: torch.Tensor  # [B, 1, 1] int32
-    kv_indices: torch.Tensor  # [B, 1, 1, table_width] int32
+    kv_num_blocks: torch.Tensor  # [rows, 1, 1] int32
+    kv_indices: torch.Tensor  # [rows, 1, 1, table_width] int32
     flex: FlexPagedMetadata
-    lora_slots: torch.Tensor | None = None  # [B]: each row's adapter slot (0: none), with LoRA attached
-    hidden: torch.Tensor | None = None  # [B, hidden_size]: the captured forward's output
+    lora_slots: torch.Tensor | None = None  # [rows * queries]: each token's adapter slot (0: none), with LoRA
+    hidden: torch.Tensor | None = None  # [rows * queries, hidden_size]: the captured forward's output
+    aux: torch.Tensor | None = None  # [rows * queries, aux width]: the captured aux states, with a draft head
     graph: object | None = None  # torch.cuda.CUDAGraph once captured
-    lora_hidden: torch.Tensor | None = None  # the same, of the forward with the adapters' updates
+    lora_hidden: torch.Tensor | None = None  # the same three, of the forward with the adapters' updates
+    lora_aux: torch.Tensor | None = None
     lora_graph: object | None = None
 
 
 class DecodeGraphs:
     def __init__(self, model: torch.nn.Module, kv_caches: torch.Tensor, layout: FlexLayout, block_size: int,
                  scratch_slot: int, device: torch.device, capture: bool, lora: LoRAState | None = None) -> None:
-        """``layout.decode_buckets``: the batch sizes to build; ``scratch_slot``: the first slot of
-        a cache block outside the block manager's pool. ``capture`` needs CUDA. ``lora``: the
-        adapters attached to ``model`` (their stacks are reserved here)."""
+        """``layout``: the buckets to build (``decode_buckets``, and ``verify_buckets`` x
+        ``query_buckets``); ``scratch_slot``: the first slot of a cache block outside the block
+        manager's pool. ``capture`` needs CUDA. ``lora``: the adapters attached to ``model``
+        (their stacks are reserved here)."""
         if capture and device.type != "cuda":
             raise ValueError(f"CUDA graphs are captured on CUDA, not {device.type}")
         self.model, self.kv_caches, self.layout, self.lora = model, kv_caches, layout, lora
         self.scratch_slot, self.device, self.capture = scratch_slot, device, capture
         if lora is not None:
             lora.reserve()
-        self.buckets = {b: self._static(b, block_size) for b in layout.decode_buckets}
-        self.max_rows = max(self.buckets)
+        shapes = [(rows, 1) for rows in layout.decode_buckets]
+        shapes += [(rows, q) for rows in layout.verify_buckets for q in layout.query_buckets]
+        self.buckets = {shape: self._static(*shape, block_size) for shape in shapes}
+        self.pool_bytes = 0
+        self.steps = {"decode": 0, "verify": 0}  # steps run through a bucket (replayed, or the dry run)
         if capture:
             self._capture_all()
 
-    def covers(self, inputs: ModelInputs, num_seqs: int) -> bool:
-        """Whether this step replays a graph: a bucketed decode step on the flex path."""
+    @property
+    def summary(self) -> dict:
+        """What was built: graphs, their shapes and the memory their pool reserved (0 in a dry run)."""
+        graphs = sum((b.graph is not None) + (b.lora_graph is not None) for b in self.buckets.values())
+        return {"graphs": graphs, "decode_batch_sizes": list(self.layout.decode_buckets),
+                "verify_batch_sizes": list(self.layout.verify_buckets),
+                "verify_queries": list(self.layout.query_buckets), "with_lora": self.lora is not None,
+                "pool_mib": round(self.pool_bytes / 2**20, 1), "steps": dict(self.steps)}
+
+    def covers(self, inputs: ModelInputs) -> bool:
+        """Whether this step replays a graph: a bucketed decode or verify step on the flex path."""
         flex = inputs.attn.flex
-        return (flex is not None and flex.static_shape and num_seqs <= self.max_rows
-                and inputs.logits_indices.numel() == num_seqs)
+        return flex is not None and flex.static_shape and (flex.num_rows, flex.max_query_len) in self.buckets
 
     @torch.inference_mode()
-    def forward(self, inputs: ModelInputs, num_seqs: int, lora_slots: torch.Tensor | None = None) -> torch.Tensor:
-        """The step's hidden states, [num_seqs, hidden_size] (only where :meth:`covers`).
-        ``lora_slots`` ([num_seqs] on the device): each sequence's adapter slot, for a step with
-        adapter tokens (needs ``lora``)."""
+    def forward(self, inputs: ModelInputs, token_slots: torch.Tensor | None = None) -> torch.Tensor:
+        """The step's hidden states, [num_tokens, hidden_size] in the step's token order (only where
+        :meth:`covers`); with a draft head, ``model.aux_hidden`` the same way. ``token_slots``
+        ([num_tokens] on the device): each token's adapter slot, for a step with adapter tokens
+        (needs ``lora``)."""
         flex = inputs.attn.flex
-        bucket = self.buckets[flex.num_rows]
-        bucket.input_ids[:num_seqs].copy_(inputs.input_ids)
-        bucket.positions[:num_seqs].copy_(inputs.positions)
-        bucket.slot_mapping[:num_seqs].copy_(inputs.attn.slot_mapping)
-        bucket.positions[num_seqs:].zero_()
-        bucket.slot_mapping[num_seqs:].fill_(self.scratch_slot)
+        bucket = self.buckets[(flex.num_rows, flex.max_query_len)]
+        self.steps["verify" if bucket.queries > 1 else "decode"] += 1
+        places = flex.query_pad_index  # each token's place in the padded rows
+        bucket.input_ids.zero_()
+        bucket.input_ids.index_copy_(0, places, inputs.input_ids)
+        bucket.positions.copy_(flex.query_pos.view(-1))  # padding repeats its row's last position
+        bucket.slot_mapping.fill_(self.scratch_slot)
+        bucket.slot_mapping.index_copy_(0, places, inputs.attn.slot_mapping)
         mask = flex.block_mask
         bucket.kv_num_blocks.copy_(mask.kv_num_blocks)
         bucket.kv_indices.copy_(mask.kv_indices)
         bucket.flex.table.copy_(flex.table)
         bucket.flex.block_position.copy_(flex.block_position)
         bucket.flex.query_pos.copy_(flex.query_pos)
-        if lora_slots is not None:
-            bucket.lora_slots[:num_seqs].copy_(lora_slots)
-            bucket.lora_slots[num_seqs:].zero_()
-            if bucket.lora_graph is not None:
-                bucket.lora_graph.replay()
-                return bucket.lora_hidden[:num_seqs]
-            return self._run(bucket, with_lora=True)[:num_seqs]
-        if bucket.graph is not None:
-            bucket.graph.replay()
-            return bucket.hidden[:num_seqs]
-        return self._run(bucket)[:num_seqs]
+        with_lora = token_slots is not None
+        if with_lora:
+            bucket.lora_slots.zero_()
+            bucket.lora_slots.index_copy_(0, places, token_slots)
+        graph = bucket.lora_graph if with_lora else bucket.graph
+        if graph is not None:
+            graph.replay()
+            hidden, aux = (bucket.lora_hidden, bucket.lora_aux) if with_lora else (bucket.hidden, bucket.aux)
+        else:
+            hidden = self._run(bucket, with_lora)
+            aux = getattr(self.model, "aux_hidden", None)
+        if aux is not None:
+            self.model.aux_hidden = aux.index_select(0, places)
+        return hidden.index_select(0, places)
 
-    def _static(self, rows: int, block_size: int) -> _Bucket:
+    def _static(self, rows: int, queries: int, block_size: int) -> _Bucket:
         layout, device = self.layout, self.device
+        tokens = rows * queries
 
         def zeros(*shape, dtype=torch.int64):
             return torch.zeros(*shape, dtype=dtype, device=device)
@@ -120,16 +166,16 @@ class DecodeGraphs:
                                                                                dtype=torch.int32)
         table = torch.full((rows, layout.table_width), -1, dtype=torch.int64, device=device)
         block_position = torch.full((layout.num_blocks,), -1, dtype=torch.int64, device=device)
-        query_pos = zeros(rows, 1)
-        mask = paged_block_mask(kv_num_blocks, kv_indices, table, block_position, query_pos, block_size, 1,
+        query_pos = zeros(rows, queries)
+        mask = paged_block_mask(kv_num_blocks, kv_indices, table, block_position, query_pos, block_size, queries,
                                 layout.num_blocks)
-        flex = FlexPagedMetadata(mask, torch.arange(rows, device=device), rows, 1, table, block_position, query_pos,
-                                 static_shape=True)
-        slot_mapping = torch.full((rows,), self.scratch_slot, dtype=torch.int64, device=device)
+        flex = FlexPagedMetadata(mask, torch.arange(tokens, device=device), rows, queries, table, block_position,
+                                 query_pos, static_shape=True)
+        slot_mapping = torch.full((tokens,), self.scratch_slot, dtype=torch.int64, device=device)
         meta = AttentionMetadata(slot_mapping=slot_mapping, context_slots=None, attn_mask=None, query_pad_index=None,
-                                 num_seqs=rows, max_query_len=1, flex=flex)
-        return _Bucket(zeros(rows), zeros(rows), slot_mapping, meta, kv_num_blocks, kv_indices, flex,
-                       zeros(rows) if self.lora is not None else None)
+                                 num_seqs=rows, max_query_len=queries, flex=flex)
+        return _Bucket(rows, queries, zeros(tokens), zeros(tokens), slot_mapping, meta, kv_num_blocks, kv_indices,
+                       flex, zeros(tokens) if self.lora is not None else None)
 
     def _run(self, bucket: _Bucket, with_lora: bool = False) -> torch.Tensor:
         if not with_lora:
@@ -141,12 +187,14 @@ class DecodeGraphs:
             self.lora.batch = None
 
     def _capture_all(self) -> None:
-        """Warm up (compiling each bucket's kernels) and capture, largest bucket first, all in one
+        """Warm up (compiling each bucket's kernels) and capture, biggest bucket first, all in one
         memory pool. The static inputs hold padding only: every write goes to the scratch block."""
         pool = None
+        torch.cuda.synchronize(self.device)
+        reserved = torch.cuda.memory_reserved(self.device)
         with torch.inference_mode():
-            for rows in sorted(self.buckets, reverse=True):
-                bucket = self.buckets[rows]
+            for shape in sorted(self.buckets, key=lambda s: (s[0] * s[1], s), reverse=True):
+                bucket = self.buckets[shape]
                 for with_lora in (False, True) if self.lora is not None else (False,):
                     for _ in range(2):
                         self._run(bucket, with_lora)
@@ -155,10 +203,15 @@ class DecodeGraphs:
                     with torch.cuda.graph(graph, pool=pool):
                         hidden = self._run(bucket, with_lora)
                     pool = graph.pool()
+                    aux = getattr(self.model, "aux_hidden", None)
                     if with_lora:
-                        bucket.lora_graph, bucket.lora_hidden = graph, hidden
+                        bucket.lora_graph, bucket.lora_hidden, bucket.lora_aux = graph, hidden, aux
                     else:
-                        bucket.graph, bucket.hidden = graph, hidden
+                        bucket.graph, bucket.hidden, bucket.aux = graph, hidden, aux
         torch.cuda.synchronize(self.device)
-        logger.info("captured CUDA graphs of decode steps for batch sizes %s%s", sorted(self.buckets),
+        self.pool_bytes = torch.cuda.memory_reserved(self.device) - reserved
+        summary = self.summary
+        logger.info("captured %d CUDA graphs in %.1f MiB: decode steps of %s sequences, verify steps of %s "
+                    "sequences x %s queries%s", summary["graphs"], summary["pool_mib"],
+                    summary["decode_batch_sizes"], summary["verify_batch_sizes"], summary["verify_queries"],
                     ", each also with LoRA adapters" if self.lora is not None else "")

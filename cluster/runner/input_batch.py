@@ -124,7 +124,8 @@ def _attention_metadata(
     seq_of_token = torch.repeat_interleave(torch.arange(num_seqs), query_lens_t)
     if flex is not None:
         starts = torch.cumsum(query_lens_t, 0) - query_lens_t
-        query_pad_index = seq_of_token * max_query_len + torch.arange(len(positions_t)) - starts[seq_of_token]
+        _, row_len, _ = flex.step_shape(num_seqs, max_query_len)  # a verify bucket pads each row's queries
+        query_pad_index = seq_of_token * row_len + torch.arange(len(positions_t)) - starts[seq_of_token]
         meta = build_flex_metadata(table, query_lens_t, context_lens_t, to(query_pad_index), block_size, flex, to)
         return AttentionMetadata(slot_mapping=to(slot_mapping), context_slots=None, attn_mask=None,
                                  query_pad_index=None, num_seqs=num_seqs, max_query_len=max_query_len, flex=meta)

@@ -12,7 +12,6 @@ from typing import NamedTuple
 
 import torch
 
-from cluster.models.layers.flex_paged import FlexLayout
 from cluster.models.lora import LoRABatch, LoRAState
 from cluster.quant.kv_int8 import Int8KVCache, bytes_per_vector
 from cluster.runner.attention_choice import AttentionPlan
@@ -104,8 +103,7 @@ class ModelRunner:
         self.attention = attention.path
         # CUDA graphs pad decode steps with rows whose K/V go to a scratch block past the pool's.
         cache_blocks = num_blocks + 1 if attention.cuda_graphs else num_blocks
-        self.flex = None if attention.path == "gather" else FlexLayout(cache_blocks, attention.table_width,
-                                                                       attention.decode_buckets)
+        self.flex = None if attention.path == "gather" else attention.layout(cache_blocks)
         num_slots = cache_blocks * spec.block_size
         if spec.cache_dtype == torch.int8:
             self.kv_caches = Int8KVCache(spec.num_layers, num_slots, spec.num_kv_heads, spec.head_dim,
@@ -121,7 +119,8 @@ class ModelRunner:
         self.graphs = None
         if attention.cuda_graphs:
             self.graphs = DecodeGraphs(model, self.kv_caches, self.flex, spec.block_size,
-                                       num_blocks * spec.block_size, device, capture=True, lora=lora)
+                                       num_blocks * spec.block_size, device, capture=device.type == "cuda",
+                                       lora=lora)
 
     @property
     def wants_aux(self) -> bool:
@@ -167,24 +166,29 @@ class ModelRunner:
         inputs = prepare_inputs(chunks, block_tables, self.spec.block_size, self.device, self.short_query_max,
                                 self.flex)
         slots = [c.lora_slot for c in chunks] if self.lora is not None else []
-        # A draft head's aux states are read off the eager forward (decode graphs do not capture them).
-        if self.graphs is not None and not self.wants_aux and self.graphs.covers(inputs, len(chunks)):
-            # A decode step: one token per chunk, so the chunks' slots are the tokens'.
-            lora_slots = torch.tensor(slots, device=self.device) if any(slots) else None
-            return self.model.compute_logits(self.graphs.forward(inputs, len(chunks), lora_slots)).float()
+        if self.graphs is not None and self.graphs.covers(inputs):  # a bucketed decode or verify step
+            token_slots = None
+            if any(slots):
+                counts = torch.tensor([len(c.token_ids) for c in chunks])
+                token_slots = torch.tensor(slots).repeat_interleave(counts).to(self.device)
+            hidden = self.graphs.forward(inputs, token_slots)
+        else:
+            hidden = self._eager_forward(inputs, chunks, slots)
+        if inputs.logits_indices.numel() == 0:
+            return hidden.new_empty(0, self.model.vocab_size, dtype=torch.float32)
+        return self.model.compute_logits(hidden.index_select(0, inputs.logits_indices)).float()
+
+    def _eager_forward(self, inputs, chunks: list[SeqChunk], slots: list[int]) -> torch.Tensor:
         lora = None
         if any(slots):
             lora = LoRABatch.from_token_slots(slots, [len(c.token_ids) for c in chunks], self.device)
         if lora is not None:
             self.lora.batch = lora
         try:
-            hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.attn)
+            return self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.attn)
         finally:
             if lora is not None:
                 self.lora.batch = None
-        if inputs.logits_indices.numel() == 0:
-            return hidden.new_empty(0, self.model.vocab_size, dtype=torch.float32)
-        return self.model.compute_logits(hidden.index_select(0, inputs.logits_indices)).float()
 
     @torch.inference_mode()
     def execute(

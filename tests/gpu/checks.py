@@ -10,7 +10,7 @@ outputs part) and the caller turns an exception into ``error``. References no on
 - **kv**: a pool too small for the batch (requests preempted and recomputed) gives the tokens of a
   roomy one, with ``check_invariants`` after every step and every block free at the end
   (``tests/engine_helpers.run_to_completion``), and at least one preemption;
-- **sync**: no model forward (or CUDA-graph replay) synchronises with the host (CUDA only);
+- **sync**: no model forward (or CUDA-graph replay, decode or verify) synchronises with the host (CUDA only);
 - **lora**: requests of two adapters and of the base model in one batch give PEFT's greedy tokens
   (PEFT made the adapters and runs the reference on the same device);
 - **core**: the engine in its engine-core process (``ProcessClient``, what ``tandem serve`` runs),
@@ -125,14 +125,20 @@ def speculative(name: str, model: str, device: str, prompts: list[list[int]], ma
     release(engine)
     got, engine = tandem_greedy(model, device, prompts, max_tokens, **spec, **overrides)
     stats = engine.stats().spec
+    graphs = engine.worker.runner.graphs
+    graph_steps = graphs.summary["steps"] if graphs is not None else None
     release(engine)
     ok, data = compare(plain, got)
-    data.update(num_draft_tokens=stats.num_draft_tokens, num_accepted_tokens=stats.num_accepted_tokens)
+    data.update(num_draft_tokens=stats.num_draft_tokens, num_accepted_tokens=stats.num_accepted_tokens,
+                graph_steps=graph_steps)
     if ok and stats.num_draft_tokens == 0:
         return CheckResult(name, "failed", "no token was ever proposed: the check exercised nothing", data)
+    if ok and graph_steps is not None and graph_steps["verify"] == 0:
+        return CheckResult(name, "failed", "CUDA graphs on, but no verify step replayed one", data)
     rate = stats.num_accepted_tokens / max(1, stats.num_draft_tokens)
-    detail = (f"greedy tokens equal plain decoding ({stats.num_draft_tokens} drafted, {rate:.0%} accepted)" if ok else
-              f"{len(data['mismatches'])} of {len(got)} outputs differ from plain decoding")
+    replayed = f"; {graph_steps['verify']} verify steps replayed CUDA graphs" if graph_steps is not None else ""
+    detail = (f"greedy tokens equal plain decoding ({stats.num_draft_tokens} drafted, {rate:.0%} accepted{replayed})"
+              if ok else f"{len(data['mismatches'])} of {len(got)} outputs differ from plain decoding")
     return CheckResult(name, "passed" if ok else "failed", detail, data)
 
 
@@ -218,9 +224,9 @@ def lora_parity(name: str, model_dir: Path, device: str, prompts: list[list[int]
     if captured is not None:
         forward = captured.forward
 
-        def counted(inputs, num_seqs, lora_slots=None):
-            replays["base" if lora_slots is None else "lora"] += 1
-            return forward(inputs, num_seqs, lora_slots)
+        def counted(inputs, token_slots=None):
+            replays["base" if token_slots is None else "lora"] += 1
+            return forward(inputs, token_slots)
         captured.forward = counted
     order = [(i, adapter) for i in range(len(prompts)) for adapter in ("qv", None, "all")]
     short = max_tokens // 3

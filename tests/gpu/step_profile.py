@@ -122,7 +122,7 @@ def main(argv: list[str] | None = None) -> int:
     dtype = "bfloat16" if cuda else "float32"
     rows, top = [], ""
     with tempfile.TemporaryDirectory(prefix="tandem-profile-") as work:
-        _, path = throughput_model(False, {}, None, Path(work))
+        _, path, _ = throughput_model(False, {}, None, Path(work))
         adapters = lora_adapters(path, args.lora, Path(work)) if args.lora else {}
         names = list(adapters)
         for eager in ((False, True) if cuda and not args.graphs_only else (False,)):

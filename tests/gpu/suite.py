@@ -17,7 +17,7 @@ EMBEDDED = "smollm2-135m-instruct"
 TINY_CHECKS = ("parity/tiny-llama", "parity/tiny-qwen2", "parity/tiny-opt", "parity/tiny-llama-gather",
                "parity/tiny-llama-flex", "speculative/tiny-ngram", "speculative/tiny-draft",
                "speculative/tiny-eagle3", "kv/preemption", "kv/preemption-draft", "sync/tiny-llama",
-               "lora/tiny-llama", "core/tiny-llama")
+               "sync/tiny-eagle3", "lora/tiny-llama", "core/tiny-llama")
 EMBEDDED_CHECKS = ("embedded/weights", "parity/smollm2-135m", "speculative/smollm2-ngram",
                    "speculative/smollm2-eagle3")
 ALL_CHECKS = (*TINY_CHECKS, *EMBEDDED_CHECKS, "throughput")
@@ -110,6 +110,8 @@ def run_tiny(run: Run, device: str, models: dict[str, Path]) -> None:
     run.check("kv/preemption", checks.preemption, llama, device, prompts, 20, tight)
     run.check("kv/preemption-draft", checks.preemption, llama, device, prompts, 20, tight, **draft)
     run.check("sync/tiny-llama", checks.no_host_sync, llama, device, prompts, 20, num_blocks=128)
+    run.check("sync/tiny-eagle3", checks.no_host_sync, llama, device, prompts, 20, num_blocks=128, method="eagle3",
+              draft_model=str(models["eagle3-head"]), num_speculative_tokens=4)
     run.check("lora/tiny-llama", checks.lora_parity, models["llama"], device, prompts[:3], 24,
               models["llama"].parent, num_blocks=128)
     run.check("core/tiny-llama", checks.engine_core_process, llama, device, prompts, 20,
@@ -158,14 +160,18 @@ def run_embedded(run: Run, device: str, path: Path, stage: carry.StageReport) ->
               dict(method="eagle3", draft_model=f"{EMBEDDED}-eagle3", num_speculative_tokens=3), **kv)
 
 
-def throughput_model(quick: bool, models: dict[str, Path], embedded: Path | None, work: Path) -> tuple[str, Path]:
-    """The embedded model; else (not --quick) a random model of its shape, since the speed does
-    not depend on the weights' values; else the tiny Llama."""
+def throughput_model(quick: bool, models: dict[str, Path], embedded: Path | None,
+                     work: Path) -> tuple[str, Path, str]:
+    """The embedded model and its shipped EAGLE-3 head; else (not --quick) a random model of its
+    shape and a random head for it, since the speed does not depend on the weights' values (the
+    head's acceptance does: a random head's drafts are almost never accepted, so its figures bound
+    the head's cost); else the tiny Llama and its random head."""
     if embedded is not None:
-        return EMBEDDED, embedded
+        return EMBEDDED, embedded, f"{EMBEDDED}-eagle3"
     if quick:
-        return "tiny-llama (random)", models["llama"]
+        return "tiny-llama (random)", models["llama"], str(models["eagle3-head"])
     from cluster.models.tiny import save_tiny_model, save_tiny_tokenizer, tiny_llama_config
+    from cluster.models.tiny_head import save_random_head
     from cluster.planning.model_shapes import KNOWN_SHAPES
 
     hidden, layers, heads, kv_heads, head_dim, intermediate, vocab, tied = KNOWN_SHAPES["smollm2-135m"]
@@ -174,10 +180,11 @@ def throughput_model(quick: bool, models: dict[str, Path], embedded: Path | None
                                vocab_size=vocab, tie_word_embeddings=tied, max_position_embeddings=2048)
     path = save_tiny_model(config, work / "smollm2-shaped")
     save_tiny_tokenizer(path)
-    return "smollm2-135m-shaped (random)", path
+    head = save_random_head(config, work / "smollm2-shaped-head", draft_vocab=vocab // 2)
+    return "smollm2-135m-shaped (random)", path, str(head)
 
 
-def run_throughput(run: Run, settings: dict, model: str, path: Path) -> dict | None:
+def run_throughput(run: Run, settings: dict, model: str, path: Path, head: str) -> dict | None:
     import throughput
     from cluster.models.hf_folder import ModelSource
     from cluster.models.loader import load_tokenizer
@@ -188,7 +195,7 @@ def run_throughput(run: Run, settings: dict, model: str, path: Path) -> dict | N
         kv = "64MiB" if settings["quick"] else ("1GiB" if settings["device"] == "cpu" else "4GiB")
         result = throughput.measure(path, load_tokenizer(ModelSource(model, path)), settings["device"],
                                     settings["dtype"], settings["batch_sizes"], settings["output_len"],
-                                    settings["repeats"], kv)
+                                    settings["repeats"], kv, head)
         result.update(model=model, device=settings["device"])
         held["result"] = result
         return CheckResult(name, "passed", f"{len(result['cells'])} cells, each exactly batch x output_len tokens",

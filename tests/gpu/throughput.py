@@ -1,6 +1,10 @@
 """Decode throughput of Tandem's engine against ``transformers.generate`` on the same device, and
 of the same engine in its engine-core process (``tandem-core``: what ``tandem serve``'s replica
 runs, every token streamed back to this process), so the hand-off's cost on the device shows.
+Then Tandem speculating (n-gram, and the EAGLE-3 head, both under the adaptive controller)
+against itself decoding plainly, and the step time of verify steps (the head at a fixed k = 4,
+every step after the prompt's a verify step) against plain decode steps at the same batch size:
+mean step times over the run, the prompt's steps in both.
 
 Driven by ``tandem bench offline``'s own runners and cell (``cluster.bench.offline``): the same
 prompt token ids for both (the bench's prompts through the model's tokenizer), exactly
@@ -62,10 +66,18 @@ def prompt_ids_for(tokenizer) -> list[list[int]]:
     return tokenizer(PROMPTS)["input_ids"]
 
 
+def speculation_systems(head: str, k: int = 4) -> dict[str, dict]:
+    """The speculating systems of the table, by name: their engine settings."""
+    return {"tandem+ngram": dict(method="ngram", num_speculative_tokens=k, controller="adaptive"),
+            "tandem+eagle3": dict(method="eagle3", draft_model=head, num_speculative_tokens=k, controller="adaptive"),
+            f"tandem+eagle3 k={k}": dict(method="eagle3", draft_model=head, num_speculative_tokens=k)}
+
+
 def measure(model_dir: Path, tokenizer, device: str, dtype: str, batch_sizes: list[int], output_len: int,
-            repeats: int, kv_cache_memory: str) -> dict:
+            repeats: int, kv_cache_memory: str, head: str) -> dict:
     """Every (system, batch size) cell; Tandem's tok/s over transformers' and the core process's over
-    the in-process engine's, per batch size."""
+    the in-process engine's, per batch size; each speculating system's over plain Tandem's, and the
+    fixed-k run's mean step time over plain Tandem's. ``head``: the EAGLE-3 head (folder or name)."""
     tokenizer.padding_side = "left"
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
@@ -75,6 +87,10 @@ def measure(model_dir: Path, tokenizer, device: str, dtype: str, batch_sizes: li
         "tandem-core": lambda: CoreRunner(str(model_dir), dtype, max(batch_sizes), kv_cache_memory, device),
         "transformers": lambda: TransformersRunner(model_dir, dtype, tokenizer, device=device),
     }
+    speculating = speculation_systems(head)
+    for name, settings in speculating.items():
+        systems[name] = lambda settings=settings: TandemRunner(str(model_dir), dtype, max(batch_sizes),
+                                                               kv_cache_memory, device=device, **settings)
     cells = []
     for system, build in systems.items():
         runner = build()
@@ -88,10 +104,15 @@ def measure(model_dir: Path, tokenizer, device: str, dtype: str, batch_sizes: li
             del runner
             release()
     rate = {(c.system, c.batch_size): c.tok_per_s for c in cells}
+    step_ms = {(c.system, c.batch_size): c.mean_step_ms for c in cells}
+    fixed = list(speculating)[-1]
     ratios = [{"batch_size": b, "tandem_over_transformers": rate[("tandem", b)] / rate[("transformers", b)],
-               "core_over_tandem": rate[("tandem-core", b)] / rate[("tandem", b)]} for b in batch_sizes]
+               "core_over_tandem": rate[("tandem-core", b)] / rate[("tandem", b)],
+               **{f"{name}_over_tandem": rate[(name, b)] / rate[("tandem", b)] for name in speculating},
+               "verify_step_over_decode_step": step_ms[(fixed, b)] / step_ms[("tandem", b)]} for b in batch_sizes]
     return {"dtype": dtype, "output_len": output_len, "repeats": repeats, "batch_sizes": batch_sizes,
-            "prompt_lens": [len(p) for p in prompt_ids], "cells": [asdict(c) for c in cells], "ratios": ratios}
+            "prompt_lens": [len(p) for p in prompt_ids], "head": head, "speculating": list(speculating),
+            "cells": [asdict(c) for c in cells], "ratios": ratios}
 
 
 def format_table(result: dict) -> str:
@@ -107,4 +128,11 @@ def format_table(result: dict) -> str:
         lines.append(f"{b:>6} {ours['tok_per_s']:>10.1f} {theirs['tok_per_s']:>10.1f} "
                      f"{ratio[b]['tandem_over_transformers']:>10.2f} {step:>15} {core['tok_per_s']:>10.1f} "
                      f"{ratio[b]['core_over_tandem']:>12.2f}")
+    names = result["speculating"]
+    lines += ["", f"speculation against plain decoding (output tok/s over Tandem's; head {result['head']}); "
+                  f"mean step time of {names[-1]} over plain decoding's",
+              f"{'batch':>6} " + " ".join(f"{name:>22}" for name in names) + f" {'verify/decode step':>19}"]
+    for b in result["batch_sizes"]:
+        lines.append(f"{b:>6} " + " ".join(f"{ratio[b][name + '_over_tandem']:>22.2f}" for name in names)
+                     + f" {ratio[b]['verify_step_over_decode_step']:>19.2f}")
     return "\n".join(lines)

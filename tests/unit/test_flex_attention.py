@@ -126,6 +126,9 @@ def test_auto_takes_flex_on_cuda_only_with_a_plain_cache(monkeypatch):
     cuda, config = torch.device("cuda"), config_from_dict({"scheduler": {"max_num_seqs": 40}})
     plan = choose_attention(config, cuda, 100)
     assert plan == AttentionPlan("flex", 7, (1, 2, 4, 8, 16, 24, 32, 40), cuda_graphs=True)
+    speculating = with_overrides(config, method="ngram", num_speculative_tokens=6)
+    assert choose_attention(speculating, cuda, 100) == AttentionPlan(
+        "flex", 7, (1, 2, 4, 8, 16, 24, 32, 40), (1, 2, 4, 8, 16, 24, 32), (2, 3, 5, 7), cuda_graphs=True)
     assert not choose_attention(config, cuda, 100, tensor_parallel=True).cuda_graphs
     assert not choose_attention(with_overrides(config, enforce_eager=True), cuda, 100).cuda_graphs
 

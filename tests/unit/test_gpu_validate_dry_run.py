@@ -25,7 +25,7 @@ SCRIPT = GPU / "validate.py"
 RUN = ["parity/tiny-llama", "parity/tiny-qwen2", "parity/tiny-opt", "parity/tiny-llama-gather",
        "parity/tiny-llama-flex", "speculative/tiny-ngram",
        "speculative/tiny-draft", "speculative/tiny-eagle3", "kv/preemption", "kv/preemption-draft"]
-SYNC = "sync/tiny-llama"  # CUDA only: skipped in the dry run
+SYNC = ["sync/tiny-llama", "sync/tiny-eagle3"]  # CUDA only: skipped in the dry run
 LORA = "lora/tiny-llama"
 CORE = "core/tiny-llama"
 EMBEDDED = ["embedded/weights", "parity/smollm2-135m", "speculative/smollm2-ngram", "speculative/smollm2-eagle3"]
@@ -45,13 +45,13 @@ def test_the_dry_run_reports_every_check_and_passes_those_it_runs(dry_run):
     proc, doc, text = dry_run
     assert proc.returncode == 0, text
     status = {c["name"]: (c["status"], c["detail"]) for c in doc["checks"]}
-    assert list(status) == [*RUN, SYNC, LORA, CORE, *EMBEDDED, "throughput"]
+    assert list(status) == [*RUN, *SYNC, LORA, CORE, *EMBEDDED, "throughput"]
     assert all(status[name][0] == "passed" for name in [*RUN, LORA, CORE, "throughput"]), text
     assert all(status[name] == ("skipped", "--quick: tiny models only") for name in EMBEDDED)
-    assert status[SYNC] == ("skipped", "CUDA only: synchronisation is a CUDA notion")
-    assert doc["summary"] == {"passed": 13, "failed": 0, "skipped": 5, "error": 0}
+    assert all(status[name] == ("skipped", "CUDA only: synchronisation is a CUDA notion") for name in SYNC)
+    assert doc["summary"] == {"passed": 13, "failed": 0, "skipped": 6, "error": 0}
     assert doc["settings"]["device"] == "cpu" and doc["environment"]["missing_required"] == []
-    assert "13 passed, 0 failed, 5 skipped, 0 error" in text
+    assert "13 passed, 0 failed, 6 skipped, 0 error" in text
 
 
 def test_speculation_preemption_and_the_core_process_were_exercised(dry_run):
@@ -73,14 +73,16 @@ def test_speculation_preemption_and_the_core_process_were_exercised(dry_run):
     assert core["health_after_kill"].startswith("failed") and core["engine_pid"] > 0
 
 
-def test_the_throughput_table_has_both_systems_at_every_batch_size(dry_run):
+def test_the_throughput_tables_have_every_system_at_every_batch_size(dry_run):
     _, doc, text = dry_run
     result = doc["throughput"]
     assert (result["device"], result["dtype"], result["batch_sizes"], result["output_len"]) == ("cpu", "float32",
                                                                                                 [1, 4], 8)
     cells = {(c["system"], c["batch_size"]): c for c in result["cells"]}
-    assert sorted(cells) == [("tandem", 1), ("tandem", 4), ("tandem-core", 1), ("tandem-core", 4),
-                             ("transformers", 1), ("transformers", 4)]
+    speculating = ["tandem+ngram", "tandem+eagle3", "tandem+eagle3 k=4"]
+    assert result["speculating"] == speculating
+    assert sorted(cells) == sorted((system, b) for system in ["tandem", "tandem-core", "transformers", *speculating]
+                                   for b in (1, 4))
     for (system, batch_size), cell in cells.items():
         assert cell["output_tokens"] == batch_size * 8 and cell["tok_per_s"] > 0
     for ratio in result["ratios"]:
@@ -88,7 +90,13 @@ def test_the_throughput_table_has_both_systems_at_every_batch_size(dry_run):
         assert ratio["tandem_over_transformers"] == tandem["tok_per_s"] / hf["tok_per_s"]
         core = cells[("tandem-core", ratio["batch_size"])]
         assert ratio["core_over_tandem"] == core["tok_per_s"] / tandem["tok_per_s"]
+        for system in speculating:
+            assert ratio[f"{system}_over_tandem"] == cells[(system, ratio["batch_size"])]["tok_per_s"] / tandem[
+                "tok_per_s"]
+        fixed = cells[("tandem+eagle3 k=4", ratio["batch_size"])]
+        assert ratio["verify_step_over_decode_step"] == fixed["mean_step_ms"] / tandem["mean_step_ms"]
     assert "decode throughput, tiny-llama (random) float32 on cpu" in text
+    assert "speculation against plain decoding" in text and "verify/decode step" in text
 
 
 @pytest.fixture
@@ -170,7 +178,7 @@ def test_a_missing_package_is_reported_for_every_check_instead_of_a_crash(gpu_mo
     assert validate.main(args) == 1
     doc = json.loads((tmp_path / "validate.json").read_text())
     assert doc["environment"]["missing_required"] == ["tandem-no-such-package"]
-    assert [c["name"] for c in doc["checks"]] == [*RUN, SYNC, LORA, CORE, *EMBEDDED, "throughput"]
+    assert [c["name"] for c in doc["checks"]] == [*RUN, *SYNC, LORA, CORE, *EMBEDDED, "throughput"]
     assert {c["status"] for c in doc["checks"]} == {"error"}
     assert all("cannot run without tandem-no-such-package" in c["detail"] for c in doc["checks"])
     assert doc["throughput"] is None
@@ -190,7 +198,7 @@ def test_a_step_that_breaks_is_an_error_for_each_check_it_left_undone(gpu_module
     assert validate.main(args) == 1
     doc = json.loads((tmp_path / "validate.json").read_text())
     status = {c["name"]: (c["status"], c["detail"]) for c in doc["checks"]}
-    assert list(status) == [*RUN, SYNC, LORA, CORE, *EMBEDDED, "throughput"]
+    assert list(status) == [*RUN, *SYNC, LORA, CORE, *EMBEDDED, "throughput"]
     assert all(status[name] == ("error", "OSError: disk full") for name in RUN)
     assert status["throughput"][0] == "error"  # no tiny model to measure
     assert all(status[name][0] == "skipped" for name in EMBEDDED)
@@ -204,11 +212,11 @@ def test_only_runs_the_checks_named_and_reports_the_rest_as_skipped(gpu_modules,
     assert validate.main(args) == 0
     doc = json.loads((tmp_path / "validate.json").read_text())
     status = {c["name"]: (c["status"], c["detail"]) for c in doc["checks"]}
-    assert list(status) == [*RUN, SYNC, LORA, CORE, *EMBEDDED, "throughput"]
+    assert list(status) == [*RUN, *SYNC, LORA, CORE, *EMBEDDED, "throughput"]
     ran = {"parity/tiny-qwen2", "kv/preemption", "kv/preemption-draft"}
     assert all(status[name][0] == "passed" for name in ran)
     assert all(status[name] == ("skipped", "not selected (--only parity/tiny-qwen2,kv/)")
-               for name in [*RUN, SYNC, LORA, "throughput"] if name not in ran)
+               for name in [*RUN, *SYNC, LORA, "throughput"] if name not in ran)
 
 
 def run_gpu_script(name: str, tmp_path: Path, *args: str, env: dict | None = None) -> None:

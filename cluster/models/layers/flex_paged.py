@@ -17,7 +17,9 @@ block of the cache, -1 for blocks no sequence of the step holds) carries it, and
 Shapes (:class:`FlexLayout`): the block table is always ``table_width`` wide, and a decode
 step's sequences are padded up to a bucket (rows without blocks, whose output is zero and
 dropped), so decode steps come in a few fixed shapes: the compiled decoding kernel is built
-once per bucket and a CUDA graph can replay it (``cluster/runner/decode_graphs.py``).
+once per bucket and a CUDA graph can replay it (``cluster/runner/decode_graphs.py``). So do
+verify steps of small batches: their rows padded the same way and each row's queries (its
+token and drafts) up to a query bucket, the padding queries repeating the row's last position.
 
 On CUDA the attention is compiled (``torch.compile``: Triton's flex decoding kernel for the
 bucketed decode shapes, flex attention with dynamic shapes for the rest). torch's
@@ -44,11 +46,27 @@ class FlexLayout:
     num_blocks: int  # blocks of the cache tensor (the block manager's, plus any scratch block)
     table_width: int  # block-table columns of every step: ceil(max_model_len / block_size)
     decode_buckets: tuple[int, ...] = ()  # a decode step's sequence count is padded up to one of these
+    # A verify step (each sequence's token and its drafts, up to k + 1 queries) of at most
+    # max(verify_buckets) sequences: its sequence count padded up to one of verify_buckets, and
+    # every sequence's queries to the smallest of query_buckets that holds the longest.
+    verify_buckets: tuple[int, ...] = ()
+    query_buckets: tuple[int, ...] = ()
 
     def decode_rows(self, num_seqs: int) -> int:
         """Rows of a decode step of ``num_seqs`` sequences: the smallest bucket that holds them
         (the count itself past the largest bucket, or without buckets)."""
         return next((b for b in sorted(self.decode_buckets) if b >= num_seqs), num_seqs)
+
+    def step_shape(self, num_seqs: int, max_query_len: int) -> tuple[int, int, bool]:
+        """(rows, queries per row, whether the shape is a bucket's) of a step of ``num_seqs``
+        sequences whose longest has ``max_query_len`` queries."""
+        if max_query_len == 1 and self.decode_buckets:
+            return self.decode_rows(num_seqs), 1, True
+        if (self.verify_buckets and self.query_buckets and num_seqs <= max(self.verify_buckets)
+                and max_query_len <= max(self.query_buckets)):
+            rows = min(b for b in self.verify_buckets if b >= num_seqs)
+            return rows, min(q for q in self.query_buckets if q >= max_query_len), True
+        return num_seqs, max_query_len, False
 
 
 @dataclass
@@ -63,7 +81,7 @@ class FlexPagedMetadata:
     table: torch.Tensor  # [num_rows, table_width] int64, -1 past each sequence's blocks
     block_position: torch.Tensor  # [num_blocks] int64
     query_pos: torch.Tensor  # [num_rows, max_query_len] int64
-    static_shape: bool  # a bucketed decode shape (compiled without dynamic shapes)
+    static_shape: bool  # a bucket's shape, decode or verify (compiled without dynamic shapes)
 
 
 def build_flex_metadata(
@@ -77,9 +95,7 @@ def build_flex_metadata(
 ) -> FlexPagedMetadata:
     """The step's block mask, from host tensors (built on the host, moved once)."""
     num_seqs, max_blocks = table.shape
-    max_query_len = int(query_lens.max())
-    static_shape = max_query_len == 1 and bool(layout.decode_buckets)
-    rows = layout.decode_rows(num_seqs) if static_shape else num_seqs
+    rows, max_query_len, static_shape = layout.step_shape(num_seqs, int(query_lens.max()))
     width = max(layout.table_width, max_blocks)
     padded_table = torch.full((rows, width), -1, dtype=torch.int64)
     padded_table[:num_seqs, :max_blocks] = table
