@@ -125,6 +125,8 @@ class OpenAIIngress(OperationsRoutes, ResponsesRoutes):
                                                  engine_hash_seed(model.model, model.dtype, model.seed), max_model_len)
             sizes[group.name] = group.autoscaling.min_replicas if group.autoscaling else group.num_replicas
         decisions = PrometheusSink("ingress")
+        for group in sizes:  # every group's retry count from zero, so a rate over it exists before the first
+            decisions.inc("tandem_router_retries", 0, (("group", group),))
         # Groups autoscaled to zero replicas do not count against readiness (a request starts one).
         self.required_groups = [name for name, size in sizes.items() if size > 0]
         self._reporter = None

@@ -207,6 +207,10 @@ ROUTER = DashboardSpec(
               (Query(f"({_TRAFFIC_SHARE}) / ({_CAPACITY_SHARE})", "{{group}}"),)),
         Panel("Routing decisions/s by group", "Requests the ingress sent to each replica group.",
               (Query(f"sum by (group) ({_DECISIONS})", "{{group}}"),), unit="reqps"),
+        Panel("Retries/s by failed group",
+              "Requests a replica of the group failed before their first token (its engine or process gone, "
+              "or the group left with no running replica) that the ingress sent once more, elsewhere.",
+              (Query(f"sum by (group) (rate(tandem:router_retries_total{_G}{RATE}))", "{{group}}"),), unit="reqps"),
         Panel("Output tokens/s against capacity by group",
               "Solid: tokens generated per second. Dashed: the group's predicted peak.",
               (Query(f"sum by (group) (rate(vllm:generation_tokens_total{_G}{RATE}))", "output {{group}}"),
