@@ -20,7 +20,8 @@ def cmd_k8s_render(args: argparse.Namespace) -> int:
 def cmd_k8s_validate(args: argparse.Namespace) -> int:
     validator = ManifestValidator.from_repo()
     num_documents = validator.validate_paths(args.paths)
-    print(f"{num_documents} manifests valid (Kubernetes {validator.kubernetes_version}, KubeRay and prometheus-operator CRDs)")
+    print(f"{num_documents} manifests valid (Kubernetes {validator.kubernetes_version}, "
+          "KubeRay and prometheus-operator CRDs)")
     return 0
 
 
