@@ -40,7 +40,6 @@ class ServeProcess:
     def __init__(self, config: dict, folder, env: dict | None = None) -> None:
         """``env``: variables added to the command's environment (and so its Ray's)."""
         import json
-        import os
         import subprocess
         import sys
         import time
@@ -55,7 +54,7 @@ class ServeProcess:
         self.url = f"http://127.0.0.1:{config['serve']['port']}"
         self.process = subprocess.Popen([sys.executable, "-m", "cluster.cli", "serve", str(path)],
                                         stdout=open(self.log, "w"), stderr=subprocess.STDOUT,
-                                        env={**os.environ, **(env or {})})
+                                        env=_own_environment(env))
         deadline = time.time() + 180
         while True:
             assert self.process.poll() is None, self.log.read_text()[-3000:]
@@ -79,6 +78,14 @@ class ServeProcess:
             except subprocess.TimeoutExpired:
                 self.process.kill()
                 self.process.wait()
+
+
+def _own_environment(extra: dict | None) -> dict[str, str]:
+    """This process's environment without Ray Serve's variables (the session cluster's ``start_local``
+    set them here, and they would choose the child's Serve mode over its own config), plus ``extra``."""
+    import os
+
+    return {k: v for k, v in os.environ.items() if not k.startswith("RAY_SERVE_")} | (extra or {})
 
 
 def free_port() -> int:
