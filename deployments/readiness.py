@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from typing import Callable, Mapping
 
 from cluster.config_serve import replica_deployment_name
@@ -50,12 +51,13 @@ def _name(state) -> str:
 
 
 class GroupWatch:
-    """Tells ``on_change`` which of ``required`` groups have no running replica, from a daemon
-    thread that reads ``status()`` (``serve.status``) every ``interval_s``: the ingress's router
-    then leaves those groups out while another can serve (a node lost with its replicas)."""
+    """Tells ``on_change`` which of ``required`` groups have no running replica, and when that view
+    was read, from a daemon thread that reads ``status()`` (``serve.status``) every ``interval_s``:
+    the ingress's router then leaves those groups out while another can serve (a node lost with
+    its replicas)."""
 
     def __init__(self, status: Callable[[], object], app_name: str, required: list[str],
-                 on_change: Callable[[set[str]], None], interval_s: float = 1.0) -> None:
+                 on_change: Callable[[set[str], float], None], interval_s: float = 1.0) -> None:
         self._status, self._app_name, self._required = status, app_name, required
         self._on_change, self._interval_s = on_change, interval_s
         self._stop = threading.Event()
@@ -67,6 +69,7 @@ class GroupWatch:
             self.check()
 
     def check(self) -> None:
+        read_at = time.time()
         try:
             unavailable = set(unready_groups(self._status(), self._app_name, self._required))
         except Exception as err:  # the controller busy or restarting: keep the last view
@@ -76,7 +79,7 @@ class GroupWatch:
             (logger.warning if unavailable else logger.info)("replica groups without a running replica: %s",
                                                              sorted(unavailable) or "none")
             self.unavailable = unavailable
-            self._on_change(unavailable)
+            self._on_change(unavailable, read_at)
 
     def stop(self) -> None:
         self._stop.set()

@@ -12,7 +12,8 @@ share of the traffic this way.
 
 A group that has lost every running replica (``set_unavailable``, from Serve's own view) is
 left out while another group can take the request, so traffic does not queue behind a
-replica that is not coming back soon (a lost node).
+replica that is not coming back soon (a lost node). Serve's view lags: an acknowledgement
+from one of the group's replicas after that view was read puts the group back at once.
 
 Policies: ``tandem`` ranks replicas of all groups by predicted completion time
 (:func:`rank_replicas`, which itself falls back to power-of-two choices when any
@@ -47,6 +48,7 @@ class GroupRouter:
         self.inflight: Counter[str] = Counter()
         self.decisions: Counter[str] = Counter()
         self.unavailable: frozenset[str] = frozenset()  # groups with no running replica (set by the ingress)
+        self._unavailable_as_of = 0.0  # when the view behind ``unavailable`` was read
         self.retries: Counter[str] = Counter()  # group -> requests its replicas failed and that were sent again
         self.fallbacks = 0
         self.on_decision = on_decision  # told the group of every decision (metrics)
@@ -57,6 +59,8 @@ class GroupRouter:
         known = self._stats.get(stats.replica_id)
         if known is None or known.timestamp <= stats.timestamp:
             self._stats[stats.replica_id] = stats
+        if stats.group in self.unavailable and stats.timestamp >= self._unavailable_as_of:
+            self.unavailable = self.unavailable - {stats.group}  # it answered after the view was read
 
     def choose(self, requests: dict[str, RoutingRequest], now: float) -> str:
         """The group for a request; ``requests`` holds its description per group (the
@@ -91,9 +95,9 @@ class GroupRouter:
         if self.inflight[group] > 0:
             self.inflight[group] -= 1
 
-    def set_unavailable(self, groups: set[str]) -> None:
-        """The groups that have no running replica now (all others have one)."""
-        self.unavailable = frozenset(groups)
+    def set_unavailable(self, groups: set[str], as_of: float) -> None:
+        """The groups that had no running replica in Serve's view read at ``as_of`` (all others had one)."""
+        self.unavailable, self._unavailable_as_of = frozenset(groups), as_of
 
     def may_leave(self, group: str, requests: dict[str, RoutingRequest]) -> bool:
         """Whether a request sent to ``group`` should go elsewhere: the group has lost its running

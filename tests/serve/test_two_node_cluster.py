@@ -103,9 +103,10 @@ def test_each_group_runs_on_its_node_and_the_faster_group_takes_more(cluster):
     with ThreadPoolExecutor(8) as pool:
         statuses = [r.status_code for r in pool.map(lambda _: _complete(url, max_tokens=24), range(48))]
     assert statuses == [200] * 48
-    after = httpx.get(f"{url}/debug/router", timeout=30).json()["decisions"]
+    router = httpx.get(f"{url}/debug/router", timeout=30).json()
+    after = router["decisions"]
     fast, slow = (after.get(g, 0) - before.get(g, 0) for g in ("fast", "slow"))
-    assert fast + slow == 48 and fast > slow, (fast, slow)
+    assert fast + slow == 48 and fast > slow, (fast, slow, router)
 
 
 def test_a_node_stopped_mid_traffic_fails_its_streams_fast_and_requests_not_started_go_to_the_other_group(cluster):

@@ -5,6 +5,7 @@ Without Ray: the replicas' logic behind the stand-in handles of ``test_delta_fee
 from __future__ import annotations
 
 import asyncio
+import time
 
 import pytest
 
@@ -128,7 +129,7 @@ def test_a_call_held_for_a_group_that_lost_its_replicas_goes_to_another_group(mo
         await asyncio.sleep(0.1)
         assert not starting.done() and held.calls == 1  # waiting for a's acknowledgement
         del router.choose
-        router.set_unavailable({"a"})  # Serve's view: a has no running replica; b has one
+        router.set_unavailable({"a"}, as_of=time.time())  # Serve's view: a has no running replica; b has one
         await starting
         tokens = [t for d in await _collect(choice) for t in d.token_ids]
         choice.close()
@@ -137,7 +138,7 @@ def test_a_call_held_for_a_group_that_lost_its_replicas_goes_to_another_group(mo
 
         only = _choice(1, {"a": _Handle(_replica(held, "lost"))}, None)  # no other group: it keeps waiting
         solo = GroupRouter({"a": 1})
-        solo.set_unavailable({"a"})
+        solo.set_unavailable({"a"}, as_of=time.time())
         waiting = asyncio.create_task(only.start(solo))
         await asyncio.sleep(0.1)
         assert not waiting.done() and not solo.retries

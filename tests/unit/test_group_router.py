@@ -289,11 +289,17 @@ def test_choosing_among_no_known_group_is_a_clear_error():
 def test_a_group_without_a_running_replica_is_left_out_while_another_can_serve():
     router = GroupRouter({"fast": 1, "slow": 1}, policy="pow2", seed=0)
     requests = {"fast": RoutingRequest(4, 4), "slow": RoutingRequest(4, 4)}
-    router.set_unavailable({"fast"})
+    router.set_unavailable({"fast"}, as_of=100.0)
     assert {router.choose(requests, 0.0) for _ in range(20)} == {"slow"}
     assert router.may_leave("fast", requests) and not router.may_leave("slow", requests)
     assert not router.may_leave("fast", {"fast": requests["fast"]})  # pinned: nowhere else to go
-    router.set_unavailable({"fast", "slow"})  # none can serve: the choice is as before
+    router.set_unavailable({"fast", "slow"}, as_of=100.0)  # none can serve: the choice is as before
     assert {router.choose(requests, 0.0) for _ in range(40)} == {"fast", "slow"}
     assert not router.may_leave("fast", requests)
     assert router.snapshot()["unavailable"] == ["fast", "slow"]
+    # Serve's view lags a replica that already answers: an acknowledgement from after the view puts
+    # its group back at once, one from before does not.
+    router.observe(replica_stats("fast-1", "fast", timestamp=99.0))
+    assert router.unavailable == {"fast", "slow"}
+    router.observe(replica_stats("fast-1", "fast", timestamp=101.0))
+    assert router.unavailable == {"slow"}

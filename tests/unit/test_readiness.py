@@ -57,7 +57,8 @@ def test_the_group_watch_reports_each_change_of_the_groups_without_a_running_rep
             raise view
         return view
 
-    watch = GroupWatch(status, "tandem", ["fast", "slow"], changes.append, interval_s=3600)  # checked by hand
+    watch = GroupWatch(status, "tandem", ["fast", "slow"], lambda groups, read_at: changes.append(groups),
+                       interval_s=3600)  # checked by hand
     for _ in range(5):
         watch.check()
     watch.stop()
