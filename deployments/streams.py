@@ -137,7 +137,7 @@ class ChoiceStream:
                 done, _ = await asyncio.wait({waiting}, timeout=ACK_CHECK_SECONDS)
                 if done:
                     return waiting.result()
-                if router.may_leave(self.group, {g: r.routing for g, r in self.requests.items()}):
+                if router.may_leave(self.group, self.requests):
                     raise _GroupLost()
         finally:
             if not waiting.done():

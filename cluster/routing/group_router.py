@@ -27,7 +27,7 @@ import dataclasses
 import math
 import random
 from collections import Counter
-from typing import Callable
+from typing import Callable, Iterable
 
 from cluster.routing.policy import power_of_two_choices, rank_replicas
 from cluster.routing.stats import Candidate, ReplicaStats, RoutingRequest
@@ -99,10 +99,10 @@ class GroupRouter:
         """The groups that had no running replica in Serve's view read at ``as_of`` (all others had one)."""
         self.unavailable, self._unavailable_as_of = frozenset(groups), as_of
 
-    def may_leave(self, group: str, requests: dict[str, RoutingRequest]) -> bool:
+    def may_leave(self, group: str, groups: Iterable[str]) -> bool:
         """Whether a request sent to ``group`` should go elsewhere: the group has lost its running
-        replicas and another of the request's groups has one."""
-        return group in self.unavailable and any(g not in self.unavailable for g in requests if g != group)
+        replicas and another of the request's ``groups`` has one."""
+        return group in self.unavailable and any(g not in self.unavailable for g in groups if g != group)
 
     def note_retry(self, failed_group: str) -> None:
         """A replica of ``failed_group`` failed a request before its first token; it is being sent again."""

@@ -126,8 +126,9 @@ def test_a_call_held_for_a_group_that_lost_its_replicas_goes_to_another_group(mo
         choice = _choice(0, handles, None)
         router.choose = lambda requests, now: router._decide("a")  # the router still ranks a first
         starting = asyncio.create_task(choice.start(router))
-        await asyncio.sleep(0.1)
-        assert not starting.done() and held.calls == 1  # waiting for a's acknowledgement
+        while held.calls == 0:  # until the call reaches a's replica, which never acknowledges it
+            await asyncio.sleep(0.01)
+        assert not starting.done() and held.calls == 1
         del router.choose
         router.set_unavailable({"a"}, as_of=time.time())  # Serve's view: a has no running replica; b has one
         await starting
@@ -140,7 +141,10 @@ def test_a_call_held_for_a_group_that_lost_its_replicas_goes_to_another_group(mo
         solo = GroupRouter({"a": 1})
         solo.set_unavailable({"a"}, as_of=time.time())
         waiting = asyncio.create_task(only.start(solo))
-        await asyncio.sleep(0.1)
+        while held.calls == 1:  # until this call reaches the lost replica too
+            await asyncio.sleep(0.01)
+        for _ in range(5):  # several of its checks for a lost group (ACK_CHECK_SECONDS is 0.01 here)
+            await asyncio.sleep(0.01)
         assert not waiting.done() and not solo.retries
         waiting.cancel()
         only.close()

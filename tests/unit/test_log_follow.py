@@ -61,7 +61,7 @@ def test_the_module_runs_as_a_light_process_and_follows(tmp_path):
     finally:
         follower.terminate()
         follower.wait(timeout=30)
-    import_time = subprocess.run([sys.executable, "-c", "import sys, cluster.shared.log_follow; "
+    imported = subprocess.run([sys.executable, "-c", "import sys, cluster.shared.log_follow; "
                                   "print('torch' in sys.modules, 'ray' in sys.modules)"],
                                  capture_output=True, text=True, check=True)
-    assert import_time.stdout.split() == ["False", "False"]
+    assert imported.stdout.split() == ["False", "False"]
