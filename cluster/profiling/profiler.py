@@ -192,7 +192,7 @@ def _draft_pass(engine: Engine, tables, b: int, context_len: int, max_k: int, vo
         tokens = torch.randint(3, vocab, (b,), generator=gen).tolist()
         chunks = [SeqChunk([t], context_len, 1) for t in tokens]
         hidden = torch.randn(b, proposer.head.config.hidden_size, generator=gen).to(proposer.kv_cache)
-        return (lambda: proposer.head.logits(proposer.draft_pass(chunks, tables, hidden)).argmax(-1).tolist()), 1
+        return (lambda: proposer.draft_pass(chunks, tables, hidden)[1].argmax(-1).tolist()), 1
     sequences = torch.randint(3, vocab, (b, context_len), generator=gen).tolist()
     ngram = proposer.ngram
     return (lambda: ngram.propose(sequences, [max_k] * b)), max(1, max_k)

@@ -4,13 +4,9 @@ A bucket is a shape ``(rows, queries)``: a decode step (every sequence computes 
 ``n`` sequences runs as the graph of the smallest decode bucket ``(B >= n, 1)``; a verify step
 (each sequence's last token and its drafts, up to ``k + 1`` queries, every one's logits needed)
 of at most ``max(verify_buckets)`` sequences as that of ``(B >= n, Q >= the longest)``. The
-step's tokens are copied into the bucket's static tensors at their padded places (row ``s``,
-query ``i`` at ``s * Q + i``; token ids, positions, cache slots, and the block mask's tensors,
-which the captured ``mask_mod`` reads in place), the graph replays the whole model forward, and
-the static output read back at the same places is the step's hidden states. Padding (the
-``B - n`` rows, which hold no blocks and whose attention output is zero, and the queries past
-a row's own, which repeat its last position) writes its K/V into a scratch block that no
-sequence owns, so it changes nothing anyone reads. With a draft head attached
+step is copied into the bucket's static tensors (:class:`cluster.runner.static_step.StaticStep`,
+padding into a scratch block), the graph replays the whole model forward, and the static
+output read back at the tokens' places is the step's hidden states. With a draft head attached
 (``model.aux_layer_ids``) the graph's outputs include the aux states the head reads, read back
 the same way into ``model.aux_hidden``.
 
@@ -35,10 +31,10 @@ from dataclasses import dataclass
 
 import torch
 
-from cluster.models.layers.attention import AttentionMetadata
-from cluster.models.layers.flex_paged import FlexLayout, FlexPagedMetadata, paged_block_mask
+from cluster.models.layers.flex_paged import FlexLayout
 from cluster.models.lora import LoRABatch, LoRAState
 from cluster.runner.input_batch import ModelInputs
+from cluster.runner.static_step import StaticStep
 
 logger = logging.getLogger(__name__)
 
@@ -66,15 +62,7 @@ def query_buckets(max_k: int) -> tuple[int, ...]:
 
 @dataclass
 class _Bucket:
-    rows: int
-    queries: int  # per row: 1 for decode, k + 1 for verify
-    input_ids: torch.Tensor  # [rows * queries]
-    positions: torch.Tensor  # [rows * queries]
-    slot_mapping: torch.Tensor  # [rows * queries]
-    meta: AttentionMetadata  # its flex block mask reads the static tensors below
-    kv_num_blocks: torch.Tensor  # [rows, 1, 1] int32
-    kv_indices: torch.Tensor  # [rows, 1, 1, table_width] int32
-    flex: FlexPagedMetadata
+    step: StaticStep
     lora_slots: torch.Tensor | None = None  # [rows * queries]: each token's adapter slot (0: none), with LoRA
     hidden: torch.Tensor | None = None  # [rows * queries, hidden_size]: the captured forward's output
     aux: torch.Tensor | None = None  # [rows * queries, aux width]: the captured aux states, with a draft head
@@ -99,7 +87,7 @@ class DecodeGraphs:
             lora.reserve()
         shapes = [(rows, 1) for rows in layout.decode_buckets]
         shapes += [(rows, q) for rows in layout.verify_buckets for q in layout.query_buckets]
-        self.buckets = {shape: self._static(*shape, block_size) for shape in shapes}
+        self.buckets = {shape: self._bucket(*shape, block_size) for shape in shapes}
         self.pool_bytes = 0
         self.steps = {"decode": 0, "verify": 0}  # steps run through a bucket (replayed, or the dry run)
         if capture:
@@ -116,8 +104,7 @@ class DecodeGraphs:
 
     def covers(self, inputs: ModelInputs) -> bool:
         """Whether this step replays a graph: a bucketed decode or verify step on the flex path."""
-        flex = inputs.attn.flex
-        return flex is not None and flex.static_shape and (flex.num_rows, flex.max_query_len) in self.buckets
+        return StaticStep.shape_of(inputs) in self.buckets
 
     @torch.inference_mode()
     def forward(self, inputs: ModelInputs, token_slots: torch.Tensor | None = None) -> torch.Tensor:
@@ -125,21 +112,9 @@ class DecodeGraphs:
         :meth:`covers`); with a draft head, ``model.aux_hidden`` the same way. ``token_slots``
         ([num_tokens] on the device): each token's adapter slot, for a step with adapter tokens
         (needs ``lora``)."""
-        flex = inputs.attn.flex
-        bucket = self.buckets[(flex.num_rows, flex.max_query_len)]
-        self.steps["verify" if bucket.queries > 1 else "decode"] += 1
-        places = flex.query_pad_index  # each token's place in the padded rows
-        bucket.input_ids.zero_()
-        bucket.input_ids.index_copy_(0, places, inputs.input_ids)
-        bucket.positions.copy_(flex.query_pos.view(-1))  # padding repeats its row's last position
-        bucket.slot_mapping.fill_(self.scratch_slot)
-        bucket.slot_mapping.index_copy_(0, places, inputs.attn.slot_mapping)
-        mask = flex.block_mask
-        bucket.kv_num_blocks.copy_(mask.kv_num_blocks)
-        bucket.kv_indices.copy_(mask.kv_indices)
-        bucket.flex.table.copy_(flex.table)
-        bucket.flex.block_position.copy_(flex.block_position)
-        bucket.flex.query_pos.copy_(flex.query_pos)
+        bucket = self.buckets[StaticStep.shape_of(inputs)]
+        self.steps["verify" if bucket.step.queries > 1 else "decode"] += 1
+        places = bucket.step.load(inputs)
         with_lora = token_slots is not None
         if with_lora:
             bucket.lora_slots.zero_()
@@ -155,34 +130,17 @@ class DecodeGraphs:
             self.model.aux_hidden = aux.index_select(0, places)
         return hidden.index_select(0, places)
 
-    def _static(self, rows: int, queries: int, block_size: int) -> _Bucket:
-        layout, device = self.layout, self.device
-        tokens = rows * queries
-
-        def zeros(*shape, dtype=torch.int64):
-            return torch.zeros(*shape, dtype=dtype, device=device)
-
-        kv_num_blocks, kv_indices = zeros(rows, 1, 1, dtype=torch.int32), zeros(rows, 1, 1, layout.table_width,
-                                                                               dtype=torch.int32)
-        table = torch.full((rows, layout.table_width), -1, dtype=torch.int64, device=device)
-        block_position = torch.full((layout.num_blocks,), -1, dtype=torch.int64, device=device)
-        query_pos = zeros(rows, queries)
-        mask = paged_block_mask(kv_num_blocks, kv_indices, table, block_position, query_pos, block_size, queries,
-                                layout.num_blocks)
-        flex = FlexPagedMetadata(mask, torch.arange(tokens, device=device), rows, queries, table, block_position,
-                                 query_pos, static_shape=True)
-        slot_mapping = torch.full((tokens,), self.scratch_slot, dtype=torch.int64, device=device)
-        meta = AttentionMetadata(slot_mapping=slot_mapping, context_slots=None, attn_mask=None, query_pad_index=None,
-                                 num_seqs=rows, max_query_len=queries, flex=flex)
-        return _Bucket(rows, queries, zeros(tokens), zeros(tokens), slot_mapping, meta, kv_num_blocks, kv_indices,
-                       flex, zeros(tokens) if self.lora is not None else None)
+    def _bucket(self, rows: int, queries: int, block_size: int) -> _Bucket:
+        step = StaticStep.build(rows, queries, self.layout, block_size, self.scratch_slot, self.device)
+        lora_slots = torch.zeros(rows * queries, dtype=torch.int64, device=self.device) if self.lora is not None else None
+        return _Bucket(step, lora_slots)
 
     def _run(self, bucket: _Bucket, with_lora: bool = False) -> torch.Tensor:
         if not with_lora:
-            return self.model(bucket.input_ids, bucket.positions, self.kv_caches, bucket.meta)
+            return self.model(bucket.step.input_ids, bucket.step.positions, self.kv_caches, bucket.step.meta)
         self.lora.batch = LoRABatch.static(bucket.lora_slots)
         try:
-            return self.model(bucket.input_ids, bucket.positions, self.kv_caches, bucket.meta)
+            return self.model(bucket.step.input_ids, bucket.step.positions, self.kv_caches, bucket.step.meta)
         finally:
             self.lora.batch = None
 

@@ -12,6 +12,11 @@ batched pass per further draft token on its own outputs. Only entries built from
 states count as computed (``draft_num_computed_tokens = n - 1`` afterwards): the entries of
 the drafts are overwritten once the target has verified them.
 
+Drafts stay on the device from pass to pass (each pass's input tokens are the previous pass's
+choices) and are read to the host once per proposal. The passes take the target's attention
+path: on the flex path they are padded to the target's buckets, and where the target replays
+CUDA graphs the head replays its own (:mod:`cluster.spec_decode.head_graphs`).
+
 A prefix-cache hit leaves the head the entries of the cached blocks as the request that
 filled them wrote them; where that request never drafted they are stale, which costs
 acceptance, never correctness (every draft is verified). Kept states cost the head's hidden
@@ -30,6 +35,7 @@ from cluster.runner.random_stream import Lane
 from cluster.runner.sampler import compute_probs, sample_from_probs
 from cluster.shared.draft_proposal import DraftProposal
 from cluster.shared.scheduled import ScheduledRequest
+from cluster.spec_decode.head_graphs import HeadGraphs
 
 
 class Eagle3Proposer:
@@ -42,8 +48,14 @@ class Eagle3Proposer:
         config = head.config
         spec = target.spec
         self.block_size = spec.block_size
-        self.kv_cache = torch.zeros(2, target.num_blocks * spec.block_size, config.num_kv_heads, config.head_dim,
+        self.flex = target.flex  # the head's passes take the target's attention path and buckets
+        num_blocks = target.flex.num_blocks if target.flex is not None else target.num_blocks  # + scratch
+        self.kv_cache = torch.zeros(2, num_blocks * spec.block_size, config.num_kv_heads, config.head_dim,
                                     dtype=spec.dtype, device=target.device)
+        self.graphs = None
+        if target.graphs is not None:  # the target replays its steps: so do the head's passes
+            self.graphs = HeadGraphs(head, embed, self.kv_cache, target.flex, spec.block_size,
+                                     target.num_blocks * spec.block_size, target.device, target.graphs.capture)
         self.states: dict[str, tuple[int, torch.Tensor]] = {}  # request -> (first position, fused [n, hidden])
 
     @torch.inference_mode()
@@ -82,8 +94,6 @@ class Eagle3Proposer:
         tables = [t for _, t in active]
         wanted = [s.num_draft_tokens for s, _ in active]
         greedy = all(r.sampling_params.greedy for r in requests)
-        drafts: list[list[int]] = [[] for _ in active]
-        probs: list[list[torch.Tensor]] = [[] for _ in active]
 
         # Pass 1: the catch-up entries; the last of each predicts the request's first draft.
         chunks, hidden = [], []
@@ -92,31 +102,33 @@ class Eagle3Proposer:
             start, states = self.states[request.request_id]
             hidden.append(states[first - start : last - start + 1])
             chunks.append(SeqChunk(request.all_token_ids[first + 1 : last + 2], first, 1))
-        hidden_in = torch.cat(hidden)
+        out, logits = self.draft_pass(chunks, tables, torch.cat(hidden))
         rows = list(range(len(active)))
+        chosen: list[tuple[list[int], torch.Tensor, torch.Tensor | None]] = []  # per step: rows, tokens, probs
         for step in range(max(wanted)):
-            out = self.draft_pass(chunks, [tables[i] for i in rows], hidden_in)
-            logits = self.head.logits(out)
-            if greedy:
-                tokens = self.head.to_target_ids(logits.argmax(-1)).tolist()
-            else:
-                full = logits.new_full((logits.shape[0], self.head.config.vocab_size), float("-inf"))
-                full[:, self.head.to_target_ids(torch.arange(logits.shape[1], device=logits.device))] = logits
-                step_meta = self.target.sampling_metadata([requests[i] for i in rows], full.shape[-1],
-                                                          [step] * len(rows))
-                step_probs = compute_probs(full, step_meta)
-                tokens = sample_from_probs(step_probs, step_meta, self.lane).tolist()
-            for j, i in enumerate(rows):
-                drafts[i].append(tokens[j])
-                if not greedy:
-                    probs[i].append(step_probs[j])
-            keep = [j for j, i in enumerate(rows) if len(drafts[i]) < wanted[i]]
-            rows = [rows[j] for j in keep]
-            if not rows:
+            tokens, step_probs = self._choose(logits, [requests[i] for i in rows], step, greedy)
+            chosen.append((rows, tokens, step_probs))
+            keep = [j for j, i in enumerate(rows) if step + 1 < wanted[i]]
+            if not keep:
                 break
-            hidden_in = out[keep]
-            chunks = [SeqChunk([drafts[i][-1]], requests[i].num_tokens - 3 + len(drafts[i]), 1) for i in rows]
+            if len(keep) < len(rows):
+                index = torch.tensor(keep, device=out.device)
+                out, tokens = out.index_select(0, index), tokens.index_select(0, index)
+                rows = [rows[j] for j in keep]
+            # The drafts stay on the device: these chunks' token ids are placeholders for ``tokens``.
+            chunks = [SeqChunk([0], requests[i].num_tokens - 2 + step, 1) for i in rows]
+            out, logits = self.draft_pass(chunks, [tables[i] for i in rows], out, tokens)
 
+        drafts: list[list[int]] = [[] for _ in active]
+        probs: list[list[torch.Tensor]] = [[] for _ in active]
+        flat = torch.cat([tokens for _, tokens, _ in chosen]).tolist()  # the proposal's one read of the device
+        offset = 0
+        for rows, _, step_probs in chosen:
+            for j, i in enumerate(rows):
+                drafts[i].append(flat[offset + j])
+                if step_probs is not None:
+                    probs[i].append(step_probs[j])
+            offset += len(rows)
         for request in requests:
             request.draft_num_computed_tokens = request.num_tokens - 1
             start, states = self.states[request.request_id]  # what comes next replaces states from n - 1 on
@@ -125,6 +137,17 @@ class Eagle3Proposer:
             {r.request_id: d for r, d in zip(requests, drafts)},
             None if greedy else {r.request_id: torch.stack(p) for r, p in zip(requests, probs)},
         )
+
+    def _choose(self, logits: torch.Tensor, requests: list, step: int,
+                greedy: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Draft ``step``'s tokens (target ids, on the device) and, when sampling, their distributions."""
+        if greedy:
+            return self.head.to_target_ids(logits.argmax(-1)), None
+        full = logits.new_full((logits.shape[0], self.head.config.vocab_size), float("-inf"))
+        full[:, self.head.to_target_ids(torch.arange(logits.shape[1], device=logits.device))] = logits
+        meta = self.target.sampling_metadata(requests, full.shape[-1], [step] * len(requests))
+        probs = compute_probs(full, meta)
+        return sample_from_probs(probs, meta, self.lane), probs
 
     def _catch_up_start(self, request) -> int | None:
         """The first head entry to compute, or None when the target states it needs are not kept."""
@@ -138,10 +161,18 @@ class Eagle3Proposer:
             return None
         return first
 
-    def draft_pass(self, chunks: list[SeqChunk], tables: list[list[int]], hidden: torch.Tensor) -> torch.Tensor:
-        """One head pass (entries of ``chunks`` from ``hidden``, one row per token): its outputs at
-        each chunk's last token, [num_chunks, hidden]."""
-        inputs = prepare_inputs(chunks, tables, self.block_size, hidden.device, SHORT_QUERY_MAX)
+    def draft_pass(self, chunks: list[SeqChunk], tables: list[list[int]], hidden: torch.Tensor,
+                   input_ids: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """One head pass (entries of ``chunks`` from ``hidden``, one row per token; ``input_ids``, on
+        the device, in place of the chunks' token ids): its hidden states and draft-vocabulary logits
+        at each chunk's last token, [num_chunks, hidden] and [num_chunks, draft_vocab]."""
+        inputs = prepare_inputs(chunks, tables, self.block_size, hidden.device, SHORT_QUERY_MAX, self.flex)
+        if input_ids is not None:
+            inputs.input_ids = input_ids
+        if self.graphs is not None and self.graphs.covers(inputs):
+            out, logits = self.graphs.forward(inputs, hidden)
+            return out.index_select(0, inputs.logits_indices), logits.index_select(0, inputs.logits_indices)
         embeds = self.embed(inputs.input_ids).to(hidden.dtype)
         out = self.head(embeds, hidden, inputs.positions, self.kv_cache, inputs.attn)
-        return out.index_select(0, inputs.logits_indices)
+        out = out.index_select(0, inputs.logits_indices)
+        return out, self.head.logits(out)

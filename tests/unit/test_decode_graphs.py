@@ -177,6 +177,45 @@ def test_verify_steps_padded_to_their_bucket_match_the_plain_flex_path(model, au
         model.model.aux_layer_ids = ()
 
 
+def test_head_passes_padded_to_their_bucket_match_the_plain_flex_path(model):
+    """An EAGLE-3 head's catch-up passes (verify shapes) and one-token draft passes (decode shapes
+    up to the widest verify bucket) through the static tensors: the same hidden states and logits
+    as the plain flex path, padding written only into the scratch block, passes interleaved over
+    one head cache."""
+    from cluster.models.tiny_head import random_head, tiny_head_config
+    from cluster.spec_decode.head_graphs import HeadGraphs, head_shapes
+
+    config = model.model.config
+    head = random_head(tiny_head_config(config, 64), seed=3).eval()
+    embed = model.model.embed_tokens
+    c = head.config
+    cache = torch.randn(2, (NUM_BLOCKS + 1) * BLOCK, c.num_kv_heads, c.head_dim,
+                        generator=torch.Generator().manual_seed(2))
+    graphs = HeadGraphs(head, embed, cache, LAYOUT, BLOCK, SCRATCH, CPU, capture=False)
+    assert set(graphs.buckets) == set(head_shapes(LAYOUT)) == {(1, 1), (4, 1)} | {
+        (r, q) for r in (1, 2, 4) for q in (2, 3, 5)}  # the decode bucket 8 is wider than any verify bucket
+    plain_cache = cache.clone()
+    gen = torch.Generator().manual_seed(4)
+    steps = [_verify_step([2, 0, 4], 0), _decode_step(3, 1), _decode_step(1, 2), _verify_step([1, 3], 1),
+             _decode_step(4, 3)]
+    for chunks, tables in steps:
+        inputs = prepare_inputs(chunks, tables, BLOCK, CPU, flex=LAYOUT)
+        assert graphs.covers(inputs)
+        hidden = torch.randn(inputs.input_ids.shape[0], c.hidden_size, generator=gen)
+        with torch.inference_mode():
+            out, logits = graphs.forward(inputs, hidden)
+            plain = head(embed(inputs.input_ids), hidden, inputs.positions, plain_cache, inputs.attn)
+        torch.testing.assert_close(out, plain, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(logits, head.logits(plain), rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(cache[:, :SCRATCH], plain_cache[:, :SCRATCH], rtol=1e-5, atol=1e-5)
+    assert not torch.equal(cache[:, SCRATCH:], plain_cache[:, SCRATCH:])
+    assert graphs.summary["passes"] == {"catch_up": 2, "draft": 3} and graphs.summary["graphs"] == 0
+    chunks, tables = _decode_step(5, 0)  # 5 one-token passes: bucket 8, past the widest verify bucket
+    assert not graphs.covers(prepare_inputs(chunks, tables, BLOCK, CPU, flex=LAYOUT))
+    with pytest.raises(ValueError, match="captured on CUDA"):
+        HeadGraphs(head, embed, cache, LAYOUT, BLOCK, SCRATCH, CPU, capture=True)
+
+
 @pytest.mark.parametrize("method", ["ngram", "draft", "eagle3"])
 def test_the_engine_speculates_exactly_through_the_buckets_of_a_cuda_plan(method, tiny_llama_dir, tiny_head_dir,
                                                                           monkeypatch):
@@ -213,3 +252,6 @@ def test_the_engine_speculates_exactly_through_the_buckets_of_a_cuda_plan(method
     graphs.forward = counted
     assert run_to_completion(engine, prompts, greedy) == expected
     assert any(q > 1 for _, q in shapes), shapes  # verify steps replayed their buckets
+    if method == "eagle3":  # so did the head's catch-up and draft passes
+        passes = engine.proposer.graphs.summary["passes"]
+        assert passes["catch_up"] > 0 and passes["draft"] > 0, passes
