@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import torch
 
+from cluster.runner.host_copy import to_device
 from cluster.runner.sampling_metadata import SamplingMetadata
 
 
@@ -70,7 +71,7 @@ def apply_banned_token_ids(
         return logits
     rows = [row for row, ids in metadata.banned_token_ids.items() for _ in ids]
     cols = [token for ids in metadata.banned_token_ids.values() for token in ids]
-    index = torch.tensor([rows, cols], dtype=torch.long, device=logits.device)
+    index = to_device([rows, cols], torch.long, logits.device)
     return logits.index_put((index[0], index[1]), logits.new_full((), float("-inf")))
 
 

@@ -306,7 +306,7 @@ class ModelRunner:
                     for r, tokens, accepted in zip(requests, out.output_token_ids, out.num_accepted)}
         flat_probs = compute_probs(flat, metadata)  # [sum (k_i + 1), vocab], request after request
         draft_probs = None if drafts.probs is None else torch.cat([drafts.probs[r.request_id] for r in requests])
-        greedy = torch.tensor([r.sampling_params.greedy for r in requests], device=logits.device)
+        greedy = torch.tensor([r.sampling_params.greedy for r in requests])  # on the host: rejection_sample reads it
         seeded = {i: SeedKey(seed, r.num_output_tokens) for i, r in enumerate(requests)
                   if (seed := self.seed(r)) is not None}
         out = rejection_sample([d for _, d in spec], draft_probs, flat_probs, greedy, seeded, self.coupled,

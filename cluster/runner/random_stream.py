@@ -26,6 +26,7 @@ import numpy as np
 import torch
 
 from cluster.runner.categorical import sample_categorical, sample_race
+from cluster.runner.host_copy import to_device
 
 _UINT64 = (1 << 64) - 1
 
@@ -99,7 +100,7 @@ def row_uniforms(
         seeds = [seeded[r].seed for r in rows for _ in range(width)]
         positions = [seeded[r].position + j for r in rows for j in range(width)]
         values = torch.from_numpy(counter_uniforms(seeds, positions, lane)).view(len(rows), width)
-        out[torch.tensor(rows, device=device)] = values.to(device)
+        out[to_device(rows, torch.int64, device)] = to_device(values, None, device)
     return out
 
 
@@ -113,4 +114,4 @@ def draw_seeded(
     if race:
         return sample_race(probs, keyed_exponentials(keys, lane, probs.shape[1], probs.device))
     uniforms = counter_uniforms([k.seed for k in keys], [k.position for k in keys], lane)
-    return sample_categorical(probs, torch.from_numpy(uniforms).to(probs.device))
+    return sample_categorical(probs, to_device(uniforms, None, probs.device))

@@ -60,8 +60,10 @@ distributions at all: ``greedy_verify`` walks the drafts on the host against the
 argmax, which is what the greedy fast path computes. The tests hold both against a plain
 one-request reference (``tests/speculative_reference.py``).
 
-Host syncs: one read of the greedy mask (it decides which draws to make) and one ``.tolist()``
-of the result.
+Host syncs: one ``.tolist()`` of the result. The greedy mask comes from the host (it decides
+which draws to make) and every index goes to the device without a wait
+(:mod:`cluster.runner.host_copy`); the one other read is of seeded rows verified by rejection
+with race noise (``race`` without ``coupled``), whose final draw's key needs its position.
 """
 
 from __future__ import annotations
@@ -71,9 +73,10 @@ from typing import NamedTuple
 import torch
 
 from cluster.runner.categorical import sample_categorical
+from cluster.runner.host_copy import to_device
 from cluster.runner.random_stream import Lane, SeedKey, draw_seeded, row_uniforms
 
-__all__ = ["RejectionOutput", "greedy_verify", "recovered_probs", "rejection_sample"]
+__all__ = ["RejectionOutput", "greedy_verify", "recovered_probs", "rejection_sample", "verify_on_device"]
 
 
 class RejectionOutput(NamedTuple):
@@ -97,7 +100,7 @@ def rejection_sample(
     draft_token_ids: list[list[int]],  # per request, its k_i draft tokens
     draft_probs: torch.Tensor | None,  # [sum k_i, vocab_size] float32, request after request; None = one-hot
     target_probs: torch.Tensor,  # [sum (k_i + 1), vocab_size] float32, request after request
-    greedy: torch.Tensor,  # [num_reqs] bool
+    greedy: torch.Tensor,  # [num_reqs] bool, on the host
     seeded: dict[int, SeedKey],  # row -> (seed, output position of its first verified token)
     coupled: bool = False,  # seeded rows are verified by coupling (module docstring)
     race: bool = False,  # seeded rows draw tokens by an exponential race on keyed noise, not the inverse CDF
@@ -118,7 +121,7 @@ def rejection_sample(
         raise ValueError(f"draft_probs must be None or [sum k_i, vocab_size] = [{sum(counts)}, "
                          f"{target_probs.shape[1]}], got {tuple(draft_probs.shape)}")
     device = target_probs.device
-    num_draft = torch.tensor(counts, dtype=torch.int64, device=device)  # [num_reqs]
+    num_draft = to_device(counts, torch.int64, device)  # [num_reqs]
     draft_start = torch.cumsum(num_draft, 0) - num_draft  # [num_reqs]
     target_start = draft_start + torch.arange(num_reqs, device=device)  # each request has k_i + 1 rows
     j = torch.arange(max_k + 1, device=device)  # [max_k + 1]
@@ -127,12 +130,19 @@ def rejection_sample(
     draft_rows = (draft_start[:, None] + torch.minimum(j[:max_k], (num_draft - 1).clamp(min=0)[:, None]))
     draft_rows = draft_rows.clamp(max=max(sum(counts) - 1, 0))  # [num_reqs, max_k]
     _check_rows(num_reqs, greedy, seeded)
-    ids = torch.tensor([d + [0] * (max_k - len(d)) for d in draft_token_ids], dtype=torch.int64, device=device)
-    return _sample_rows(ids.view(num_reqs, max_k), counts, draft_probs, draft_rows, target_probs, target_rows,
-                        greedy, seeded, coupled, race)
+    ids = to_device([d + [0] * (max_k - len(d)) for d in draft_token_ids], torch.int64, device)
+    if num_reqs == 0:
+        return RejectionOutput(output_token_ids=[], num_accepted=[])
+    output, num_accepted = verify_on_device(ids.view(num_reqs, max_k), counts, draft_probs, draft_rows, target_probs,
+                                            target_rows, greedy, seeded, coupled, race)
+    host_rows = torch.cat([output, num_accepted[:, None]], dim=1).tolist()  # the one read of the result
+    return RejectionOutput(
+        output_token_ids=[row[: row[-1] + 1] for row in host_rows],
+        num_accepted=[row[-1] for row in host_rows],
+    )
 
 
-def _sample_rows(
+def verify_on_device(
     draft_token_ids: torch.Tensor,  # [num_reqs, max_k] int64
     num_draft_tokens: list[int],
     draft_probs: torch.Tensor | None,  # [num_draft_rows, vocab_size]
@@ -143,13 +153,14 @@ def _sample_rows(
     seeded: dict[int, SeedKey],
     coupled: bool,
     race: bool,
-) -> RejectionOutput:
-    """The rule, reading distributions through row indices (shapes already checked)."""
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The rule, reading distributions through row indices (shapes already checked; at least one
+    row), on the device: each row's tokens ``[num_reqs, max_k + 1]`` (accepted drafts, then the
+    final token, then padding) and its accepted count ``[num_reqs]``."""
     num_reqs, max_k = draft_token_ids.shape
-    if num_reqs == 0:
-        return RejectionOutput(output_token_ids=[], num_accepted=[])
     device = target_probs.device
-    greedy_rows = greedy.tolist()
+    greedy_rows = greedy.tolist()  # a host tensor: no wait
+    greedy = to_device(greedy, torch.bool, device)
     seeded = {row: key for row, key in seeded.items() if not greedy_rows[row]}
     coupled_rows = sorted(seeded) if coupled else []
     standard = {row: key for row, key in seeded.items() if not coupled}  # seeded rows verified by rejection
@@ -157,7 +168,7 @@ def _sample_rows(
     any_unseeded_random = len(seeded) < num_random
     any_standard = num_random > len(coupled_rows)
 
-    num_draft = torch.tensor(num_draft_tokens, dtype=torch.int64, device=device)  # [num_reqs]
+    num_draft = to_device(num_draft_tokens, torch.int64, device)  # [num_reqs]
     is_draft = torch.arange(max_k, device=device) < num_draft[:, None]  # [num_reqs, max_k]
     draft_ids = torch.where(is_draft, draft_token_ids.long(), 0)  # [num_reqs, max_k] padding -> a valid id
     rows = torch.arange(num_reqs, device=device)
@@ -171,7 +182,7 @@ def _sample_rows(
     if coupled_rows:
         samples = _coupled_samples(coupled_rows, num_draft_tokens, target_probs, target_rows, seeded, race)
         coupled_mask = torch.zeros(num_reqs, dtype=torch.bool, device=device)
-        coupled_mask[torch.tensor(coupled_rows, device=device)] = True
+        coupled_mask[to_device(coupled_rows, torch.int64, device)] = True
         accepted = torch.where(coupled_mask[:, None], draft_ids == samples[:, :max_k], accepted)
     if any_standard:
         uniforms = row_uniforms(num_reqs, max_k, standard, Lane.ACCEPT, device, any_unseeded_random)
@@ -199,11 +210,7 @@ def _sample_rows(
 
     output = torch.cat([draft_ids, torch.zeros_like(final_ids)[:, None]], dim=1)  # [num_reqs, max_k + 1]
     output.scatter_(1, num_accepted[:, None], final_ids[:, None])
-    host_rows = torch.cat([output, num_accepted[:, None]], dim=1).tolist()
-    return RejectionOutput(
-        output_token_ids=[row[: row[-1] + 1] for row in host_rows],
-        num_accepted=[row[-1] for row in host_rows],
-    )
+    return output, num_accepted
 
 
 def _coupled_samples(
@@ -220,7 +227,7 @@ def _coupled_samples(
     device = target_rows.device
     cells = [(row, j) for row in coupled_rows for j in range(num_draft_tokens[row] + 1)]  # (row, position offset)
     keys = [SeedKey(seeded[row].seed, seeded[row].position + j) for row, j in cells]
-    flat = torch.tensor([row * width + j for row, j in cells], device=device)
+    flat = to_device([row * width + j for row, j in cells], torch.int64, device)
     samples = torch.zeros(num_reqs * width, dtype=torch.int64, device=device)
     samples[flat] = draw_seeded(target_probs[target_rows.reshape(-1)[flat]], keys, Lane.SAMPLE, race)
     return samples.view(num_reqs, width)
@@ -260,7 +267,7 @@ def _standard_final(
         seeded_rows = sorted(standard)
         ends = num_accepted[seeded_rows].tolist()
         keys = [SeedKey(standard[r].seed, standard[r].position + n) for r, n in zip(seeded_rows, ends)]
-        index = torch.tensor(seeded_rows, device=final_ids.device)
+        index = to_device(seeded_rows, torch.int64, final_ids.device)
         final_ids[index] = draw_seeded(final_probs[index], keys, Lane.SAMPLE, race=True)
     return final_ids
 

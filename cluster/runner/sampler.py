@@ -19,9 +19,7 @@ from typing import NamedTuple
 import torch
 
 from cluster.runner.categorical import sample_categorical
-from cluster.runner.random_stream import Lane, draw_seeded, row_uniforms
-from cluster.runner.sampling_metadata import PenaltyState, SamplingMetadata
-from cluster.structured.bitmask import apply_token_bitmask
+from cluster.runner.host_copy import to_device
 from cluster.runner.logits_processors import (
     apply_allowed_token_ids,
     apply_banned_token_ids,
@@ -30,6 +28,9 @@ from cluster.runner.logits_processors import (
     apply_temperature,
     apply_top_k_top_p_min_p,
 )
+from cluster.runner.random_stream import Lane, draw_seeded, row_uniforms
+from cluster.runner.sampling_metadata import PenaltyState, SamplingMetadata
+from cluster.structured.bitmask import apply_token_bitmask
 
 __all__ = [
     "LogprobsTensors",
@@ -129,7 +130,7 @@ def sample_from_probs(
     random_ids = sample_categorical(probs, uniforms[:, 0])
     if metadata.seeded_race and seeded:
         rows = sorted(seeded)
-        index = torch.tensor(rows, device=probs.device)
+        index = to_device(rows, torch.int64, probs.device)
         random_ids[index] = draw_seeded(probs[index], [seeded[r] for r in rows], lane, race=True)
     if metadata.all_random:
         return random_ids

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from cluster.runner.host_copy import to_device
 from cluster.runner.random_stream import SeedKey
 from cluster.shared.sampling_params import SamplingParams
 
@@ -31,7 +32,7 @@ def padded_token_ids(
     out = np.full((len(token_ids), max(max_len, 1)), pad_id, dtype=np.int64)
     for row, ids in enumerate(token_ids):
         out[row, : len(ids)] = ids
-    return torch.from_numpy(out).to(device).clamp_(max=pad_id)
+    return to_device(out, None, device).clamp_(max=pad_id)
 
 
 @dataclass(frozen=True)
@@ -75,7 +76,7 @@ class PenaltyState:
         prompt_mask.scatter_(1, prompt_ids, True)
 
         def per_row(values: list[float]) -> torch.Tensor:
-            return torch.tensor(values, dtype=torch.float32, device=device)
+            return to_device(values, torch.float32, device)
 
         return cls(
             presence=per_row([p.presence_penalty for p in params]),
@@ -159,12 +160,12 @@ class SamplingMetadata:
             mask = torch.zeros(len(allowed_rows), vocab_size, dtype=torch.bool)
             for i, row in enumerate(allowed_rows):
                 mask[i, [t for t in params[row].allowed_token_ids if t < vocab_size]] = True
-            allowed = (torch.tensor(allowed_rows, dtype=torch.int64, device=device), mask.to(device))
+            allowed = (to_device(allowed_rows, torch.int64, device), to_device(mask, None, device))
         num_logprobs = [p.logprobs for p in params if p.logprobs is not None]
         needs_penalties = any(p.needs_penalties for p in params)
 
         def per_row(values: list, dtype: torch.dtype) -> torch.Tensor:
-            return torch.tensor(values, dtype=dtype, device=device)
+            return to_device(values, dtype, device)
 
         return cls(
             temperature=per_row([0.0 if g else p.temperature for p, g in zip(params, greedy)], torch.float32),

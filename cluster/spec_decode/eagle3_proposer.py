@@ -29,6 +29,7 @@ from __future__ import annotations
 import torch
 
 from cluster.models.eagle3 import Eagle3Head
+from cluster.runner.host_copy import to_device
 from cluster.runner.input_batch import SHORT_QUERY_MAX, SeqChunk, prepare_inputs
 from cluster.runner.model_runner import ModelRunner
 from cluster.runner.random_stream import Lane
@@ -112,7 +113,7 @@ class Eagle3Proposer:
             if not keep:
                 break
             if len(keep) < len(rows):
-                index = torch.tensor(keep, device=out.device)
+                index = to_device(keep, torch.int64, out.device)
                 out, tokens = out.index_select(0, index), tokens.index_select(0, index)
                 rows = [rows[j] for j in keep]
             # The drafts stay on the device: these chunks' token ids are placeholders for ``tokens``.

@@ -5,12 +5,14 @@ outputs part) and the caller turns an exception into ``error``. References no on
 
 - **parity**: Tandem's batched greedy tokens equal ``transformers``' ``generate`` (one prompt at a
   time, float32, EOS disabled on both sides), on the same device;
-- **speculative**: greedy tokens with n-gram or draft-model speculation equal plain decoding on
-  the same engine settings, and speculation did propose tokens (else the check exercised nothing);
+- **speculative**: greedy tokens with n-gram, draft-model or draft-head speculation equal plain
+  decoding on the same engine settings, and speculation did propose tokens (else the check
+  exercised nothing); with CUDA graphs, verify steps (and a head's passes) replayed them;
 - **kv**: a pool too small for the batch (requests preempted and recomputed) gives the tokens of a
   roomy one, with ``check_invariants`` after every step and every block free at the end
   (``tests/engine_helpers.run_to_completion``), and at least one preemption;
-- **sync**: no model forward (or CUDA-graph replay, decode or verify) synchronises with the host (CUDA only);
+- **sync**: no model forward (or CUDA-graph replay, decode or verify), sampling step, verification of
+  drafts or draft-head pass synchronises with the host, greedy or sampled (CUDA only);
 - **lora**: requests of two adapters and of the base model in one batch give PEFT's greedy tokens
   (PEFT made the adapters and runs the reference on the same device);
 - **core**: the engine in its engine-core process (``ProcessClient``, what ``tandem serve`` runs),
@@ -127,16 +129,22 @@ def speculative(name: str, model: str, device: str, prompts: list[list[int]], ma
     stats = engine.stats().spec
     graphs = engine.worker.runner.graphs
     graph_steps = graphs.summary["steps"] if graphs is not None else None
+    head_graphs = getattr(engine.proposer, "graphs", None)  # a draft head's own
+    head_passes = head_graphs.summary["passes"] if head_graphs is not None else None
     release(engine)
     ok, data = compare(plain, got)
     data.update(num_draft_tokens=stats.num_draft_tokens, num_accepted_tokens=stats.num_accepted_tokens,
-                graph_steps=graph_steps)
+                graph_steps=graph_steps, head_graph_passes=head_passes)
     if ok and stats.num_draft_tokens == 0:
         return CheckResult(name, "failed", "no token was ever proposed: the check exercised nothing", data)
     if ok and graph_steps is not None and graph_steps["verify"] == 0:
         return CheckResult(name, "failed", "CUDA graphs on, but no verify step replayed one", data)
+    if ok and head_passes is not None and not (head_passes["catch_up"] and head_passes["draft"]):
+        return CheckResult(name, "failed", f"CUDA graphs on, but the head's passes replayed {head_passes}", data)
     rate = stats.num_accepted_tokens / max(1, stats.num_draft_tokens)
     replayed = f"; {graph_steps['verify']} verify steps replayed CUDA graphs" if graph_steps is not None else ""
+    if head_passes is not None:
+        replayed += f", the head's {head_passes['catch_up']} catch-up and {head_passes['draft']} draft passes too"
     detail = (f"greedy tokens equal plain decoding ({stats.num_draft_tokens} drafted, {rate:.0%} accepted{replayed})"
               if ok else f"{len(data['mismatches'])} of {len(got)} outputs differ from plain decoding")
     return CheckResult(name, "passed" if ok else "failed", detail, data)
@@ -162,35 +170,59 @@ def preemption(name: str, model: str, device: str, prompts: list[list[int]], max
 
 def no_host_sync(name: str, model: str, device: str, prompts: list[list[int]], max_tokens: int,
                  **overrides) -> CheckResult:
-    """No forward pass waits on the host: every model forward (and CUDA-graph replay) of a
-    greedy run happens under ``torch.cuda.set_sync_debug_mode("error")``, which raises on any
-    synchronising CUDA call (``.item()``, a blocking copy, ``nonzero``...)."""
+    """Nothing between a step's inputs and its one read of the result waits on the host: every
+    model forward (and CUDA-graph replay), the sampler and its parameters, the verification of
+    drafts (``verify_on_device``: greedy, rejection and coupled), and, with a draft head, each of
+    its passes and draft choices run under ``torch.cuda.set_sync_debug_mode("error")``, which
+    raises on any synchronising CUDA call (``.item()``, a blocking copy, ``nonzero``...). Greedy
+    requests, then sampled ones (half of them seeded) in one batch."""
     if not device.startswith("cuda"):
         return CheckResult(name, "skipped", "CUDA only: synchronisation is a CUDA notion")
-    engine = make_engine(model, device, **overrides)
-    params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
-    run_to_completion(engine, prompts, params)  # warm-up: compiling the kernels may synchronise
-    runner = engine.worker.runner
-    counts = {"forwards": 0}
+    from cluster.runner import model_runner, rejection
 
-    def guarded(fn):
+    engine = make_engine(model, device, **overrides)
+    greedy = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
+    sampled = [SamplingParams(max_tokens=max_tokens, temperature=0.8, top_p=0.95, ignore_eos=True,
+                              seed=i if i % 2 else None) for i in range(len(prompts))]
+    run_to_completion(engine, prompts, greedy)  # warm-up: compiling the kernels may synchronise
+    run_to_completion(engine, prompts, sampled)
+    runner, proposer = engine.worker.runner, engine.proposer
+    counts: dict[str, int] = {}
+
+    def guarded(fn, kind: str):
         def call(*args, **kwargs):
+            outer = torch.cuda.get_sync_debug_mode()  # guards nest (a head's choice reads sampling parameters)
             torch.cuda.set_sync_debug_mode("error")
             try:
                 return fn(*args, **kwargs)
             finally:
-                torch.cuda.set_sync_debug_mode("default")
-                counts["forwards"] += 1
+                torch.cuda.set_sync_debug_mode(outer)
+                counts[kind] = counts.get(kind, 0) + 1
         return call
 
-    runner.model.forward = guarded(runner.model.forward)
+    runner.model.forward = guarded(runner.model.forward, "forwards")
     if runner.graphs is not None:
-        runner.graphs.forward = guarded(runner.graphs.forward)
-    run_to_completion(engine, prompts, params)
-    data = {"forwards": counts["forwards"], "attention": runner.attention, "cuda_graphs": runner.graphs is not None}
+        runner.graphs.forward = guarded(runner.graphs.forward, "forwards")
+    runner.sampler = guarded(runner.sampler, "samples")
+    runner.sampling_metadata = guarded(runner.sampling_metadata, "samples")
+    originals = (model_runner.compute_probs, rejection.verify_on_device)
+    model_runner.compute_probs = guarded(model_runner.compute_probs, "verifications")
+    rejection.verify_on_device = guarded(rejection.verify_on_device, "verifications")
+    if hasattr(proposer, "draft_pass"):  # a draft head
+        proposer.draft_pass = guarded(proposer.draft_pass, "head passes")
+        proposer._choose = guarded(proposer._choose, "head passes")
+    try:
+        run_to_completion(engine, prompts, greedy)
+        run_to_completion(engine, prompts, sampled)
+    finally:
+        model_runner.compute_probs, rejection.verify_on_device = originals
+    data = {**counts, "attention": runner.attention, "cuda_graphs": runner.graphs is not None}
     release(engine)
-    return CheckResult(name, "passed", f"{counts['forwards']} forward passes without a host synchronisation "
-                       f"(attention {data['attention']}, CUDA graphs {'on' if data['cuda_graphs'] else 'off'})", data)
+    if overrides.get("method") not in (None, "none") and not counts.get("verifications"):
+        return CheckResult(name, "failed", "speculation on, but no sampled verification ran", data)
+    done = ", ".join(f"{n} {kind}" for kind, n in counts.items())
+    return CheckResult(name, "passed", f"{done} without a host synchronisation (attention {data['attention']}, "
+                       f"CUDA graphs {'on' if data['cuda_graphs'] else 'off'})", data)
 
 
 def lora_parity(name: str, model_dir: Path, device: str, prompts: list[list[int]], max_tokens: int, work: Path,
