@@ -28,7 +28,7 @@ def cmd_draft_train(args: argparse.Namespace) -> int:
     settings = HeadSettings(
         steps=args.steps, batch_size=args.batch_size, seq_len=args.seq_len, lr=args.lr, ttt_steps=args.ttt_steps,
         draft_vocab=args.draft_vocab, seed=args.seed, num_open=args.num_open, max_new_tokens=args.max_new_tokens,
-        checkpoint_every=args.checkpoint_every,
+        checkpoint_every=args.checkpoint_every, max_texts=args.max_texts,
     )
     result = train_head(args.target, Path(args.out), settings, stop_after=args.stop_after)
     if not result.finished:
@@ -85,6 +85,8 @@ def add_draft_parser(sub) -> None:
     train.add_argument("--num-open", type=int, default=defaults.num_open,
                        help="made prompts the target answers (plus edit tasks over half of the answers)")
     train.add_argument("--max-new-tokens", type=int, default=defaults.max_new_tokens, help="longest answer")
+    train.add_argument("--max-texts", type=int, default=defaults.max_texts,
+                       help="train on this many of the texts made (a seeded choice; 0: all)")
     train.add_argument("--checkpoint-every", type=int, default=defaults.checkpoint_every,
                        help="steps between checkpoints")
     train.add_argument("--stop-after", type=int, help="stop after this many steps (resume later)")

@@ -51,6 +51,7 @@ class HeadSettings:
     compute_dtype: str = "bfloat16"  # matrix products under autocast (float32: none); weights stay float32
     seed: int = 0
     num_open: int = 1600
+    max_texts: int = 0  # train on this many of the texts (a seeded choice; 0: all of them)
     max_new_tokens: int = 192
     temperature: float = 0.8
     checkpoint_every: int = 50
@@ -125,6 +126,14 @@ def grouped_batch(step: int, batch_size: int, lengths: list[int], seed: int) -> 
     return batches[int(torch.randperm(len(batches), generator=generator)[index])]
 
 
+def chosen_texts(texts: list[Text], max_texts: int, seed: int) -> list[Text]:
+    """``max_texts`` of ``texts`` (a seeded choice, in their order), or all of them (0, or no fewer)."""
+    if max_texts <= 0 or max_texts >= len(texts):
+        return texts
+    keep = torch.randperm(len(texts), generator=torch.Generator().manual_seed(seed))[:max_texts]
+    return [texts[i] for i in sorted(keep.tolist())]
+
+
 def choose_draft_vocab(labels: list[torch.Tensor], vocab_size: int, size: int) -> torch.Tensor:
     """The ``size`` target ids chosen most often (ties by id), ascending."""
     counts = torch.bincount(torch.cat(labels), minlength=vocab_size)
@@ -168,7 +177,8 @@ def train_head(target: str, out: Path, settings: HeadSettings, stop_after: int |
     texts = load_or_generate_texts(ckpt / "texts.json", target, settings.texts, progress, **engine_overrides)
     model = load_target(source).to(torch.bfloat16)
     aux_layers = default_aux_layers(model.config.num_hidden_layers)
-    train_features = load_or_extract(ckpt / "features.pt", model, texts.train, aux_layers,
+    train_texts = chosen_texts(texts.train, settings.max_texts, settings.seed)
+    train_features = load_or_extract(ckpt / "features.pt", model, train_texts, aux_layers,
                                      "target states" if progress else None)
     held_features = load_or_extract(ckpt / "held_out_features.pt", model, texts.held_out, aux_layers,
                                     "held-out states" if progress else None)
@@ -196,11 +206,11 @@ def train_head(target: str, out: Path, settings: HeadSettings, stop_after: int |
         torch.set_rng_state(state["rng"])
         step, losses = state["step"], list(state["losses"])
 
-    train = Batches(texts.train, train_features, settings.seq_len)
+    train = Batches(train_texts, train_features, settings.seq_len)
     end = settings.steps if stop_after is None else min(settings.steps, step + stop_after)
     bar = tqdm(total=settings.steps, initial=step, desc="training head", unit="step") if progress else None
     head.train()
-    lengths = [min(len(t.token_ids), settings.seq_len) for t in texts.train]
+    lengths = [min(len(t.token_ids), settings.seq_len) for t in train_texts]
     autocast = settings.compute_dtype == "bfloat16"
     while step < end:
         aux, tokens, labels, answer = train.rows(grouped_batch(step, settings.batch_size, lengths, settings.seed))
@@ -230,8 +240,8 @@ def train_head(target: str, out: Path, settings: HeadSettings, stop_after: int |
         acceptance = held_out_acceptance(head, embed, held, settings.ttt_steps, settings.batch_size)
         coverage = float(torch.isin(torch.cat(held_features.labels), vocab_ids).float().mean())
         report = {"settings": asdict(settings), "aux_layer_ids": list(aux_layers), "losses": losses,
-                  "num_train_texts": len(texts.train),
-                  "num_train_tokens": sum(len(t.token_ids) - t.prompt_len for t in texts.train),
+                  "num_train_texts": len(train_texts), "num_texts_made": len(texts.train),
+                  "num_train_tokens": sum(len(t.token_ids) - t.prompt_len for t in train_texts),
                   "held_out_vocab_coverage": coverage, **acceptance}
         save_head(head, out, torch.bfloat16)  # as published heads are stored; the engine casts to its dtype
         tmp = out / f".head_report.json.{os.getpid()}.tmp"

@@ -8,9 +8,9 @@ import json
 import torch
 from safetensors.torch import load_file
 
-from cluster.drafts.head_data import held_out_prompts
+from cluster.drafts.head_data import Text, extract_features, held_out_prompts
 from cluster.drafts.head_prompts import EDIT_TASKS, edit_prompts, open_prompts
-from cluster.drafts.head_train import HeadSettings, choose_draft_vocab, grouped_batch, train_head
+from cluster.drafts.head_train import HeadSettings, choose_draft_vocab, chosen_texts, grouped_batch, train_head
 from cluster.drafts.checkpoint import load_state
 from cluster.models.eagle3 import load_head
 
@@ -39,6 +39,29 @@ def test_batches_group_texts_of_like_length_and_cover_each_epoch_once():
     assert sorted(sorted(lengths[i] for i in batch) for batch in epoch) == [[4, 5, 6], [16, 17, 18], [29, 30, 31]]
     assert [grouped_batch(step, 3, lengths, seed=0) for step in range(3, 6)] != epoch  # another order next epoch
     assert grouped_batch(4, 3, lengths, seed=0) == grouped_batch(4, 3, lengths, seed=0)
+
+
+def test_states_of_texts_in_padded_batches_equal_one_text_at_a_time(tiny_llama_dir):
+    from cluster.drafts.prune import load_target
+    from cluster.models.loader import resolve_model
+
+    model = load_target(resolve_model(str(tiny_llama_dir))).eval()
+    gen = torch.Generator().manual_seed(0)
+    texts = [Text(torch.randint(3, 200, (n,), generator=gen).tolist(), 2) for n in (9, 3, 17, 5, 12)]
+    batched = extract_features(model, texts, (0, 1), None, batch_size=3)
+    single = extract_features(model, texts, (0, 1), None, batch_size=1)
+    for text, a, b, la, lb in zip(texts, batched.aux, single.aux, batched.labels, single.labels):
+        assert a.shape == (len(text.token_ids), 2 * model.config.hidden_size) and a.dtype == torch.bfloat16
+        torch.testing.assert_close(a.float(), b.float(), rtol=2e-2, atol=2e-2)
+        assert torch.equal(la, lb)
+
+
+def test_a_capped_run_trains_on_a_seeded_choice_of_the_texts():
+    texts = [Text([i, i + 1], 1) for i in range(10)]
+    chosen = chosen_texts(texts, 4, seed=0)
+    assert len(chosen) == 4 and chosen == chosen_texts(texts, 4, seed=0) != chosen_texts(texts, 4, seed=1)
+    assert chosen == sorted(chosen, key=lambda t: t.token_ids[0])  # in their order
+    assert chosen_texts(texts, 0, seed=0) == texts == chosen_texts(texts, 10, seed=0)
 
 
 def test_training_writes_a_loadable_head_and_its_report(tiny_llama_dir, tmp_path):
