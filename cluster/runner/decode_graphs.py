@@ -34,7 +34,7 @@ import torch
 from cluster.models.layers.flex_paged import FlexLayout
 from cluster.models.lora import LoRABatch, LoRAState
 from cluster.runner.input_batch import ModelInputs
-from cluster.runner.static_step import StaticStep
+from cluster.runner.static_step import StaticStep, capture_graph, largest_first
 
 logger = logging.getLogger(__name__)
 
@@ -151,15 +151,10 @@ class DecodeGraphs:
         torch.cuda.synchronize(self.device)
         reserved = torch.cuda.memory_reserved(self.device)
         with torch.inference_mode():
-            for shape in sorted(self.buckets, key=lambda s: (s[0] * s[1], s), reverse=True):
+            for shape in largest_first(self.buckets):
                 bucket = self.buckets[shape]
                 for with_lora in (False, True) if self.lora is not None else (False,):
-                    for _ in range(2):
-                        self._run(bucket, with_lora)
-                    torch.cuda.synchronize(self.device)
-                    graph = torch.cuda.CUDAGraph()
-                    with torch.cuda.graph(graph, pool=pool):
-                        hidden = self._run(bucket, with_lora)
+                    graph, hidden = capture_graph(lambda: self._run(bucket, with_lora), self.device, pool)
                     pool = graph.pool()
                     aux = getattr(self.model, "aux_hidden", None)
                     if with_lora:

@@ -8,17 +8,23 @@ token ids, positions (padding queries repeat their row's last one), cache slots 
 writes into the scratch slot's block, which no sequence owns), and the block mask's tensors,
 which the captured ``mask_mod`` reads in place. A forward over these tensors, captured once,
 then computes any step of the bucket's shape; its outputs are read back at the same places.
+:func:`capture_graph` and :func:`largest_first` are how the target's and a draft head's graphs
+are captured.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from typing import TypeVar
 
 import torch
 
 from cluster.models.layers.attention import AttentionMetadata
 from cluster.models.layers.flex_paged import FlexLayout, FlexPagedMetadata, paged_block_mask
 from cluster.runner.input_batch import ModelInputs
+
+T = TypeVar("T")
 
 
 @dataclass
@@ -83,3 +89,22 @@ class StaticStep:
         self.flex.block_position.copy_(flex.block_position)
         self.flex.query_pos.copy_(flex.query_pos)
         return places
+
+
+def largest_first(shapes: Iterable[tuple[int, int]]) -> list[tuple[int, int]]:
+    """The order to capture buckets in: most tokens first, so one pool's later graphs fit in what
+    the earlier ones reserved."""
+    return sorted(shapes, key=lambda s: (s[0] * s[1], s), reverse=True)
+
+
+def capture_graph(run: Callable[[], T], device: torch.device, pool) -> tuple[object, T]:
+    """Run ``run`` twice (compiling its kernels), then capture it as a CUDA graph in ``pool`` (None:
+    a new pool, then the graph's ``pool()``); returns the graph and the outputs of the captured
+    run, which every replay refreshes in place."""
+    for _ in range(2):
+        run()
+    torch.cuda.synchronize(device)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=pool):
+        outputs = run()
+    return graph, outputs

@@ -26,7 +26,7 @@ import torch
 from cluster.models.eagle3 import Eagle3Head
 from cluster.models.layers.flex_paged import FlexLayout
 from cluster.runner.input_batch import ModelInputs
-from cluster.runner.static_step import StaticStep
+from cluster.runner.static_step import StaticStep, capture_graph, largest_first
 
 logger = logging.getLogger(__name__)
 
@@ -100,20 +100,16 @@ class HeadGraphs:
         return out, self.head.logits(out)
 
     def _capture_all(self) -> None:
-        """Warm up and capture, biggest bucket first, in one memory pool."""
+        """Capture every bucket, biggest first, in one memory pool."""
         pool = None
         torch.cuda.synchronize(self.device)
         reserved = torch.cuda.memory_reserved(self.device)
         with torch.inference_mode():
-            for shape in sorted(self.buckets, key=lambda s: (s[0] * s[1], s), reverse=True):
+            for shape in largest_first(self.buckets):
                 bucket = self.buckets[shape]
-                for _ in range(2):
-                    self._run(bucket)
-                torch.cuda.synchronize(self.device)
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=pool):
-                    bucket.out, bucket.logits = self._run(bucket)
-                pool, bucket.graph = graph.pool(), graph
+                bucket.graph, (bucket.out, bucket.logits) = capture_graph(lambda: self._run(bucket), self.device,
+                                                                          pool)
+                pool = bucket.graph.pool()
         torch.cuda.synchronize(self.device)
         self.pool_bytes = torch.cuda.memory_reserved(self.device) - reserved
         logger.info("captured %d CUDA graphs of the draft head in %.1f MiB", len(self.buckets),
