@@ -109,6 +109,11 @@ class ServeConfig(_Strict):
         30.0, ge=0, description="on SIGTERM (and when Serve stops a replica): the seconds requests in flight get to "
         "finish while new ones are turned away with a 503; what is left is then aborted. On Kubernetes the pods' "
         "terminationGracePeriodSeconds is this plus 30")
+    per_request_spec_decode_metrics: Literal["none", "summary"] = Field(
+        "none", description="summary: every completion and chat completion carries its speculative decoding (drafts "
+        "proposed and accepted, steps, mean acceptance length) in vLLM's top-level `metrics.speculative_decoding`, "
+        "streamed in the last chunk with the usage (vLLM's --per-request-spec-decode-metrics; a request asks for it "
+        "alone with return_spec_decode_metrics)")
     routing_staleness_s: float = Field(5.0, gt=0, description="older replica stats make the router fall back")
     prefix_affinity_blocks: int = Field(8, ge=0, description="leading blocks of a prompt used for cache affinity")
     max_queued_requests: int = Field(

@@ -242,8 +242,9 @@ class OpenAIIngress(OperationsRoutes, ResponsesRoutes):
         if isinstance(prepared, JSONResponse):
             return prepared
         streams, make_parser = prepared
+        spec_metrics = body.return_spec_decode_metrics or self.config.serve.per_request_spec_decode_metrics != "none"
         return await answer(respond(streams, body, chat, self._answering_model(body.model), self.router,
-                                     make_parser))
+                                     make_parser, spec_metrics))
 
     def _prepare(self, body, request: Request, chat: bool, params: dict[str, str] | None = None):
         """The request's choice streams (not started) and its tool-call parser factory, or the

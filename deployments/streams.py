@@ -228,8 +228,10 @@ class _Retryable(Exception):
 
 
 async def respond(streams: list[ChoiceStream], body, chat: bool, model: str, router: GroupRouter,
-                  make_parser: Callable[[], ToolCallParser] | None = None):
-    """``make_parser``: chat requests whose output may hold tool calls (None: plain text)."""
+                  make_parser: Callable[[], ToolCallParser] | None = None, spec_metrics: bool = False):
+    """``make_parser``: chat requests whose output may hold tool calls (None: plain text); ``spec_metrics``:
+    the response carries vLLM's per-request ``metrics`` (streamed: in the last chunk, which then carries
+    the usage too, asked for or not, as on vLLM with ``--enable-force-include-usage``)."""
     try:
         results = await asyncio.gather(*(s.start(router) for s in streams), return_exceptions=True)
         for result in results:
@@ -239,7 +241,8 @@ async def respond(streams: list[ChoiceStream], body, chat: bool, model: str, rou
         _close_all(streams)
         raise
     if body.stream:
-        return StreamingResponse(_sse(streams, body, chat, model, make_parser), media_type="text/event-stream")
+        return StreamingResponse(_sse(streams, body, chat, model, make_parser, spec_metrics),
+                                 media_type="text/event-stream")
     try:
         states = await asyncio.gather(*(_collect(s, make_parser) for s in streams))
     finally:
@@ -247,11 +250,12 @@ async def respond(streams: list[ChoiceStream], body, chat: bool, model: str, rou
     created = int(time.time())
     usage = responses.usage(states, [s.prompt_index for s in streams])
     rid = streams[0].request_id.rsplit("-", 1)[0]
+    metrics = responses.spec_decode_metrics(states) if spec_metrics else None
     if chat:
         return JSONResponse(responses.chat_body(rid, created, model, states, usage, body.num_logprobs,
-                                                streams[0].echo, body.return_token_ids))
+                                                streams[0].echo, body.return_token_ids, metrics))
     return JSONResponse(responses.completion_body(rid, created, model, states, usage, body.logprobs is not None,
-                                                  [s.echo for s in streams], body.return_token_ids))
+                                                  [s.echo for s in streams], body.return_token_ids, metrics))
 
 
 async def _collect(stream: ChoiceStream, make_parser: Callable[[], ToolCallParser] | None) -> responses.ChoiceState:
@@ -264,7 +268,7 @@ async def _collect(stream: ChoiceStream, make_parser: Callable[[], ToolCallParse
 
 
 async def _sse(streams: list[ChoiceStream], body, chat: bool, model: str,
-               make_parser: Callable[[], ToolCallParser] | None) -> AsyncIterator[str]:
+               make_parser: Callable[[], ToolCallParser] | None, spec_metrics: bool = False) -> AsyncIterator[str]:
     created = int(time.time())
     rid = streams[0].request_id.rsplit("-", 1)[0]
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
@@ -337,10 +341,11 @@ async def _sse(streams: list[ChoiceStream], body, chat: bool, model: str,
                                                    prompt_token_ids=state.prompt_token_ids if first_ids else None)
                 state.sent(chunk["choices"][0]["logprobs"])
                 yield _event(chunk)
-        if include_usage:
+        if include_usage or spec_metrics:
             usage = responses.usage(states, [s.prompt_index for s in streams])
             obj = "chat.completion.chunk" if chat else "text_completion"
-            yield _event(responses.usage_chunk(rid, created, model, obj, usage))
+            metrics = responses.spec_decode_metrics(states) if spec_metrics else None
+            yield _event(responses.usage_chunk(rid, created, model, obj, usage, metrics))
         yield "data: [DONE]\n\n"
         remaining = -1  # sent in full
     finally:

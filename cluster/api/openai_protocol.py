@@ -7,7 +7,8 @@ rather than silently ignored. Tandem also accepts vLLM's extra sampling fields
 (``top_k``, ``min_p``, ``repetition_penalty``, ``ignore_eos``, ``min_tokens``,
 ``stop_token_ids``, ``skip_special_tokens``, ``include_stop_str_in_output``,
 ``allowed_token_ids``, ``bad_words``, ``prompt_logprobs``), its response fields
-(``return_token_ids``, ``return_tokens_as_token_ids``), its prompt
+(``return_token_ids``, ``return_tokens_as_token_ids``; Tandem's ``return_spec_decode_metrics`` asks for
+vLLM's per-request ``metrics.speculative_decoding``), its prompt
 fields (``truncate_prompt_tokens``, ``add_special_tokens``; on chat ``add_generation_prompt``,
 ``continue_final_message``, ``chat_template_kwargs``), ``cache_salt`` and ``structured_outputs``.
 A ``chat_template`` in the request is refused, as vLLM's server does unless told to trust
@@ -97,6 +98,8 @@ class _SamplingFields(_Body):
     prompt_logprobs: StrictInt | None = None
     return_token_ids: StrictBool = False  # the output's token ids in each choice, the prompt's beside them
     return_tokens_as_token_ids: StrictBool | None = None  # logprobs name tokens "token_id:N", not by their text
+    # vLLM's per-request speculation figures (its server's --per-request-spec-decode-metrics) for this request
+    return_spec_decode_metrics: StrictBool = False
     priority: StrictInt = 0  # where it queues under the engine's scheduler.policy priority (lower first)
     # VLLM_UNSUPPORTED, of any type: kept only to be refused by name
     use_beam_search: Any = False

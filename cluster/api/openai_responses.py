@@ -17,6 +17,9 @@ at the top of a chat completion, per prompt token (null for the first): token id
 (``token_ids``; streamed: each chunk's) and the prompt's (``prompt_token_ids``: in each completion
 choice, at the top of a chat completion; streamed: in the first chunk of each choice);
 ``return_tokens_as_token_ids`` names logprobs' tokens ``token_id:N`` (:func:`with_token_id_names`).
+Asked for (``return_spec_decode_metrics``, ``serve.per_request_spec_decode_metrics``), the request's
+speculative decoding goes in vLLM's top-level ``metrics`` object (:func:`spec_decode_metrics`); streamed,
+in the last chunk, the one with the usage.
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 
 from cluster.api.tool_calls import Parsed, ToolCall
-from cluster.shared.outputs import Logprob, TokenLogprobs
+from cluster.shared.outputs import Logprob, SpecDecodeCounts, TokenLogprobs
 from cluster.hosting.protocol import GenerateDelta
 
 
@@ -61,6 +64,7 @@ class ChoiceState:
     prompt_token_ids: list[int] = field(default_factory=list)
     sent_first: bool = False  # a stream sent this choice's first chunk (with the echo, if any)
     next_offset: int = 0  # a stream's text offset for its next logprobs token (after the tokens sent)
+    spec_decode: SpecDecodeCounts | None = None  # from the last delta (None: its engine counts none per request)
 
     def add(self, delta: GenerateDelta) -> None:
         self.text += delta.text
@@ -75,6 +79,8 @@ class ChoiceState:
         self.num_prompt_tokens = delta.num_prompt_tokens or self.num_prompt_tokens
         self.num_output_tokens = max(self.num_output_tokens, delta.num_output_tokens)
         self.num_cached_tokens = max(self.num_cached_tokens, delta.num_cached_tokens)
+        if delta.spec_decode is not None:
+            self.spec_decode = delta.spec_decode
 
     def sent(self, logprobs: dict | None) -> None:
         """A stream sent a chunk with these legacy ``logprobs``: offsets go on from its last token, as
@@ -115,6 +121,28 @@ def usage(choices: list[ChoiceState], prompt_indices: list[int]) -> dict:
         "total_tokens": prompt_tokens + completion_tokens,
         "prompt_tokens_details": {"cached_tokens": cached},
     }
+
+
+def spec_decode_metrics(choices: list[ChoiceState]) -> dict:
+    """vLLM's per-request ``metrics`` object (its ``--per-request-spec-decode-metrics summary``) over
+    all choices: ``speculative_decoding`` with the steps that verified drafts, the draft tokens
+    proposed and accepted, their ratios (null without a step or a draft), the histogram of accepted
+    drafts per step, and ``num_spec_tokens``, the most drafts a step asked for (vLLM's fixed k; here
+    k may change from step to step). ``speculative_decoding`` is null when no choice's engine counted
+    them (a vLLM group)."""
+    counted = [c.spec_decode for c in choices if c.spec_decode is not None]
+    if not counted:
+        return {"speculative_decoding": None}
+    total = sum(counted[1:], counted[0])
+    return {"speculative_decoding": {
+        "mean_acceptance_length": total.mean_acceptance_length,
+        "draft_acceptance_rate": total.draft_acceptance_rate,
+        "acceptance_histogram": list(total.acceptance_histogram),
+        "num_spec_steps": total.num_spec_steps,
+        "num_accepted_draft_tokens": total.num_accepted_tokens,
+        "num_draft_tokens": total.num_draft_tokens,
+        "num_spec_tokens": max(len(total.acceptance_histogram) - 1, 0),
+    }}
 
 
 def completion_logprobs(entries: list[TokenLogprobs | None], start_offset: int = 0, first_token: str = "") -> dict:
@@ -209,8 +237,9 @@ def _chat_token(text: str | None, logprob: float) -> dict:
 
 def completion_body(response_id: str, created: int, model: str, choices: list[ChoiceState],
                     usage_dict: dict, with_logprobs: bool, echoes: list[Echo | None] | None = None,
-                    token_ids: bool = False) -> dict:
-    """``echoes[i]``: what choice ``i`` echoes (None: nothing); ``token_ids``: vLLM's ``return_token_ids``."""
+                    token_ids: bool = False, metrics: dict | None = None) -> dict:
+    """``echoes[i]``: what choice ``i`` echoes (None: nothing); ``token_ids``: vLLM's ``return_token_ids``;
+    ``metrics``: vLLM's per-request ``metrics`` (None: left out)."""
     echoes = echoes or [None] * len(choices)
     body_choices = []
     for c, echo in zip(choices, echoes, strict=True):
@@ -224,14 +253,18 @@ def completion_body(response_id: str, created: int, model: str, choices: list[Ch
             "prompt_logprobs": prompt_logprobs_json(c.prompt_logprobs),
             **({"token_ids": c.token_ids, "prompt_token_ids": c.prompt_token_ids} if token_ids else {}),
         })
-    return {"id": response_id, "object": "text_completion", "created": created, "model": model,
+    body = {"id": response_id, "object": "text_completion", "created": created, "model": model,
             "choices": body_choices, "usage": usage_dict}
+    if metrics is not None:
+        body["metrics"] = metrics
+    return body
 
 
 def chat_body(response_id: str, created: int, model: str, choices: list[ChoiceState],
-              usage_dict: dict, num_logprobs: int | None, echo: Echo | None = None, token_ids: bool = False) -> dict:
+              usage_dict: dict, num_logprobs: int | None, echo: Echo | None = None, token_ids: bool = False,
+              metrics: dict | None = None) -> dict:
     """``echo``: the last message's content goes before each reply's content; ``token_ids``:
-    vLLM's ``return_token_ids``."""
+    vLLM's ``return_token_ids``; ``metrics``: vLLM's per-request ``metrics`` (None: left out)."""
     body_choices = []
     for c in choices:
         message = c.message()
@@ -250,6 +283,8 @@ def chat_body(response_id: str, created: int, model: str, choices: list[ChoiceSt
             "prompt_logprobs": prompt_logprobs_json(choices[0].prompt_logprobs if choices else None)}
     if token_ids:
         body["prompt_token_ids"] = choices[0].prompt_token_ids if choices else []
+    if metrics is not None:
+        body["metrics"] = metrics
     return body
 
 
@@ -316,9 +351,14 @@ def chat_chunk(response_id: str, created: int, model: str, index: int, delta_bod
     return chunk
 
 
-def usage_chunk(response_id: str, created: int, model: str, obj: str, usage_dict: dict) -> dict:
-    return {"id": response_id, "object": obj, "created": created, "model": model, "choices": [],
-            "usage": usage_dict}
+def usage_chunk(response_id: str, created: int, model: str, obj: str, usage_dict: dict,
+                metrics: dict | None = None) -> dict:
+    """A stream's last chunk: the usage, and vLLM's per-request ``metrics`` when given."""
+    chunk = {"id": response_id, "object": obj, "created": created, "model": model, "choices": [],
+             "usage": usage_dict}
+    if metrics is not None:
+        chunk["metrics"] = metrics
+    return chunk
 
 
 def _finish(delta: GenerateDelta) -> str | None:

@@ -176,6 +176,7 @@ class Engine:
                     proposed = len(drafts.token_ids.get(rid, ()))
                     accepted = sampled[rid].num_accepted if proposed else 0
                     self.spec_stats.record_request(proposed, accepted, s.num_draft_tokens)
+                    s.request.spec_decode = s.request.spec_decode.add_step(s.num_draft_tokens, proposed, accepted)
                     verified.append((s.num_draft_tokens, proposed, accepted))
         # Steps with prefill chunks are not what the latency model describes.
         if out.scheduled and all(s.num_new_tokens == 1 for s in out.scheduled):

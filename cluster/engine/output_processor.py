@@ -120,7 +120,7 @@ class OutputProcessor:
             prompt_logprobs, state.prompt_logprobs_sent = state.prompt_logprobs, True
         return RequestOutput(request.request_id, request.prompt, request.prompt_token_ids, [completion],
                              finished, usage, times, prompt_logprobs, request.sampling_params.max_tokens,
-                             request.num_preemptions)
+                             request.num_preemptions, request.spec_decode)
 
     def _logprobs(self, entry: tuple[list[int], list[float], int]) -> TokenLogprobs:
         ids, values, rank = entry

@@ -29,6 +29,7 @@ def output_delta(out: RequestOutput) -> GenerateDelta:
         num_output_tokens=out.usage.completion_tokens,
         num_cached_tokens=out.usage.cached_tokens,
         prompt_logprobs=out.prompt_logprobs,
+        spec_decode=out.spec_decode if completion.finished else None,  # the request's whole, once
     )
 
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from cluster.routing.stats import RoutingRequest
-from cluster.shared.outputs import TokenLogprobs
+from cluster.shared.outputs import SpecDecodeCounts, TokenLogprobs
 from cluster.shared.sampling_params import SamplingParams
 
 
@@ -79,6 +79,8 @@ class GenerateDelta:
     replica_id: str | None = None  # the replica that answered, on the acknowledgement or refusal
     # With prompt_logprobs, on the first token delta: per prompt token (None for the first)
     prompt_logprobs: list[TokenLogprobs | None] | None = None
+    # On the last delta: the request's speculative decoding (None: its engine does not count it per request)
+    spec_decode: SpecDecodeCounts | None = None
 
     @property
     def finished(self) -> bool:
@@ -102,4 +104,5 @@ def merge_deltas(first: GenerateDelta, second: GenerateDelta) -> GenerateDelta:
         num_cached_tokens=second.num_cached_tokens,
         error=second.error,
         prompt_logprobs=first.prompt_logprobs if first.prompt_logprobs is not None else second.prompt_logprobs,
+        spec_decode=second.spec_decode if second.spec_decode is not None else first.spec_decode,
     )

@@ -6,6 +6,7 @@ import enum
 import time
 from typing import TYPE_CHECKING
 
+from cluster.shared.outputs import SpecDecodeCounts
 from cluster.shared.sampling_params import SamplingParams
 
 if TYPE_CHECKING:  # the matcher fills token bitmasks (torch); the scheduler and KV manager only hold it
@@ -82,6 +83,8 @@ class Request:
         # Speculative decoding: tokens whose K/V the draft model holds (never more than
         # the target's verified ``num_computed_tokens``; 0 again after preemption).
         self.draft_num_computed_tokens = 0
+        # Its drafts proposed, verified and accepted so far (the engine adds each step's).
+        self.spec_decode = SpecDecodeCounts()
         # bad_words as token sequences (set by the engine, which has the tokenizer).
         self.bad_words_token_ids: list[list[int]] = []
         # Structured outputs: the grammar state after the output tokens (None: unconstrained).

@@ -328,6 +328,32 @@ def test_vllms_token_id_fields(client, reference):
     assert [t for c in stream[1:] for t in c.choices[0].model_extra["token_ids"]] == ids
 
 
+def test_per_request_spec_decode_metrics_only_when_asked(client):
+    """return_spec_decode_metrics: vLLM's per-request metrics.speculative_decoding, whole and in a stream's
+    last chunk (with the usage); the serve tests' groups draft for themselves, so every draft is accepted."""
+    def check(metrics: dict) -> None:
+        spec = metrics["speculative_decoding"]
+        assert spec["num_spec_steps"] > 0 and spec["num_spec_tokens"] == 2  # k of the serve tests
+        assert spec["num_accepted_draft_tokens"] == spec["num_draft_tokens"] > 0
+        assert spec["draft_acceptance_rate"] == 1.0
+        assert spec["mean_acceptance_length"] == 1 + spec["num_accepted_draft_tokens"] / spec["num_spec_steps"]
+        assert sum(spec["acceptance_histogram"]) == spec["num_spec_steps"]
+
+    fields = {"return_spec_decode_metrics": True, "ignore_eos": True}
+    messages = [{"role": "user", "content": PROMPT}]
+    assert "metrics" not in client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=12,
+                                                      temperature=0).model_extra
+    check(client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=12, temperature=0,
+                                    extra_body=fields).model_extra["metrics"])
+    check(client.chat.completions.create(model=MODEL, messages=messages, max_tokens=12, temperature=0,
+                                         extra_body=fields).model_extra["metrics"])
+    chunks = list(client.chat.completions.create(model=MODEL, messages=messages, max_tokens=12, temperature=0,
+                                                 stream=True, extra_body=fields))
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 12
+    check(chunks[-1].model_extra["metrics"])
+    assert all("metrics" not in c.model_extra for c in chunks[:-1])
+
+
 def test_responses_api_through_the_openai_client(client):
     """POST /v1/responses: the openai client's responses.create, whole and streamed, and its stream
     helper; the text is the chat completion's of the same messages, refusals name their field."""
