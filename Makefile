@@ -5,6 +5,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 PROMETHEUS_DEB := prometheus=2.42.0+ds-5+deb12u1
+SUFFIX_BUILD_DEPS := "cmake==4.4.5" "nanobind==2.9.2" "grpcio-tools==1.85.1" "setuptools==84.2.1" "wheel==0.48.0"
 
 .PHONY: install test test-fast test-vllm check-vllm-resolution serve bench clean
 
@@ -13,6 +14,11 @@ $(STAMP): pyproject.toml
 	# torch first and alone: the exact pin takes the CPU build on our machines.
 	$(BIN)/pip install "torch==2.13.0"
 	$(BIN)/pip install -e ".[test,bench,dashboards]"
+	# arctic-inference: suffix decoding's trees (speculative.method suffix; what vLLM's suffix method calls).
+	# The registry has it only as a source release: built without build isolation (which would fetch a
+	# torch of its own), with this environment's bin first on PATH (its CMake looks for python3 there).
+	$(BIN)/pip install $(SUFFIX_BUILD_DEPS)
+	PATH="$(CURDIR)/$(BIN):$$PATH" $(BIN)/pip install --no-build-isolation --no-deps "arctic-inference==0.3.0"
 	# promtool (checks and unit-tests the rendered alerts) from Debian's prometheus package,
 	# pinned; where apt is missing or not ours, tests/unit/test_alerts.py says it skipped why.
 	command -v promtool >/dev/null || apt-get install -y -q --no-install-recommends $(PROMETHEUS_DEB) \

@@ -115,7 +115,7 @@ class SchedulerConfig(_Strict):
 
 
 class SpeculativeConfig(_Strict):
-    method: Literal["none", "draft", "ngram", "eagle3"] = "none"
+    method: Literal["none", "draft", "ngram", "suffix", "eagle3"] = "none"
     draft_model: str | None = Field(
         None, description="method draft: short name, HF folder or .gguf file; method eagle3: an EAGLE-3 head "
         "folder (the published layout) or a shipped head's name")
@@ -140,6 +140,17 @@ class SpeculativeConfig(_Strict):
     ngram_draft_per_match_token: float | None = Field(
         1.0, ge=0, description="a lookup match shorter than ngram_max tokens proposes at most this many draft "
         "tokens per matched token; null: every match proposes k, as vLLM's")
+    # method suffix: vLLM's keys and defaults (its speculative_config), arctic-inference's trees.
+    suffix_decoding_max_tree_depth: int = Field(
+        24, ge=1, description="suffix: the longest context matched and the deepest the trees go")
+    suffix_decoding_max_cached_requests: int = Field(
+        10000, ge=0, description="suffix: finished responses kept in the replica-wide tree (oldest evicted first; "
+        "0: only the request's own prompt and output)")
+    suffix_decoding_max_spec_factor: float = Field(
+        1.0, gt=0, description="suffix: a request drafts at most this many tokens per matched token (and at most k)")
+    suffix_decoding_min_token_prob: float = Field(
+        0.1, ge=0, le=1, description="suffix: drafting stops where the continuation's estimated probability (the "
+        "product of branch frequencies) falls below this")
 
     @model_validator(mode="after")
     def _check(self) -> "SpeculativeConfig":

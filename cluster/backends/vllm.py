@@ -46,6 +46,7 @@ from cluster.shared.outputs import Logprob
 from cluster.shared.sampling_params import SamplingParams, check_priority
 from cluster.spec_decode.latency_model import power_of_two_sizes
 from cluster.spec_decode.profile_data import load_profile_if_present
+from cluster.spec_decode.suffix import suffix_problem
 from cluster.structured.constraint import vllm_fields
 
 logger = logging.getLogger(__name__)
@@ -326,6 +327,8 @@ def group_settings(config: TandemConfig, tensor_parallel_size: int,
         draft = str(resolve_model(config.speculative.draft_model, config.model.cache_dir).path)
     elif config.speculative.method == "eagle3":
         draft = str(resolve_head(config.speculative.draft_model))
+    elif config.speculative.method == "suffix" and suffix_problem():
+        raise ValueError(f"vLLM's suffix decoding: {suffix_problem()}")
     has_schedule = "num_speculative_tokens_per_batch_size" in getattr(SpeculativeConfig, "__dataclass_fields__", {})
     settings = vllm_settings(config, tensor_parallel_size, str(source.path), draft, profile_table, has_schedule)
     if current_platform.is_cpu() and "block_size" not in config.engine.vllm_args:

@@ -10,6 +10,7 @@ What maps:
 | ``scheduler.max_num_seqs``, ``max_num_batched_tokens``, ``enable_chunked_prefill`` | the same names |
 | ``scheduler.policy`` (``fcfs``, ``priority``) | ``scheduling_policy`` (a request's ``priority`` goes to ``generate``) |
 | ``speculative.method: ngram`` / ``draft`` / ``eagle3`` | ``speculative_config``: ``{method: ngram, prompt_lookup_min/max}`` / ``{method: draft_model, model}`` / ``{method: eagle3, model}`` (the head's folder) with ``num_speculative_tokens`` |
+| ``speculative.method: suffix`` and its ``suffix_decoding_*`` keys | ``speculative_config``: ``{method: suffix}`` with the same keys (vLLM needs ``arctic-inference`` in its environment) |
 | ``speculative.ngram_draft_per_match_token`` | nothing: vLLM's lookup drafts ``k`` tokens after every match, however short |
 | ``speculative.controller: table`` / ``adaptive`` with a profile | the profile's batch-size -> k table as ``num_speculative_tokens_per_batch_size`` (inclusive ranges ``[start, end, k]``), when the installed vLLM has that option; otherwise a fixed k (see :class:`SpecPlan`) |
 | a group's ``tensor_parallel_size`` | ``tensor_parallel_size`` |
@@ -31,11 +32,16 @@ from cluster.config import TandemConfig
 from cluster.spec_decode.profile_data import batch_size_ranges
 
 
+# speculative.method suffix: the keys vLLM's SpeculativeConfig takes under the same names
+SUFFIX_KEYS = ("suffix_decoding_max_tree_depth", "suffix_decoding_max_cached_requests",
+               "suffix_decoding_max_spec_factor", "suffix_decoding_min_token_prob")
+
+
 @dataclass(frozen=True)
 class SpecPlan:
     """How speculation is set up in vLLM: ``policy`` as in ``SpecState`` and the note to log."""
 
-    method: str  # "none", "ngram", "draft" or "eagle3"
+    method: str  # "none", "ngram", "suffix", "draft" or "eagle3"
     policy: str  # "none", "fixed", "batch-size-table" or "fixed-fallback"
     num_speculative_tokens: int
     k_table: dict[int, int] = field(default_factory=dict)  # batch size -> k (the table asked for)
@@ -92,6 +98,8 @@ def vllm_settings(config: TandemConfig, tensor_parallel_size: int, model_path: s
         spec_args: dict = {"num_speculative_tokens": spec.num_speculative_tokens}
         if spec.method == "ngram":
             spec_args.update(method="ngram", prompt_lookup_min=sc.ngram_min, prompt_lookup_max=sc.ngram_max)
+        elif spec.method == "suffix":
+            spec_args.update(method="suffix", **{key: getattr(sc, key) for key in SUFFIX_KEYS})
         elif spec.method == "eagle3":
             spec_args.update(method="eagle3", model=draft_path)
         else:

@@ -32,6 +32,7 @@ from cluster.spec_decode.draft_proposer import DraftModelProposer
 from cluster.spec_decode.eagle3_proposer import Eagle3Proposer
 from cluster.spec_decode.latency_model import LatencyModel, power_of_two_sizes  # noqa: F401 (re-exported)
 from cluster.spec_decode.profile_data import SpeculationProfile
+from cluster.spec_decode.suffix import SuffixProposer
 
 _PROFILE_PREFIX = "__profile-"
 
@@ -182,7 +183,7 @@ def run_profile(
 
 def _draft_pass(engine: Engine, tables, b: int, context_len: int, max_k: int, vocab: int, gen):
     """A call to time for ``b`` sequences' drafting and the draft passes it makes: one draft
-    model or head pass, or (n-gram) a whole proposal of ``max_k`` tokens, counted as ``max_k`` passes."""
+    model or head pass, or (n-gram, suffix) a whole proposal of ``max_k`` tokens, counted as ``max_k`` passes."""
     proposer = engine.proposer
     if isinstance(proposer, DraftModelProposer):
         tokens = torch.randint(3, vocab, (b,), generator=gen).tolist()
@@ -194,6 +195,8 @@ def _draft_pass(engine: Engine, tables, b: int, context_len: int, max_k: int, vo
         hidden = torch.randn(b, proposer.head.config.hidden_size, generator=gen).to(proposer.kv_cache)
         return (lambda: proposer.draft_pass(chunks, tables, hidden)[1].argmax(-1).tolist()), 1
     sequences = torch.randint(3, vocab, (b, context_len), generator=gen).tolist()
+    if isinstance(proposer, SuffixProposer):
+        return proposer.timing_call(sequences, max_k), max(1, max_k)
     ngram = proposer.ngram
     return (lambda: ngram.propose(sequences, [max_k] * b)), max(1, max_k)
 

@@ -17,6 +17,7 @@ from cluster.spec_decode.latency_model import LatencyModel
 from cluster.spec_decode.prior import PRIOR_ACCEPTANCE, PRIOR_WEIGHT, prior_model
 from cluster.spec_decode.profile_data import load_profile_if_present
 from cluster.spec_decode.proposer import NgramStepProposer, Proposer
+from cluster.spec_decode.suffix import SuffixProposer
 
 
 def build_speculation(config: TandemConfig, target_worker) -> tuple[Proposer | None, SpeculationController | None]:
@@ -28,6 +29,13 @@ def build_speculation(config: TandemConfig, target_worker) -> tuple[Proposer | N
     controller = build_controller(config)
     if spec.method == "ngram":
         return NgramStepProposer(spec.ngram_min, spec.ngram_max, spec.ngram_draft_per_match_token), controller
+    if spec.method == "suffix":
+        try:
+            proposer = SuffixProposer(spec.suffix_decoding_max_tree_depth, spec.suffix_decoding_max_cached_requests,
+                                      spec.suffix_decoding_max_spec_factor, spec.suffix_decoding_min_token_prob)
+        except ImportError as exc:
+            raise ConfigError(str(exc)) from exc
+        return proposer, controller
     if spec.method == "eagle3":
         return build_eagle3(config, target_worker), controller
 

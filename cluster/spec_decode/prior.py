@@ -20,8 +20,9 @@ PRIOR_WEIGHT = 1.0  # the prior's coefficients count as this many timed steps (a
 # A target pass: a fixed cost (reading the weights), a little per sequence and per token computed;
 # on a CPU a token computed costs a larger share of the pass than on a GPU.
 _TARGET = {"cpu": [1.0, 0.01, 0.02], "cuda": [1.0, 0.01, 0.002]}
-# A draft pass, relative to the target's: n-gram lookup is host work; a model or head reads its own weights.
-_DRAFT = {"ngram": [0.02, 0.0005], "draft": [0.15, 0.002], "eagle3": [0.08, 0.001]}
+# A draft pass, relative to the target's: n-gram and suffix-tree lookups are host work; a model or head reads its own weights.
+_DRAFT = {"ngram": [0.02, 0.0005], "suffix": [0.02, 0.0005], "draft": [0.15, 0.002],
+          "eagle3": [0.08, 0.001]}
 
 
 def prior_model(method: str, device_type: str) -> LatencyModel:

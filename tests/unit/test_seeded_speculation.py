@@ -24,6 +24,7 @@ SEEDED = SamplingParams(max_tokens=32, temperature=0.7, top_p=0.95, seed=1234, i
 PROMPT = [5, 6, 7, 8, 9] * 4  # repeats, so n-gram lookup finds drafts
 PROPOSERS = {
     "ngram": lambda target, noisy, head: dict(method="ngram"),
+    "suffix": lambda target, noisy, head: dict(method="suffix"),
     "noisy-draft": lambda target, noisy, head: dict(method="draft", draft_model=str(noisy)),
     "self-draft": lambda target, noisy, head: dict(method="draft", draft_model=str(target)),
     "eagle3": lambda target, noisy, head: dict(method="eagle3", draft_model=str(head)),

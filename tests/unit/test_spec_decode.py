@@ -28,6 +28,7 @@ SPEC_SETUPS = {  # (target, noisy draft, EAGLE-3 head) -> settings
     "self-draft": lambda t, d, h: dict(method="draft", draft_model=str(t)),
     "noisy-draft": lambda t, d, h: dict(method="draft", draft_model=str(d)),
     "ngram": lambda t, d, h: dict(method="ngram"),
+    "suffix": lambda t, d, h: dict(method="suffix"),
     "eagle3": lambda t, d, h: dict(method="eagle3", draft_model=str(h)),
 }
 
@@ -130,13 +131,14 @@ def test_seeded_sampling_with_speculation_is_reproducible(tiny_llama_dir, noisy_
     assert runs[0] == runs[1]
 
 
-@pytest.mark.parametrize("setup", ["noisy-draft", "eagle3"])
+@pytest.mark.parametrize("setup", ["noisy-draft", "eagle3", "suffix"])
 @pytest.mark.parametrize("seed", [0, 1])
 def test_random_workload_with_speculation_and_aborts(tiny_llama_dir, noisy_draft_dir, tiny_head_dir, seed, setup):
     rng = random.Random(seed)
     engine = make_engine(tiny_llama_dir, num_blocks=24, block_size=4, max_num_seqs=5, max_num_batched_tokens=32,
                      num_speculative_tokens=3, **SPEC_SETUPS[setup](tiny_llama_dir, noisy_draft_dir, tiny_head_dir))
-    kept = getattr(engine.proposer, "states", {})  # a head's target states, per request
+    # what a proposer keeps per request: a head's target states, the suffix trees' prompt trees
+    kept = getattr(engine.proposer, "states", None) or getattr(engine.proposer, "_active", {})
     engine.controller = CyclingController()
     live: set[str] = set()
     for step in range(250):

@@ -77,3 +77,15 @@ def test_speculative_samples_follow_the_target_joint_distribution(models, temper
     counts = sample_pairs(target, dict(method="draft", draft_model=str(draft)), temperature, top_p, verification)
     statistic, df = chi2_statistic(counts, joint)
     assert statistic < chi2_quantile(0.999, df), (statistic, df)
+
+
+@pytest.mark.parametrize("verification", ["auto", "rejection"])
+def test_suffix_drafts_from_other_requests_keep_the_target_distribution(models, verification):
+    """Suffix drafts come from the other requests' sampled responses (the replica-wide tree), which
+    follow the target itself: the most frequent continuation is drafted, and the exact verification
+    must still leave the target's joint distribution."""
+    target, _ = models
+    joint = _reference_joint(target, 1.0, 1.0)
+    counts = sample_pairs(target, dict(method="suffix"), 1.0, 1.0, verification)
+    statistic, df = chi2_statistic(counts, joint)
+    assert statistic < chi2_quantile(0.999, df), (statistic, df)

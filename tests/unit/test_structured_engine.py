@@ -40,7 +40,7 @@ CHOICES = ("alpha", "beta", "gamma")
 def _speculation(method: str, draft_dir, head_dir=None) -> dict:
     if method == "none":
         return {}
-    extra = {"ngram": {"ngram_min": 1}, "draft": {"draft_model": str(draft_dir)},
+    extra = {"ngram": {"ngram_min": 1}, "suffix": {}, "draft": {"draft_model": str(draft_dir)},
              "eagle3": {"draft_model": str(head_dir)}}[method]
     return dict(method=method, num_speculative_tokens=3, controller="fixed", **extra)
 
@@ -69,7 +69,7 @@ def _finish_all(engine) -> dict:
 CONSTRAINTS = [StructuredOutputs(json=SCHEMA), StructuredOutputs(regex=REGEX), StructuredOutputs(choice=CHOICES)]
 
 
-@pytest.mark.parametrize("method", ["none", "ngram", "draft", "eagle3"])
+@pytest.mark.parametrize("method", ["none", "ngram", "suffix", "draft", "eagle3"])
 def test_outputs_match_their_grammar_beside_free_requests(tiny_llama_dir, noisy_draft_dir, tiny_head_dir, method):
     engine = make_engine(tiny_llama_dir, **_speculation(method, noisy_draft_dir, tiny_head_dir))
     prompts, params = [], []
