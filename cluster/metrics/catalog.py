@@ -153,6 +153,14 @@ METRICS: tuple[MetricSpec, ...] = (
        "over the positions asked for (one not proposed counts as rejected)",
        labels=("position",)),
     _c("tandem_spec_steps", "steps", "engine steps by the k they ran with", labels=("k",)),
+    _g("tandem_suffix_tree_requests", "requests", "suffix decoding: responses in the replica-wide suffix tree "
+       "(finished ones kept up to suffix_decoding_max_cached_requests, and the in-flight ones)"),
+    _g("tandem_suffix_tree_tokens", "tokens", "suffix decoding: tokens of the responses in the replica-wide tree"),
+    _g("tandem_suffix_tree_prompts", "requests", "suffix decoding: prompt trees alive (one per active request)"),
+    _c("tandem_suffix_tree_evictions", "requests", "suffix decoding: responses evicted from the replica-wide tree, "
+       "oldest first"),
+    _c("tandem_suffix_speculations", "speculations", "suffix decoding: speculations asked for, by the length of "
+       "the context they matched (a range of tokens; 0: none)", labels=("match_len",)),
     _g("tandem_capacity_tokens_per_second", "tokens/s",
        "predicted peak output-token throughput: max over batch sizes of b * E(k) / step time, from the "
        "replica's step-time curve (profile corrected by live timings), current k and acceptance"),

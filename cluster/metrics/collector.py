@@ -217,6 +217,18 @@ class EngineMetricsCollector:
         estimate = getattr(controller, "acceptance", None) or spec.effective_acceptance
         for position, value in enumerate(estimate):
             self.sink.set("tandem_spec_acceptance_estimate", value, _labels(position=position))
+        tree = getattr(engine.proposer, "tree_stats", None)
+        if tree is not None:
+            self._poll_suffix_tree(tree)
+
+    def _poll_suffix_tree(self, tree) -> None:
+        """A suffix proposer's trees (``cluster.spec_decode.suffix.SuffixTreeStats``)."""
+        self.sink.set("tandem_suffix_tree_requests", tree.num_cached_requests)
+        self.sink.set("tandem_suffix_tree_tokens", tree.num_cached_tokens)
+        self.sink.set("tandem_suffix_tree_prompts", tree.num_active_requests)
+        self._advance("tandem_suffix_tree_evictions", tree.num_evicted_requests)
+        for name, count in zip(tree.match_len_ranges(), tree.match_len_counts):
+            self._advance("tandem_suffix_speculations", count, _labels(match_len=name))
 
     def _advance(self, name: str, total: float, labels: Labels = ()) -> None:
         """Send the growth of an engine counter since the last poll."""

@@ -60,6 +60,15 @@ class SuffixTreeStats:
     # match length of each speculation asked for -> count, bucketed by MATCH_LEN_BUCKETS (cumulative)
     match_len_counts: list[int] = field(default_factory=lambda: [0] * (len(MATCH_LEN_BUCKETS) + 1))
 
+    @staticmethod
+    def match_len_ranges() -> list[str]:
+        """The histogram's buckets as ranges of tokens: "0", "1", "2", "3-4", ..., "65+"."""
+        names, low = [], 0
+        for bound in MATCH_LEN_BUCKETS:
+            names.append(str(bound) if bound <= low else f"{low}-{bound}")
+            low = bound + 1
+        return names + [f"{low}+"]
+
     def record_match(self, match_len: int) -> None:
         for i, bound in enumerate(MATCH_LEN_BUCKETS):
             if match_len <= bound:

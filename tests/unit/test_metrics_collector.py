@@ -172,3 +172,25 @@ def test_the_metrics_doc_lists_every_metric_as_the_catalog_does():
 
     doc = (Path(__file__).resolve().parents[2] / "docs" / "metrics.md").read_text()
     assert markdown_table() in doc, "docs/metrics.md's metric table is out of date: paste markdown_table() into it"
+
+
+def test_suffix_trees_on_the_metrics(tiny_llama_dir):
+    pytest.importorskip("arctic_inference", reason="arctic-inference is built by `make install`")
+    engine = make_engine(tiny_llama_dir, num_blocks=64, method="suffix", num_speculative_tokens=4,
+                         suffix_decoding_max_cached_requests=2)
+    sink = MemorySink()
+    collector = EngineMetricsCollector(engine, sink)
+    for i in range(4):
+        engine.add_request([5, 6, 7, 8, 5, 6, 7, 8][: 4 + i], SamplingParams(max_tokens=12, ignore_eos=True))
+    while engine.has_unfinished():
+        collector.on_step(engine.step())
+    collector.poll()
+    tree = engine.proposer.tree_stats
+    assert sink.gauges[("tandem_suffix_tree_requests", ())] == 2  # the cap
+    assert sink.gauges[("tandem_suffix_tree_tokens", ())] == 24  # two responses of 12 tokens
+    assert sink.gauges[("tandem_suffix_tree_prompts", ())] == 0
+    assert sink.counters[("tandem_suffix_tree_evictions", ())] == tree.num_evicted_requests == 2
+    speculations = {labels[0][1]: n for (name, labels), n in sink.counters.items()
+                    if name == "tandem_suffix_speculations"}
+    assert set(speculations) == set(tree.match_len_ranges())
+    assert sum(speculations.values()) == sum(tree.match_len_counts) > 0
