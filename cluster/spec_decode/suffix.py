@@ -19,6 +19,7 @@ to the rejection sampler), so every verification mode keeps the target's distrib
 from __future__ import annotations
 
 import importlib.util
+import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
@@ -59,6 +60,11 @@ class SuffixTreeStats:
     num_active_requests: int = 0  # prompt trees alive
     # match length of each speculation asked for -> count, bucketed by MATCH_LEN_BUCKETS (cumulative)
     match_len_counts: list[int] = field(default_factory=lambda: [0] * (len(MATCH_LEN_BUCKETS) + 1))
+    # what the trees cost (cumulative): proposals (one per drafting step), the seconds they took
+    # (bringing the trees up to date included), and the tokens added to the trees
+    num_proposals: int = 0
+    propose_seconds: float = 0.0
+    num_tokens_added: int = 0
 
     @staticmethod
     def match_len_ranges() -> list[str]:
@@ -93,6 +99,14 @@ class SuffixProposer:
     def record(self, aux_hidden: dict) -> None:
         pass
 
+    def clear(self) -> None:
+        """Forget every response and prompt (between benchmark runs: nothing may be in flight)."""
+        if self._active:
+            raise RuntimeError(f"{len(self._active)} requests are still active; clear the trees between runs")
+        self.cache = suffix_cache_class()(self.max_tree_depth, self.cache.max_cached_requests)
+        self._cached_len.clear()
+        self.tree_stats = SuffixTreeStats()
+
     def timing_call(self, sequences: list[list[int]], num_draft_tokens: int):
         """A call that speculates for each of ``sequences`` with this proposer's settings, from
         fresh trees that hold them as prompts (for ``tandem profile``; the replica's trees are
@@ -107,6 +121,7 @@ class SuffixProposer:
         return call
 
     def propose(self, scheduled: list[ScheduledRequest], block_tables: list[list[int]]) -> DraftProposal:
+        started = time.perf_counter()
         drafts: dict[str, list[int]] = {}
         for s in scheduled:
             self._sync(s.request)
@@ -120,6 +135,8 @@ class SuffixProposer:
             self.tree_stats.record_match(draft.match_len)
             if draft.token_ids:
                 drafts[request.request_id] = list(draft.token_ids[: s.num_draft_tokens])
+        self.tree_stats.num_proposals += 1
+        self.tree_stats.propose_seconds += time.perf_counter() - started
         return DraftProposal(drafts, None)
 
     def free(self, request_id: str) -> None:
@@ -150,6 +167,7 @@ class SuffixProposer:
         output = request.output_token_ids
         if len(output) > num_synced:
             self.cache.add_active_response(rid, output[num_synced:])
+            self.tree_stats.num_tokens_added += len(output) - num_synced
             if rid in self._cached_len:
                 self._cached_len[rid] += len(output) - num_synced
                 self.tree_stats.num_cached_tokens += len(output) - num_synced
