@@ -88,7 +88,8 @@ class OutputProcessor:
         new_ids = request.output_token_ids[state.num_sent_tokens:]
         delta_logprobs = None
         if request.sampling_params.logprobs is not None and sampled.logprobs is not None:
-            delta_logprobs = [self._logprobs(entry) for entry in sampled.logprobs]
+            # A stop (token or string) inside a run of accepted drafts cut the tokens: cut their logprobs alike.
+            delta_logprobs = [self._logprobs(entry) for entry in sampled.logprobs[: len(new_ids)]]
             if state.logprobs is not None:
                 state.logprobs.extend(delta_logprobs)
         state.num_sent_tokens = request.num_output_tokens

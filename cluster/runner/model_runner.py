@@ -18,8 +18,12 @@ from cluster.runner.attention_choice import AttentionPlan
 from cluster.runner.decode_graphs import DecodeGraphs
 from cluster.runner.input_batch import SHORT_QUERY_MAX, SeqChunk, prepare_inputs
 from cluster.runner.random_stream import SeedKey
-from cluster.runner.sampler import Sampler, SamplingMetadata, compute_probs, gather_logprobs, greedy_token_ids
-from cluster.runner.rejection import greedy_verify, rejection_sample
+from cluster.runner.host_copy import to_device
+from cluster.runner.sampler import (
+    LogprobsTensors, Sampler, SamplingMetadata, compute_probs, gather_logprobs, greedy_token_ids,
+)
+from cluster.runner.rejection import greedy_verify, read_verified, verify_drafts
+from cluster.runner.step_read import first_logprobs, read_step
 from cluster.shared.draft_proposal import DraftProposal
 from cluster.shared.sampled import PositionLogprobs, PromptLogprobs, SampledTokens
 from cluster.shared.scheduled import ScheduledRequest
@@ -275,25 +279,26 @@ class ModelRunner:
                 token_bitmask: torch.Tensor | None = None) -> dict[str, SampledTokens]:
         """logits: [num_reqs, vocab_size], one row per request."""
         out = self.sampler(logits, self.sampling_metadata(requests, logits.shape[-1], None, token_bitmask))
-        token_ids = out.sampled_token_ids.tolist()
-        lp = out.logprobs
-        if lp is not None:
-            lp_ids, lp_vals, lp_ranks = lp.token_ids.tolist(), lp.logprobs.tolist(), lp.sampled_rank.tolist()
+        read = read_step(out.sampled_token_ids, out.logprobs)
         results = {}
         for i, request in enumerate(requests):
             num = request.sampling_params.logprobs
             logprobs = None
-            if num is not None and lp is not None:
-                logprobs = [(lp_ids[i][: num + 1], lp_vals[i][: num + 1], lp_ranks[i])]
-            results[request.request_id] = SampledTokens([token_ids[i]], logprobs, 0)
+            if num is not None and read.logprobs is not None:
+                logprobs = [first_logprobs(read.logprobs[i], num)]
+            results[request.request_id] = SampledTokens([read.tokens[i]], logprobs, 0)
         return results
 
     def _verify(
         self, logits: torch.Tensor, rows: dict[str, slice], spec: list, drafts: DraftProposal,
         token_bitmask: torch.Tensor | None = None,
     ) -> dict[str, SampledTokens]:
-        """Verify the drafts of ``spec`` requests against the target's logits."""
+        """Verify the drafts of ``spec`` requests against the target's logits. A request that asks
+        for logprobs gets, for every token it emits (accepted drafts, then the recovered or bonus
+        token), what plain decoding gives at that position: the logprob, rank and top-n under the
+        raw distribution of the target's row there (``Sampler``: the log-softmax of the logits)."""
         requests = [r for r, _ in spec]
+        draft_ids = [d for _, d in spec]
         vocab = logits.shape[-1]
         # The target's logits at every verified position, request after request: [sum (k_i + 1), vocab]
         expanded = [r for r, d in spec for _ in range(len(d) + 1)]
@@ -301,20 +306,49 @@ class ModelRunner:
         flat = torch.cat([logits[rows[r.request_id]] for r in requests])
         metadata = self.sampling_metadata(expanded, vocab, offsets, token_bitmask)
         if metadata.all_greedy:  # no distributions needed: compare drafts with the argmax
-            out = greedy_verify([d for _, d in spec], greedy_token_ids(flat, metadata).tolist())
-            return {r.request_id: SampledTokens(tokens, None, accepted)
-                    for r, tokens, accepted in zip(requests, out.output_token_ids, out.num_accepted)}
-        flat_probs = compute_probs(flat, metadata)  # [sum (k_i + 1), vocab], request after request
-        draft_probs = None if drafts.probs is None else torch.cat([drafts.probs[r.request_id] for r in requests])
-        greedy = torch.tensor([r.sampling_params.greedy for r in requests])  # on the host: rejection_sample reads it
-        seeded = {i: SeedKey(seed, r.num_output_tokens) for i, r in enumerate(requests)
-                  if (seed := self.seed(r)) is not None}
-        out = rejection_sample([d for _, d in spec], draft_probs, flat_probs, greedy, seeded, self.coupled,
-                                      self.seeded_race)
-        return {
-            r.request_id: SampledTokens(tokens, None, accepted)
-            for r, tokens, accepted in zip(requests, out.output_token_ids, out.num_accepted)
-        }
+            target_argmax = greedy_token_ids(flat, metadata)  # [sum (k_i + 1)]: each position's token
+            read = read_step(target_argmax, _emitted_logprobs(flat, target_argmax, expanded, metadata))
+            out = greedy_verify(draft_ids, read.tokens)
+        else:
+            flat_probs = compute_probs(flat, metadata)  # [sum (k_i + 1), vocab], request after request
+            draft_probs = None if drafts.probs is None else torch.cat([drafts.probs[r.request_id] for r in requests])
+            greedy = torch.tensor([r.sampling_params.greedy for r in requests])  # on the host: verify_drafts reads it
+            seeded = {i: SeedKey(seed, r.num_output_tokens) for i, r in enumerate(requests)
+                      if (seed := self.seed(r)) is not None}
+            verified = verify_drafts(draft_ids, draft_probs, flat_probs, greedy, seeded, self.coupled,
+                                     self.seeded_race)
+            emitted = None
+            if metadata.max_num_logprobs is not None:  # the token each verified position emits (where it emits one)
+                request_rows = [i for i, (_, d) in enumerate(spec) for _ in range(len(d) + 1)]
+                emitted = verified.output[to_device(request_rows, torch.int64, flat.device),
+                                          to_device(offsets, torch.int64, flat.device)]  # [sum (k_i + 1)]
+            read = read_step(verified.packed(), _emitted_logprobs(flat, emitted, expanded, metadata))
+            out = read_verified(read.tokens)
+        results, lp_row = {}, 0
+        for r, drafted, tokens, accepted in zip(requests, draft_ids, out.output_token_ids, out.num_accepted):
+            num, logprobs = r.sampling_params.logprobs, None
+            if num is not None:  # its rows of ``read.logprobs``: one per verified position, the first len(tokens) emitted
+                logprobs = [first_logprobs(entry, num) for entry in read.logprobs[lp_row : lp_row + len(tokens)]]
+                lp_row += len(drafted) + 1
+            results[r.request_id] = SampledTokens(tokens, logprobs, accepted)
+        return results
+
+
+def _emitted_logprobs(
+    flat_logits: torch.Tensor,  # [sum (k_i + 1), vocab_size] float32: the verified positions, request after request
+    emitted: torch.Tensor | None,  # [sum (k_i + 1)] int64: the token each position emits (any id past the last)
+    expanded: list,  # the request of each row
+    metadata: SamplingMetadata,
+) -> LogprobsTensors | None:
+    """The logprobs of the emitted tokens, at the rows of the requests that ask for them (in order),
+    as ``Sampler`` computes them: raw (the rows' log-softmax), at the step's widest top-n."""
+    if metadata.max_num_logprobs is None:
+        return None
+    wanted = [i for i, r in enumerate(expanded) if r.sampling_params.logprobs is not None]
+    if len(wanted) < len(expanded):
+        index = to_device(wanted, torch.int64, flat_logits.device)
+        flat_logits, emitted = flat_logits.index_select(0, index), emitted.index_select(0, index)
+    return gather_logprobs(flat_logits.float().log_softmax(dim=-1), emitted, metadata.max_num_logprobs)
 
 
 def _num_prompt_rows(request, start: int, num_tokens: int) -> int:

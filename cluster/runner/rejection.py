@@ -60,7 +60,8 @@ distributions at all: ``greedy_verify`` walks the drafts on the host against the
 argmax, which is what the greedy fast path computes. The tests hold both against a plain
 one-request reference (``tests/speculative_reference.py``).
 
-Host syncs: one ``.tolist()`` of the result. The greedy mask comes from the host (it decides
+Host syncs: one ``.tolist()`` of the result (``verify_drafts`` leaves it to a caller that reads
+more with it: the emitted tokens' logprobs). The greedy mask comes from the host (it decides
 which draws to make) and every index goes to the device without a wait
 (:mod:`cluster.runner.host_copy`); the one other read is of seeded rows verified by rejection
 with race noise (``race`` without ``coupled``), whose final draw's key needs its position.
@@ -76,7 +77,8 @@ from cluster.runner.categorical import sample_categorical
 from cluster.runner.host_copy import to_device
 from cluster.runner.random_stream import Lane, SeedKey, draw_seeded, row_uniforms
 
-__all__ = ["RejectionOutput", "greedy_verify", "recovered_probs", "rejection_sample", "verify_on_device"]
+__all__ = ["RejectionOutput", "VerifiedOnDevice", "greedy_verify", "read_verified", "recovered_probs", "rejection_sample",
+           "verify_drafts", "verify_on_device"]
 
 
 class RejectionOutput(NamedTuple):
@@ -96,6 +98,17 @@ def recovered_probs(
     return torch.where(total > 0, normalized, target_probs)
 
 
+class VerifiedOnDevice(NamedTuple):
+    """``rejection_sample``'s result before its read (device tensors)."""
+
+    output: torch.Tensor  # [num_reqs, max_k + 1] int64: accepted drafts, then the final token, then padding
+    num_accepted: torch.Tensor  # [num_reqs] int64
+
+    def packed(self) -> torch.Tensor:  # [num_reqs, max_k + 2] int64: the output row, then num_accepted
+        """What one read brings back; ``read_verified`` turns its host copy into a ``RejectionOutput``."""
+        return torch.cat([self.output, self.num_accepted[:, None]], dim=1)
+
+
 def rejection_sample(
     draft_token_ids: list[list[int]],  # per request, its k_i draft tokens
     draft_probs: torch.Tensor | None,  # [sum k_i, vocab_size] float32, request after request; None = one-hot
@@ -105,7 +118,31 @@ def rejection_sample(
     coupled: bool = False,  # seeded rows are verified by coupling (module docstring)
     race: bool = False,  # seeded rows draw tokens by an exponential race on keyed noise, not the inverse CDF
 ) -> RejectionOutput:
-    """Verify each request's drafts (see the module docstring for the rule and why it is exact).
+    """Verify each request's drafts (see the module docstring for the rule and why it is exact):
+    ``verify_drafts``, then the one read of its result."""
+    verified = verify_drafts(draft_token_ids, draft_probs, target_probs, greedy, seeded, coupled, race)
+    return read_verified(verified.packed().tolist())  # the one read of the result
+
+
+def read_verified(host_rows: list[list[int]]) -> RejectionOutput:
+    """``RejectionOutput`` from the host copy of ``VerifiedOnDevice.packed()``."""
+    return RejectionOutput(
+        output_token_ids=[row[: row[-1] + 1] for row in host_rows],
+        num_accepted=[row[-1] for row in host_rows],
+    )
+
+
+def verify_drafts(
+    draft_token_ids: list[list[int]],  # per request, its k_i draft tokens
+    draft_probs: torch.Tensor | None,  # [sum k_i, vocab_size] float32, request after request; None = one-hot
+    target_probs: torch.Tensor,  # [sum (k_i + 1), vocab_size] float32, request after request
+    greedy: torch.Tensor,  # [num_reqs] bool, on the host
+    seeded: dict[int, SeedKey],  # row -> (seed, output position of its first verified token)
+    coupled: bool = False,
+    race: bool = False,
+) -> VerifiedOnDevice:
+    """``rejection_sample`` without reading its result back: the caller may compute more from
+    the emitted tokens on the device (their logprobs) and read it all at once.
 
     The distributions come packed request after request, as the target's verifying pass
     returns them, and are read through an index: padding every request to the longest one's
@@ -132,14 +169,11 @@ def rejection_sample(
     _check_rows(num_reqs, greedy, seeded)
     ids = to_device([d + [0] * (max_k - len(d)) for d in draft_token_ids], torch.int64, device)
     if num_reqs == 0:
-        return RejectionOutput(output_token_ids=[], num_accepted=[])
+        empty = torch.zeros(0, max_k + 1, dtype=torch.int64, device=device)
+        return VerifiedOnDevice(empty, empty[:, 0])
     output, num_accepted = verify_on_device(ids.view(num_reqs, max_k), counts, draft_probs, draft_rows, target_probs,
                                             target_rows, greedy, seeded, coupled, race)
-    host_rows = torch.cat([output, num_accepted[:, None]], dim=1).tolist()  # the one read of the result
-    return RejectionOutput(
-        output_token_ids=[row[: row[-1] + 1] for row in host_rows],
-        num_accepted=[row[-1] for row in host_rows],
-    )
+    return VerifiedOnDevice(output, num_accepted)
 
 
 def verify_on_device(

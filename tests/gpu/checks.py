@@ -172,7 +172,8 @@ def no_host_sync(name: str, model: str, device: str, prompts: list[list[int]], m
                  **overrides) -> CheckResult:
     """Nothing between a step's inputs and its one read of the result waits on the host: every
     model forward (and CUDA-graph replay), the sampler and its parameters, the verification of
-    drafts (``verify_on_device``: greedy, rejection and coupled), and, with a draft head, each of
+    drafts (``verify_on_device``: greedy, rejection and coupled) and the logprobs of the tokens it
+    emits (``_emitted_logprobs``), and, with a draft head, each of
     its passes and draft choices run under ``torch.cuda.set_sync_debug_mode("error")``, which
     raises on any synchronising CUDA call (``.item()``, a blocking copy, ``nonzero``...). Greedy
     requests, then sampled ones (half of them seeded) in one batch."""
@@ -181,9 +182,12 @@ def no_host_sync(name: str, model: str, device: str, prompts: list[list[int]], m
     from cluster.runner import model_runner, rejection
 
     engine = make_engine(model, device, **overrides)
-    greedy = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
+    # every third request asks for logprobs: they keep drafting, and the emitted tokens' logprobs are computed too
+    greedy = [SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True,
+                             logprobs=2 if i % 3 == 0 else None) for i in range(len(prompts))]
     sampled = [SamplingParams(max_tokens=max_tokens, temperature=0.8, top_p=0.95, ignore_eos=True,
-                              seed=i if i % 2 else None) for i in range(len(prompts))]
+                              seed=i if i % 2 else None, logprobs=2 if i % 3 == 0 else None)
+               for i in range(len(prompts))]
     run_to_completion(engine, prompts, greedy)  # warm-up: compiling the kernels may synchronise
     run_to_completion(engine, prompts, sampled)
     runner, proposer = engine.worker.runner, engine.proposer
@@ -205,9 +209,10 @@ def no_host_sync(name: str, model: str, device: str, prompts: list[list[int]], m
         runner.graphs.forward = guarded(runner.graphs.forward, "forwards")
     runner.sampler = guarded(runner.sampler, "samples")
     runner.sampling_metadata = guarded(runner.sampling_metadata, "samples")
-    originals = (model_runner.compute_probs, rejection.verify_on_device)
+    originals = (model_runner.compute_probs, rejection.verify_on_device, model_runner._emitted_logprobs)
     model_runner.compute_probs = guarded(model_runner.compute_probs, "verifications")
     rejection.verify_on_device = guarded(rejection.verify_on_device, "verifications")
+    model_runner._emitted_logprobs = guarded(model_runner._emitted_logprobs, "verified logprobs")
     if hasattr(proposer, "draft_pass"):  # a draft head
         proposer.draft_pass = guarded(proposer.draft_pass, "head passes")
         proposer._choose = guarded(proposer._choose, "head passes")
@@ -215,7 +220,7 @@ def no_host_sync(name: str, model: str, device: str, prompts: list[list[int]], m
         run_to_completion(engine, prompts, greedy)
         run_to_completion(engine, prompts, sampled)
     finally:
-        model_runner.compute_probs, rejection.verify_on_device = originals
+        model_runner.compute_probs, rejection.verify_on_device, model_runner._emitted_logprobs = originals
     data = {**counts, "attention": runner.attention, "cuda_graphs": runner.graphs is not None}
     release(engine)
     if overrides.get("method") not in (None, "none") and not counts.get("verifications"):
