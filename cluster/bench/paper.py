@@ -22,7 +22,9 @@ Decoding and Batching") on our engine, in one run on one loaded model.
 Prompts (``--prompts``): ``edit`` is :mod:`cluster.profiling.edit_prompts`'s rewrite / summarize / proofread /
 continue requests (n-gram prompt lookup pays on them at every batch size here);
 ``calibration`` is the profiler's chat requests, most of them open-ended, where lookup
-drafts less (the default profile's model has k fall from 8 to 0 at batch 8 on them).
+drafts less (the default profile's model has k fall from 8 to 0 at batch 8 on them);
+``code`` (HumanEval completions) and ``agentic`` (tool-calling agent conversations) are
+:mod:`cluster.bench.workloads`' sets, 16 prompts of each.
 Prefix caching is off, so identical prompts are prefilled cold in every run. Figures:
 :mod:`paper_plots`. Heavy imports stay inside functions: ``tandem`` builds this parser for
 every command.
@@ -50,17 +52,14 @@ from cluster.bench.paper_sweep import (
     WARMUP_LEN, add_predictions, measured_capacity, sweep, sweep_summary, with_workload_acceptance,
 )
 from cluster.bench.paper_traffic import RunResult, Workload, phased_workload, run_open_loop, uniform_workload
-from cluster.bench.spec import WORKLOAD, run_closed_loop
+from cluster.bench.spec import run_closed_loop
+from cluster.bench.workloads.prompt_sets import DESCRIPTIONS, workload_prompt_ids
 from cluster.engine.llm import LLM
 from cluster.models.loader import load_tokenizer, resolve_model
-from cluster.profiling.calibration import acceptance_prompts
-from cluster.profiling.edit_prompts import build_prompt_ids
 from cluster.profiling.profiler import run_profile
 from cluster.spec_decode.controller import AdaptiveController, FixedController, TableController
 
-PROMPT_SETS = {"edit": WORKLOAD,
-               "calibration": "the profiler's calibration chat requests: a few quote text back (where prompt "
-                              "lookup helps), most are open-ended"}
+PROMPT_SETS = {name: DESCRIPTIONS[name] for name in ("edit", "calibration", "code", "agentic")}
 RATE_FRACTIONS = (0.25, 0.55, 0.85)  # of the measured capacity: light, medium, near saturation
 UNIFORM_GOAL = 0.02  # adaptive at most 2% behind the best fixed k at every uniform rate
 PHASED_GOAL = 0.09  # adaptive at least 9% ahead of the best fixed k on phased traffic
@@ -101,8 +100,9 @@ def add_paper_args(parser: argparse.ArgumentParser) -> None:
                              "prompts, or the sweep's measurement on this benchmark's prompts (the paper profiled "
                              "per dataset)")
     parser.add_argument("--prompts", choices=tuple(PROMPT_SETS), default="edit",
-                        help="the requests of sweep and traffic: edit a given passage (lookup copies a lot) or the "
-                             "calibration chat requests (mostly open-ended)")
+                        help="the requests of sweep and traffic: edit a given passage (lookup copies a lot), the "
+                             "calibration chat requests (mostly open-ended), HumanEval code completions, or "
+                             "tool-calling agent conversations (made once with SmolLM2 and cached)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the arrival traces")
     parser.add_argument("--threads", type=positive_int, help="torch.set_num_threads (default: torch's choice)")
     parser.add_argument("--kv-cache-memory", default="1GiB", help="Tandem's KV cache budget")
@@ -120,9 +120,7 @@ def measure_paper(args: argparse.Namespace, console: Console) -> dict:
     tokenizer = load_tokenizer(source)
     if tokenizer is None:
         raise ValueError(f"{args.model} has no tokenizer; this benchmark builds text prompts")
-    texts = acceptance_prompts(args.prompts)
-    prompt_ids, prompt_format = build_prompt_ids(tokenizer, len(texts),
-                                                 lambda i: [{"role": "user", "content": texts[i]}])
+    prompt_ids, prompt_format = workload_prompt_ids(args.prompts, tokenizer, announce=console.print)
     top_k = max(args.max_k, max(args.ks))
     if args.method == "eagle3" and not args.draft_model:
         raise ValueError("--method eagle3 needs --draft-model (an EAGLE-3 head folder or a shipped head's name)")

@@ -5,7 +5,9 @@ CPU OpenAI server (the ``vllm_cpu.sh`` anchor, the same model, dtype and
 ``--max-num-seqs``) in both of its core placements on a small machine: its default (engine
 bound to some cores, one reserved for its front end) and every core for its engine
 (``VLLM_CPU_NUM_OF_RESERVED_CPU=0``). Each server gets every cell: a dataset (128-token
-random prompts, Tandem's instruction prompts) at a request rate (2/s with 64 prompts, and
+random prompts, Tandem's instruction prompts, and on request HumanEval completions ``code``
+and agent conversations ``agentic``, :mod:`cluster.bench.workloads`, written as vLLM's
+``custom`` dataset before any server starts) at a request rate (2/s with 64 prompts, and
 saturation, ``inf`` with 100), driven by ``vllm.benchmarks.serve`` from the vLLM tier's
 environment (``vllm_client.py``). Tandem is compared with the better vLLM placement of each
 cell (the one with the higher output throughput).
@@ -40,8 +42,9 @@ from cluster.bench.spec_vllm import VLLM_ALL_CORES
 from cluster.bench.proc_cpu import ProcessCpuSampler
 from cluster.bench.served_offline import offline_output_throughput
 from cluster.bench.served_report import FIGURES, print_served_report
+from cluster.bench.workloads.prompt_sets import VLLM_DATASETS, VllmDataset, write_vllm_dataset
 from cluster.config import group_engine_config, load_config
-from cluster.models.loader import resolve_model
+from cluster.models.loader import load_tokenizer, resolve_model
 
 VLLM_PLACEMENTS = {"vllm-default": {}, "vllm-all-cores": VLLM_ALL_CORES}
 
@@ -60,6 +63,9 @@ def _client(args, url: str, cell: dict, out: Path) -> dict:
            "--tokenizer", args.tokenizer, "--dataset", cell["dataset"], "--rate", cell["rate"],
            "--num-prompts", str(cell["num_prompts"]), "--input-len", str(args.input_len),
            "--output-len", str(args.output_len), "--seed", str(args.seed), "--out", str(out)]
+    dataset = args.dataset_files.get(cell["dataset"])
+    if dataset is not None:
+        cmd += ["--dataset-path", str(dataset.path)] + (["--skip-chat-template"] if dataset.skip_chat_template else [])
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=args.cell_timeout_s)
     if done.returncode != 0 or not out.exists():
         tail = "\n".join((done.stderr or done.stdout).strip().splitlines()[-12:])
@@ -118,6 +124,7 @@ def measure_served(args: argparse.Namespace, console: Console) -> dict:
     if args.vllm_dtype == "tandem":
         args.vllm_dtype = tandem_dtype(args.config)
     work = Path(tempfile.mkdtemp(prefix="tandem-served-"))
+    args.dataset_files = write_datasets(args, work, console)
     systems = {"tandem": _measure_system(args, console, "tandem", lambda: start_tandem(
         "tandem", args.config, True, sys.executable), work, True)}
     if not args.skip_vllm:
@@ -141,6 +148,18 @@ def measure_served(args: argparse.Namespace, console: Console) -> dict:
                                      "engine core process, direct ingress"}}
 
 
+def write_datasets(args, work: Path, console: Console) -> dict[str, VllmDataset]:
+    """vLLM's custom dataset of each of ``code`` and ``agentic`` in ``--datasets``, written into
+    ``work`` (agentic rendered with the served model's tokenizer) before any server starts."""
+    wanted = [name for name in args.datasets if name in VLLM_DATASETS]
+    if not wanted:
+        return {}
+    config = load_config(args.config)
+    model = group_engine_config(config, config.serve.groups[0].name).model
+    tokenizer = load_tokenizer(resolve_model(model.model, model.cache_dir))
+    return {name: write_vllm_dataset(name, work / f"{name}.jsonl", tokenizer, console.print) for name in wanted}
+
+
 def tandem_dtype(config_path) -> str:
     """The dtype the served config's (first) group computes in on this machine ('auto' made
     concrete), so vLLM computes in the same one (bfloat16 where the CPU has it natively, float32
@@ -157,7 +176,9 @@ def _cores() -> int:
 def add_served_args(parser: argparse.ArgumentParser) -> None:
     add = parser.add_argument
     add("config", nargs="?", default="configs/local.yaml", help="the Tandem config served (default configs/local.yaml)")
-    add("--datasets", nargs="+", choices=["random", "instructions"], default=["random", "instructions"])
+    add("--datasets", nargs="+", choices=["random", "instructions", *VLLM_DATASETS], default=["random", "instructions"],
+        help="random and instructions (the default), code (HumanEval completions), agentic (tool-calling agent "
+             "conversations, made once with SmolLM2 and cached)")
     add("--rates", nargs="+", default=["2", "inf"], help="request rates per second ('inf': all at once)")
     add("--num-prompts", type=int, default=64, help="prompts per cell at a finite rate")
     add("--num-prompts-saturated", type=int, default=100, help="prompts per cell at rate inf")

