@@ -41,7 +41,7 @@ from cluster.bench.offline import concrete_dtype
 from cluster.bench.spec_vllm import VLLM_ALL_CORES
 from cluster.bench.proc_cpu import ProcessCpuSampler
 from cluster.bench.served_offline import offline_output_throughput
-from cluster.bench.served_report import FIGURES, print_served_report
+from cluster.bench.served_report import FIGURES, print_served_report, speculation_gains
 from cluster.bench.workloads.prompt_sets import VLLM_DATASETS, VllmDataset, write_vllm_dataset
 from cluster.config import group_engine_config, load_config
 from cluster.models.loader import load_tokenizer, resolve_model
@@ -55,6 +55,9 @@ def cells(args: argparse.Namespace) -> list[dict]:
         for rate in args.rates:
             num = args.num_prompts_saturated if rate == "inf" else args.num_prompts
             out.append({"name": f"{dataset} @ {rate}/s", "dataset": dataset, "rate": rate, "num_prompts": num})
+        for concurrency in args.max_concurrency:  # closed loop: at most this many requests in flight
+            out.append({"name": f"{dataset} @ c={concurrency}", "dataset": dataset, "rate": "inf",
+                        "num_prompts": args.num_prompts, "concurrency": concurrency})
     return out
 
 
@@ -63,6 +66,10 @@ def _client(args, url: str, cell: dict, out: Path) -> dict:
            "--tokenizer", args.tokenizer, "--dataset", cell["dataset"], "--rate", cell["rate"],
            "--num-prompts", str(cell["num_prompts"]), "--input-len", str(args.input_len),
            "--output-len", str(args.output_len), "--seed", str(args.seed), "--out", str(out)]
+    if cell.get("concurrency"):
+        cmd += ["--max-concurrency", str(cell["concurrency"])]
+    if args.temperature is not None:
+        cmd += ["--temperature", str(args.temperature)]
     dataset = args.dataset_files.get(cell["dataset"])
     if dataset is not None:
         cmd += ["--dataset-path", str(dataset.path)] + (["--skip-chat-template"] if dataset.skip_chat_template else [])
@@ -87,18 +94,30 @@ def _timeline(url: str, seconds: float) -> dict | None:
 
 
 def _measure_system(args, console, name: str, start, work: Path, is_tandem: bool) -> dict:
+    """Every cell on one server; with ``--fresh-server-per-cell`` on a server of its own each (so no
+    cell finds another's prompts in the prefix cache or the suffix trees)."""
+    if not args.fresh_server_per_cell:
+        return _measure_cells(args, console, name, start, work, is_tandem, cells(args))
+    results = {}
+    for cell in cells(args):
+        results.update(_measure_cells(args, console, name, start, work, is_tandem, [cell]))
+    return results
+
+
+def _measure_cells(args, console, name: str, start, work: Path, is_tandem: bool, todo: list[dict]) -> dict:
     server = start_or_report(console, name, start)
     if isinstance(server, dict):
-        return server
+        return {cell["name"]: server for cell in todo}
     results = {}
     try:
-        for cell in cells(args):
+        for cell in todo:
             console.print(f"  {name}: {cell['name']} ({cell['num_prompts']} prompts)")
             sampler = ProcessCpuSampler()
             sampler.start()
             started = time.monotonic()
             try:
-                results[cell["name"]] = _client(args, server.url, cell, work / f"{name}-{len(results)}.json")
+                out = work / f"{name}-{cell['name'].replace(' ', '').replace('/', '')}.json"
+                results[cell["name"]] = _client(args, server.url, cell, out)
             except Exception as err:
                 results[cell["name"]] = {"error": str(err)}
                 console.print(f"[red]    failed:[/] {err}")
@@ -125,22 +144,35 @@ def measure_served(args: argparse.Namespace, console: Console) -> dict:
         args.vllm_dtype = tandem_dtype(args.config)
     work = Path(tempfile.mkdtemp(prefix="tandem-served-"))
     args.dataset_files = write_datasets(args, work, console)
-    systems = {"tandem": _measure_system(args, console, "tandem", lambda: start_tandem(
-        "tandem", args.config, True, sys.executable), work, True)}
+    systems = {}
+    for round_ in range(args.speculation_ab):  # A B A B: the config as it is, then without speculation
+        for name, speculation in (("tandem", True), ("tandem-no-spec", False)):
+            key = name if args.speculation_ab == 1 else f"{name} #{round_ + 1}"
+            systems[key] = _measure_system(args, console, key, lambda s=speculation: start_tandem(
+                key, args.config, s, sys.executable), work, True)
+    if not args.speculation_ab:
+        systems["tandem"] = _measure_system(args, console, "tandem", lambda: start_tandem(
+            "tandem", args.config, True, sys.executable), work, True)
     if not args.skip_vllm:
         vllm_args = ["--dtype", args.vllm_dtype, "--max-num-seqs", str(args.max_num_seqs)]
+        speculative = json.loads(args.vllm_speculative_config) if args.vllm_speculative_config else None
         for name, env in VLLM_PLACEMENTS.items():
             systems[name] = _measure_system(args, console, name, lambda env=env: start_vllm_anchor(
-                name, args.vllm_script, None, vllm_args, env), work, False)
+                name, args.vllm_script, speculative, vllm_args, env), work, False)
     offline = {}
     for cell in cells(args):
-        if cell["rate"] == "inf":
+        if cell["rate"] == "inf" and not cell.get("concurrency") and not args.skip_offline:
             console.print(f"[bold]offline engine[/]: {cell['name']}")
             offline[cell["name"]] = offline_output_throughput(args.config, cell["dataset"], cell["num_prompts"],
                                                               args.input_len, args.output_len, args.seed)
     return {"config": str(args.config), "machine_cores": _cores(), "systems": systems, "offline": offline,
+            "speculation_gain": speculation_gains(systems),
               "settings": {"client": "vllm.benchmarks.serve (backend vllm, streamed completions, ignore_eos, "
-                                     "no sampling settings sent: temperature 1)",
+                                     + ("no sampling settings sent: temperature 1)" if args.temperature is None
+                                        else f"temperature {args.temperature})"),
+                           "max_concurrency": args.max_concurrency, "fresh_server_per_cell": args.fresh_server_per_cell,
+                           "speculation_ab_rounds": args.speculation_ab,
+                           "vllm_speculative_config": args.vllm_speculative_config,
                            "input_len": args.input_len, "output_len": args.output_len, "seed": args.seed,
                            "vllm": {"dtype": args.vllm_dtype, "max_num_seqs": args.max_num_seqs,
                                     "placements": VLLM_PLACEMENTS},
@@ -179,7 +211,19 @@ def add_served_args(parser: argparse.ArgumentParser) -> None:
     add("--datasets", nargs="+", choices=["random", "instructions", *VLLM_DATASETS], default=["random", "instructions"],
         help="random and instructions (the default), code (HumanEval completions), agentic (tool-calling agent "
              "conversations, made once with SmolLM2 and cached)")
-    add("--rates", nargs="+", default=["2", "inf"], help="request rates per second ('inf': all at once)")
+    add("--rates", nargs="*", default=["2", "inf"], help="request rates per second ('inf': all at once); none: "
+        "only the --max-concurrency cells")
+    add("--max-concurrency", nargs="*", type=int, default=[],
+        help="also a closed-loop cell per value: --num-prompts requests, at most this many in flight")
+    add("--temperature", type=float, default=None, help="sent with every request (default: none sent, the "
+        "servers' default of 1; 0: greedy)")
+    add("--speculation-ab", type=int, default=0, metavar="ROUNDS",
+        help="Tandem as configured and again with speculative.method none, alternating, ROUNDS times each")
+    add("--fresh-server-per-cell", action="store_true",
+        help="a server of its own for every cell (no cell finds another's prompts in the caches or suffix trees)")
+    add("--vllm-speculative-config", default=None, help="vLLM's --speculative-config (JSON), e.g. "
+        '\'{"method": "suffix", "num_speculative_tokens": 8}\'')
+    add("--skip-offline", action="store_true", help="no offline engine run of the saturation cells")
     add("--num-prompts", type=int, default=64, help="prompts per cell at a finite rate")
     add("--num-prompts-saturated", type=int, default=100, help="prompts per cell at rate inf")
     add("--input-len", type=int, default=128, help="random prompts' length")

@@ -39,8 +39,45 @@ def verdicts(tandem: dict, vllm: dict) -> dict[str, dict]:
     return out
 
 
+def speculation_gains(systems: dict) -> dict[str, dict[str, float]]:
+    """With ``--speculation-ab``: per cell and figure, how many times better the configured
+    speculation is than none (each side the mean over its rounds; > 1: speculation better)."""
+    gains: dict[str, dict[str, float]] = {}
+    on = [figs for name, figs in systems.items() if name.startswith("tandem #")]
+    off = [figs for name, figs in systems.items() if name.startswith("tandem-no-spec #")]
+    if not on or not off:
+        return gains
+    for cell in on[0]:
+        for key, (_, higher_better) in FIGURES.items():
+            a = [f[cell][key] for f in on if isinstance(f.get(cell), dict) and f[cell].get(key)]
+            b = [f[cell][key] for f in off if isinstance(f.get(cell), dict) and f[cell].get(key)]
+            if a and b:
+                mean_a, mean_b = sum(a) / len(a), sum(b) / len(b)
+                gains.setdefault(cell, {})[key] = mean_a / mean_b if higher_better else mean_b / mean_a
+    return gains
+
+
+def print_speculation_ab(console, report: dict) -> None:
+    """Each cell's figures per Tandem run (speculation as configured, and none, in turn) and the gain."""
+    systems = report["systems"]
+    names = [n for n in systems if n.startswith("tandem")]
+    gains = speculation_gains(systems)
+    for cell, by_figure in gains.items():
+        table = Table(title=f"{cell}: speculation as configured against none (vLLM's client)", box=box.SIMPLE_HEAD,
+                      show_edge=False, caption="gain: how many times better with speculation (means over rounds)")
+        table.add_column("figure")
+        for name in names:
+            table.add_column(name, justify="right")
+        table.add_column("gain", justify="right")
+        for key, (label, _) in FIGURES.items():
+            table.add_row(label, *[_fmt(systems[n].get(cell, {}).get(key)) for n in names], _fmt(by_figure.get(key)))
+        console.print(table)
+
+
 def print_served_report(console, report: dict) -> None:
     systems = report["systems"]
+    if "tandem" not in systems:
+        print_speculation_ab(console, report)
     tandem = systems.get("tandem", {})
     settings = report.get("settings", {})
     if "vllm" in settings:

@@ -30,6 +30,10 @@ def client_args(options: argparse.Namespace) -> list[str]:
             "--request-rate", str(options.rate), "--ignore-eos", "--disable-tqdm",
             "--percentile-metrics", "ttft,tpot,itl,e2el", "--metric-percentiles", "50,90,99",
             "--save-result", "--result-filename", str(options.out)]
+    if getattr(options, "max_concurrency", None) is not None:
+        args += ["--max-concurrency", str(options.max_concurrency)]
+    if getattr(options, "temperature", None) is not None:
+        args += ["--temperature", str(options.temperature)]
     if options.dataset == "random":
         args += ["--dataset-name", "random", "--random-input-len", str(options.input_len),
                  "--random-output-len", str(options.output_len)]
@@ -59,6 +63,8 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--input-len", type=int, default=128)
     parser.add_argument("--output-len", type=int, default=128)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--max-concurrency", type=int, help="requests in flight at most (default: no limit)")
+    parser.add_argument("--temperature", type=float, help="sent with every request (default: the server's, 1)")
     parser.add_argument("--out", type=Path, required=True)
     options = parser.parse_args(argv)
     # here, not at the top: vLLM is optional (the vllm extra); this runs in the vLLM tier's interpreter

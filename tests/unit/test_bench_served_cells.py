@@ -1,0 +1,47 @@
+"""``tandem bench served``'s cells (rates and closed-loop concurrencies), the client's command line for
+them, and the speculation A/B gain."""
+
+from __future__ import annotations
+
+import argparse
+
+from cluster.bench.served import add_served_args, cells
+from cluster.bench.served_report import speculation_gains
+from cluster.bench.vllm_client import client_args
+
+
+def _args(*argv: str) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    add_served_args(parser)
+    return parser.parse_args(list(argv))
+
+
+def test_concurrency_cells_beside_rate_cells():
+    got = cells(_args("--datasets", "code", "--rates", "2", "--max-concurrency", "1", "8", "--num-prompts", "16"))
+    assert [(c["name"], c["rate"], c["num_prompts"], c.get("concurrency")) for c in got] == [
+        ("code @ 2/s", "2", 16, None), ("code @ c=1", "inf", 16, 1), ("code @ c=8", "inf", 16, 8)]
+    assert [c["name"] for c in cells(_args("--datasets", "code", "--rates", "--max-concurrency", "4"))] == [
+        "code @ c=4"]
+
+
+def test_the_client_is_asked_for_the_concurrency_and_temperature():
+    options = argparse.Namespace(url="http://x", model="m", tokenizer="t", seed=0, num_prompts=4, rate="inf",
+                                 out="o.json", dataset="random", input_len=8, output_len=8, max_concurrency=8,
+                                 temperature=0.0)
+    argv = client_args(options)
+    assert argv[argv.index("--max-concurrency") + 1] == "8"
+    assert argv[argv.index("--temperature") + 1] == "0.0"
+    del options.max_concurrency, options.temperature
+    assert "--max-concurrency" not in client_args(options) and "--temperature" not in client_args(options)
+
+
+def test_speculation_gain_is_the_ratio_of_the_rounds_means():
+    cell = "code @ c=1"
+    systems = {"tandem #1": {cell: {"median_tpot_ms": 10.0, "output_throughput": 100.0}},
+               "tandem-no-spec #1": {cell: {"median_tpot_ms": 30.0, "output_throughput": 40.0}},
+               "tandem #2": {cell: {"median_tpot_ms": 14.0, "output_throughput": 80.0}},
+               "tandem-no-spec #2": {cell: {"median_tpot_ms": 30.0, "output_throughput": 40.0}}}
+    gains = speculation_gains(systems)[cell]
+    assert gains["median_tpot_ms"] == 30.0 / 12.0  # lower is better: off / on
+    assert gains["output_throughput"] == 90.0 / 40.0
+    assert speculation_gains({"tandem": systems["tandem #1"]}) == {}
