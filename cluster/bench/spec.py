@@ -196,6 +196,12 @@ def _measure_tandem(args, source, prompt_ids, progress, task, system: str, varia
                 timings, seconds = run_closed_loop(engine, prompt_ids, args.output_len, batch_size, outputs,
                                                    temperature=args.temperature)
                 rounds[k].append((timings, seconds, SpecCounts.of(engine.stats().spec).minus(before), outputs))
+                tree = getattr(engine.proposer, "tree_stats", None)
+                if tree is not None and tree.num_proposals:  # what the suffix trees cost in this run
+                    args.suffix_cost.append({"batch_size": batch_size, "k": k_name(k),
+                                             "us_per_proposal": 1e6 * tree.propose_seconds / tree.num_proposals,
+                                             "us_per_token": 1e6 * tree.propose_seconds / max(tree.num_tokens_added, 1),
+                                             "share_of_wall": tree.propose_seconds / seconds})
                 progress.advance(task)
         for k in ks:
             runs = rounds[k]
@@ -221,6 +227,7 @@ def measure_spec(args: argparse.Namespace, console: Console) -> dict:
     if args.vllm and args.temperature > 0:
         raise ValueError("the vLLM peer is measured greedy: drop --vllm or --temperature")
     variants = engine_variants(args)
+    args.suffix_cost = []  # per timed run with suffix drafts: the trees' cost
     if args.adaptive:
         SpeculationProfile.load(str(args.adaptive))  # a missing or broken profile fails before any model loads
     if args.threads:
@@ -244,9 +251,16 @@ def measure_spec(args: argparse.Namespace, console: Console) -> dict:
             vllm = measure_vllm(args, prompt_ids, console, progress, task)
 
     load_average = {"start": list(load_average), "end": list(os.getloadavg())}
+    if args.suffix_cost:
+        console.print("suffix trees' cost (proposals, bringing the trees up to date included): "
+                      + "; ".join(f"batch {c['batch_size']} k={c['k']}: {c['us_per_proposal']:.0f} us a step, "
+                                  f"{c['us_per_token']:.1f} us a token, {100 * c['share_of_wall']:.2f}% of the run"
+                                  for c in args.suffix_cost))
     result = build_result(args, source, load_average, prompt_ids, prompt_format, cells, vllm,
                           DESCRIPTIONS[args.prompts], WARMUP_LEN)
     result["settings"]["prompts"] = args.prompts
+    if args.suffix_cost:
+        result["suffix_cost"] = args.suffix_cost
     return result
 
 
