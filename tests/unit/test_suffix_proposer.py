@@ -102,3 +102,14 @@ def test_method_suffix_through_the_config_and_config_check(tiny_llama_dir):
     assert speculation_problems(config) == []  # installed here
     with pytest.raises(ConfigError):
         with_overrides(TandemConfig(), method="suffix", suffix_decoding_min_token_prob=1.5)
+
+
+def test_profiling_times_suffix_proposals_and_measures_their_acceptance(tiny_llama_dir):
+    from cluster.profiling.profiler import run_profile
+
+    engine = make_engine(tiny_llama_dir, num_blocks=64, method="suffix", num_speculative_tokens=2)
+    profile = run_profile(engine, [1, 2], 2, context_len=16, repeats=1)
+    assert profile.draft == "suffix"
+    assert [b for b, _ in profile.draft_grid] == [1, 2] and all(s > 0 for _, s in profile.draft_grid)
+    assert len(profile.acceptance) == 2 and len(profile.coverage) == 2 and set(profile.table) == {1, 2}
+    assert not engine.proposer.cache.active_requests  # the timing trees are the profiler's own
