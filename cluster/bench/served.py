@@ -116,7 +116,7 @@ def _measure_cells(args, console, name: str, start, work: Path, is_tandem: bool,
             sampler.start()
             started = time.monotonic()
             try:
-                out = work / f"{name}-{cell['name'].replace(' ', '').replace('/', '')}.json"
+                out = work / ("".join(c for c in f"{name}-{cell['name']}" if c.isalnum() or c in "-_=.") + ".json")
                 results[cell["name"]] = _client(args, server.url, cell, out)
             except Exception as err:
                 results[cell["name"]] = {"error": str(err)}
