@@ -245,7 +245,7 @@ def test_served_passes_the_written_dataset_to_the_client(tmp_path, monkeypatch):
 
     monkeypatch.setattr(served.subprocess, "run", fake_run)
     args = argparse.Namespace(python_vllm="py", served_model_name="m", tokenizer="tok", input_len=8, output_len=16,
-                              seed=0, cell_timeout_s=10, dataset_files={
+                              seed=0, cell_timeout_s=10, temperature=None, dataset_files={
                                   "agentic": prompt_sets.VllmDataset(tmp_path / "agentic.jsonl", True)})
     served._client(args, "http://h:1", {"dataset": "agentic", "rate": "inf", "num_prompts": 4}, tmp_path / "out.json")
     served._client(args, "http://h:1", {"dataset": "random", "rate": "inf", "num_prompts": 4}, tmp_path / "out.json")

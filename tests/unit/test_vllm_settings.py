@@ -148,3 +148,13 @@ def test_tandems_own_int8_schemes_are_refused_for_vllm():
         vllm_settings(config, 1, "/m", None, None, True)
     passed = config_from_dict({"engine": {"vllm_args": {"quantization": "fp8"}}})
     assert vllm_settings(passed, 1, "/m", None, None, True).engine_args["quantization"] == "fp8"
+
+
+def test_suffix_passes_vllms_own_keys():
+    config = _config(method="suffix", num_speculative_tokens=8, suffix_decoding_max_tree_depth=32,
+                     suffix_decoding_min_token_prob=0.2)
+    s = vllm_settings(config, 1, "/m", None, None, has_batch_size_schedule=False)
+    assert s.engine_args["speculative_config"] == {
+        "method": "suffix", "num_speculative_tokens": 8, "suffix_decoding_max_tree_depth": 32,
+        "suffix_decoding_max_cached_requests": 10000, "suffix_decoding_max_spec_factor": 1.0,
+        "suffix_decoding_min_token_prob": 0.2}
