@@ -113,3 +113,19 @@ def test_profiling_times_suffix_proposals_and_measures_their_acceptance(tiny_lla
     assert [b for b, _ in profile.draft_grid] == [1, 2] and all(s > 0 for _, s in profile.draft_grid)
     assert len(profile.acceptance) == 2 and len(profile.coverage) == 2 and set(profile.table) == {1, 2}
     assert not engine.proposer.cache.active_requests  # the timing trees are the profiler's own
+
+
+def test_without_arctic_inference_config_check_and_the_start_say_so(tiny_llama_dir, monkeypatch):
+    import importlib.util
+
+    from cluster.spec_decode import suffix
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(suffix.importlib.util, "find_spec",
+                        lambda name, *a: None if name == "arctic_inference" else real(name, *a))
+    [line] = speculation_problems(with_overrides(TandemConfig(), method="suffix"))
+    assert line.startswith("default: speculative.method suffix needs the arctic-inference package")  # the group
+    assert speculation_problems(with_overrides(TandemConfig(), method="ngram")) == []
+    monkeypatch.setitem(__import__("sys").modules, "arctic_inference.suffix_decoding", None)
+    with pytest.raises(ConfigError, match="arctic-inference"):
+        make_engine(tiny_llama_dir, num_blocks=64, method="suffix")
