@@ -136,7 +136,8 @@ def test_rejection_sampling_logprobs_are_the_targets(tiny_llama_dir):
     """Rejection sampling's tokens are its own; each one's logprob, rank and top-n are the target's raw
     log-softmax at its position, as ``transformers`` computes it (not the tempered, top-p-cut one)."""
     num_logprobs = 4
-    params = [SamplingParams(max_tokens=40, temperature=0.7, top_p=0.8, ignore_eos=True, logprobs=num_logprobs),
+    params = [SamplingParams(max_tokens=40, temperature=0.7, top_p=0.8, seed=3, ignore_eos=True,
+                             logprobs=num_logprobs),
               SamplingParams(max_tokens=32, temperature=1.0, seed=5, ignore_eos=True, logprobs=num_logprobs)]
     prompts = [PROMPT, PROMPT[1:]]
     spec, engine = _generate(tiny_llama_dir, prompts, params, verification="rejection", **NGRAM)
