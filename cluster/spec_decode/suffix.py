@@ -21,14 +21,11 @@ from __future__ import annotations
 import importlib.util
 import time
 from collections import OrderedDict
-from dataclasses import dataclass, field
 
 from cluster.shared.draft_proposal import DraftProposal
 from cluster.shared.request import Request
 from cluster.shared.scheduled import ScheduledRequest
-
-MATCH_LEN_BUCKETS = (0, 1, 2, 4, 8, 16, 32, 64)  # upper bounds of the match-length histogram
-
+from cluster.spec_decode.suffix_stats import SuffixTreeStats
 
 INSTALL_HINT = ("`make install` builds it; by hand: pip install cmake ninja nanobind==2.9.2 grpcio-tools, then "
                 "pip install --no-build-isolation --no-deps arctic-inference==0.3.0")
@@ -48,39 +45,6 @@ def suffix_cache_class():
     except ImportError as exc:
         raise ImportError(f"speculative.method suffix needs arctic-inference ({INSTALL_HINT}): {exc}") from exc
     return SuffixDecodingCache
-
-
-@dataclass
-class SuffixTreeStats:
-    """What the trees hold and how drafts matched, for ``/metrics``."""
-
-    num_cached_requests: int = 0  # responses in the replica-wide tree
-    num_cached_tokens: int = 0  # their tokens
-    num_evicted_requests: int = 0  # responses evicted past max_cached_requests (cumulative)
-    num_active_requests: int = 0  # prompt trees alive
-    # match length of each speculation asked for -> count, bucketed by MATCH_LEN_BUCKETS (cumulative)
-    match_len_counts: list[int] = field(default_factory=lambda: [0] * (len(MATCH_LEN_BUCKETS) + 1))
-    # what the trees cost (cumulative): proposals (one per drafting step), the seconds they took
-    # (bringing the trees up to date included), and the tokens added to the trees
-    num_proposals: int = 0
-    propose_seconds: float = 0.0
-    num_tokens_added: int = 0
-
-    @staticmethod
-    def match_len_ranges() -> list[str]:
-        """The histogram's buckets as ranges of tokens: "0", "1", "2", "3-4", ..., "65+"."""
-        names, low = [], 0
-        for bound in MATCH_LEN_BUCKETS:
-            names.append(str(bound) if bound <= low else f"{low}-{bound}")
-            low = bound + 1
-        return names + [f"{low}+"]
-
-    def record_match(self, match_len: int) -> None:
-        for i, bound in enumerate(MATCH_LEN_BUCKETS):
-            if match_len <= bound:
-                self.match_len_counts[i] += 1
-                return
-        self.match_len_counts[-1] += 1
 
 
 class SuffixProposer:

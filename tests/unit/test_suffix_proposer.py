@@ -11,7 +11,8 @@ from cluster.planning.cli import speculation_problems
 from cluster.shared.request import Request
 from cluster.shared.sampling_params import SamplingParams
 from cluster.shared.scheduled import ScheduledRequest
-from cluster.spec_decode.suffix import MATCH_LEN_BUCKETS, SuffixProposer
+from cluster.spec_decode.suffix import SuffixProposer
+from cluster.spec_decode.suffix_stats import MATCH_LEN_BUCKETS
 from tests.engine_helpers import make_engine
 
 pytest.importorskip("arctic_inference", reason="arctic-inference is built by `make install`")
