@@ -42,14 +42,22 @@ class GrammarMatcher:
 
     def fill_masks(self, bitmask: torch.Tensor, first_row: int, token_ids: list[int]) -> None:
         """Write ``len(token_ids) + 1`` rows of ``bitmask`` ([rows, words] int32, CPU): the allowed
-        tokens now, and after each of ``token_ids`` (which must all be allowed); state unchanged."""
+        tokens now, and after each of ``token_ids`` (which must all be allowed); state unchanged.
+
+        Once a draft completes the grammar the state stays there (the rows after it allow only
+        the end of text): llguidance takes the end-of-text token in that state without recording
+        it, so rolling it back would undo one token too many."""
+        consumed = 0
         for j in range(len(token_ids) + 1):
             row = bitmask[first_row + j]
             self._matcher.unsafe_compute_mask_ptr(row.data_ptr(), row.numel() * row.element_size())
-            if j < len(token_ids) and not self._matcher.consume_token(token_ids[j]):
+            if j == len(token_ids) or self._matcher.is_stopped():
+                continue
+            if not self._matcher.consume_token(token_ids[j]):
                 raise ValueError(f"token {token_ids[j]} is not allowed by the grammar at draft position {j}")
-        if token_ids:
-            self._matcher.rollback(len(token_ids))
+            consumed += 1
+        if consumed:
+            self._matcher.rollback(consumed)
 
     def advance(self, output_token_ids: list[int]) -> int | None:
         """Consume the outputs past ``num_consumed``. Returns the number of output tokens the output

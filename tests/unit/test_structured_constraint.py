@@ -90,6 +90,29 @@ def test_masks_for_draft_positions_leave_the_state_alone(vocabulary):
     assert torch.isinf(masked[1]).sum() == 255 and masked[1, b] == 0
     assert torch.equal(apply_token_bitmask(logits, torch.full_like(bitmask, -1)), logits)
 
+def test_drafts_past_the_grammars_end_leave_the_state_alone(vocabulary):
+    """Drafts that complete the grammar and then end the text (an n-gram draft copying ``...>`` and
+    the end of an earlier turn) must not move the state: llguidance takes the end-of-text token
+    after completion without recording it, so a rollback by the drafts' count undid one token
+    too many and the next real token hit a dead end (issue 71)."""
+    tokenizer, tokens = vocabulary
+    eos = tokenizer.eos_token_id
+    a, b, c, d = (tokenizer.convert_tokens_to_ids(ch) for ch in "abcd")
+    matcher = GrammarMatcher(tokens, StructuredOutputs(regex="abcd"))
+    assert matcher.advance([a, b]) is None and matcher.num_consumed == 2
+    drafts = [c, d, eos, eos]
+    assert matcher.num_valid(drafts) >= 3  # c, d and the end
+    bitmask = torch.zeros(len(drafts) + 1, bitmask_words(256), dtype=torch.int32)
+    matcher.fill_masks(bitmask, 0, drafts[:3])
+    allowed = allowed_tokens(bitmask, 256)
+    assert allowed[0].nonzero().flatten().tolist() == [c]
+    assert allowed[1].nonzero().flatten().tolist() == [d]
+    assert allowed[2].nonzero().flatten().tolist() == [eos] == allowed[3].nonzero().flatten().tolist()
+    # The state still stands after "ab": the next real tokens complete it, no dead end.
+    assert matcher.num_valid([c, d]) == 2
+    assert matcher.advance([a, b, c, d]) == 4 and matcher.is_stopped and not matcher.is_dead
+
+
 
 def test_vllm_gets_the_same_grammar():
     from llguidance import LLMatcher
