@@ -362,11 +362,12 @@ def usage_chunk(response_id: str, created: int, model: str, obj: str, usage_dict
 
 
 def _finish(delta: GenerateDelta) -> str | None:
-    """OpenAI's finish reasons, and ``grammar_dead_end`` where a structured output's grammar left
-    no token to go on with (the output is cut there)."""
+    """OpenAI's finish reasons only: ``length``, else ``stop``. An output a structured grammar cut
+    (no token could go on) stops with ``stop_reason`` ``grammar_dead_end``, vLLM's field for
+    what stopped it."""
     if delta.finish_reason is None:
         return None
-    return delta.finish_reason if delta.finish_reason in ("length", "grammar_dead_end") else "stop"
+    return "length" if delta.finish_reason == "length" else "stop"
 
 
 def _with_tool_calls(finish_reason: str | None, made_tool_calls: bool) -> str | None:

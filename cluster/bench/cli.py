@@ -10,6 +10,7 @@ from pathlib import Path
 
 from rich.console import Console
 
+from cluster.bench.agent import AGENT
 from cluster.bench.benchmark import Benchmark, add_benchmark, publish
 from cluster.bench.compare import COMPARE
 from cluster.bench.lora import LORA
@@ -22,7 +23,8 @@ from cluster.bench.served import SERVED
 from cluster.bench.spec import SPEC
 from cluster.bench.structured import STRUCTURED
 
-BENCHMARKS = {b.name: b for b in (OFFLINE, PREFIX, SPEC, PAPER, QUANT, LORA, SERVE, SERVED, COMPARE, STRUCTURED)}
+BENCHMARKS = {b.name: b for b in (OFFLINE, PREFIX, SPEC, PAPER, QUANT, LORA, SERVE, SERVED, COMPARE, STRUCTURED,
+                                      AGENT)}
 
 
 def add_bench_parser(sub):

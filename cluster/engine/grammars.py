@@ -17,8 +17,8 @@ masked target distribution. Exactness under speculation:
 
 After the step (``advance``) each grammar consumes the request's new output tokens. A grammar
 that completes ends the request (``stop``) at the token that completed it; one that reaches a
-dead end (an llguidance error) ends it with ``grammar_dead_end`` and drops the token sampled
-from it. Preemption needs nothing: the state follows output tokens, which recompute keeps.
+dead end (an llguidance error) ends it with ``grammar_dead_end`` (also its ``stop_reason``, which
+the API keeps under the finish reason ``stop``) and drops the token sampled from it. Preemption needs nothing: the state follows output tokens, which recompute keeps.
 """
 
 from __future__ import annotations
@@ -33,6 +33,8 @@ from cluster.shared.draft_proposal import DraftProposal
 from cluster.shared.scheduled import ScheduledRequest
 from cluster.structured.matcher import GrammarMatcher, bitmask_words
 from cluster.structured.vocabulary import grammar_tokenizer
+
+DEAD_END = RequestStatus.FINISHED_DEAD_END.value  # the stop_reason of a request its grammar ended
 
 
 class Grammars:
@@ -95,6 +97,8 @@ class Grammars:
             end = matcher.advance(request.output_token_ids)
             if end is not None:
                 request.truncate_output(end)
+                if matcher.is_dead:
+                    request.stop_reason = DEAD_END
                 self._finish(request, RequestStatus.FINISHED_DEAD_END if matcher.is_dead
                              else RequestStatus.FINISHED_STOPPED, scheduler)
         self.seconds += time.perf_counter() - started

@@ -85,11 +85,17 @@ def test_vllm_structured_outputs_field(client):
     assert "".join(c.choices[0].delta.content or "" for c in streamed) == regex.choices[0].message.content
 
 
-def test_a_grammar_dead_end_is_its_own_finish_reason(client):
+def test_a_grammar_dead_end_stops_with_the_detail_in_stop_reason(client):
     # The serve model's character-level tokenizer has no token for "é": after "!" nothing can follow.
+    # The finish reason is one OpenAI's schema knows; vLLM's stop_reason says why.
     dead = client.completions.create(model=MODEL, prompt="x", max_tokens=10,
                                      extra_body={"structured_outputs": {"regex": "!é"}})
-    assert dead.choices[0].finish_reason == "grammar_dead_end" and dead.choices[0].text == "!"
+    assert dead.choices[0].finish_reason == "stop" and dead.choices[0].text == "!"
+    assert dead.choices[0].model_extra["stop_reason"] == "grammar_dead_end"
+    chat = client.chat.completions.create(model=MODEL, messages=ASK, max_tokens=10, stream=True,
+                                          extra_body={"structured_outputs": {"regex": "!é"}})
+    last = [c for c in chat if c.choices and c.choices[0].finish_reason][-1].choices[0]
+    assert last.finish_reason == "stop" and last.model_extra["stop_reason"] == "grammar_dead_end"
 
 
 # ---- tool calls ---------------------------------------------------------------------

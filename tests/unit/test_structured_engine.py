@@ -132,7 +132,7 @@ def test_a_grammar_dead_end_finishes_clearly_and_frees_blocks(tiny_llama_dir):
     engine.add_request("x", SamplingParams(max_tokens=20, structured_outputs=StructuredOutputs(regex="!é")))
     engine.add_request("y", SamplingParams(max_tokens=5, temperature=0))
     finished = _finish_all(engine)
-    assert finished["req-0"].finish_reason == "grammar_dead_end"
+    assert finished["req-0"].finish_reason == "grammar_dead_end" == finished["req-0"].stop_reason
     assert finished["req-0"].text == "!"
     assert finished["req-1"].finish_reason == "length"
 
@@ -203,3 +203,24 @@ def test_speculative_constrained_samples_follow_the_masked_target(small_vocab_mo
     assert counts[~support].sum() == 0
     statistic, df = chi2_statistic(counts[support], joint[support])
     assert statistic < chi2_quantile(0.999, df), (statistic, df)
+
+
+@pytest.mark.parametrize("method", ["ngram", "suffix"])
+def test_drafts_that_copy_a_finished_answer_past_its_end_keep_the_grammar(tiny_llama_dir, method):
+    """The prompt holds earlier answers, each followed by the end of text (an agent's earlier
+    turns): lookup drafts the rest of the answer and its end in one proposal. The grammar's
+    state must stand after the accepted tokens only; the draft past its end once undid one
+    token too many, and the request ended in a dead end (issue 71)."""
+    if method == "suffix":
+        pytest.importorskip("arctic_inference", reason="arctic-inference is built by `make install`")
+    extra = {"ngram_draft_per_match_token": None} if method == "ngram" else {}
+    engine = make_engine(tiny_llama_dir, method=method, num_speculative_tokens=4, controller="fixed", **extra)
+    tokenizer = engine.tokenizer
+    answer = tokenizer.encode("xyz", add_special_tokens=False)
+    question = tokenizer.encode("say xyz: ", add_special_tokens=False)
+    prompt = (question + answer + [tokenizer.eos_token_id]) * 3 + question
+    engine.add_request(prompt, SamplingParams(max_tokens=10, temperature=0,
+                                              structured_outputs=StructuredOutputs(regex="xyz")))
+    final = _finish_all(engine)["req-0"]
+    assert (final.finish_reason, final.text) == ("stop", "xyz")
+    assert engine.spec_stats.num_draft_tokens >= len(answer)  # it drafted: the answer's rest and its end
