@@ -68,7 +68,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
                                          ("api_key", args.api_key)) if v is not None}
     if serve_overrides:
         config = config.model_copy(update={"serve": config.serve.model_copy(update=serve_overrides)})
-        config = TandemConfig.model_validate(config.model_dump())
+        config = TandemConfig.model_validate(config.model_dump(exclude_unset=True))  # keeps what the file set
     from deployments.local import start_local  # here, not at the top: the only command that loads Ray
 
     check_memory(config)

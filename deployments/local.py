@@ -22,7 +22,14 @@ reuse (a server of an older Tandem, another program) still hold it.
 SIGTERM and SIGINT stop the server alike, draining it first: the ingress turns new API calls
 away with a 503 (and ``/health`` says ``draining``) while the calls in flight finish, for at
 most ``serve.drain_timeout_s``; then Serve is shut down (what is left is aborted, which frees
-its blocks) within ``SHUTDOWN_TIMEOUT_S``, then Ray, and the process exits.
+its blocks) within ``SHUTDOWN_TIMEOUT_S``, then Ray, and the process exits. The handlers are in
+place from the start: a signal while the server starts stops it the same way. Should a step
+hang (the raylet or the GCS gone), a watchdog exits the process once the bounds have passed; a
+second signal exits at once.
+
+Several servers run side by side on one host, each with its own Ray, on their own
+``serve.port``; Ray's metrics port and Serve's proxy port, when the config leaves them at their
+defaults, move to free ports if another server holds them (the command says which).
 """
 
 from __future__ import annotations
@@ -46,6 +53,7 @@ from deployments.ingress_port import binds
 logger = logging.getLogger(__name__)
 
 SHUTDOWN_TIMEOUT_S = 10.0
+RAY_SHUTDOWN_TIMEOUT_S = 20.0  # ray.shutdown, and what drain's calls may overrun their own bound by
 READY_TIMEOUT_S = 120.0
 PORT_FREE_TIMEOUT_S = 75.0  # Linux holds an actively closed connection in TIME_WAIT for 60 s
 # Measured on 2 cores: Serve's controller took 3.3-3.5% of the 200% at 0.1 s and 1.1% at 1 s, idle
@@ -109,35 +117,107 @@ def wait_for_free_port(host: str, port: int, timeout_s: float = PORT_FREE_TIMEOU
         time.sleep(1.0)
 
 
+def free_or_chosen_port(host: str, port: int, key: str, explicit: bool) -> int:
+    """``port`` when it binds; when it does not, a free one if the config left ``key`` at its
+    default (another server on this host has it), else a RuntimeError naming ``key``."""
+    if binds(host, port):
+        return port
+    if explicit:
+        raise RuntimeError(f"port {port} ({key}) is in use by another process on {host}: give each server on "
+                           f"this host its own {key}")
+    with socket.socket() as sock:
+        sock.bind((host if host not in ("", "0.0.0.0", "::") else "127.0.0.1", 0))
+        chosen = sock.getsockname()[1]
+    print(f"{key}: port {port} is taken (another server on this host?), using {chosen}", flush=True)
+    return chosen
+
+
+class StopRequested(Exception):
+    """SIGINT or SIGTERM arrived while the server was starting."""
+
+
+class Stopper:
+    """SIGINT and SIGTERM from the first moment of ``tandem serve``: the first signal asks for a
+    drained stop (while starting, it interrupts the start-up, which then stops the same way); a
+    second exits at once. ``install`` again after ``ray.init``, which installs a handler of its own."""
+
+    def __init__(self) -> None:
+        self.requested = threading.Event()
+        self.starting = True
+
+    def install(self) -> None:
+        for signum in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(signum, self._handle)
+
+    def _handle(self, signum, _frame) -> None:
+        if self.requested.is_set():
+            print("second signal: exiting now", flush=True)
+            os._exit(128 + signum)
+        self.requested.set()
+        if self.starting:
+            self.starting = False
+            raise StopRequested()
+
+
 def start_local(config: TandemConfig, app_name: str = "tandem", blocking: bool = True) -> str:
-    """Deploy ``config`` and return the base URL; with ``blocking`` serve until SIGINT or SIGTERM."""
+    """Deploy ``config`` and return the base URL; with ``blocking`` serve until SIGINT or SIGTERM
+    (which also stop it, drained, while it starts)."""
     app = build_app(config)  # validate before starting anything
     host, port = config.serve.host, config.serve.port
-    proxy_port = port
-    if not ray.is_initialized():
-        environment = direct_ingress_environment(config)
-        os.environ.update(environment)  # inherited by Ray's processes
-        os.environ.setdefault("RAY_SERVE_CONTROL_LOOP_INTERVAL_S", CONTROL_LOOP_INTERVAL_S)
-        if environment:
-            proxy_port = config.serve.proxy_port or port + 1
-            wait_for_free_port(host, port)
-        # Logical CPUs: replicas of a CPU demo may share physical cores.
-        num_cpus = max(os.cpu_count() or 1, int(logical_cpus_needed(config) + 0.999))
-        ray.init(num_cpus=num_cpus, include_dashboard=False, logging_level=logging.WARNING,
-                 _metrics_export_port=config.serve.metrics_export_port)
-    # A hub left draining by an earlier `tandem serve` on this Ray cluster would drain the new ingress.
-    ray.get(application_hub(app_name).drain.remote(False), timeout=30)
-    serve.start(http_options={"host": host, "port": proxy_port})
-    serve.run(app, name=app_name, route_prefix="/", blocking=False, logging_config=config.serve.logging_config())
-    url = f"http://{host}:{port}"
-    _wait_for_http(url)
+    stopper = Stopper()
+    if blocking:
+        stopper.install()
+    try:
+        metrics_port, proxy_port = config.serve.metrics_export_port, port  # Serve's proxy on a running Ray
+        if not ray.is_initialized():
+            metrics_port, proxy_port = _start_ray(config)
+        if blocking:
+            stopper.install()  # ray.init replaced the handlers with its own (an exit without a drain)
+        # A hub left draining by an earlier `tandem serve` on this Ray cluster would drain the new ingress.
+        ray.get(application_hub(app_name).drain.remote(False), timeout=30)
+        serve.start(http_options={"host": host, "port": proxy_port})
+        serve.run(app, name=app_name, route_prefix="/", blocking=False, logging_config=config.serve.logging_config())
+        url = f"http://{host}:{port}"
+        _wait_for_http(url)
+        stopper.starting = False
+    except BaseException:
+        if not stopper.requested.is_set():
+            raise
+        # StopRequested, or what Ray's code made of it where the signal interrupted it
+        print("stop asked for while starting", flush=True)
+        stop_bounded(app_name, config.serve.drain_timeout_s)
+        return f"http://{host}:{port}"
     if blocking:
         print(f"Tandem serves {config.serve.served_model_name or config.model.model} at {url}/v1 "
-              f"(OpenAI API), its metrics at {url}/metrics (Ray's at "
-              f"http://{host}:{config.serve.metrics_export_port}/metrics); "
+              f"(OpenAI API), its metrics at {url}/metrics (Ray's at http://{host}:{metrics_port}/metrics); "
               "Ctrl-C or SIGTERM stops it", flush=True)
-        serve_until_signalled(app_name, config.serve.drain_timeout_s)
+        while not stopper.requested.wait(0.5):  # a timed wait lets the handler run promptly
+            pass
+        stop_bounded(app_name, config.serve.drain_timeout_s)
     return url
+
+
+def _start_ray(config: TandemConfig) -> tuple[int, int]:
+    """Start this server's own Ray; returns the ports of Ray's metrics and of Serve's proxy (on
+    ``serve.port`` itself, or beside the direct ingress on ``serve.proxy_port``, default
+    ``serve.port`` + 1). Ports the config leaves at their defaults move aside when another server
+    on this host holds them."""
+    serve_config = config.serve
+    environment = direct_ingress_environment(config)
+    os.environ.update(environment)  # inherited by Ray's processes
+    os.environ.setdefault("RAY_SERVE_CONTROL_LOOP_INTERVAL_S", CONTROL_LOOP_INTERVAL_S)
+    proxy_port = serve_config.port
+    if environment:
+        wait_for_free_port(serve_config.host, serve_config.port)
+        proxy_port = serve_config.proxy_port or free_or_chosen_port(
+            serve_config.host, serve_config.port + 1, "serve.proxy_port", explicit=False)
+    metrics_port = free_or_chosen_port("127.0.0.1", serve_config.metrics_export_port, "serve.metrics_export_port",
+                                       "metrics_export_port" in serve_config.model_fields_set)
+    # Logical CPUs: replicas of a CPU demo may share physical cores.
+    num_cpus = max(os.cpu_count() or 1, int(logical_cpus_needed(config) + 0.999))
+    ray.init(num_cpus=num_cpus, include_dashboard=False, logging_level=logging.WARNING,
+             _metrics_export_port=metrics_port)
+    return metrics_port, proxy_port
 
 
 def _wait_for_http(url: str) -> None:
@@ -154,13 +234,23 @@ def _wait_for_http(url: str) -> None:
         time.sleep(0.5)
 
 
-def serve_until_signalled(app_name: str, drain_timeout_s: float) -> None:
-    """Block until SIGINT or SIGTERM, drain, then stop Serve and Ray within a bounded time."""
-    stop = threading.Event()
-    for signum in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(signum, lambda received, _frame: stop.set())
-    while not stop.wait(0.5):  # a timed wait lets the handler run promptly
-        pass
+def stop_bounded(app_name: str, drain_timeout_s: float) -> None:
+    """Drain, then stop Serve and Ray. Every step is bounded: should one hang (the raylet, the GCS
+    or the hub gone), the process exits anyway once ``drain_timeout_s`` plus ``SHUTDOWN_TIMEOUT_S``
+    plus ``RAY_SHUTDOWN_TIMEOUT_S`` have passed."""
+    bound = max(drain_timeout_s, 0) + SHUTDOWN_TIMEOUT_S + RAY_SHUTDOWN_TIMEOUT_S
+
+    def give_up() -> None:
+        print(f"stopping took more than {bound:.0f} s (is Ray's raylet or GCS gone?): exiting", flush=True)
+        os._exit(1)
+
+    watchdog = threading.Timer(bound, give_up)
+    watchdog.daemon = True
+    watchdog.start()
+    if not ray.is_initialized():  # stopped before Ray was up: whatever ray.init left behind goes
+        ray.shutdown()
+        watchdog.cancel()
+        return
     drain(app_name, drain_timeout_s)
     print("stopping: shutting Serve down (requests still in flight are aborted)", flush=True)
     done = threading.Event()
@@ -176,6 +266,7 @@ def serve_until_signalled(app_name: str, drain_timeout_s: float) -> None:
     if not done.wait(SHUTDOWN_TIMEOUT_S):
         print(f"Serve did not stop within {SHUTDOWN_TIMEOUT_S:.0f} s; stopping Ray", flush=True)
     ray.shutdown()
+    watchdog.cancel()
 
 
 def drain(app_name: str, timeout_s: float) -> None:

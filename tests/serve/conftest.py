@@ -37,8 +37,10 @@ def scrape_metrics(where: int | str) -> dict[str, list]:
 class ServeProcess:
     """``tandem serve`` run as the command, in a process of its own (its own Ray)."""
 
-    def __init__(self, config: dict, folder, env: dict | None = None) -> None:
-        """``env``: variables added to the command's environment (and so its Ray's)."""
+    def __init__(self, config: dict, folder, env: dict | None = None, wait: bool = True) -> None:
+        """``env``: variables added to the command's environment (and so its Ray's). Ports the
+        config does not name are free ones; a port set to None is left to the command's default.
+        ``wait``: return once ``/health`` answers 200 (else at once)."""
         import json
         import subprocess
         import sys
@@ -46,8 +48,9 @@ class ServeProcess:
 
         import httpx
 
-        config = {**config, "serve": {"port": free_port(), "proxy_port": free_port(),
-                                      "metrics_export_port": free_port(), **config.get("serve", {})}}
+        serve = {"port": free_port(), "proxy_port": free_port(), "metrics_export_port": free_port(),
+                 **config.get("serve", {})}
+        config = {**config, "serve": {k: v for k, v in serve.items() if v is not None}}
         path = folder / "serve.yaml"
         path.write_text(json.dumps(config))  # JSON is YAML
         self.log = folder / "serve.log"
@@ -56,15 +59,21 @@ class ServeProcess:
                                         stdout=open(self.log, "w"), stderr=subprocess.STDOUT,
                                         env=_own_environment(env))
         deadline = time.time() + 180
-        while True:
-            assert self.process.poll() is None, self.log.read_text()[-3000:]
-            try:
-                if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            assert time.time() < deadline, "never ready: " + self.log.read_text()[-3000:]
-            time.sleep(0.5)
+        if not wait:
+            return
+        try:
+            while True:
+                assert self.process.poll() is None, self.log.read_text()[-3000:]
+                try:
+                    if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
+                        return
+                except httpx.HTTPError:
+                    pass
+                assert time.time() < deadline, "never ready: " + self.log.read_text()[-3000:]
+                time.sleep(0.5)
+        except BaseException:
+            self.stop()  # the caller gets no handle to stop it with
+            raise
 
     def stop(self) -> None:
         """SIGTERM, as an operator stops it (it then stops the Ray it started); a kill past a minute."""
