@@ -10,6 +10,9 @@ and the vLLM tier's, each with its own torch) keep a build each instead of rebui
 cores, which `tandem serve` spent loading after the vLLM tier had run). Later processes load
 the built library in well under a second.
 
+Builds and loads of one kernel take turns under a file lock that dies with its holder, so a
+process killed mid-build never leaves the next one waiting (torch's builder alone would).
+
 Where the build cannot happen (no compiler, a CPU without AVX2/FMA, a build error),
 :func:`small_gemm`, :func:`widening_gemm`, :func:`lowbit_gemm` and :func:`decode_ops` return None with a logged reason
 and callers keep torch's own kernels. ``TANDEM_CPU_KERNELS=0`` turns the kernels off (for A/B runs and as an escape
@@ -18,6 +21,8 @@ hatch).
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import functools
 import hashlib
 import logging
@@ -97,14 +102,34 @@ def _load(name: str) -> ModuleType | None:
     source = _SOURCE_DIR / f"{name}.cpp"
     try:
         module_name, folder = _build_dir(name, source)
-        return cpp_extension.load(
-            name=module_name,
-            sources=[str(source)],
-            build_directory=str(folder),
-            extra_cflags=["-O3", "-march=native", "-fopenmp"],
-            extra_ldflags=["-fopenmp"],
-            verbose=False,
-        )
+        with _build_lock(folder):
+            return cpp_extension.load(
+                name=module_name,
+                sources=[str(source)],
+                build_directory=str(folder),
+                extra_cflags=["-O3", "-march=native", "-fopenmp"],
+                extra_ldflags=["-fopenmp"],
+                verbose=False,
+            )
     except Exception as err:  # a missing compiler, ninja or header: fall back, never fail the model
         logger.warning("could not build the CPU kernel %s (%s); using torch's own kernels", name, err)
         return None
+
+
+@contextlib.contextmanager
+def _build_lock(folder: Path):
+    """One process at a time builds or loads in ``folder``, under an ``flock`` the kernel drops
+    when its holder dies. torch's own lock (a file named ``lock`` that its builder waits on until
+    it disappears) outlives a process killed mid-build and then blocked every later start; found
+    while holding ours, it can only be such a leftover, so it is removed."""
+    with open(folder / "tandem.lock", "a") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            stale = folder / "lock"
+            if stale.exists():
+                logger.warning("removing %s, left by a kernel build that did not finish", stale)
+                stale.unlink(missing_ok=True)
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+

@@ -121,3 +121,21 @@ def test_each_torch_installation_keeps_its_own_build():
     assert here == build.build_key(source, Path("/venv-a/torch"))
     assert here != build.build_key(source, Path("/venv-b/torch"))
     assert here != build.build_key(build._SOURCE_DIR / "decode_ops.cpp", Path("/venv-a/torch"))
+
+
+def test_a_build_lock_left_by_a_killed_build_does_not_block_the_next_start(tmp_path):
+    """A process killed while torch's builder held its lock file left it behind, and every later
+    engine start waited on it without a word. A fresh process must load past it (in a
+    subprocess: a hang shows as its timeout)."""
+    import subprocess
+    import sys
+
+    if not build.cpu_has_vectors() or not build.kernels_enabled():
+        pytest.skip("no kernels on this CPU")
+    assert build.small_gemm() is not None  # built (or loaded) once, so the folder exists
+    _, folder = build._build_dir("small_gemm", build._SOURCE_DIR / "small_gemm.cpp")
+    (folder / "lock").write_text("")  # torch's baton, as a killed build leaves it
+    code = "from cluster.kernels import build; assert build.small_gemm() is not None"
+    done = subprocess.run([sys.executable, "-c", code], timeout=600, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert not (folder / "lock").exists()
