@@ -23,6 +23,7 @@ from cluster.runner.sampler import (
     LogprobsTensors, Sampler, SamplingMetadata, compute_probs, gather_logprobs, greedy_token_ids,
 )
 from cluster.runner.rejection import greedy_verify, read_verified, verify_drafts
+from cluster.runner.synthetic_acceptance import SyntheticAcceptance
 from cluster.runner.step_read import first_logprobs, read_step
 from cluster.shared.draft_proposal import DraftProposal
 from cluster.shared.sampled import PositionLogprobs, PromptLogprobs, SampledTokens
@@ -120,6 +121,8 @@ class ModelRunner:
         self.coupled = verification != "rejection"  # seeded rows are verified by coupling
         self.own_seeds: dict[str, int] | None = {} if verification == "coupled" else None
         self.seeded_race = seeded_race
+        # Accept decisions drawn instead of verified (``synthetic_acceptance.py``): set by benchmarks only.
+        self.synthetic_acceptance: SyntheticAcceptance | None = None
         self.graphs = None
         if attention.cuda_graphs:
             self.graphs = DecodeGraphs(model, self.kv_caches, self.flex, spec.block_size,
@@ -305,10 +308,11 @@ class ModelRunner:
         offsets = [j for _, d in spec for j in range(len(d) + 1)]
         flat = torch.cat([logits[rows[r.request_id]] for r in requests])
         metadata = self.sampling_metadata(expanded, vocab, offsets, token_bitmask)
-        if metadata.all_greedy:  # no distributions needed: compare drafts with the argmax
+        if metadata.all_greedy or self.synthetic_acceptance is not None:  # compare drafts with the argmax
             target_argmax = greedy_token_ids(flat, metadata)  # [sum (k_i + 1)]: each position's token
             read = read_step(target_argmax, _emitted_logprobs(flat, target_argmax, expanded, metadata))
-            out = greedy_verify(draft_ids, read.tokens)
+            out = (greedy_verify(draft_ids, read.tokens) if self.synthetic_acceptance is None
+                   else self.synthetic_acceptance.verify(draft_ids, read.tokens))  # a timing rig's
         else:
             flat_probs = compute_probs(flat, metadata)  # [sum (k_i + 1), vocab], request after request
             draft_probs = None if drafts.probs is None else torch.cat([drafts.probs[r.request_id] for r in requests])
