@@ -56,7 +56,7 @@ from cluster.bench.spec import run_closed_loop
 from cluster.bench.workloads.prompt_sets import DESCRIPTIONS, workload_prompt_ids
 from cluster.engine.llm import LLM
 from cluster.models.loader import load_tokenizer, resolve_model
-from cluster.profiling.profiler import run_profile
+from cluster.profiling.profiler import run_profile, set_synthetic_acceptance
 from cluster.spec_decode.controller import AdaptiveController, FixedController, TableController
 
 PROMPT_SETS = {name: DESCRIPTIONS[name] for name in ("edit", "calibration", "code", "agentic")}
@@ -104,6 +104,9 @@ def add_paper_args(parser: argparse.ArgumentParser) -> None:
                              "calibration chat requests (mostly open-ended), HumanEval code completions, or "
                              "tool-calling agent conversations (made once with SmolLM2 and cached)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the arrival traces")
+    parser.add_argument("--synthetic-acceptance", metavar="ALPHA",
+                        help="timing rigs: accept each draft position with this probability (or per position: "
+                             "0.9,0.8,0.7) instead of verifying it; every table and the JSON say so")
     parser.add_argument("--threads", type=positive_int, help="torch.set_num_threads (default: torch's choice)")
     parser.add_argument("--kv-cache-memory", default="1GiB", help="Tandem's KV cache budget")
 
@@ -130,6 +133,9 @@ def measure_paper(args: argparse.Namespace, console: Console) -> dict:
               max_num_seqs=args.max_num_seqs or max(args.batch_sizes), enable_prefix_caching=False,
               kv_cache_memory=args.kv_cache_memory)
     engine = llm.engine
+    synthetic = set_synthetic_acceptance(engine, args.synthetic_acceptance)
+    if synthetic is not None:
+        console.print(f"[bold]{synthetic.label()}[/]: drafts are accepted as drawn, not verified (timing only)")
     run_closed_loop(engine, prompt_ids[:max(args.batch_sizes)], WARMUP_LEN, max(args.batch_sizes))
     context_len = round(sum(map(len, prompt_ids)) / len(prompt_ids) + args.output_len / 2)
     profile = run_profile(engine, args.batch_sizes, top_k, context_len)
@@ -166,6 +172,7 @@ def measure_paper(args: argparse.Namespace, console: Console) -> dict:
                      "min_requests_per_cell": len(prompt_ids), "rate_fractions": list(RATE_FRACTIONS),
                      "profile_context_len": context_len, "adaptive_hysteresis": HYSTERESIS,
                      "profile_acceptance": args.profile_acceptance, "calibration_acceptance": calibration_acceptance,
+                     "synthetic_acceptance": None if synthetic is None else synthetic.label(),
                      "tpot": "per request (finish - first token) / (output tokens - 1), mean over requests"},
         "profile": profile.model_dump(),
         "tpot_vs_k": sweep_summary(cells, args, profile.table),

@@ -30,7 +30,7 @@ def _print_sweep(console, result: dict) -> None:
     table = Table(
         title=f"TPOT ms vs k, measured / predicted, {model} {settings['dtype']} {settings['method']}, "
               f"{settings['output_len']} tokens per request, batch submitted at once, "
-              f"{settings['prompts']} prompts",
+              f"{settings['prompts']} prompts{_synthetic(settings)}",
         caption=f"predicted: the latency model fitted by run_profile (fit error {profile['fit_error']:.1%}) with the "
                 f"acceptance the controllers start from, measured on the {profile['acceptance_prompts']} prompts ("
                 + ", ".join(f"{a:.2f}" for a in profile["acceptance"]) + "); bold: best measured k",
@@ -49,7 +49,7 @@ def _print_sweep(console, result: dict) -> None:
     console.print(table)
 
     table = Table(
-        title="Best k per batch size: measured vs the latency model",
+        title=f"Best k per batch size: measured vs the latency model{_synthetic(result['settings'])}",
         caption="model k: argmin of the predicted TPOT (profile acceptance); regret: measured TPOT at model k over "
                 "the best; model k (acc.): argmin with each cell's own measured acceptance; table k: the "
                 "profile's table (read from its measured grid; regret - where the sweep did not run that k); "
@@ -84,7 +84,7 @@ def _print_traffic(console, result: dict) -> None:
            f"k={capacity['k']})" if capacity["source"] == "measured" else "rates given by --rates")
     table = Table(
         title=f"Open-loop Poisson traffic, {settings['requests']} requests per run, {settings['output_len']} tokens "
-              "each, same arrival trace for every policy",
+              f"each, same arrival trace for every policy{_synthetic(settings)}",
         caption=f"{cap}; each policy's median of {settings.get('repeats', 1)} runs (each run: its mean TPOT, in "
                 "order); vs best: mean TPOT over the best fixed k's (- is faster); latency and TTFT from the "
                 "scheduled arrival; batch and k: means over steps",
@@ -110,7 +110,8 @@ def _print_traffic(console, result: dict) -> None:
 
 
 def _print_goals(console, result: dict) -> None:
-    table = Table(title="Goals (gap: policy TPOT / best fixed k TPOT - 1)", box=box.SIMPLE_HEAD, show_edge=False,
+    table = Table(title=f"Goals (gap: policy TPOT / best fixed k TPOT - 1){_synthetic(result['settings'])}",
+                  box=box.SIMPLE_HEAD, show_edge=False,
                   caption="per-phase k: the best fixed k of each phase picked in hindsight from the fixed-k runs, "
                           "the most any controller could gain over the best single k here (noise flatters it); "
                           "run to run: how far repeated runs of one fixed k fall apart (median over the fixed k's "
@@ -130,3 +131,10 @@ def _print_goals(console, result: dict) -> None:
                       "over the runs kept (the speculation length hardly changes those steps)")
     console.print(f"wall time {result['wall_s'] / 60:.1f} min; load average at start "
                   + ", ".join(f"{x:.2f}" for x in result["machine"]["load_average_1_5_15m"]))
+
+
+def _synthetic(settings: dict) -> str:
+    """The title's mark of a run whose drafts were accepted as drawn (``--synthetic-acceptance``)."""
+    label = settings.get("synthetic_acceptance")
+    return f", {label} (drawn, not verified)" if label else ""
+

@@ -9,7 +9,7 @@ import json
 from cluster.config import ConfigError, engine_config_from_args, group_engine_config, with_overrides
 from cluster.engine.engine import Engine
 from cluster.profiling.calibration import ACCEPTANCE_PROMPT_SETS
-from cluster.profiling.profiler import power_of_two_sizes, run_profile
+from cluster.profiling.profiler import power_of_two_sizes, run_profile, set_synthetic_acceptance
 from cluster.profiling.vllm_profile import print_grid, run_vllm_profile
 
 
@@ -25,6 +25,8 @@ def cmd_profile(args: argparse.Namespace) -> int:
         config = with_overrides(config, method="ngram")
     max_batch = args.max_batch or config.scheduler.max_num_seqs
     if config.engine.backend == "vllm":
+        if args.synthetic_acceptance:
+            raise ConfigError("--synthetic-acceptance sets Tandem's runner; the vLLM engine has no such switch")
         if args.acceptance_prompts != "calibration":
             raise ConfigError(f"--acceptance-prompts {args.acceptance_prompts}: the vLLM profile measures "
                               "acceptance on the calibration prompts only")
@@ -36,8 +38,11 @@ def cmd_profile(args: argparse.Namespace) -> int:
         # The profile is what the controllers will read: make one with the fixed policy.
         engine = Engine(with_overrides(config, controller="fixed", num_speculative_tokens=args.max_k))
         try:
+            synthetic = set_synthetic_acceptance(engine, args.synthetic_acceptance)
             profile = run_profile(engine, power_of_two_sizes(max_batch), args.max_k, args.context_len,
                                   args.repeats or 3, args.acceptance_prompts)
+            if synthetic is not None:  # the file says so wherever it is read
+                profile.acceptance_prompts = synthetic.label()
         finally:
             engine.worker.close()  # tensor-parallel ranks, if any
     profile.save(args.out)
@@ -68,6 +73,9 @@ def add_profile_parser(sub) -> None:
     prof.add_argument("--acceptance-prompts", choices=ACCEPTANCE_PROMPT_SETS, default="calibration",
                       help="measure acceptance on the mixed calibration chat prompts or on `tandem bench spec`'s "
                            "edit requests (rewrite / summarize / proofread a passage in the prompt)")
+    prof.add_argument("--synthetic-acceptance", metavar="ALPHA",
+                      help="timing rigs only: accept each draft position with this probability (or per position: "
+                           "0.9,0.8,0.7) instead of verifying it; the profile's acceptance_prompts says so")
     prof.add_argument("--group", help="profile this serve.groups entry (its engine settings), on its device kind")
     prof.add_argument("--vllm-schedule", action="store_true",
                       help="also print the table as vLLM's num_speculative_tokens_per_batch_size")

@@ -26,6 +26,8 @@ from cluster.engine.llm import apply_chat_template
 from cluster.shared.sampling_params import SamplingParams
 from cluster.kv.block_manager import cdiv
 from cluster.runner.input_batch import SeqChunk
+from cluster.runner.model_runner import ModelRunner
+from cluster.runner.synthetic_acceptance import SyntheticAcceptance
 from cluster.profiling.calibration import CALIBRATION_PROMPTS, acceptance_prompts
 from cluster.spec_decode.controller import FixedController
 from cluster.spec_decode.draft_proposer import DraftModelProposer
@@ -218,3 +220,17 @@ def _draft_name(speculative) -> str:
     if speculative.method == "ngram" and cap is not None:
         return f"ngram, short matches draft <= {cap:g} per matched token"
     return speculative.method
+
+
+def set_synthetic_acceptance(engine: Engine, alphas: str | None) -> SyntheticAcceptance | None:
+    """Timing rigs only (``tandem profile`` and ``tandem bench paper``): accept drafts as drawn
+    from ``alphas`` (``SyntheticAcceptance.parse``) instead of verifying them. None leaves the
+    engine as it is."""
+    if not alphas:
+        return None
+    runner = engine.worker.runner
+    if not isinstance(runner, ModelRunner):
+        raise ValueError("synthetic acceptance is set on the engine's own runner: run without tensor parallelism")
+    runner.synthetic_acceptance = SyntheticAcceptance.parse(alphas)
+    return runner.synthetic_acceptance
+

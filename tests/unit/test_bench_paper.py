@@ -286,3 +286,18 @@ def test_goals_mark_a_miss_within_the_run_to_run_spread():
     assert uniform["met"] and phased["met"] and uniform["within_noise"] and phased["within_noise"]
     uniform, phased = _goals([workload("uniform-1", "uniform", 0.0, 0.01), workload("phased", "phased", -0.2, 0.05)])
     assert uniform["met"] and phased["met"] and not uniform["within_noise"] and not phased["within_noise"]
+
+
+def test_synthetic_acceptance_draws_every_accept_and_every_table_says_so(tiny_folder, tmp_path, capsys):
+    out = tmp_path / "paper.json"
+    code = main(["bench", "paper", "--model", str(tiny_folder), "--dtype", "float32", "--batch-sizes", "2",
+                 "--ks", "0,2", "--max-k", "2", "--output-len", "6", "--requests", "2", "--rates", "40",
+                 "--prompts", "calibration", "--max-num-seqs", "16", "--kv-cache-memory", "32MiB",
+                 "--synthetic-acceptance", "1", "--json", str(out)])
+    assert code == 0
+    result = json.loads(out.read_text())
+    assert result["settings"]["synthetic_acceptance"] == "synthetic acceptance α = 1"
+    drafted = [c for c in result["tpot_vs_k"]["cells"] if c["k"] == 2 and c["acceptance_rate"] is not None]
+    assert drafted and all(c["acceptance_rate"] == 1.0 for c in drafted)  # every draft accepted, as set
+    printed = capsys.readouterr().out
+    assert printed.count("synthetic acceptance α = 1") >= 4  # the sweep, best k, traffic and goals tables

@@ -65,3 +65,17 @@ def test_without_the_switch_drafts_are_verified(tiny_llama_dir):
     assert run_to_completion(speculative, prompts, params) == run_to_completion(make_engine(tiny_llama_dir),
                                                                                 prompts, params)
     assert speculative.spec_stats.num_accepted_tokens == speculative.spec_stats.num_draft_tokens  # self-draft
+
+
+def test_a_profile_made_with_it_says_so_and_measures_the_setting(tiny_llama_dir, tmp_path):
+    from cluster.cli import main
+    from cluster.spec_decode.profile_data import SpeculationProfile
+
+    out = tmp_path / "synthetic.json"
+    assert main(["profile", "--model", str(tiny_llama_dir), "--max-k", "2", "--max-batch", "1", "--context-len", "8",
+                 "--repeats", "1", "--synthetic-acceptance", "1,0", "--out", str(out)]) == 0
+    profile = SpeculationProfile.load(out)
+    assert profile.acceptance_prompts == "synthetic acceptance α = 1, 0"
+    # The second position is never accepted; the first is whenever a draft was there to accept (the
+    # profile's acceptance counts a position asked for but not proposed as rejected).
+    assert profile.acceptance[1] == 0.0 and profile.acceptance[0] > 0.0
