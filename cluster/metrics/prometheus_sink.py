@@ -12,6 +12,12 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disa
 
 from cluster.metrics.catalog import ALIASES, METRICS, METRICS_BY_NAME, MetricSpec
 from cluster.metrics.collector import Labels
+from cluster.spec_decode.suffix_stats import SuffixTreeStats
+
+# Labelled series that every replica shows from the start, at 0, whatever its engine (native or vLLM).
+KNOWN_LABEL_VALUES: dict[str, list[Labels]] = {
+    "tandem_suffix_speculations": [(("match_len", r),) for r in SuffixTreeStats.match_len_ranges()],
+}
 
 # No ``_created`` series beside counters and histograms (as vLLM's server): they double what a
 # scrape carries and no dashboard reads them. This is the process-wide switch prometheus_client has.
@@ -36,6 +42,8 @@ class PrometheusSink:
             self._metrics[spec.name] = metric
             if not spec.labels:  # the series shows from the start
                 self._child(spec.name, ())
+            for labels in KNOWN_LABEL_VALUES.get(spec.name, ()):  # so do those whose label values are known
+                self._child(spec.name, labels)
 
     def inc(self, name: str, value: float, labels: Labels = ()) -> None:
         self._child(name, labels).inc(value)

@@ -80,3 +80,15 @@ def test_lora_info_keeps_only_the_latest_adapter_lists():
     [sample] = _series(sink.exposition())["vllm:lora_requests_info"]
     assert sample.value == 101.0 and sample.labels["running_lora_adapters"] == "a,b"
     assert sample.labels["waiting_lora_adapters"] == "c" and sample.labels["max_lora"] == "2"
+
+
+def test_suffix_match_length_series_show_from_the_start_on_any_replica():
+    """A vLLM group's replica never runs the native collector: its sink alone must show the
+    match-length series, as the native group's does (tests/vllm/test_same_statistics.py)."""
+    from cluster.metrics.catalog import COMMON_LABELS
+    from cluster.metrics.prometheus_sink import PrometheusSink
+    from cluster.spec_decode.suffix_stats import SuffixTreeStats
+
+    text = PrometheusSink("replica", {k: "x" for k in COMMON_LABELS}).exposition()
+    shown = [line for line in text.splitlines() if line.startswith("tandem:suffix_speculations_total{")]
+    assert len(shown) == len(SuffixTreeStats.match_len_ranges()) and all(line.endswith(" 0.0") for line in shown)
