@@ -22,7 +22,6 @@ from typing import TYPE_CHECKING, Any, Callable, Protocol
 
 from cluster.metrics.catalog import METRICS_BY_NAME
 from cluster.spec_decode.latency_model import power_of_two_sizes
-from cluster.spec_decode.suffix_stats import SuffixTreeStats
 
 if TYPE_CHECKING:
     from cluster.shared.outputs import RequestOutput
@@ -107,10 +106,6 @@ class EngineMetricsCollector:
         self._totals: dict[tuple[str, Labels], float] = {}  # engine counters at the last poll
         self._last_poll = float("-inf")
         self._batch_sizes = power_of_two_sizes(engine.config.scheduler.max_num_seqs)
-        # A labelled series shows once it has a sample; the match-length ranges are known, so their
-        # series start at 0 on every replica, as the catalog's unlabelled suffix-tree series do.
-        for name in SuffixTreeStats.match_len_ranges():
-            self._advance("tandem_suffix_speculations", 0, _labels(match_len=name))
 
     # ---- fed by the engine loop ---------------------------------------------------------
     def on_step(self, outputs: list[RequestOutput], now: float | None = None) -> None:

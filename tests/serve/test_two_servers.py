@@ -18,12 +18,12 @@ import signal
 import socket
 import threading
 import time
-from pathlib import Path
 
 import httpx
 
 from deployments.local import RAY_SHUTDOWN_TIMEOUT_S, SHUTDOWN_TIMEOUT_S
 from tests.serve.conftest import MODEL, ServeProcess
+from tests.serve.ray_clusters import command_line, with_descendants
 
 RAY_METRICS_DEFAULT = 8080  # ServeConfig.metrics_export_port's default
 
@@ -38,29 +38,6 @@ def _config(tiny_chat_model, **serve) -> dict:
 def _complete(url: str, prompt: str) -> httpx.Response:
     return httpx.post(f"{url}/v1/completions", timeout=120,
                       json={"model": MODEL, "prompt": prompt, "max_tokens": 4, "temperature": 0})
-
-
-def _descendants(pid: int) -> list[int]:
-    parents = {}
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                parents[int(entry.name)] = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
-            except (OSError, IndexError, ValueError):
-                pass
-    found, frontier = [], [pid]
-    while frontier:
-        children = [p for p, parent in parents.items() if parent in frontier]
-        found += children
-        frontier = children
-    return found
-
-
-def _cmdline(pid: int) -> str:
-    try:
-        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-    except OSError:
-        return ""
 
 
 def test_two_servers_side_by_side_and_one_stops(tiny_chat_model, tmp_path):
@@ -101,7 +78,7 @@ def test_sigterm_exits_within_its_bounds_when_ray_is_gone(tiny_chat_model, tmp_p
     the process still exits once its bounds have passed."""
     drain_timeout_s = 5.0
     server = ServeProcess(_config(tiny_chat_model, drain_timeout_s=drain_timeout_s), tmp_path)
-    ray_processes = {p: _cmdline(p).split(" ")[0] for p in _descendants(server.process.pid)}
+    ray_processes = {p: command_line(p).split(" ")[0] for p in with_descendants([server.process.pid])[1:]}
     raylets = [p for p, program in ray_processes.items() if program.endswith("raylet")]
     gcs = [p for p, program in ray_processes.items() if program.endswith("gcs_server")]
     assert raylets and gcs, ray_processes

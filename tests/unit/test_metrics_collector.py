@@ -16,7 +16,6 @@ from cluster.hosting.protocol import GenerateRequest
 from cluster.shared.sampling_params import SamplingParams
 from cluster.metrics.catalog import METRICS, METRICS_BY_NAME, exported_series_names, markdown_table
 from cluster.metrics.collector import EngineMetricsCollector, MemorySink
-from cluster.spec_decode.suffix_stats import SuffixTreeStats
 from tests.engine_helpers import make_engine
 
 # The engine figures under vLLM's names (vllm/v1/metrics/loggers.py), and the two older names.
@@ -150,9 +149,6 @@ def test_counters_and_histograms_add_up_to_what_the_engine_did(tiny_llama_dir):
         == {"1", "2", "4", "8", "16", "32", "64"}  # up to max_num_seqs
     assert sink.gauges[("tandem_spec_acceptance_estimate", (("position", "0"),))] == 1.0
     assert sink.gauges[("tandem_capacity_tokens_per_second", ())] == 0.0  # the last poll's value, idle
-    # A replica without suffix drafts still exports every match-length series, at 0.
-    assert {dict(labels)["match_len"]: n for (name, labels), n in sink.counters.items()
-            if name == "tandem_suffix_speculations"} == dict.fromkeys(SuffixTreeStats.match_len_ranges(), 0.0)
 
 
 def test_aborted_requests_are_counted_as_abort(tiny_llama_dir):
