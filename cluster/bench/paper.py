@@ -24,7 +24,9 @@ continue requests (n-gram prompt lookup pays on them at every batch size here);
 ``calibration`` is the profiler's chat requests, most of them open-ended, where lookup
 drafts less (the default profile's model has k fall from 8 to 0 at batch 8 on them);
 ``code`` (HumanEval completions) and ``agentic`` (tool-calling agent conversations) are
-:mod:`cluster.bench.workloads`' sets, 16 prompts of each.
+:mod:`cluster.bench.workloads`' sets, 16 prompts of each. ``--proportions`` times a
+random-weight target and draft of chosen shapes (:mod:`cluster.bench.proportions`) on 16
+random prompts instead, with ``--synthetic-acceptance``.
 Prefix caching is off, so identical prompts are prefilled cold in every run. Figures:
 :mod:`paper_plots`. Heavy imports stay inside functions: ``tandem`` builds this parser for
 every command.
@@ -47,19 +49,21 @@ from cluster.bench.args import int_list, k_list, positive_int
 from cluster.bench.benchmark import Benchmark
 from cluster.bench.offline import DTYPES, concrete_dtype
 from cluster.bench.paper_plots import write_plots
+from cluster.bench.proportions import PAIRS, Proportions, build_pair, get_pair, random_prompt_ids
 from cluster.bench.paper_report import print_tables
 from cluster.bench.paper_sweep import (
     WARMUP_LEN, add_predictions, measured_capacity, sweep, sweep_summary, with_workload_acceptance,
 )
 from cluster.bench.paper_traffic import RunResult, Workload, phased_workload, run_open_loop, uniform_workload
 from cluster.bench.spec import run_closed_loop
-from cluster.bench.workloads.prompt_sets import DESCRIPTIONS, workload_prompt_ids
+from cluster.bench.workloads.prompt_sets import DESCRIPTIONS, PAPER_NUM_PROMPTS, workload_prompt_ids
 from cluster.engine.llm import LLM
 from cluster.models.loader import load_tokenizer, resolve_model
 from cluster.profiling.profiler import run_profile, set_synthetic_acceptance
 from cluster.spec_decode.controller import AdaptiveController, FixedController, TableController
 
 PROMPT_SETS = {name: DESCRIPTIONS[name] for name in ("edit", "calibration", "code", "agentic")}
+RANDOM_PROMPTS = "random token ids of --prompt-len each (with --proportions: the models' weights are random too)"
 RATE_FRACTIONS = (0.25, 0.55, 0.85)  # of the measured capacity: light, medium, near saturation
 UNIFORM_GOAL = 0.02  # adaptive at most 2% behind the best fixed k at every uniform rate
 PHASED_GOAL = 0.09  # adaptive at least 9% ahead of the best fixed k on phased traffic
@@ -109,6 +113,13 @@ def add_paper_args(parser: argparse.ArgumentParser) -> None:
                              "0.9,0.8,0.7) instead of verifying it; every table and the JSON say so")
     parser.add_argument("--threads", type=positive_int, help="torch.set_num_threads (default: torch's choice)")
     parser.add_argument("--kv-cache-memory", default="1GiB", help="Tandem's KV cache budget")
+    parser.add_argument("--proportions", choices=tuple(PAIRS),
+                        help="time a random-weight target and draft of chosen shapes instead of --model "
+                             "(paper: OPT-6.7B with OPT-125M; cpu: a pair scaled for this CPU; tiny: smoke runs), "
+                             "on random prompts; needs --synthetic-acceptance")
+    parser.add_argument("--prompt-len", type=positive_int, default=128,
+                        help="with --proportions: each random prompt's length in tokens (default 128)")
+    parser.add_argument("--device", default="cpu", help="cpu (default), cuda or cuda:N")
 
 
 def measure_paper(args: argparse.Namespace, console: Console) -> dict:
@@ -118,17 +129,22 @@ def measure_paper(args: argparse.Namespace, console: Console) -> dict:
     if args.threads:
         torch.set_num_threads(args.threads)
     started, load_average = time.perf_counter(), os.getloadavg()
+    pair = _use_proportions(args, console) if args.proportions else None
     source = resolve_model(args.model)
     args.dtype = concrete_dtype(args.dtype, source)
-    tokenizer = load_tokenizer(source)
-    if tokenizer is None:
-        raise ValueError(f"{args.model} has no tokenizer; this benchmark builds text prompts")
-    prompt_ids, prompt_format = workload_prompt_ids(args.prompts, tokenizer, announce=console.print)
+    if pair is not None:
+        prompt_ids = random_prompt_ids(pair.target.vocab_size, PAPER_NUM_PROMPTS, args.prompt_len, args.seed)
+        prompt_format = "random"
+    else:
+        tokenizer = load_tokenizer(source)
+        if tokenizer is None:
+            raise ValueError(f"{args.model} has no tokenizer; this benchmark builds text prompts")
+        prompt_ids, prompt_format = workload_prompt_ids(args.prompts, tokenizer, announce=console.print)
     top_k = max(args.max_k, max(args.ks))
     if args.method == "eagle3" and not args.draft_model:
         raise ValueError("--method eagle3 needs --draft-model (an EAGLE-3 head folder or a shipped head's name)")
     console.print(f"loading {Path(args.model).name} {args.dtype} with {args.method} speculation")
-    llm = LLM(str(source.path), dtype=args.dtype, device="cpu", method=args.method, draft_model=args.draft_model,
+    llm = LLM(str(source.path), dtype=args.dtype, device=args.device, method=args.method, draft_model=args.draft_model,
               num_speculative_tokens=top_k,
               max_num_seqs=args.max_num_seqs or max(args.batch_sizes), enable_prefix_caching=False,
               kv_cache_memory=args.kv_cache_memory)
@@ -167,12 +183,13 @@ def measure_paper(args: argparse.Namespace, console: Console) -> dict:
                      "output_len": args.output_len, "requests": args.requests, "repeats": args.repeats,
                      "seed": args.seed,
                      "prompt_format": prompt_format, "prompt_lens": [len(p) for p in prompt_ids],
-                     "prompts": args.prompts, "workload": PROMPT_SETS[args.prompts], "prefix_caching": False,
+                     "prompts": args.prompts, "workload": PROMPT_SETS.get(args.prompts, RANDOM_PROMPTS), "prefix_caching": False,
                      "sampling": "greedy, ignore_eos",
                      "min_requests_per_cell": len(prompt_ids), "rate_fractions": list(RATE_FRACTIONS),
                      "profile_context_len": context_len, "adaptive_hysteresis": HYSTERESIS,
                      "profile_acceptance": args.profile_acceptance, "calibration_acceptance": calibration_acceptance,
                      "synthetic_acceptance": None if synthetic is None else synthetic.label(),
+                     "proportions": None if pair is None else {**asdict(pair), "draft_model_path": args.draft_model},
                      "tpot": "per request (finish - first token) / (output tokens - 1), mean over requests"},
         "profile": profile.model_dump(),
         "tpot_vs_k": sweep_summary(cells, args, profile.table),
@@ -181,6 +198,20 @@ def measure_paper(args: argparse.Namespace, console: Console) -> dict:
         "goals": _goals(traffic),
         "wall_s": time.perf_counter() - started,
     }
+
+
+def _use_proportions(args: argparse.Namespace, console: Console) -> Proportions:
+    """Point ``args`` at the pair's folders (built once) and at random prompts."""
+    pair = get_pair(args.proportions)
+    if not args.synthetic_acceptance:
+        raise ValueError("--proportions times random-weight models, whose drafts agree with nothing: give "
+                         "--synthetic-acceptance ALPHA (e.g. 0.8, or per position 0.9,0.8,0.7)")
+    console.print(f"proportions {pair.name}: {pair.why}")
+    folders = build_pair(pair)
+    args.model, args.method, args.draft_model, args.prompts = str(folders.target), "draft", str(folders.draft), "random"
+    if args.dtype == "auto":
+        args.dtype = pair.dtype
+    return pair
 
 
 # ---- part 2: traffic ------------------------------------------------------------------

@@ -17,14 +17,44 @@ def _pct(value: float | None) -> str:
 
 
 def print_tables(console, result: dict) -> None:
+    if result["settings"].get("proportions"):
+        _print_pair(console, result)
     _print_sweep(console, result)
     _print_traffic(console, result)
     _print_goals(console, result)
 
 
+def _print_pair(console, result: dict) -> None:
+    """The pair's shapes and its measured pass times (the profile's grid): how its proportions came out."""
+    pair, profile = result["settings"]["proportions"], result["profile"]
+    for role in ("target", "draft"):
+        shape = pair[role]
+        console.print(f"{pair['name']} {role}: {shape['family']}, layers {shape['num_layers']}, hidden "
+                      f"{shape['hidden_size']}, intermediate {shape['intermediate_size']}, {shape['num_heads']} heads "
+                      f"({shape['num_kv_heads']} KV), vocabulary {shape['vocab_size']}, {pair['dtype']}")
+    target = {(b, n): s for b, n, s in profile["target_grid"]}
+    draft = dict(profile["draft_grid"])
+    widths = sorted({n for _, n in target})
+    table = Table(title=f"Pass times, ms, of the {pair['name']} pair (the profile's grid)", box=box.SIMPLE_HEAD,
+                  show_edge=False,
+                  caption="target: one pass over that many tokens per request; x: against 1 token; draft: one "
+                          "pass of one token per request, and its share of the target's 1-token pass")
+    table.add_column("batch", justify="right")
+    for n in widths:
+        table.add_column(f"target {n} tok", justify="right")
+    table.add_column("draft", justify="right")
+    for b in sorted({b for b, _ in target}):
+        one = target.get((b, 1))
+        cells = [_fmt(1e3 * target[b, n], ".2f") + ("" if one is None or n == 1 else f" ({target[b, n] / one:.2f}x)")
+                 if (b, n) in target else "-" for n in widths]
+        share = "" if one is None or b not in draft else f" ({draft[b] / one:.0%})"
+        table.add_row(str(b), *cells, _fmt(None if b not in draft else 1e3 * draft[b], ".2f") + share)
+    console.print(table)
+
+
 def _print_sweep(console, result: dict) -> None:
     settings, sweep, profile = result["settings"], result["tpot_vs_k"], result["profile"]
-    model = Path(settings["model"]).name
+    model = f"{settings['proportions']['name']} pair" if settings.get("proportions") else Path(settings["model"]).name
     cells = {(c["batch_size"], c["k"]): c for c in sweep["cells"]}
     best = {p["batch_size"]: p["best_k"] for p in sweep["per_batch"]}
     table = Table(
