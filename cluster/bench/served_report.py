@@ -41,10 +41,11 @@ def verdicts(tandem: dict, vllm: dict) -> dict[str, dict]:
 
 def speculation_gains(systems: dict) -> dict[str, dict[str, float]]:
     """With ``--speculation-ab``: per cell and figure, how many times better the configured
-    speculation is than none (each side the mean over its rounds; > 1: speculation better)."""
+    speculation is than none (each side the mean over its rounds; > 1: speculation better). With one
+    round the runs are named ``tandem`` and ``tandem-no-spec``, with more ``tandem #1``, ..."""
     gains: dict[str, dict[str, float]] = {}
-    on = [figs for name, figs in systems.items() if name.startswith("tandem #")]
-    off = [figs for name, figs in systems.items() if name.startswith("tandem-no-spec #")]
+    on = [figs for name, figs in systems.items() if name == "tandem" or name.startswith("tandem #")]
+    off = [figs for name, figs in systems.items() if name == "tandem-no-spec" or name.startswith("tandem-no-spec #")]
     if not on or not off:
         return gains
     for cell in on[0]:

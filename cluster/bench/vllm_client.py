@@ -44,7 +44,7 @@ def client_args(options: argparse.Namespace) -> list[str]:
         args += ["--dataset-name", "custom", "--dataset-path", str(path),
                  "--custom-output-len", str(options.output_len)]
         if options.skip_chat_template:
-            args.append("--custom-skip-chat-template")
+            args.append("--skip-chat-template")  # vLLM 0.32's name (the custom dataset reads it)
     return args
 
 

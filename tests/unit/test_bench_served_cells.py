@@ -45,3 +45,6 @@ def test_speculation_gain_is_the_ratio_of_the_rounds_means():
     assert gains["median_tpot_ms"] == 30.0 / 12.0  # lower is better: off / on
     assert gains["output_throughput"] == 90.0 / 40.0
     assert speculation_gains({"tandem": systems["tandem #1"]}) == {}
+    # One round: the runs carry no round number.
+    one = speculation_gains({"tandem": systems["tandem #1"], "tandem-no-spec": systems["tandem-no-spec #1"]})
+    assert one[cell]["median_tpot_ms"] == 3.0

@@ -227,10 +227,10 @@ def test_vllm_client_reads_a_written_dataset():
     args = vllm_client.client_args(client_options(dataset="agentic", dataset_path="/w/agentic.jsonl",
                                                   skip_chat_template=True))
     assert args[args.index("--dataset-name") + 1] == "custom"
-    assert args[args.index("--dataset-path") + 1] == "/w/agentic.jsonl" and "--custom-skip-chat-template" in args
+    assert args[args.index("--dataset-path") + 1] == "/w/agentic.jsonl" and "--skip-chat-template" in args
     args = vllm_client.client_args(client_options())
     assert args[args.index("--dataset-path") + 1] == str(vllm_client.INSTRUCTIONS)
-    assert "--custom-skip-chat-template" not in args
+    assert "--skip-chat-template" not in args
     with pytest.raises(ValueError, match="--dataset-path"):
         vllm_client.client_args(client_options(dataset="code"))
 
