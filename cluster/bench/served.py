@@ -1,8 +1,8 @@
 """``tandem bench served``: the served path against vLLM's server, under vLLM's own client.
 
 One run starts, one after the other (never two at once), ``tandem serve CONFIG`` and vLLM's
-CPU OpenAI server (the ``vllm_cpu.sh`` anchor, the same model, dtype and
-``--max-num-seqs``) in both of its core placements on a small machine: its default (engine
+CPU OpenAI server (the ``vllm_cpu.sh`` anchor, the same model, dtype, ``--max-num-seqs`` and
+the config's ``max_model_len``) in both of its core placements on a small machine: its default (engine
 bound to some cores, one reserved for its front end) and every core for its engine
 (``VLLM_CPU_NUM_OF_RESERVED_CPU=0``). Each server gets every cell: a dataset (128-token
 random prompts, Tandem's instruction prompts, and on request HumanEval completions ``code``
@@ -154,7 +154,8 @@ def measure_served(args: argparse.Namespace, console: Console) -> dict:
         systems["tandem"] = _measure_system(args, console, "tandem", lambda: start_tandem(
             "tandem", args.config, True, sys.executable), work, True)
     if not args.skip_vllm:
-        vllm_args = ["--dtype", args.vllm_dtype, "--max-num-seqs", str(args.max_num_seqs)]
+        vllm_args = ["--dtype", args.vllm_dtype, "--max-num-seqs", str(args.max_num_seqs),
+                     "--max-model-len", str(tandem_max_model_len(args.config))]  # the same prompts fit both
         speculative = json.loads(args.vllm_speculative_config) if args.vllm_speculative_config else None
         for name, env in VLLM_PLACEMENTS.items():
             systems[name] = _measure_system(args, console, name, lambda env=env: start_vllm_anchor(
@@ -190,6 +191,13 @@ def write_datasets(args, work: Path, console: Console) -> dict[str, VllmDataset]
     model = group_engine_config(config, config.serve.groups[0].name).model
     tokenizer = load_tokenizer(resolve_model(model.model, model.cache_dir))
     return {name: write_vllm_dataset(name, work / f"{name}.jsonl", tokenizer, console.print) for name in wanted}
+
+
+def tandem_max_model_len(config_path) -> int:
+    """The served config's (first) group's ``model.max_model_len``, given to vLLM's server too: a
+    prompt one server takes and the other refuses would compare different requests."""
+    config = load_config(config_path)
+    return group_engine_config(config, config.serve.groups[0].name).model.max_model_len
 
 
 def tandem_dtype(config_path) -> str:

@@ -1,4 +1,4 @@
-"""`tandem bench served` gives vLLM the dtype the served config computes in on this machine."""
+"""`tandem bench served` gives vLLM the dtype the served config computes in on this machine, and its context length."""
 
 from __future__ import annotations
 
@@ -33,3 +33,10 @@ def test_auto_is_made_concrete_for_this_cpu(tmp_path, tiny_llama_dir):
 def test_the_served_group_overrides_the_shared_dtype(tmp_path, tiny_llama_dir):
     path = _config(tmp_path, tiny_llama_dir, "bfloat16", group_engine={"dtype": "float32"})
     assert tandem_dtype(path) == "float32"
+
+
+def test_the_served_groups_max_model_len_is_passed_on(tmp_path, tiny_llama_dir):
+    from cluster.bench.served import tandem_max_model_len
+
+    path = _config(tmp_path, tiny_llama_dir, "float32", group_engine={"max_model_len": 300})
+    assert tandem_max_model_len(path) == 300
