@@ -49,12 +49,12 @@ from cluster.bench.args import int_list, k_list, positive_int
 from cluster.bench.benchmark import Benchmark
 from cluster.bench.offline import DTYPES, concrete_dtype
 from cluster.bench.paper_plots import write_plots
-from cluster.bench.proportions import PAIRS, Proportions, build_pair, get_pair, random_prompt_ids
 from cluster.bench.paper_report import print_tables
 from cluster.bench.paper_sweep import (
     WARMUP_LEN, add_predictions, measured_capacity, sweep, sweep_summary, with_workload_acceptance,
 )
 from cluster.bench.paper_traffic import RunResult, Workload, phased_workload, run_open_loop, uniform_workload
+from cluster.bench.proportions import PAIRS, Proportions, build_pair, get_pair, random_prompt_ids
 from cluster.bench.spec import run_closed_loop
 from cluster.bench.workloads.prompt_sets import DESCRIPTIONS, PAPER_NUM_PROMPTS, workload_prompt_ids
 from cluster.engine.llm import LLM
@@ -144,8 +144,8 @@ def measure_paper(args: argparse.Namespace, console: Console) -> dict:
     if args.method == "eagle3" and not args.draft_model:
         raise ValueError("--method eagle3 needs --draft-model (an EAGLE-3 head folder or a shipped head's name)")
     console.print(f"loading {Path(args.model).name} {args.dtype} with {args.method} speculation")
-    llm = LLM(str(source.path), dtype=args.dtype, device=args.device, method=args.method, draft_model=args.draft_model,
-              num_speculative_tokens=top_k,
+    llm = LLM(str(source.path), dtype=args.dtype, device=args.device, method=args.method,
+              draft_model=args.draft_model, num_speculative_tokens=top_k,
               max_num_seqs=args.max_num_seqs or max(args.batch_sizes), enable_prefix_caching=False,
               kv_cache_memory=args.kv_cache_memory)
     engine = llm.engine
@@ -183,7 +183,8 @@ def measure_paper(args: argparse.Namespace, console: Console) -> dict:
                      "output_len": args.output_len, "requests": args.requests, "repeats": args.repeats,
                      "seed": args.seed,
                      "prompt_format": prompt_format, "prompt_lens": [len(p) for p in prompt_ids],
-                     "prompts": args.prompts, "workload": PROMPT_SETS.get(args.prompts, RANDOM_PROMPTS), "prefix_caching": False,
+                     "prompts": args.prompts, "workload": PROMPT_SETS.get(args.prompts, RANDOM_PROMPTS),
+                     "prefix_caching": False,
                      "sampling": "greedy, ignore_eos",
                      "min_requests_per_cell": len(prompt_ids), "rate_fractions": list(RATE_FRACTIONS),
                      "profile_context_len": context_len, "adaptive_hysteresis": HYSTERESIS,

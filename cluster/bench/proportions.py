@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import shutil
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import NamedTuple
@@ -91,8 +92,8 @@ PAIRS = {
         # 1/54 of OPT-6.7B; a pass's fixed cost on a CPU keeps a smaller draft from costing less).
         draft=ModelShape("llama", 512, 1408, 2, 8, 4, 8192),
         dtype="bfloat16",
-        why="scaled for a 2-core CPU: 1B-class layers, whose bfloat16 GEMMs cost about the same from 1 to 8 "
-            "rows and grow past that, so verification is nearly free at batch 1 and heavy at batch 32"),
+        why="scaled for a 2-core CPU: 1B-class layers, whose bfloat16 GEMMs cost little more for a few rows than "
+            "for one and grow with rows past that, so verification is nearly free at batch 1 and heavy at batch 32"),
     "tiny": Proportions(
         "tiny",
         target=ModelShape("llama", 64, 128, 2, 4, 2, 256, max_position_embeddings=1024),
@@ -135,7 +136,6 @@ def _write_model(shape: ModelShape, folder: Path, dtype: torch.dtype, seed: int)
     save_tiny_tokenizer(partial, vocab_size=shape.vocab_size)
     del model
     if folder.exists():
-        import shutil
         shutil.rmtree(folder)
     partial.rename(folder)
 
