@@ -1,5 +1,6 @@
-// float32 vectors of the widest kind this build's CPU has (AVX-512 or AVX2 with FMA), and
-// loads that widen bfloat16 to float32 (bfloat16 is the top half of a float32).
+// float32 vectors of the widest kind this build's CPU has (AVX-512 or AVX2 with FMA), loads
+// that widen bfloat16 to float32 (bfloat16 is the top half of a float32), and the few vector
+// functions the attention kernel needs (exp, a transposing horizontal sum).
 #pragma once
 
 #include <ATen/core/TensorBase.h>
@@ -19,6 +20,29 @@ inline Vec vload(const at::BFloat16* p) {
   __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
 }
+inline Vec vmul(Vec a, Vec b) { return _mm512_mul_ps(a, b); }
+inline Vec vadd(Vec a, Vec b) { return _mm512_add_ps(a, b); }
+inline Vec vsub(Vec a, Vec b) { return _mm512_sub_ps(a, b); }
+inline Vec vmax(Vec a, Vec b) { return _mm512_max_ps(a, b); }
+inline float vmax_lanes(Vec v) { return _mm512_reduce_max_ps(v); }
+// 2^n * y for integral-valued n.
+inline Vec vscale2(Vec y, Vec n) { return _mm512_scalef_ps(y, n); }
+inline Vec vround(Vec x) { return _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
+// Lane i of the result: the sum of v[i]'s lanes (kLanes vectors in, one out).
+inline Vec vsum_lanes(const Vec* v) {
+  Vec pairs[8], quads[4];
+  for (int i = 0; i < 8; ++i)  // per 128-bit block: [a0+a2, b0+b2, a1+a3, b1+b3]
+    pairs[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]), _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+  for (int i = 0; i < 4; ++i)  // per 128-bit block: the four vectors' sums over that block
+    quads[i] = _mm512_add_ps(_mm512_shuffle_ps(pairs[2 * i], pairs[2 * i + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                             _mm512_shuffle_ps(pairs[2 * i], pairs[2 * i + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+  const Vec low = _mm512_add_ps(_mm512_shuffle_f32x4(quads[0], quads[1], _MM_SHUFFLE(1, 0, 1, 0)),
+                                _mm512_shuffle_f32x4(quads[0], quads[1], _MM_SHUFFLE(3, 2, 3, 2)));
+  const Vec high = _mm512_add_ps(_mm512_shuffle_f32x4(quads[2], quads[3], _MM_SHUFFLE(1, 0, 1, 0)),
+                                 _mm512_shuffle_f32x4(quads[2], quads[3], _MM_SHUFFLE(3, 2, 3, 2)));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(low, high, _MM_SHUFFLE(2, 0, 2, 0)),
+                       _mm512_shuffle_f32x4(low, high, _MM_SHUFFLE(3, 1, 3, 1)));
+}
 #elif defined(__AVX2__) && defined(__FMA__)
 constexpr int kLanes = 8;
 using Vec = __m256;
@@ -34,6 +58,25 @@ inline Vec vload(const float* p) { return _mm256_loadu_ps(p); }
 inline Vec vload(const at::BFloat16* p) {
   __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
   return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(raw), 16));
+}
+inline Vec vmul(Vec a, Vec b) { return _mm256_mul_ps(a, b); }
+inline Vec vadd(Vec a, Vec b) { return _mm256_add_ps(a, b); }
+inline Vec vsub(Vec a, Vec b) { return _mm256_sub_ps(a, b); }
+inline Vec vmax(Vec a, Vec b) { return _mm256_max_ps(a, b); }
+inline float vmax_lanes(Vec v) {
+  __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+  return _mm_cvtss_f32(_mm_max_ss(m, _mm_movehdup_ps(m)));
+}
+inline Vec vscale2(Vec y, Vec n) {  // n in [-127, 0] here (see vexp)
+  const __m256i bits = _mm256_slli_epi32(_mm256_cvtps_epi32(n), 23);
+  return _mm256_castsi256_ps(_mm256_add_epi32(_mm256_castps_si256(y), bits));
+}
+inline Vec vround(Vec x) { return _mm256_round_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
+inline Vec vsum_lanes(const Vec* v) {  // lane i: the sum of v[i]'s lanes
+  const Vec low = _mm256_hadd_ps(_mm256_hadd_ps(v[0], v[1]), _mm256_hadd_ps(v[2], v[3]));
+  const Vec high = _mm256_hadd_ps(_mm256_hadd_ps(v[4], v[5]), _mm256_hadd_ps(v[6], v[7]));
+  return _mm256_add_ps(_mm256_permute2f128_ps(low, high, 0x20), _mm256_permute2f128_ps(low, high, 0x31));
 }
 #else
 #error "the CPU kernels need AVX2 with FMA, or AVX-512"
@@ -62,6 +105,28 @@ inline Vec vbroadcast(float v) {
   return _mm512_set1_ps(v);
 #else
   return _mm256_set1_ps(v);
+#endif
+}
+
+// exp(x) for x <= 0 (attention's shifted scores), float32: x = n ln 2 + r with |r| <= ln 2 / 2,
+// exp(r) by the degree-6 minimax polynomial of the Cephes library's expf (about 1 ulp), times 2^n.
+// Below -87.3 (where exp underflows float32's normal range) the result is 0.
+inline Vec vexp(Vec x) {
+  const Vec floor = vbroadcast(-87.3f);
+  const Vec n = vround(vmul(x, vbroadcast(1.44269504088896341f)));
+  Vec r = vfma(n, vbroadcast(-0.693359375f), x);  // ln 2 in two parts, so r keeps its low bits
+  r = vfma(n, vbroadcast(2.12194440e-4f), r);
+  Vec p = vbroadcast(1.9875691500e-4f);
+  p = vfma(p, r, vbroadcast(1.3981999507e-3f));
+  p = vfma(p, r, vbroadcast(8.3334519073e-3f));
+  p = vfma(p, r, vbroadcast(4.1665795894e-2f));
+  p = vfma(p, r, vbroadcast(1.6666665459e-1f));
+  p = vfma(p, r, vbroadcast(5.0000001201e-1f));
+  const Vec y = vadd(vfma(vmul(p, r), r, r), vbroadcast(1.f));
+#if defined(__AVX512F__)
+  return _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(x, floor, _CMP_GE_OQ), vscale2(y, n));
+#else
+  return _mm256_and_ps(_mm256_cmp_ps(x, floor, _CMP_GE_OQ), vscale2(y, n));
 #endif
 }
 

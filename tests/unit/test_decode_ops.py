@@ -32,14 +32,17 @@ def test_rms_norm_rounds_like_transformers_llama(ops, dtype):
     torch.testing.assert_close(ops.rms_norm(x, weight, 1e-5), expected, rtol=TOL[dtype], atol=TOL[dtype])
 
 
-def _paged_batch(dtype, gen, num_slots=300, num_heads=6, num_kv_heads=2, head_dim=32):
-    """Three sequences of different lengths on shuffled slots; the last slot of each is its new token."""
-    lens = torch.tensor([1, 19, 64])
+def _paged_batch(dtype, gen, num_slots=300, num_heads=6, num_kv_heads=2, head_dim=32, lens=(1, 19, 64)):
+    """Sequences of the given lengths on shuffled slots; the last slot of each is its new token."""
+    lens = torch.tensor(lens)
+    num_slots = max(num_slots, int(lens.sum()) + 16)
     perm = torch.randperm(num_slots, generator=gen)
-    context_slots = torch.zeros(3, 64, dtype=torch.int64)
-    for s in range(3):
-        context_slots[s, : lens[s]] = perm[s * 80 : s * 80 + lens[s]]
-    slot_mapping = torch.stack([context_slots[s, lens[s] - 1] for s in range(3)])
+    context_slots = torch.zeros(len(lens), int(lens.max()), dtype=torch.int64)
+    start = 0
+    for s, n in enumerate(lens.tolist()):
+        context_slots[s, :n] = perm[start : start + n]
+        start += n
+    slot_mapping = torch.stack([context_slots[s, lens[s] - 1] for s in range(len(lens))])
     cache = torch.randn(2, num_slots, num_kv_heads, head_dim, generator=gen).to(dtype)
     return lens, context_slots, slot_mapping, cache
 
@@ -86,6 +89,44 @@ def test_rotary_decode_attention_equals_rotary_then_attention(ops, dtype):
     out = ops.rotary_decode_attention(qkv, cos, sin_signed, cache, slot_mapping, context_slots, lens, 6, 0.2)
     torch.testing.assert_close(cache, expected_cache, rtol=TOL[dtype], atol=TOL[dtype])
     torch.testing.assert_close(out.double(), expected, rtol=TOL[dtype], atol=TOL[dtype])
+
+
+# (query heads, KV heads, head_dim): every register tile the kernel picks (query heads per tile 1 to 8,
+# 1 to 4 vectors of a head), and contexts of several 256-slot chunks with a partial last one.
+SHAPES = [(6, 2, 32), (8, 8, 64), (8, 1, 128), (14, 2, 64), (16, 1, 48), (10, 2, 16 * 5)]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("num_heads,num_kv_heads,head_dim", SHAPES)
+def test_decode_attention_over_long_contexts_and_every_head_shape(ops, dtype, num_heads, num_kv_heads, head_dim):
+    if head_dim % ops.head_dim_multiple:
+        pytest.skip(f"head_dim {head_dim} is not a multiple of this CPU's {ops.head_dim_multiple} lanes")
+    gen = torch.Generator().manual_seed(7)
+    lens, context_slots, slot_mapping, cache = _paged_batch(dtype, gen, num_heads=num_heads,
+                                                            num_kv_heads=num_kv_heads, head_dim=head_dim,
+                                                            lens=(700, 3, 256, 257, 40))
+    cache[0] *= 3  # scores spread over a wider range than unit-variance keys give
+    q = torch.randn(len(lens), num_heads * head_dim, generator=gen).to(dtype)
+    k, v = (torch.randn(len(lens), num_kv_heads * head_dim, generator=gen).to(dtype) for _ in range(2))
+    expected, _ = _reference(q, k, v, cache, slot_mapping, context_slots, lens, num_heads, head_dim**-0.5)
+    out = ops.paged_decode_attention(q, k, v, cache, slot_mapping, context_slots, lens, num_heads, head_dim**-0.5)
+    torch.testing.assert_close(out.double(), expected, rtol=TOL[dtype], atol=TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_row_attends_the_same_alone_or_beside_others(ops, dtype):
+    """A row's result depends on its own context only: bit for bit the same in a call of one row
+    and beside rows of other lengths (what keeps verification equal to plain decoding)."""
+    gen = torch.Generator().manual_seed(8)
+    lens, context_slots, slot_mapping, cache = _paged_batch(dtype, gen, lens=(600, 5, 300, 70))
+    q = torch.randn(len(lens), 6 * 32, generator=gen).to(dtype)
+    k, v = (torch.randn(len(lens), 2 * 32, generator=gen).to(dtype) for _ in range(2))
+    together = ops.paged_decode_attention(q, k, v, cache.clone(), slot_mapping, context_slots, lens, 6, 0.2)
+    for s in range(len(lens)):
+        alone = ops.paged_decode_attention(q[s : s + 1], k[s : s + 1], v[s : s + 1], cache.clone(),
+                                           slot_mapping[s : s + 1], context_slots[s : s + 1].contiguous(),
+                                           lens[s : s + 1], 6, 0.2)
+        assert torch.equal(alone[0], together[s])
 
 
 def test_bad_indices_are_refused_before_anything_is_written(ops):
