@@ -1,7 +1,8 @@
 // The decode step's small operations, one call each instead of a chain of torch ops:
 //
 // * rms_norm: y = (x * rsqrt(mean(x^2) + eps)).to(dtype) * weight, float32 inside (the
-//   rounding order of Hugging Face's LlamaRMSNorm).
+//   rounding order of Hugging Face's LlamaRMSNorm); add_rms_norm adds the residual first.
+// * silu_and_mul: the gated MLP's silu(gate) * up on the fused gate|up projection's output.
 // * paged_decode_attention: writes each query row's new K/V at its slot, then attends the row's
 //   query heads to its context straight through the slot table: no gather of the context,
 //   scores and softmax in float32, GQA without repeating K/V. A row is a decoding sequence, or
@@ -32,11 +33,20 @@ namespace {
 inline float to_float(float v) { return v; }
 inline float to_float(at::BFloat16 v) { return static_cast<float>(v); }
 
+// With residual: sum = (x + residual).to(dtype) is written, and normalized instead of x (the
+// residual stream's add before a Llama norm, in torch's rounding).
 template <typename T>
-void rms_norm_rows(const T* x, const T* weight, T* y, int64_t rows, int64_t hidden, float eps) {
+void rms_norm_rows(const T* x, const T* residual, const T* weight, T* sum, T* y, int64_t rows, int64_t hidden,
+                   float eps) {
   at::parallel_for(0, rows, 8, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
       const T* xr = x + r * hidden;
+      if (residual) {
+        const T* rr = residual + r * hidden;
+        T* sr = sum + r * hidden;
+        for (int64_t i = 0; i < hidden; ++i) sr[i] = static_cast<T>(to_float(xr[i]) + to_float(rr[i]));
+        xr = sr;
+      }
       T* yr = y + r * hidden;
       float sum_sq = 0.f;
 #pragma omp simd reduction(+ : sum_sq)
@@ -53,22 +63,80 @@ void rms_norm_rows(const T* x, const T* weight, T* y, int64_t rows, int64_t hidd
   });
 }
 
-torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps) {
+void check_norm(const torch::Tensor& x, const torch::Tensor& weight) {
   TORCH_CHECK(x.device().is_cpu() && x.is_contiguous(), "rms_norm: x must be a contiguous CPU tensor");
+  TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16,
+              "rms_norm: float32 or bfloat16, got ", x.scalar_type());
   TORCH_CHECK(weight.scalar_type() == x.scalar_type() && weight.is_contiguous(),
               "rms_norm: weight must be contiguous and of x's dtype");
-  const int64_t hidden = x.size(-1);
-  TORCH_CHECK(weight.numel() == hidden, "rms_norm: weight has ", weight.numel(), " values, x ", hidden);
+  TORCH_CHECK(weight.numel() == x.size(-1), "rms_norm: weight has ", weight.numel(), " values, x ", x.size(-1));
+}
+
+template <typename F>
+void for_dtype(const torch::Tensor& x, F&& f) {
+  if (x.scalar_type() == at::kFloat) f(static_cast<float*>(nullptr));
+  else f(static_cast<at::BFloat16*>(nullptr));
+}
+
+torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps) {
+  check_norm(x, weight);
+  const int64_t hidden = x.size(-1), rows = hidden ? x.numel() / hidden : 0;
   auto y = torch::empty_like(x);
-  const int64_t rows = hidden ? x.numel() / hidden : 0;
-  if (x.scalar_type() == at::kFloat)
-    rms_norm_rows<float>(x.data_ptr<float>(), weight.data_ptr<float>(), y.data_ptr<float>(), rows, hidden, eps);
-  else if (x.scalar_type() == at::kBFloat16)
-    rms_norm_rows<at::BFloat16>(x.data_ptr<at::BFloat16>(), weight.data_ptr<at::BFloat16>(),
-                                y.data_ptr<at::BFloat16>(), rows, hidden, eps);
-  else
-    TORCH_CHECK(false, "rms_norm: float32 or bfloat16, got ", x.scalar_type());
+  for_dtype(x, [&](auto* tag) {
+    using T = std::remove_pointer_t<decltype(tag)>;
+    rms_norm_rows<T>(x.data_ptr<T>(), nullptr, weight.data_ptr<T>(), nullptr, y.data_ptr<T>(), rows, hidden, eps);
+  });
   return y;
+}
+
+std::vector<torch::Tensor> add_rms_norm(torch::Tensor x, torch::Tensor residual, torch::Tensor weight, double eps) {
+  check_norm(x, weight);
+  TORCH_CHECK(residual.sizes() == x.sizes() && residual.scalar_type() == x.scalar_type() && residual.is_contiguous(),
+              "add_rms_norm: residual must be contiguous, of x's shape and dtype");
+  const int64_t hidden = x.size(-1), rows = hidden ? x.numel() / hidden : 0;
+  auto sum = torch::empty_like(x), y = torch::empty_like(x);
+  for_dtype(x, [&](auto* tag) {
+    using T = std::remove_pointer_t<decltype(tag)>;
+    rms_norm_rows<T>(x.data_ptr<T>(), residual.data_ptr<T>(), weight.data_ptr<T>(), sum.data_ptr<T>(),
+                     y.data_ptr<T>(), rows, hidden, eps);
+  });
+  return {sum, y};
+}
+
+// silu(gate).to(dtype) * up, rounded to dtype, for [rows, 2 * n] = [gate | up] (torch's rounding).
+template <typename T>
+void silu_and_mul_rows(const T* gate_up, T* out, int64_t rows, int64_t n) {
+  at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> act(n);
+    for (int64_t r = begin; r < end; ++r) {
+      const T* gate = gate_up + r * 2 * n;
+      const T* up = gate + n;
+      int64_t i = 0;
+      for (; i + kLanes <= n; i += kLanes) vstore(act.data() + i, vsilu(vload(gate + i)));
+      for (; i < n; ++i) {
+        const float g = to_float(gate[i]);
+        act[i] = g / (1.f + std::exp(-g));
+      }
+      T* o = out + r * n;
+      for (i = 0; i < n; ++i) o[i] = static_cast<T>(to_float(static_cast<T>(act[i])) * to_float(up[i]));
+    }
+  });
+}
+
+torch::Tensor silu_and_mul(torch::Tensor gate_up) {
+  TORCH_CHECK(gate_up.device().is_cpu() && gate_up.is_contiguous() && gate_up.size(-1) % 2 == 0,
+              "silu_and_mul: a contiguous CPU [..., 2 * n] tensor");
+  TORCH_CHECK(gate_up.scalar_type() == at::kFloat || gate_up.scalar_type() == at::kBFloat16,
+              "silu_and_mul: float32 or bfloat16, got ", gate_up.scalar_type());
+  const int64_t n = gate_up.size(-1) / 2, rows = n ? gate_up.numel() / (2 * n) : 0;
+  auto sizes = gate_up.sizes().vec();
+  sizes.back() = n;
+  auto out = torch::empty(sizes, gate_up.options());
+  for_dtype(gate_up, [&](auto* tag) {
+    using T = std::remove_pointer_t<decltype(tag)>;
+    silu_and_mul_rows<T>(gate_up.data_ptr<T>(), out.data_ptr<T>(), rows, n);
+  });
+  return out;
 }
 
 // One call's attention inputs, one query row each. Row s of Q, K and V starts at q + s * row_stride (and
@@ -125,7 +193,7 @@ struct ChunkState {
 // whole slot rows (every KV head) a few slots ahead; later tiles find them in the cache.
 template <typename T, int G, int CT>
 void attend_tile(const DecodeBatch<T>& b, const int64_t* slots, int64_t h, int64_t qh0, int64_t t0, int64_t t1,
-                 const float* query, float* scores, Vec* partial, ChunkState state, bool fetch) {
+                 const float* query, float* scores, float* partial, ChunkState state, bool fetch) {
   const int64_t D = b.head_dim, kv_stride = b.num_kv_heads * D, n = t1 - t0;
   const T* keys = b.key_cache + h * D;
   const T* values = b.value_cache + h * D;
@@ -146,15 +214,17 @@ void attend_tile(const DecodeBatch<T>& b, const int64_t* slots, int64_t h, int64
         Vec k[CT];
         for (int c = 0; c < CT; ++c) k[c] = vload(key + c * kLanes);
         for (int g = 0; g < G; ++g) {
-          Vec dot = d0 ? partial[g * kLanes + j] : vzero();
+          float* products = partial + (g * kLanes + j) * kLanes;
+          Vec dot = d0 ? vload(products) : vzero();
           for (int c = 0; c < CT; ++c) dot = vfma(q[g][c], k[c], dot);
-          partial[g * kLanes + j] = dot;
+          vstore(products, dot);
         }
       }
     }
     for (int g = 0; g < G; ++g) {
-      for (int64_t j = m; j < kLanes; ++j) partial[g * kLanes + j] = vzero();
-      vstore(scores + g * kChunkSlots + j0, vsum_lanes(partial + g * kLanes));
+      Vec products[kLanes];
+      for (int64_t j = 0; j < kLanes; ++j) products[j] = j < m ? vload(partial + (g * kLanes + j) * kLanes) : vzero();
+      vstore(scores + g * kChunkSlots + j0, vsum_lanes(products));
     }
   }
   if (fetch)  // the values' first rows, during the softmax
@@ -233,7 +303,7 @@ void decode_attention(const DecodeBatch<T>& b, T* out) {
   };
   at::parallel_for(0, chunks, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> query(heads * D), scores(G * kChunkSlots);
-    std::vector<Vec> partial(G * kLanes);
+    std::vector<float> partial(G * kLanes * kLanes);
     for (int64_t chunk = begin; chunk < end; ++chunk) {
       const int64_t s = std::upper_bound(first_chunk.begin(), first_chunk.end(), chunk) - first_chunk.begin() - 1;
       const int64_t t0 = (chunk - first_chunk[s]) * kChunkSlots, t1 = std::min(b.context_lens[s], t0 + kChunkSlots);
@@ -405,6 +475,8 @@ torch::Tensor rotary_decode_attention(torch::Tensor qkv, torch::Tensor cos, torc
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rms_norm", &rms_norm, "Llama RMSNorm over the last dimension, float32 inside");
+  m.def("add_rms_norm", &add_rms_norm, "(x + residual, rms_norm(x + residual)): the residual add and the next norm");
+  m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up for a [..., 2 * n] gate|up tensor");
   m.attr("head_dim_multiple") = kLanes;
   m.def("paged_decode_attention", &paged_decode_attention,
         "write each query row's K/V and attend it to its paged context");

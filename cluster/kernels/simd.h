@@ -130,4 +130,19 @@ inline Vec vexp(Vec x) {
 #endif
 }
 
+// x * sigmoid(x) for bfloat16 or float32 x, float32 arithmetic: sigmoid from e = exp(-|x|) <= 1,
+// as 1 / (1 + e) for x >= 0 and e / (1 + e) below, so no exp overflows.
+inline Vec vsilu(Vec x) {
+#if defined(__AVX512F__)
+  const Vec e = vexp(_mm512_sub_ps(_mm512_setzero_ps(), _mm512_abs_ps(x)));
+  const Vec num = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(x, vzero(), _CMP_GE_OQ), e, vbroadcast(1.f));
+  return _mm512_mul_ps(x, _mm512_div_ps(num, vadd(e, vbroadcast(1.f))));
+#else
+  const Vec abs = _mm256_andnot_ps(vbroadcast(-0.f), x);
+  const Vec e = vexp(_mm256_sub_ps(vzero(), abs));
+  const Vec num = _mm256_blendv_ps(e, vbroadcast(1.f), _mm256_cmp_ps(x, vzero(), _CMP_GE_OQ));
+  return _mm256_mul_ps(x, _mm256_div_ps(num, vadd(e, vbroadcast(1.f))));
+#endif
+}
+
 }  // namespace

@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from cluster.models.layers.activation import SiluAndMul
 from cluster.models.layers.attention import AttentionMetadata, PagedAttention
 from cluster.models.layers.rotary import RotaryEmbedding, apply_rotary
 from cluster.models.layers.weights import load_named_weights
@@ -33,6 +34,15 @@ class RMSNorm(nn.Module):
             return self.cpu_ops.rms_norm(x.contiguous(), self.weight, self.eps)
         # torch's fused kernel accumulates in float32, like the reference's upcast.
         return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
+
+    def add_and_norm(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(x + residual, norm(x + residual))``: the residual stream's add and this norm, in one
+        compiled call where there is one."""
+        if self.cpu_ops is not None:
+            total, normed = self.cpu_ops.add_rms_norm(x.contiguous(), residual.contiguous(), self.weight, self.eps)
+            return total, normed
+        total = residual + x
+        return total, self(total)
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -58,6 +68,7 @@ class LlamaDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(hidden, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(hidden, config.rms_norm_eps)
         self.attn = PagedAttention(self.num_heads, self.num_kv_heads, self.head_dim, self.head_dim**-0.5)
+        self.act = SiluAndMul()
         if config.hidden_act != "silu":
             raise ValueError(f"Llama-family hidden_act {config.hidden_act!r} is not supported (silu is)")
 
@@ -80,10 +91,8 @@ class LlamaDecoderLayer(nn.Module):
             k = qk[:, self.num_heads :].reshape(num_tokens, self.kv_size)
             v = qkv[:, self.q_size + self.kv_size :]
             attn_out = self.attn(q, k, v, kv_cache, meta)
-        hidden = residual + self.o_proj(attn_out)
-        residual = hidden
-        gate, up = self.gate_up_proj(self.post_attention_layernorm(hidden)).chunk(2, dim=-1)
-        return residual + self.down_proj(F.silu(gate) * up)
+        residual, normed = self.post_attention_layernorm.add_and_norm(self.o_proj(attn_out), residual)
+        return residual + self.down_proj(self.act(self.gate_up_proj(normed)))
 
 
 class LlamaForCausalLM(nn.Module):

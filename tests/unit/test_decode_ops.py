@@ -32,6 +32,28 @@ def test_rms_norm_rounds_like_transformers_llama(ops, dtype):
     torch.testing.assert_close(ops.rms_norm(x, weight, 1e-5), expected, rtol=TOL[dtype], atol=TOL[dtype])
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_add_rms_norm_adds_the_residual_in_the_dtype_then_normalizes(ops, dtype):
+    gen = torch.Generator().manual_seed(9)
+    x, residual = (torch.randn(5, 576, generator=gen).to(dtype) for _ in range(2))
+    weight = torch.randn(576, generator=gen).to(dtype)
+    total, normed = ops.add_rms_norm(x, residual, weight, 1e-5)
+    assert torch.equal(total, x + residual)  # torch's rounding of the add
+    assert torch.equal(normed, ops.rms_norm(x + residual, weight, 1e-5))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("n", [1536, 1000])  # a whole number of vectors, and a scalar tail
+def test_silu_and_mul_matches_torch(ops, dtype, n):
+    gen = torch.Generator().manual_seed(10)
+    gate_up = (torch.randn(6, 2 * n, generator=gen) * 6).to(dtype)
+    gate_up[0, :6] = torch.tensor([-200.0, 200.0, 0.0, -0.0, 1e-4, -90.0])  # exp(-x) would overflow float32
+    gate, up = gate_up.chunk(2, dim=-1)
+    out = ops.silu_and_mul(gate_up)
+    assert out.shape == (6, n) and torch.isfinite(out).all()
+    torch.testing.assert_close(out, torch.nn.functional.silu(gate) * up, rtol=TOL[dtype], atol=1e-5)
+
+
 def _paged_batch(dtype, gen, num_slots=300, num_heads=6, num_kv_heads=2, head_dim=32, lens=(1, 19, 64)):
     """Sequences of the given lengths on shuffled slots; the last slot of each is its new token."""
     lens = torch.tensor(lens)
@@ -162,7 +184,7 @@ def test_the_engine_decodes_in_the_kernels_and_keeps_transformers_outputs(ops, t
 
     llm = LLM(str(tiny_llama_dir), device="cpu", dtype="float32", num_blocks=64)
     model = llm.engine.worker.runner.model
-    calls = {"attention": 0, "norm": 0}
+    calls = {"attention": 0, "norm": 0, "add_norm": 0, "act": 0}
 
     class Counting:
         def __init__(self, inner):
@@ -176,6 +198,14 @@ def test_the_engine_decodes_in_the_kernels_and_keeps_transformers_outputs(ops, t
             calls["norm"] += 1
             return self.inner.rms_norm(*args)
 
+        def add_rms_norm(self, *args):
+            calls["add_norm"] += 1
+            return self.inner.add_rms_norm(*args)
+
+        def silu_and_mul(self, *args):
+            calls["act"] += 1
+            return self.inner.silu_and_mul(*args)
+
     for module in model.modules():
         if getattr(module, "cpu_ops", None) is not None:
             module.cpu_ops = Counting(module.cpu_ops)
@@ -183,7 +213,10 @@ def test_the_engine_decodes_in_the_kernels_and_keeps_transformers_outputs(ops, t
     assert out[0].outputs[0].token_ids == expected
     num_layers = model.num_layers
     assert calls["attention"] == 16 * num_layers  # the 11-token prefill (a short query) and 15 decode steps
-    assert calls["norm"] == 16 * (2 * num_layers + 1)  # prefill and decode steps alike
+    # prefill and decode steps alike: a layer's input norm, its post-attention add and norm, its MLP's
+    # activation; the final norm
+    assert calls["norm"] == 16 * (num_layers + 1)
+    assert calls["add_norm"] == calls["act"] == 16 * num_layers
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])

@@ -1,9 +1,11 @@
-"""Hand a loaded model's RMSNorms and paged attention the compiled decode-step ops.
+"""Hand a loaded model's RMSNorms, MLP activations and paged attention the compiled decode-step ops.
 
 On the CPU in float32 or bfloat16, :func:`attach_decode_ops` gives every
-:class:`~cluster.models.llama.RMSNorm` and :class:`~cluster.models.layers.attention.PagedAttention`
-the module built from ``cluster/kernels/decode_ops.cpp``: one call per norm instead of
-torch's composite (17-22 us a call on a 2-core CPU), and one call per layer for the
+:class:`~cluster.models.llama.RMSNorm`, :class:`~cluster.models.layers.activation.SiluAndMul` and
+:class:`~cluster.models.layers.attention.PagedAttention` the module built from
+``cluster/kernels/decode_ops.cpp``: one call per norm (with the residual add before it, where the
+layer has one) instead of torch's composite (17-22 us a call on a 2-core CPU), one for the MLP's
+silu(gate) * up instead of a chunk and two ops, and one call per layer for the
 attention of short-query steps (decode, draft verification, chunks of up to
 ``SHORT_QUERY_MAX`` tokens per sequence: rotary, the K/V write, attention through the slot
 table, one query row at a time) instead of gathering the context and running batched
