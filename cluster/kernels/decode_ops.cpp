@@ -34,28 +34,45 @@ inline float to_float(float v) { return v; }
 inline float to_float(at::BFloat16 v) { return static_cast<float>(v); }
 
 // With residual: sum = (x + residual).to(dtype) is written, and normalized instead of x (the
-// residual stream's add before a Llama norm, in torch's rounding).
+// residual stream's add before a Llama norm, in torch's rounding). Vectors of kLanes, the rest of
+// a row one value at a time.
 template <typename T>
 void rms_norm_rows(const T* x, const T* residual, const T* weight, T* sum, T* y, int64_t rows, int64_t hidden,
                    float eps) {
+  const int64_t full = hidden / kLanes * kLanes;
+  const T* tag = nullptr;
   at::parallel_for(0, rows, 8, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
       const T* xr = x + r * hidden;
-      if (residual) {
-        const T* rr = residual + r * hidden;
-        T* sr = sum + r * hidden;
-        for (int64_t i = 0; i < hidden; ++i) sr[i] = static_cast<T>(to_float(xr[i]) + to_float(rr[i]));
-        xr = sr;
+      const T* rr = residual ? residual + r * hidden : nullptr;
+      T* sr = residual ? sum + r * hidden : nullptr;
+      Vec squares = vzero();
+      for (int64_t i = 0; i < full; i += kLanes) {
+        Vec v = vload(xr + i);
+        if (rr) {
+          v = vround_to(vadd(v, vload(rr + i)), tag);
+          vstore_as(sr + i, v);
+        }
+        squares = vfma(v, v, squares);
       }
-      T* yr = y + r * hidden;
-      float sum_sq = 0.f;
-#pragma omp simd reduction(+ : sum_sq)
-      for (int64_t i = 0; i < hidden; ++i) {
-        const float v = to_float(xr[i]);
+      float sum_sq = vsum(squares);
+      for (int64_t i = full; i < hidden; ++i) {
+        float v = to_float(xr[i]);
+        if (rr) {
+          sr[i] = static_cast<T>(v + to_float(rr[i]));
+          v = to_float(sr[i]);
+        }
         sum_sq += v * v;
       }
+      if (rr) xr = sr;
       const float inv_rms = 1.f / std::sqrt(sum_sq / static_cast<float>(hidden) + eps);
-      for (int64_t i = 0; i < hidden; ++i) {
+      const Vec scale = vbroadcast(inv_rms);
+      T* yr = y + r * hidden;
+      for (int64_t i = 0; i < full; i += kLanes) {
+        const Vec normed = vround_to(vmul(vload(xr + i), scale), tag);
+        vstore_as(yr + i, vround_to(vmul(normed, vload(weight + i)), tag));
+      }
+      for (int64_t i = full; i < hidden; ++i) {
         const float normed = to_float(static_cast<T>(to_float(xr[i]) * inv_rms));
         yr[i] = static_cast<T>(normed * to_float(weight[i]));
       }
@@ -118,7 +135,10 @@ void silu_and_mul_rows(const T* gate_up, T* out, int64_t rows, int64_t n) {
         act[i] = g / (1.f + std::exp(-g));
       }
       T* o = out + r * n;
-      for (i = 0; i < n; ++i) o[i] = static_cast<T>(to_float(static_cast<T>(act[i])) * to_float(up[i]));
+      const T* tag = nullptr;
+      for (i = 0; i + kLanes <= n; i += kLanes)
+        vstore_as(o + i, vround_to(vmul(vround_to(vload(act.data() + i), tag), vload(up + i)), tag));
+      for (; i < n; ++i) o[i] = static_cast<T>(to_float(static_cast<T>(act[i])) * to_float(up[i]));
     }
   });
 }

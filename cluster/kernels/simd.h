@@ -145,4 +145,38 @@ inline Vec vsilu(Vec x) {
 #endif
 }
 
+// v rounded to bfloat16's precision, still float32: round to nearest even on the top 16 bits, as
+// c10::BFloat16's conversion (NaN stays NaN).
+inline Vec vround_bf16(Vec v) {
+#if defined(__AVX512F__)
+  const __m512i bits = _mm512_castps_si512(v);
+  const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+  const __m512i rounded = _mm512_and_si512(_mm512_add_epi32(bits, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7FFF))),
+                                           _mm512_set1_epi32(static_cast<int>(0xFFFF0000u)));
+  return _mm512_mask_blend_ps(_mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), _mm512_castsi512_ps(rounded), v);
+#else
+  const __m256i bits = _mm256_castps_si256(v);
+  const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
+  const __m256i rounded = _mm256_and_si256(_mm256_add_epi32(bits, _mm256_add_epi32(odd, _mm256_set1_epi32(0x7FFF))),
+                                           _mm256_set1_epi32(static_cast<int>(0xFFFF0000u)));
+  return _mm256_blendv_ps(_mm256_castsi256_ps(rounded), v, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+#endif
+}
+
+// v rounded to T's precision (float32: unchanged), and stored as T (bfloat16: the top halves of
+// an already rounded v).
+inline Vec vround_to(Vec v, const float*) { return v; }
+inline Vec vround_to(Vec v, const at::BFloat16*) { return vround_bf16(v); }
+inline void vstore_as(float* p, Vec v) { vstore(p, v); }
+inline void vstore_as(at::BFloat16* p, Vec v) {
+#if defined(__AVX512F__)
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p),
+                      _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_castps_si512(v), 16)));
+#else
+  const __m256i top = _mm256_srli_epi32(_mm256_castps_si256(v), 16);
+  const __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(top, top), 0x08);
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm256_castsi256_si128(packed));
+#endif
+}
+
 }  // namespace

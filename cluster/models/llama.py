@@ -78,9 +78,16 @@ class LlamaDecoderLayer(nn.Module):
         hidden: torch.Tensor,  # [num_tokens, hidden_size]
         kv_cache: torch.Tensor,  # [2, num_slots, num_kv_heads, head_dim]
         meta: AttentionMetadata,
-    ) -> torch.Tensor:
-        residual = hidden
-        qkv = self.qkv_proj(self.input_layernorm(hidden))
+        residual: torch.Tensor | None = None,  # [num_tokens, hidden_size]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The residual stream entering this layer is ``hidden + residual`` (``hidden`` alone for the
+        first layer, ``residual`` None); returns the stream leaving it in the same two parts, so
+        each add lands in the next norm's call (``RMSNorm.add_and_norm``)."""
+        if residual is None:
+            residual, normed = hidden, self.input_layernorm(hidden)
+        else:
+            residual, normed = self.input_layernorm.add_and_norm(hidden, residual)
+        qkv = self.qkv_proj(normed)
         if self.attn.decodes_in_kernel(kv_cache, meta):
             attn_out = self.attn.rotary_decode(qkv, rope, kv_cache, meta)
         else:
@@ -92,7 +99,7 @@ class LlamaDecoderLayer(nn.Module):
             v = qkv[:, self.q_size + self.kv_size :]
             attn_out = self.attn(q, k, v, kv_cache, meta)
         residual, normed = self.post_attention_layernorm.add_and_norm(self.o_proj(attn_out), residual)
-        return residual + self.down_proj(self.act(self.gate_up_proj(normed)))
+        return self.down_proj(self.act(self.gate_up_proj(normed))), residual
 
 
 class LlamaForCausalLM(nn.Module):
@@ -126,13 +133,13 @@ class LlamaForCausalLM(nn.Module):
     ) -> torch.Tensor:  # [num_tokens, hidden_size]
         hidden = self.embed_tokens(input_ids)
         rope = self.rotary(positions, hidden.dtype)
-        aux = {}
+        aux, residual = {}, None
         for i, layer in enumerate(self.layers):
-            if i in self.aux_layer_ids:
-                aux[i] = hidden
-            hidden = layer(rope, hidden, kv_caches[i], meta)
+            if i in self.aux_layer_ids:  # the residual stream entering layer i
+                aux[i] = hidden if residual is None else residual + hidden
+            hidden, residual = layer(rope, hidden, kv_caches[i], meta, residual)
         self.aux_hidden = torch.cat([aux[i] for i in self.aux_layer_ids], dim=-1) if aux else None
-        return self.norm(hidden)
+        return self.norm.add_and_norm(hidden, residual)[1]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [n, hidden] -> [n, vocab]
         return self.lm_head(hidden)
