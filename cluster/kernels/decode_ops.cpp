@@ -360,33 +360,25 @@ void decode_attention(const DecodeBatch<T>& b, T* out) {
   });
 }
 
-// decode_attention for the register tile that fits: G query heads (the largest divisor of the
-// group up to 8) by CT vectors of a head (4, or 2 for G above 6: G * CT at most 24 of AVX-512's 32
-// registers; fewer where they do not divide the head). Only AVX-512 was timed; AVX2 has 16.
+// decode_attention for the register tile that fits: G query heads (1, 2, 3, 4 or 8, the largest
+// dividing the group: 1, 2, 3, 4, 6 and 8 cover the common models) by CT vectors of a head (4, or 2
+// for G = 8: G * CT at most 24 of AVX-512's 32 registers; 1 where those do not divide the head).
+// Fewer instantiations keep the first build short (about 30 s). Only AVX-512 was timed.
 template <typename T, int G>
 void decode_attention_tile(const DecodeBatch<T>& b, T* out) {
-  constexpr int kWidest = G <= 6 ? 4 : 2;
-  const int64_t vectors = b.head_dim / kLanes;
-  if (vectors % kWidest == 0) return decode_attention<T, G, kWidest>(b, out);
-  if (vectors % 2 == 0) return decode_attention<T, G, 2>(b, out);
+  constexpr int kWidest = G <= 4 ? 4 : 2;
+  if ((b.head_dim / kLanes) % kWidest == 0) return decode_attention<T, G, kWidest>(b, out);
   decode_attention<T, G, 1>(b, out);
 }
 
 template <typename T>
 void decode_attention_any(const DecodeBatch<T>& b, T* out) {
   const int64_t group = b.num_heads / b.num_kv_heads;
-  int64_t g = 8;
-  while (group % g) --g;
-  switch (g) {
-    case 8: return decode_attention_tile<T, 8>(b, out);
-    case 7: return decode_attention_tile<T, 7>(b, out);
-    case 6: return decode_attention_tile<T, 6>(b, out);
-    case 5: return decode_attention_tile<T, 5>(b, out);
-    case 4: return decode_attention_tile<T, 4>(b, out);
-    case 3: return decode_attention_tile<T, 3>(b, out);
-    case 2: return decode_attention_tile<T, 2>(b, out);
-    default: return decode_attention_tile<T, 1>(b, out);
-  }
+  if (group % 8 == 0) return decode_attention_tile<T, 8>(b, out);
+  if (group % 4 == 0) return decode_attention_tile<T, 4>(b, out);
+  if (group % 3 == 0) return decode_attention_tile<T, 3>(b, out);
+  if (group % 2 == 0) return decode_attention_tile<T, 2>(b, out);
+  decode_attention_tile<T, 1>(b, out);
 }
 
 // Checks shared by both entry points; returns num_seqs.

@@ -113,9 +113,11 @@ def test_rotary_decode_attention_equals_rotary_then_attention(ops, dtype):
     torch.testing.assert_close(out.double(), expected, rtol=TOL[dtype], atol=TOL[dtype])
 
 
-# (query heads, KV heads, head_dim): every register tile the kernel picks (query heads per tile 1 to 8,
-# 1 to 4 vectors of a head), and contexts of several 256-slot chunks with a partial last one.
-SHAPES = [(6, 2, 32), (8, 8, 64), (8, 1, 128), (14, 2, 64), (16, 1, 48), (10, 2, 16 * 5)]
+# (query heads, KV heads, head_dim): every register tile the kernel picks (1, 2, 3, 4 or 8 query heads,
+# groups of 1 to 16 heads, 1 to 4 vectors of a head), and contexts of several 256-slot chunks with a
+# partial last one.
+SHAPES = [(6, 2, 32), (8, 8, 64), (4, 2, 64), (12, 2, 64), (16, 4, 64), (8, 1, 128), (14, 2, 64), (16, 1, 48),
+          (10, 2, 16 * 5)]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
