@@ -123,22 +123,19 @@ std::vector<torch::Tensor> add_rms_norm(torch::Tensor x, torch::Tensor residual,
 // silu(gate).to(dtype) * up, rounded to dtype, for [rows, 2 * n] = [gate | up] (torch's rounding).
 template <typename T>
 void silu_and_mul_rows(const T* gate_up, T* out, int64_t rows, int64_t n) {
+  const T* tag = nullptr;
   at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> act(n);
     for (int64_t r = begin; r < end; ++r) {
       const T* gate = gate_up + r * 2 * n;
       const T* up = gate + n;
+      T* o = out + r * n;
       int64_t i = 0;
-      for (; i + kLanes <= n; i += kLanes) vstore(act.data() + i, vsilu(vload(gate + i)));
+      for (; i + kLanes <= n; i += kLanes)
+        vstore_as(o + i, vround_to(vmul(vround_to(vsilu(vload(gate + i)), tag), vload(up + i)), tag));
       for (; i < n; ++i) {
         const float g = to_float(gate[i]);
-        act[i] = g / (1.f + std::exp(-g));
+        o[i] = static_cast<T>(to_float(static_cast<T>(g / (1.f + std::exp(-g)))) * to_float(up[i]));
       }
-      T* o = out + r * n;
-      const T* tag = nullptr;
-      for (i = 0; i + kLanes <= n; i += kLanes)
-        vstore_as(o + i, vround_to(vmul(vround_to(vload(act.data() + i), tag), vload(up + i)), tag));
-      for (; i < n; ++i) o[i] = static_cast<T>(to_float(static_cast<T>(act[i])) * to_float(up[i]));
     }
   });
 }

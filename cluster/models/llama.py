@@ -39,8 +39,7 @@ class RMSNorm(nn.Module):
         """``(x + residual, norm(x + residual))``: the residual stream's add and this norm, in one
         compiled call where there is one."""
         if self.cpu_ops is not None:
-            total, normed = self.cpu_ops.add_rms_norm(x.contiguous(), residual.contiguous(), self.weight, self.eps)
-            return total, normed
+            return tuple(self.cpu_ops.add_rms_norm(x.contiguous(), residual.contiguous(), self.weight, self.eps))
         total = residual + x
         return total, self(total)
 
