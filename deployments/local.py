@@ -271,25 +271,36 @@ def stop_bounded(app_name: str, drain_timeout_s: float) -> None:
 
 def drain(app_name: str, timeout_s: float) -> None:
     """Tell the application's ingresses to turn new calls away and wait, at most ``timeout_s``,
-    until every one of them has and none has a call in flight."""
+    until every one of them has and none has a call in flight. A hub slow to answer (a loaded
+    machine) is asked again until the bound; only a hub or Ray gone ends the drain early."""
     if timeout_s <= 0:
         return
     print(f"draining: new requests get a 503, those in flight have up to {timeout_s:g} s to finish", flush=True)
     start = time.monotonic()
-    in_flight = 0
-    try:
-        hub = application_hub(app_name)
-        ray.get(hub.drain.remote(), timeout=10)
-        while time.monotonic() < start + timeout_s:
-            ingresses, draining, in_flight = ray.get(hub.drain_status.remote(), timeout=10)
-            if ingresses and draining == ingresses and in_flight == 0:
-                print("drained: no request in flight", flush=True)
-                return
-            if not ingresses and time.monotonic() > start + 3 * REPORT_INTERVAL_S:
-                print("no ingress reports to the hub: stopping without a drain", flush=True)
-                return
-            time.sleep(0.25)
-    except Exception as err:  # Ray going away under us: stop as without a drain
-        print(f"draining stopped early ({type(err).__name__}: {err})", flush=True)
-        return
-    print(f"{in_flight} request(s) still in flight after {timeout_s:g} s", flush=True)
+    deadline = start + timeout_s
+    in_flight, told_drain, slow_answers = 0, False, 0
+    hub = None
+    while time.monotonic() < deadline:
+        try:
+            if hub is None:
+                hub = application_hub(app_name)
+            if not told_drain:
+                ray.get(hub.drain.remote(), timeout=min(10.0, max(deadline - time.monotonic(), 0.1)))
+                told_drain = True
+            ingresses, draining, in_flight = ray.get(
+                hub.drain_status.remote(), timeout=min(10.0, max(deadline - time.monotonic(), 0.1)))
+        except ray.exceptions.GetTimeoutError:
+            slow_answers += 1
+            continue
+        except Exception as err:  # Ray or the hub going away under us: stop as without a drain
+            print(f"draining stopped early ({type(err).__name__}: {err})", flush=True)
+            return
+        if ingresses and draining == ingresses and in_flight == 0:
+            print("drained: no request in flight", flush=True)
+            return
+        if not ingresses and time.monotonic() > start + 3 * REPORT_INTERVAL_S:
+            print("no ingress reports to the hub: stopping without a drain", flush=True)
+            return
+        time.sleep(0.25)
+    told = f" (the hub was slow to answer {slow_answers} time(s))" if slow_answers else ""
+    print(f"{in_flight} request(s) still in flight after {timeout_s:g} s{told}", flush=True)
