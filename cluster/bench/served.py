@@ -142,14 +142,16 @@ def measure_served(args: argparse.Namespace, console: Console) -> dict:
                                                       text=True, check=True).stdout.strip().splitlines()[-1]
     if args.vllm_dtype == "tandem":
         args.vllm_dtype = tandem_dtype(args.config)
+    if args.speculation_alternatives and not args.speculation_ab:
+        raise ValueError("--speculation-alternatives are served in the A/B rounds: give --speculation-ab ROUNDS too")
     work = Path(tempfile.mkdtemp(prefix="tandem-served-"))
     args.dataset_files = write_datasets(args, work, console)
     systems = {}
-    for round_ in range(args.speculation_ab):  # A B A B: the config as it is, then without speculation
-        for name, speculation in (("tandem", True), ("tandem-no-spec", False)):
+    for round_ in range(args.speculation_ab):  # A B A B: the config as it is (and each alternative), then none
+        for name, config, speculation in speculation_runs(args):
             key = name if args.speculation_ab == 1 else f"{name} #{round_ + 1}"
-            systems[key] = _measure_system(args, console, key, lambda s=speculation: start_tandem(
-                key, args.config, s, sys.executable), work, True)
+            systems[key] = _measure_system(args, console, key, lambda c=config, s=speculation: start_tandem(
+                key, c, s, sys.executable), work, True)
     if not args.speculation_ab:
         systems["tandem"] = _measure_system(args, console, "tandem", lambda: start_tandem(
             "tandem", args.config, True, sys.executable), work, True)
@@ -157,7 +159,7 @@ def measure_served(args: argparse.Namespace, console: Console) -> dict:
         vllm_args = ["--dtype", args.vllm_dtype, "--max-num-seqs", str(args.max_num_seqs),
                      "--max-model-len", str(tandem_max_model_len(args.config))]  # the same prompts fit both
         speculative = json.loads(args.vllm_speculative_config) if args.vllm_speculative_config else None
-        for name, env in VLLM_PLACEMENTS.items():
+        for name, env in ((name, VLLM_PLACEMENTS[name]) for name in args.vllm_placements):
             systems[name] = _measure_system(args, console, name, lambda env=env: start_vllm_anchor(
                 name, args.vllm_script, speculative, vllm_args, env), work, False)
     offline = {}
@@ -168,17 +170,33 @@ def measure_served(args: argparse.Namespace, console: Console) -> dict:
                                                               args.input_len, args.output_len, args.seed)
     return {"config": str(args.config), "machine_cores": _cores(), "systems": systems, "offline": offline,
             "speculation_gain": speculation_gains(systems),
+            "speculation_gain_alternatives": {name: speculation_gains(systems, name)
+                                              for name, _, _ in speculation_runs(args)[1:-1]},
               "settings": {"client": "vllm.benchmarks.serve (backend vllm, streamed completions, ignore_eos, "
                                      + ("no sampling settings sent: temperature 1)" if args.temperature is None
                                         else f"temperature {args.temperature})"),
                            "max_concurrency": args.max_concurrency, "fresh_server_per_cell": args.fresh_server_per_cell,
                            "speculation_ab_rounds": args.speculation_ab,
+                           "speculation_alternatives": {name: str(config) for name, config, _ in
+                                                        speculation_runs(args)[1:-1]},
                            "vllm_speculative_config": args.vllm_speculative_config,
                            "input_len": args.input_len, "output_len": args.output_len, "seed": args.seed,
                            "vllm": {"dtype": args.vllm_dtype, "max_num_seqs": args.max_num_seqs,
-                                    "placements": VLLM_PLACEMENTS},
+                                    "placements": {name: VLLM_PLACEMENTS[name] for name in args.vllm_placements}},
                            "tandem": "tandem serve CONFIG: every core to the engine replica (num_cpus), "
                                      "engine core process, direct ingress"}}
+
+
+def speculation_runs(args: argparse.Namespace) -> list[tuple[str, Path, bool]]:
+    """One A/B round's Tandem servers, in order: (name, config, speculation on): CONFIG as it is
+    (``tandem``), each of ``--speculation-alternatives`` (``tandem:<file stem>``), then CONFIG without
+    speculation (``tandem-no-spec``)."""
+    alternatives = [(f"tandem:{Path(path).stem}", Path(path), True) for path in args.speculation_alternatives]
+    names = [name for name, _, _ in alternatives]
+    if len(set(names)) != len(names):
+        raise ValueError(f"--speculation-alternatives: two configs share a file name ({', '.join(names)}); "
+                         "their runs are named after it")
+    return [("tandem", Path(args.config), True), *alternatives, ("tandem-no-spec", Path(args.config), False)]
 
 
 def write_datasets(args, work: Path, console: Console) -> dict[str, VllmDataset]:
@@ -227,6 +245,9 @@ def add_served_args(parser: argparse.ArgumentParser) -> None:
         "servers' default of 1; 0: greedy)")
     add("--speculation-ab", type=int, default=0, metavar="ROUNDS",
         help="Tandem as configured and again with speculative.method none, alternating, ROUNDS times each")
+    add("--speculation-alternatives", nargs="*", default=[], metavar="CONFIG",
+        help="with --speculation-ab: more Tandem configs (another speculative method, k, controller) served in "
+             "each round beside CONFIG and none, each one's gain over none reported")
     add("--fresh-server-per-cell", action="store_true",
         help="a server of its own for every cell (no cell finds another's prompts in the caches or suffix trees)")
     add("--vllm-speculative-config", default=None, help="vLLM's --speculative-config (JSON), e.g. "
@@ -242,6 +263,8 @@ def add_served_args(parser: argparse.ArgumentParser) -> None:
     add("--vllm-dtype", default="tandem",
         help="vLLM server's --dtype (default 'tandem': the dtype the served config resolves to here)")
     add("--max-num-seqs", type=int, default=64, help="vLLM server's --max-num-seqs (Tandem: its config)")
+    add("--vllm-placements", nargs="+", choices=list(VLLM_PLACEMENTS), default=list(VLLM_PLACEMENTS),
+        help="vLLM's core placements to serve (default both; the better one per cell is compared)")
     add("--python-vllm", default=None, help="interpreter with vLLM for the client (default: the vLLM tier's)")
     add("--tokenizer", default=None, help="tokenizer folder for the client (default: the anchor's model folder)")
     add("--skip-vllm", action="store_true", help="measure Tandem only")

@@ -39,12 +39,13 @@ def verdicts(tandem: dict, vllm: dict) -> dict[str, dict]:
     return out
 
 
-def speculation_gains(systems: dict) -> dict[str, dict[str, float]]:
-    """With ``--speculation-ab``: per cell and figure, how many times better the configured
-    speculation is than none (each side the mean over its rounds; > 1: speculation better). With one
-    round the runs are named ``tandem`` and ``tandem-no-spec``, with more ``tandem #1``, ..."""
+def speculation_gains(systems: dict, base: str = "tandem") -> dict[str, dict[str, float]]:
+    """With ``--speculation-ab``: per cell and figure, how many times better the speculating runs
+    named ``base`` (CONFIG's, or an alternative's ``tandem:<stem>``) are than none (each side the
+    mean over its rounds; > 1: speculation better). With one round the runs are named ``base`` and
+    ``tandem-no-spec``, with more ``base #1``, ..."""
     gains: dict[str, dict[str, float]] = {}
-    on = [figs for name, figs in systems.items() if name == "tandem" or name.startswith("tandem #")]
+    on = [figs for name, figs in systems.items() if name == base or name.startswith(f"{base} #")]
     off = [figs for name, figs in systems.items() if name == "tandem-no-spec" or name.startswith("tandem-no-spec #")]
     if not on or not off:
         return gains
@@ -59,25 +60,29 @@ def speculation_gains(systems: dict) -> dict[str, dict[str, float]]:
 
 
 def print_speculation_ab(console, report: dict) -> None:
-    """Each cell's figures per Tandem run (speculation as configured, and none, in turn) and the gain."""
+    """Each cell's figures per Tandem run (speculation as configured, each alternative config, and
+    none, in turn) and each speculating config's gain over none."""
     systems = report["systems"]
     names = [n for n in systems if n.startswith("tandem")]
-    gains = speculation_gains(systems)
-    for cell, by_figure in gains.items():
-        table = Table(title=f"{cell}: speculation as configured against none (vLLM's client)", box=box.SIMPLE_HEAD,
+    bases = ["tandem", *report.get("settings", {}).get("speculation_alternatives", {})]
+    gains = {base: speculation_gains(systems, base) for base in bases}
+    for cell in gains["tandem"]:
+        table = Table(title=f"{cell}: speculation against none (vLLM's client)", box=box.SIMPLE_HEAD,
                       show_edge=False, caption="gain: how many times better with speculation (means over rounds)")
         table.add_column("figure")
         for name in names:
             table.add_column(name, justify="right")
-        table.add_column("gain", justify="right")
+        for base in bases:
+            table.add_column("gain" if len(bases) == 1 else f"gain {base}", justify="right")
         for key, (label, _) in FIGURES.items():
-            table.add_row(label, *[_fmt(systems[n].get(cell, {}).get(key)) for n in names], _fmt(by_figure.get(key)))
+            table.add_row(label, *[_fmt(systems[n].get(cell, {}).get(key)) for n in names],
+                          *[_fmt(gains[base].get(cell, {}).get(key)) for base in bases])
         console.print(table)
 
 
 def print_served_report(console, report: dict) -> None:
     systems = report["systems"]
-    if "tandem" not in systems:
+    if any(name.startswith("tandem-no-spec") for name in systems):
         print_speculation_ab(console, report)
     tandem = systems.get("tandem", {})
     settings = report.get("settings", {})

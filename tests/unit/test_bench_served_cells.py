@@ -48,3 +48,48 @@ def test_speculation_gain_is_the_ratio_of_the_rounds_means():
     # One round: the runs carry no round number.
     one = speculation_gains({"tandem": systems["tandem #1"], "tandem-no-spec": systems["tandem-no-spec #1"]})
     assert one[cell]["median_tpot_ms"] == 3.0
+
+
+def test_alternative_configs_run_in_each_round_between_the_config_and_none(tmp_path):
+    from cluster.bench.served import speculation_runs
+
+    args = _args("configs/local.yaml", "--speculation-ab", "2", "--speculation-alternatives",
+                 str(tmp_path / "suffix.yaml"), str(tmp_path / "ngram-k4.yaml"))
+    runs = speculation_runs(args)
+    assert [(name, config.name, on) for name, config, on in runs] == [
+        ("tandem", "local.yaml", True), ("tandem:suffix", "suffix.yaml", True),
+        ("tandem:ngram-k4", "ngram-k4.yaml", True), ("tandem-no-spec", "local.yaml", False)]
+    clash = _args("--speculation-ab", "1", "--speculation-alternatives", "a/x.yaml", "b/x.yaml")
+    try:
+        speculation_runs(clash)
+    except ValueError as err:
+        assert "share a file name" in str(err)
+    else:
+        raise AssertionError("two alternatives named alike were taken")
+
+
+def test_each_alternative_gets_its_own_gain_over_none():
+    cell = "code @ c=8"
+    systems = {"tandem": {cell: {"median_tpot_ms": 20.0}}, "tandem:suffix": {cell: {"median_tpot_ms": 10.0}},
+               "tandem-no-spec": {cell: {"median_tpot_ms": 30.0}}}
+    assert speculation_gains(systems)[cell]["median_tpot_ms"] == 1.5
+    assert speculation_gains(systems, "tandem:suffix")[cell]["median_tpot_ms"] == 3.0
+
+
+def test_one_round_prints_the_gain_table_beside_the_vllm_table():
+    import io
+
+    from rich.console import Console
+
+    from cluster.bench.served_report import print_served_report
+
+    cell = "code @ c=1"
+    figures = {"median_tpot_ms": 10.0, "output_throughput": 90.0}
+    report = {"systems": {"tandem": {cell: figures}, "tandem:suffix": {cell: dict(figures, median_tpot_ms=5.0)},
+                          "tandem-no-spec": {cell: {"median_tpot_ms": 20.0, "output_throughput": 45.0}}},
+              "settings": {"speculation_alternatives": {"tandem:suffix": "suffix.yaml"}}}
+    out = io.StringIO()
+    print_served_report(Console(file=out, width=200), report)
+    text = out.getvalue()
+    assert "speculation against none" in text and "gain tandem:suffix" in text
+    assert "4.0" in text and "2.0" in text  # suffix's and the config's TPOT gains
