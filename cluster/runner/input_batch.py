@@ -14,6 +14,11 @@ from cluster.models.layers.flex_paged import FlexLayout, build_flex_metadata
 # Up to this many query tokens per sequence (decode, draft verification, small prefill chunks)
 # every query row also gets its own context (see AttentionMetadata.row_context_lens).
 SHORT_QUERY_MAX = 16
+# Longer queries (prefill) attend QUERY_BLOCK_ROWS rows at a time, each block to the keys up to
+# its last row only, so the kernel skips most of the causal mask's hidden half: on a 2-core Zen 4,
+# 1,731 prompt tokens' attention took 34.9 ms a layer in blocks of 256 against 50.4 in one call
+# (blocks of 128: 40.7, of 512: 37.7).
+QUERY_BLOCK_ROWS = 256
 
 
 class SeqChunk(NamedTuple):
@@ -144,12 +149,15 @@ def _attention_metadata(
         starts = torch.cumsum(query_lens_t, 0) - query_lens_t
         offset_in_seq = torch.arange(len(positions_t)) - starts[seq_of_token]
         query_pad_index = seq_of_token * max_query_len + offset_in_seq
-        # Query row i of sequence s sits at position context_len - query_len + i.
-        query_pos = context_lens_t[:, None] - query_lens_t[:, None] + torch.arange(max_query_len)[None, :]
-        attn_mask = (context_pos[None, None, :] <= query_pos[:, :, None]) & (
-            context_pos[None, None, :] < context_lens_t[:, None, None]
-        )
-        attn_mask = attn_mask.unsqueeze(1)  # [num_seqs, 1, max_query_len, max_context_len]
+        if num_seqs == 1 and context_lens[0] == query_lens[0]:
+            attn_mask = None  # a whole prompt alone: plain causal attention (is_causal)
+        else:
+            # Query row i of sequence s sits at position context_len - query_len + i.
+            query_pos = context_lens_t[:, None] - query_lens_t[:, None] + torch.arange(max_query_len)[None, :]
+            attn_mask = (context_pos[None, None, :] <= query_pos[:, :, None]) & (
+                context_pos[None, None, :] < context_lens_t[:, None, None]
+            )
+            attn_mask = attn_mask.unsqueeze(1)  # [num_seqs, 1, max_query_len, max_context_len]
 
     row_context_lens = row_context_slots = None
     if short_query_max is None or max_query_len <= short_query_max:
@@ -163,7 +171,23 @@ def _attention_metadata(
         query_pad_index=to(query_pad_index),
         num_seqs=num_seqs,
         max_query_len=max_query_len,
+        query_blocks=query_blocks(query_lens, context_lens) if attn_mask is not None else None,
         decode_padding=to(~attn_mask) if query_pad_index is None and attn_mask is not None else None,
         row_context_lens=to(row_context_lens),
         row_context_slots=to(row_context_slots),
     )
+
+
+def query_blocks(query_lens: list[int], context_lens: list[int],
+                 rows: int = QUERY_BLOCK_ROWS) -> tuple[tuple[int, int, int], ...] | None:
+    """(first row, end row, keys) per block of ``rows`` padded query rows: row ``i`` of sequence ``s``
+    sits at position ``context_lens[s] - query_lens[s] + i`` and sees no key past it, so a block needs
+    the keys up to the furthest its rows reach in any sequence. None when one block would do."""
+    max_query_len = max(query_lens)
+    if max_query_len <= rows:
+        return None
+    blocks = []
+    for first in range(0, max_query_len, rows):
+        end = min(first + rows, max_query_len)
+        blocks.append((first, end, max(min(c, c - q + end) for q, c in zip(query_lens, context_lens))))
+    return tuple(blocks)

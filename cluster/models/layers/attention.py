@@ -45,6 +45,10 @@ class AttentionMetadata:
     parts: tuple[tuple[torch.Tensor, "AttentionMetadata"], ...] | None = None
     # The flex path (context_slots, attn_mask and the row fields then None): the step's block mask.
     flex: FlexPagedMetadata | None = None
+    # Long queries with a mask: (first row, end row, keys) per block of padded query rows, each block
+    # attending only to the keys its rows can see (``input_batch.query_blocks``); None: one call.
+    # A mask-free step with queries (``attn_mask`` None, ``query_pad_index`` set) is one causal prompt.
+    query_blocks: tuple[tuple[int, int, int], ...] | None = None
 
 
 class PagedAttention(torch.nn.Module):
@@ -102,14 +106,20 @@ class PagedAttention(torch.nn.Module):
         padded = q.new_zeros(meta.num_seqs * meta.max_query_len, self.num_heads, self.head_dim)
         padded.index_copy_(0, meta.query_pad_index, q)
         queries = padded.view(meta.num_seqs, meta.max_query_len, self.num_heads, self.head_dim)
-        out = F.scaled_dot_product_attention(
-            queries.transpose(1, 2),
-            keys.transpose(1, 2),
-            values.transpose(1, 2),
-            attn_mask=meta.attn_mask,
-            scale=self.scale,
-            enable_gqa=self.num_heads != self.num_kv_heads,
-        )  # [num_seqs, num_heads, max_query_len, head_dim]
+        queries, keys, values = queries.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2)
+        gqa = self.num_heads != self.num_kv_heads
+        if meta.attn_mask is None:  # one whole prompt: causal, nothing else hidden
+            out = F.scaled_dot_product_attention(queries, keys, values, is_causal=True, scale=self.scale,
+                                                 enable_gqa=gqa)
+        elif meta.query_blocks is None:
+            out = F.scaled_dot_product_attention(queries, keys, values, attn_mask=meta.attn_mask, scale=self.scale,
+                                                 enable_gqa=gqa)
+        else:
+            out = torch.cat([F.scaled_dot_product_attention(
+                queries[:, :, first:end], keys[:, :, :num_keys], values[:, :, :num_keys],
+                attn_mask=meta.attn_mask[:, :, first:end, :num_keys], scale=self.scale, enable_gqa=gqa)
+                for first, end, num_keys in meta.query_blocks], dim=2)
+        # out: [num_seqs, num_heads, max_query_len, head_dim]
         out = out.transpose(1, 2).reshape(-1, self.num_heads * self.head_dim)
         return out.index_select(0, meta.query_pad_index)
 
