@@ -280,15 +280,18 @@ def drain(app_name: str, timeout_s: float) -> None:
     deadline = start + timeout_s
     in_flight, told_drain, slow_answers = 0, False, 0
     hub = None
+
+    def wait_s() -> float:  # one call's bound: 10 s, and never past the drain's own
+        return min(10.0, max(deadline - time.monotonic(), 0.1))
+
     while time.monotonic() < deadline:
         try:
             if hub is None:
                 hub = application_hub(app_name)
             if not told_drain:
-                ray.get(hub.drain.remote(), timeout=min(10.0, max(deadline - time.monotonic(), 0.1)))
+                ray.get(hub.drain.remote(), timeout=wait_s())
                 told_drain = True
-            ingresses, draining, in_flight = ray.get(
-                hub.drain_status.remote(), timeout=min(10.0, max(deadline - time.monotonic(), 0.1)))
+            ingresses, draining, in_flight = ray.get(hub.drain_status.remote(), timeout=wait_s())
         except ray.exceptions.GetTimeoutError:
             slow_answers += 1
             continue

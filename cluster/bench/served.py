@@ -144,11 +144,13 @@ def measure_served(args: argparse.Namespace, console: Console) -> dict:
         args.vllm_dtype = tandem_dtype(args.config)
     if args.speculation_alternatives and not args.speculation_ab:
         raise ValueError("--speculation-alternatives are served in the A/B rounds: give --speculation-ab ROUNDS too")
+    runs = speculation_runs(args)
+    alternatives = {name: str(config) for name, config, _ in runs[1:-1]}
     work = Path(tempfile.mkdtemp(prefix="tandem-served-"))
     args.dataset_files = write_datasets(args, work, console)
     systems = {}
     for round_ in range(args.speculation_ab):  # A B A B: the config as it is (and each alternative), then none
-        for name, config, speculation in speculation_runs(args):
+        for name, config, speculation in runs:
             key = name if args.speculation_ab == 1 else f"{name} #{round_ + 1}"
             systems[key] = _measure_system(args, console, key, lambda c=config, s=speculation: start_tandem(
                 key, c, s, sys.executable), work, True)
@@ -170,15 +172,13 @@ def measure_served(args: argparse.Namespace, console: Console) -> dict:
                                                               args.input_len, args.output_len, args.seed)
     return {"config": str(args.config), "machine_cores": _cores(), "systems": systems, "offline": offline,
             "speculation_gain": speculation_gains(systems),
-            "speculation_gain_alternatives": {name: speculation_gains(systems, name)
-                                              for name, _, _ in speculation_runs(args)[1:-1]},
+            "speculation_gain_alternatives": {name: speculation_gains(systems, name) for name in alternatives},
               "settings": {"client": "vllm.benchmarks.serve (backend vllm, streamed completions, ignore_eos, "
                                      + ("no sampling settings sent: temperature 1)" if args.temperature is None
                                         else f"temperature {args.temperature})"),
                            "max_concurrency": args.max_concurrency, "fresh_server_per_cell": args.fresh_server_per_cell,
                            "speculation_ab_rounds": args.speculation_ab,
-                           "speculation_alternatives": {name: str(config) for name, config, _ in
-                                                        speculation_runs(args)[1:-1]},
+                           "speculation_alternatives": alternatives,
                            "vllm_speculative_config": args.vllm_speculative_config,
                            "input_len": args.input_len, "output_len": args.output_len, "seed": args.seed,
                            "vllm": {"dtype": args.vllm_dtype, "max_num_seqs": args.max_num_seqs,
