@@ -122,9 +122,12 @@ class LatencyModel:
         return float(measured + c0 + c1 * batch_size + c2 * (batch_size * tokens_per_request))
 
     def draft_time(self, batch_size: int) -> float:
+        """One draft pass, never below 0: a learnt correction (d0, d1) fitted where the batch sat
+        at a few sizes can extrapolate below nothing at others (held near batch 9, a negative d1
+        made k = 6 look 2.3x cheaper per token than plain decoding at batch 16)."""
         d0, d1 = self.draft_coef
         measured = self.grid_scale * self.grid.draft_time(batch_size) if self.grid is not None else 0.0
-        return float(measured + d0 + d1 * batch_size)
+        return max(float(measured + d0 + d1 * batch_size), 0.0)
 
     def step_time(self, batch_size: int, k: int, coverage: list[float] | None = None) -> float:
         """k draft passes and a verifying pass of 1 + expected_drafted(coverage, k) tokens per

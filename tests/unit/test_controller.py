@@ -120,6 +120,54 @@ def test_acceptance_near_zero_drives_k_to_zero():
     assert adaptive.acceptance[0] < 0.3
 
 
+def _acceptance_where_drafting_gains(lo: float, hi: float, b: int = 1) -> tuple[float, int]:
+    """A uniform acceptance under which the best drafting length at batch ``b`` is predicted (TRUE)
+    between ``lo`` and ``hi`` times plain decoding's time per token, and that length."""
+    for a in np.arange(0.0, 1.0, 0.0005):
+        costs = TRUE.time_per_token_by_k(b, [a] * 8, 8)
+        k = costs.index(min(costs[1:]))
+        if lo < costs[k] / costs[0] < hi:
+            return float(a), k
+    raise AssertionError(f"no acceptance puts drafting between {lo} and {hi} of plain decoding")
+
+
+def test_drafting_runs_only_where_it_is_predicted_clearly_faster_than_plain():
+    """A k predicted 3% faster than plain decoding (inside the 5% band) is not drafted; 10% is."""
+    marginal, k = _acceptance_where_drafting_gains(0.96, 0.975)
+    adaptive = AdaptiveController(TRUE, [marginal] * 8, max_k=8, hysteresis=0.05, explore_every=10**6)
+    assert TRUE.best_k(1, [marginal] * 8, 8) == k > 0
+    assert adaptive.choose_k(_state(1)) == 0
+    clear, k = _acceptance_where_drafting_gains(0.85, 0.9)
+    adaptive = AdaptiveController(TRUE, [clear] * 8, max_k=8, hysteresis=0.05, explore_every=10**6)
+    assert adaptive.choose_k(_state(1)) == k > 0
+
+
+def test_a_held_k_that_stops_paying_goes_back_to_plain_decoding():
+    """Held at k = 1, acceptance falls until plain decoding is predicted faster than k = 1, but
+    by less than the 5% band that holds a k against another: drafting that loses goes back to 0."""
+    adaptive = AdaptiveController(TRUE, [0.35] * 8, max_k=8, hysteresis=0.05, min_dwell_steps=1,
+                                  explore_every=10**6)
+    assert adaptive.choose_k(_state(1)) == 1
+    for a in np.arange(0.35, 0.0, -0.0005):
+        costs = TRUE.time_per_token_by_k(1, [a] * 8, 8)
+        if costs[1] > costs[0] > costs[1] * (1 - adaptive.hysteresis):
+            break
+    else:
+        raise AssertionError("no acceptance where plain decoding is inside the band above k = 1")
+    adaptive.acceptance = [float(a)] * 8
+    assert adaptive.choose_k(_state(1)) == 0
+
+
+def test_a_learnt_correction_never_makes_a_draft_pass_cost_less_than_nothing():
+    """A negative d1, fitted where the batch sat small, would price drafting below zero at a
+    large batch and make every k look cheaper than plain decoding there."""
+    model = LatencyModel([0.020, 0.0005, 0.003], [0.001, -0.0005])
+    assert model.draft_time(1) == pytest.approx(0.0005) and model.draft_time(16) == 0.0
+    steps = [model.step_time(16, k, [0.05] * 8) for k in range(9)]
+    assert steps == sorted(steps)
+    assert model.best_k(16, [0.01] * 8, 8, [0.05] * 8) == 0
+
+
 def test_exploration_at_zero_notices_recovered_acceptance():
     adaptive = AdaptiveController(TRUE, [0.01] * 8, max_k=8, explore_every=16, explore_budget=0.05)
     assert adaptive.choose_k(_state(1)) == 0
