@@ -15,9 +15,10 @@ cell (the one with the higher output throughput).
 While a cell runs, on either server, the CPU taken by every process is sampled from /proc
 (``proc_cpu.py``, with the client's own beside it), and on Tandem the engine core's step
 timeline is read from ``/debug/timeline``, so the report says where the machine's time went.
-Last, Tandem's engine runs the saturation cells offline in this process (the same prompts'
-shapes and settings, all requests at once) and the report gives served / offline output
-throughput.
+Last, Tandem's engine runs the saturation and closed-loop cells offline in this process (the
+same prompts' shapes and settings, all requests at once or as many in flight as the cell
+allows, ``served_offline.py``) and the report gives served / offline output throughput, TTFT
+and TPOT.
 """
 
 from __future__ import annotations
@@ -40,7 +41,7 @@ from cluster.bench.compare_servers import python_with_vllm, start_or_report, sta
 from cluster.bench.offline import concrete_dtype
 from cluster.bench.spec_vllm import VLLM_ALL_CORES
 from cluster.bench.proc_cpu import ProcessCpuSampler
-from cluster.bench.served_offline import offline_output_throughput
+from cluster.bench.served_offline import offline_engine_figures
 from cluster.bench.served_report import FIGURES, print_served_report, speculation_gains
 from cluster.bench.workloads.prompt_sets import VLLM_DATASETS, VllmDataset, write_vllm_dataset
 from cluster.config import group_engine_config, load_config
@@ -166,10 +167,11 @@ def measure_served(args: argparse.Namespace, console: Console) -> dict:
                 name, args.vllm_script, speculative, vllm_args, env), work, False)
     offline = {}
     for cell in cells(args):
-        if cell["rate"] == "inf" and not cell.get("concurrency") and not args.skip_offline:
+        if cell["rate"] == "inf" and not args.skip_offline:
             console.print(f"[bold]offline engine[/]: {cell['name']}")
-            offline[cell["name"]] = offline_output_throughput(args.config, cell["dataset"], cell["num_prompts"],
-                                                              args.input_len, args.output_len, args.seed)
+            offline[cell["name"]] = offline_engine_figures(args.config, cell["dataset"], cell["num_prompts"],
+                                                           args.input_len, args.output_len, args.seed,
+                                                           cell.get("concurrency"), args.temperature)
     return {"config": str(args.config), "machine_cores": _cores(), "systems": systems, "offline": offline,
             "speculation_gain": speculation_gains(systems),
             "speculation_gain_alternatives": {name: speculation_gains(systems, name) for name in alternatives},
@@ -252,7 +254,7 @@ def add_served_args(parser: argparse.ArgumentParser) -> None:
         help="a server of its own for every cell (no cell finds another's prompts in the caches or suffix trees)")
     add("--vllm-speculative-config", default=None, help="vLLM's --speculative-config (JSON), e.g. "
         '\'{"method": "suffix", "num_speculative_tokens": 8}\'')
-    add("--skip-offline", action="store_true", help="no offline engine run of the saturation cells")
+    add("--skip-offline", action="store_true", help="no offline engine run of the saturation and closed-loop cells")
     add("--num-prompts", type=int, default=64, help="prompts per cell at a finite rate")
     add("--num-prompts-saturated", type=int, default=100, help="prompts per cell at rate inf")
     add("--input-len", type=int, default=128, help="random prompts' length")

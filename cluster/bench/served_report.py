@@ -111,10 +111,12 @@ def print_served_report(console, report: dict) -> None:
             row += [_fmt(ratio), "" if verdict is None else ("ahead" if verdict["ahead"] else "behind")]
             table.add_row(*row)
         offline = report.get("offline", {}).get(cell)
-        if offline:
-            kept = figures["output_throughput"] / offline["output_throughput"]
-            table.add_row("served / offline engine", f"{kept:.2f}", "", "", "",
-                          f"offline {offline['output_throughput']:.1f} tok/s")
+        for key, label, unit in (("output_throughput", "served / offline engine", "tok/s"),
+                                 ("mean_ttft_ms", "TTFT served / offline", "ms"),
+                                 ("median_tpot_ms", "TPOT served / offline", "ms")):
+            if offline and offline.get(key) and figures.get(key):
+                table.add_row(label, f"{figures[key] / offline[key]:.2f}", *[""] * (len(names) - 1), "",
+                              f"offline {offline[key]:.1f} {unit}")
         console.print(table)
         for name in names:
             _print_cpu(console, name, systems.get(name, {}).get(cell, {}))
