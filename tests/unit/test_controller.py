@@ -131,8 +131,9 @@ def _acceptance_where_drafting_gains(lo: float, hi: float, b: int = 1) -> tuple[
     raise AssertionError(f"no acceptance puts drafting between {lo} and {hi} of plain decoding")
 
 
-def test_drafting_runs_only_where_it_is_predicted_clearly_faster_than_plain():
-    """A k predicted 3% faster than plain decoding (inside the 5% band) is not drafted; 10% is."""
+def test_drafting_starts_only_where_it_is_predicted_clearly_faster_than_plain():
+    """As from k = 0, a first k predicted 3% faster than plain decoding (inside the 5% band) is
+    not drafted; 10% is."""
     marginal, k = _acceptance_where_drafting_gains(0.96, 0.975)
     adaptive = AdaptiveController(TRUE, [marginal] * 8, max_k=8, hysteresis=0.05, explore_every=10**6)
     assert TRUE.best_k(1, [marginal] * 8, 8) == k > 0
@@ -144,7 +145,8 @@ def test_drafting_runs_only_where_it_is_predicted_clearly_faster_than_plain():
 
 def test_a_held_k_that_stops_paying_goes_back_to_plain_decoding():
     """Held at k = 1, acceptance falls until plain decoding is predicted faster than k = 1, but
-    by less than the 5% band that holds a k against another: drafting that loses goes back to 0."""
+    by less than the 5% band that holds a k against another: drafting predicted to lose goes
+    back to 0 at once."""
     adaptive = AdaptiveController(TRUE, [0.35] * 8, max_k=8, hysteresis=0.05, min_dwell_steps=1,
                                   explore_every=10**6)
     assert adaptive.choose_k(_state(1)) == 1
