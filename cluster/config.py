@@ -127,8 +127,8 @@ class SpeculativeConfig(_Strict):
     controller: Literal["fixed", "table", "adaptive"] = "fixed"
     profile: str | None = Field(None, description="`tandem profile` JSON: needed by table; adaptive starts from it "
                                 "when it exists, else from a built-in prior, and learns online either way")
-    hysteresis: float = Field(0.05, ge=0, lt=1, description="adaptive: switch k only when this much better, "
-                              "and draft only while predicted this much faster than plain decoding")
+    hysteresis: float = Field(0.05, ge=0, lt=1, description="adaptive: switch k (and start drafting) only when "
+                              "this much better; a k predicted slower than plain decoding is left at once")
     explore_budget: float = Field(
         0.001, ge=0, le=1, description="adaptive: the most its probes (one draft token more than the k held) "
         "may add to the mean predicted step time")

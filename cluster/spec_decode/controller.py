@@ -14,11 +14,11 @@
   to be clearly better and the current one has been held for a while (so ``k`` does not
   flap when the batch size sits at the edge between two best values). ``k = 0`` falls out of
   the model wherever drafting does not pay; a ``k`` held is left, whatever the band, as soon
-  as it is predicted slower than plain decoding. On random 128-token prompts at temperature 1
-  (2-core Zen 4, 2 requests/s) n-gram held k = 6 where k = 0 was predicted 2.7% faster, inside
-  the band, and served TPOT came out 0.93x of speculation off. At most every ``explore_every`` steps it drafts
-  one token more than the ``k`` it holds (up to ``max_k``), and as often, while drafting, it
-  runs a plain step: acceptance is only observed at the positions drafted and step times
+  as it is predicted slower than plain decoding (on random 128-token prompts at temperature 1,
+  2-core Zen 4, 2 requests/s, n-gram held k = 6 where k = 0 was predicted 2.7% faster, inside
+  the band, and served TPOT came out 0.93x of speculation off). At most every
+  ``explore_every`` steps it drafts one token more than the ``k`` it holds (up to
+  ``max_k``), and as often, while drafting, it runs a plain step: acceptance is only observed at the positions drafted and step times
   only at the ``k`` run, so without these probes a profile that under-rates the deeper
   positions (or a recovered acceptance at ``k = 0``), or one that under-prices drafting on
   this device, would never be corrected. Probes are paid from a budget: each step earns
