@@ -18,8 +18,8 @@
   2-core Zen 4, 2 requests/s, n-gram held k = 6 where k = 0 was predicted 2.7% faster, inside
   the band, and served TPOT came out 0.93x of speculation off). At most every
   ``explore_every`` steps it drafts one token more than the ``k`` it holds (up to
-  ``max_k``), and as often, while drafting, it runs a plain step: acceptance is only observed at the positions drafted and step times
-  only at the ``k`` run, so without these probes a profile that under-rates the deeper
+  ``max_k``), and as often, while drafting, it runs a plain step: acceptance is only
+  observed at the positions drafted and step times only at the ``k`` run, so without these probes a profile that under-rates the deeper
   positions (or a recovered acceptance at ``k = 0``), or one that under-prices drafting on
   this device, would never be corrected. Probes are paid from a budget: each step earns
   ``explore_budget`` (up to one step's worth saved) and a probe costs its predicted step
