@@ -19,8 +19,8 @@
   the band, and served TPOT came out 0.93x of speculation off). At most every
   ``explore_every`` steps it drafts one token more than the ``k`` it holds (up to
   ``max_k``), and as often, while drafting, it runs a plain step: acceptance is only
-  observed at the positions drafted and step times only at the ``k`` run, so without these probes a profile that under-rates the deeper
-  positions (or a recovered acceptance at ``k = 0``), or one that under-prices drafting on
+  observed at the positions drafted and step times only at the ``k`` run, so without these
+  probes a profile that under-rates the deeper positions (or a recovered acceptance at ``k = 0``), or one that under-prices drafting on
   this device, would never be corrected. Probes are paid from a budget: each step earns
   ``explore_budget`` (up to one step's worth saved) and a probe costs its predicted step
   time over the held k's, minus one, so probes add about ``explore_budget`` at most to
