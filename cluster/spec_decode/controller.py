@@ -20,8 +20,9 @@
   ``explore_every`` steps it drafts one token more than the ``k`` it holds (up to
   ``max_k``), and as often, while drafting, it runs a plain step: acceptance is only
   observed at the positions drafted and step times only at the ``k`` run, so without these
-  probes a profile that under-rates the deeper positions (or a recovered acceptance at ``k = 0``), or one that under-prices drafting on
-  this device, would never be corrected. Probes are paid from a budget: each step earns
+  probes a profile that under-rates the deeper positions (or a recovered acceptance at
+  ``k = 0``), or one that under-prices drafting on this device, would never be corrected.
+  Probes are paid from a budget: each step earns
   ``explore_budget`` (up to one step's worth saved) and a probe costs its predicted step
   time over the held k's, minus one, so probes add about ``explore_budget`` at most to
   the mean step time. Where a probe is cheap (small batches) it runs every
