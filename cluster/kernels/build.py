@@ -14,7 +14,8 @@ Builds and loads of one kernel take turns under a file lock that dies with its h
 process killed mid-build never leaves the next one waiting (torch's builder alone would).
 
 Where the build cannot happen (no compiler, a CPU without AVX2/FMA, a build error),
-:func:`small_gemm`, :func:`widening_gemm`, :func:`lowbit_gemm` and :func:`decode_ops` return None with a logged reason
+:func:`small_gemm`, :func:`widening_gemm`, :func:`lowbit_gemm`, :func:`decode_ops` and
+:func:`prefill_attention` return None with a logged reason
 and callers keep torch's own kernels. ``TANDEM_CPU_KERNELS=0`` turns the kernels off (for A/B runs and as an escape
 hatch).
 """
@@ -84,6 +85,13 @@ def widening_gemm() -> ModuleType | None:
 def lowbit_gemm() -> ModuleType | None:
     """The compiled few-row GEMMs on int8 and 4-bit weights (``lowbit_gemm.cpp``), or None where they cannot run."""
     return _load("lowbit_gemm")
+
+
+def prefill_attention() -> ModuleType | None:
+    """The compiled prefill attention (``prefill_attention.cpp``), or None where it cannot run (it needs
+    AVX-512)."""
+    module = _load("prefill_attention")
+    return module if module is not None and module.available else None
 
 
 def decode_ops() -> ModuleType | None:

@@ -175,6 +175,8 @@ def _attention_metadata(
         decode_padding=to(~attn_mask) if query_pad_index is None and attn_mask is not None else None,
         row_context_lens=to(row_context_lens),
         row_context_slots=to(row_context_slots),
+        query_lens=None if query_pad_index is None else to(query_lens_t),
+        context_lens=None if query_pad_index is None else to(context_lens_t),
     )
 
 

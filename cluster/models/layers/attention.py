@@ -1,5 +1,5 @@
-"""Paged attention in plain torch ops (runs wherever torch runs), with a compiled CPU kernel
-for short-query steps where one is attached.
+"""Paged attention in plain torch ops (runs wherever torch runs), with compiled CPU kernels
+for short-query steps and for prompts where they are attached.
 
 The batch is flat: ``num_tokens`` query tokens from ``num_seqs`` sequences, sequence
 ``s`` contributing ``query_lens[s]`` consecutive tokens that sit at the end of its
@@ -9,7 +9,9 @@ table (``context_slots``) and runs SDPA with a mask that is causal within the
 sequence and hides padding. That path serves prefill, chunked prefill, decode and the
 verification of draft tokens on every device. On the CPU, steps of up to
 ``SHORT_QUERY_MAX`` query tokens per sequence instead run ``cluster/kernels/decode_ops.cpp``
-(see :meth:`PagedAttention.decodes_in_kernel`), one query row at a time through the slot table.
+(see :meth:`PagedAttention.decodes_in_kernel`), one query row at a time through the slot table,
+and in bfloat16 longer queries run ``cluster/kernels/prefill_attention.cpp`` where it measured
+faster than SDPA (:meth:`PagedAttention.prefills_in_kernel`).
 A step mixing such short queries with longer ones (decodes beside a prompt's prefill)
 attends in two parts (``AttentionMetadata.parts``), so decodes are never padded to a prompt.
 With ``model.attention: flex`` (CUDA's default) a step instead reads the cache in place
@@ -49,6 +51,10 @@ class AttentionMetadata:
     # attending only to the keys its rows can see (``input_batch.query_blocks``); None: one call.
     # A mask-free step with queries (``attn_mask`` None, ``query_pad_index`` set) is one causal prompt.
     query_blocks: tuple[tuple[int, int, int], ...] | None = None
+    # Steps with queries (``query_pad_index`` set) on the gathering path: each sequence's query and
+    # context length, [num_seqs] int64 each (the compiled CPU prefill attention's input).
+    query_lens: torch.Tensor | None = None
+    context_lens: torch.Tensor | None = None
 
 
 class PagedAttention(torch.nn.Module):
@@ -59,6 +65,7 @@ class PagedAttention(torch.nn.Module):
         self.head_dim = head_dim
         self.scale = scale
         self.cpu_ops = None  # compiled CPU decode attention, set by attach_decode_ops
+        self.cpu_prefill = None  # compiled CPU prefill attention (bfloat16), set by attach_decode_ops
 
     def forward(
         self,
@@ -88,6 +95,12 @@ class PagedAttention(torch.nn.Module):
             out = flex_paged_attention(q.view(num_tokens, self.num_heads, self.head_dim), kv_cache, meta.flex,
                                        self.scale)
             return out.reshape(num_tokens, self.num_heads * self.head_dim)
+        if self.prefills_in_kernel(kv_cache, meta):
+            kv_cache[0].index_copy_(0, meta.slot_mapping, new_k)
+            kv_cache[1].index_copy_(0, meta.slot_mapping, new_v)
+            return self.cpu_prefill.paged_prefill_attention(q.contiguous(), kv_cache, meta.context_slots,
+                                                            meta.query_lens, meta.context_lens, self.num_heads,
+                                                            self.scale)
         flat_slots = meta.context_slots.view(-1)
         if isinstance(kv_cache, torch.Tensor):
             kv_cache[0].index_copy_(0, meta.slot_mapping, new_k)
@@ -131,6 +144,13 @@ class PagedAttention(torch.nn.Module):
         logits plain decoding would have given it."""
         return (self.cpu_ops is not None and meta.row_context_lens is not None
                 and isinstance(kv_cache, torch.Tensor))
+
+    def prefills_in_kernel(self, kv_cache, meta: AttentionMetadata) -> bool:
+        """Whether this step's queries attend in the compiled CPU prefill kernel: a step with
+        queries (prompts, prompt chunks) on the gathering path, over a plain bfloat16 KV cache,
+        with the kernel attached (where it measured faster than SDPA: ``cluster.kernels.prefill_choice``)."""
+        return (self.cpu_prefill is not None and meta.query_lens is not None
+                and isinstance(kv_cache, torch.Tensor) and kv_cache.dtype == torch.bfloat16)
 
     def rotary_decode(
         self,

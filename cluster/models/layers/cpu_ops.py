@@ -9,8 +9,10 @@ silu(gate) * up instead of a chunk and two ops, and one call per layer for the
 attention of short-query steps (decode, draft verification, chunks of up to
 ``SHORT_QUERY_MAX`` tokens per sequence: rotary, the K/V write, attention through the slot
 table, one query row at a time) instead of gathering the context and running batched
-matmuls. Modules keep their torch code for every other case (CUDA, other dtypes, longer
-prefill chunks, the int8 KV cache), so the model code is the same everywhere.
+matmuls. In bfloat16, attention also gets the compiled prefill attention for longer queries
+where it measured faster than SDPA (:func:`~cluster.kernels.prefill_choice.prefill_kernel_for`).
+Modules keep their torch code for every other case (CUDA, other dtypes, the int8 KV cache), so
+the model code is the same everywhere.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import torch
 from torch import nn
 
 from cluster.kernels.build import decode_ops
+from cluster.kernels.prefill_choice import prefill_kernel_for
 
 logger = logging.getLogger(__name__)
 
@@ -52,6 +55,8 @@ def attach_decode_ops(model: nn.Module, device: torch.device, dtype: torch.dtype
                                  f"{ops.head_dim_multiple}, which the compiled attention needs")
             continue
         module.cpu_ops = ops
+        if hasattr(module, "cpu_prefill") and dtype == torch.bfloat16:
+            module.cpu_prefill = prefill_kernel_for(module.num_heads, module.num_kv_heads, module.head_dim)
         attached += 1
     logger.info("compiled decode ops attached to %d modules", attached)
     return attached
