@@ -16,6 +16,7 @@ from cluster.bench.compare import COMPARE
 from cluster.bench.lora import LORA
 from cluster.bench.offline import OFFLINE
 from cluster.bench.paper import PAPER
+from cluster.bench.prefill import PREFILL
 from cluster.bench.prefix import PREFIX
 from cluster.bench.quant import QUANT
 from cluster.bench.serve import SERVE
@@ -23,8 +24,8 @@ from cluster.bench.served import SERVED
 from cluster.bench.spec import SPEC
 from cluster.bench.structured import STRUCTURED
 
-BENCHMARKS = {b.name: b for b in (OFFLINE, PREFIX, SPEC, PAPER, QUANT, LORA, SERVE, SERVED, COMPARE, STRUCTURED,
-                                      AGENT)}
+BENCHMARKS = {b.name: b for b in (OFFLINE, PREFIX, PREFILL, SPEC, PAPER, QUANT, LORA, SERVE, SERVED, COMPARE,
+                                      STRUCTURED, AGENT)}
 
 
 def add_bench_parser(sub):

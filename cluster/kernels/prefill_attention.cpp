@@ -205,7 +205,8 @@ void attend(const Prefill& p, const Task& task, const uint32_t* keys, const uint
     uint16_t* o = out + (p.query_start[s] + i) * p.num_heads * D + qh * D;
     const __m512 inv = _mm512_set1_ps(1.f / total[r]);
     for (int64_t d = 0; d < D; d += 16)
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(o + d), to_bf16(_mm512_mul_ps(_mm512_loadu_ps(acc + r * D + d), inv)));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(o + d),
+                          to_bf16(_mm512_mul_ps(_mm512_loadu_ps(acc + r * D + d), inv)));
   }
 }
 
