@@ -179,7 +179,11 @@ inline float rotated(const T* x, const T* cos, const T* sin_signed, int64_t d, i
 
 // A query row reads its context's K (then V) rows through the slot table: one slot's row (every
 // KV head) is contiguous, but slots scatter over the cache. Asking for the rows a few slots ahead
-// keeps several cache misses in flight instead of one.
+// keeps several cache misses in flight instead of one. Only the first KV head's pass over a chunk
+// reads memory; the later heads' passes find the rows in the cache, and so the second head's pass
+// asks for the thread's next chunk meanwhile (SmolLM2-135M's shapes, bfloat16, 30 layers, 2-core
+// Zen 4 EPYC, ms before / after: batch 15 at context 2,000 41.6 / 35.1, batch 8 at 2,000 21.6 /
+// 17.4, batch 1 at 2,000 2.49 / 2.13, batch 32 at 256 11.5 / 9.8).
 constexpr int64_t kPrefetchSlots = 16;
 
 template <typename T>
@@ -208,9 +212,17 @@ struct ChunkState {
 // products are left as vectors and every kLanes keys summed across their lanes together (one
 // transposing sum instead of one reduction per key). The first tile of a chunk (fetch) asks for
 // whole slot rows (every KV head) a few slots ahead; later tiles find them in the cache.
+// The slots of the chunk a thread attends next (none: count 0), whose K and V rows a later KV head's
+// tile asks for while it works from the cache, one row per key it reads.
+struct NextChunk {
+  const int64_t* slots;
+  int64_t count;
+};
+
 template <typename T, int G, int CT>
 void attend_tile(const DecodeBatch<T>& b, const int64_t* slots, int64_t h, int64_t qh0, int64_t t0, int64_t t1,
-                 const float* query, float* scores, float* partial, ChunkState state, bool fetch) {
+                 const float* query, float* scores, float* partial, ChunkState state, bool fetch,
+                 NextChunk next) {
   const int64_t D = b.head_dim, kv_stride = b.num_kv_heads * D, n = t1 - t0;
   const T* keys = b.key_cache + h * D;
   const T* values = b.value_cache + h * D;
@@ -227,6 +239,7 @@ void attend_tile(const DecodeBatch<T>& b, const int64_t* slots, int64_t h, int64
         const int64_t t = t0 + j0 + j;
         if (fetch && d0 == 0 && t + kPrefetchSlots < t1)
           prefetch_row(b.key_cache + slots[t + kPrefetchSlots] * kv_stride, kv_stride);
+        if (d0 == 0 && t - t0 < next.count) prefetch_row(b.key_cache + next.slots[t - t0] * kv_stride, kv_stride);
         const T* key = keys + slots[t] * kv_stride + d0;
         Vec k[CT];
         for (int c = 0; c < CT; ++c) k[c] = vload(key + c * kLanes);
@@ -281,6 +294,7 @@ void attend_tile(const DecodeBatch<T>& b, const int64_t* slots, int64_t h, int64
       const int64_t t = t0 + j;
       if (fetch && d0 == 0 && t + kPrefetchSlots < t1)
         prefetch_row(b.value_cache + slots[t + kPrefetchSlots] * kv_stride, kv_stride);
+      if (d0 == 0 && j < next.count) prefetch_row(b.value_cache + next.slots[j] * kv_stride, kv_stride);
       const T* value = values + slots[t] * kv_stride + d0;
       Vec v[CT];
       for (int c = 0; c < CT; ++c) v[c] = vload(value + c * kLanes);
@@ -330,10 +344,16 @@ void decode_attention(const DecodeBatch<T>& b, T* out) {
       for (int64_t qh = 0; qh < heads; ++qh)
         for (int64_t d = 0; d < D; ++d) query[qh * D + d] = rotated(q_row + qh * D, cos, sin, d, D) * b.scale;
       const int64_t* slots = b.context_slots + s * b.max_context;
+      NextChunk next{nullptr, 0};  // this thread's next chunk, while KV heads past the first work from the cache
+      if (chunk + 1 < end && b.num_kv_heads > 1) {
+        const int64_t ns = s + (chunk + 1 == first_chunk[s + 1]);
+        const int64_t n0 = (chunk + 1 - first_chunk[ns]) * kChunkSlots;
+        next = {b.context_slots + ns * b.max_context + n0, std::min(b.context_lens[ns], n0 + kChunkSlots) - n0};
+      }
       for (int64_t h = 0; h < b.num_kv_heads; ++h)
         for (int64_t qh0 = h * group; qh0 < (h + 1) * group; qh0 += G)
           attend_tile<T, G, CT>(b, slots, h, qh0, t0, t1, query.data(), scores.data(), partial.data(),
-                                state_of(chunk), qh0 == 0);
+                                state_of(chunk), qh0 == 0, qh0 == group ? next : NextChunk{nullptr, 0});
     }
   });
   // Merge each row's chunks in order: out = sum_i e^(max_i - M) acc_i / sum_i e^(max_i - M) sum_i.
