@@ -35,6 +35,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <memory>
 #include <vector>
 
 namespace {
@@ -219,12 +220,13 @@ void prefill(Prefill& p, uint16_t* out) {
     p.packed_start[s] = words;
     words += kv_heads * padded_keys(p.context_lens[s]) * D / 2;
   }
-  std::vector<uint32_t> packed_keys(words), packed_values(words);
+  // Left uninitialized: pack_context writes every word, the padding's zeros included.
+  std::unique_ptr<uint32_t[]> packed_keys(new uint32_t[words]), packed_values(new uint32_t[words]);
   auto key_copy = [&](int64_t s, int64_t h) {
-    return packed_keys.data() + p.packed_start[s] + h * padded_keys(p.context_lens[s]) * D / 2;
+    return packed_keys.get() + p.packed_start[s] + h * padded_keys(p.context_lens[s]) * D / 2;
   };
   auto value_copy = [&](int64_t s, int64_t h) {
-    return packed_values.data() + p.packed_start[s] + h * padded_keys(p.context_lens[s]) * D / 2;
+    return packed_values.get() + p.packed_start[s] + h * padded_keys(p.context_lens[s]) * D / 2;
   };
   at::parallel_for(0, p.num_seqs * kv_heads, 1, [&](int64_t begin, int64_t end) {
     for (int64_t job = begin; job < end; ++job) {
