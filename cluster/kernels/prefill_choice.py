@@ -36,8 +36,10 @@ def prefill_kernel_for(num_heads: int, num_kv_heads: int, head_dim: int) -> Modu
     if os.environ.get("TANDEM_PREFILL_KERNEL", "1") == "0":
         logger.info("prefill attention: SDPA (TANDEM_PREFILL_KERNEL=0)")
         return None
+    if head_dim % 64 or num_heads % num_kv_heads:
+        return None
     kernel = prefill_attention()
-    if kernel is None or head_dim % 64 or num_heads % num_kv_heads:
+    if kernel is None:
         return None
     sdpa_s, kernel_s = _probe(kernel, num_heads, num_kv_heads, head_dim)
     chosen = kernel if kernel_s < sdpa_s else None
