@@ -164,7 +164,8 @@ void attend(const Prefill& p, const Task& task, const uint32_t* keys, const uint
           }
           block_top = _mm512_max_ps(block_top, score[r][c]);
         }
-        const float new_top = std::max(top[row], _mm512_reduce_max_ps(block_top));  // finite: key k0 <= last_key
+        // Finite: every row saw key 0 in the first block (a row whose keys here all lie past it keeps its own).
+        const float new_top = std::max(top[row], _mm512_reduce_max_ps(block_top));
         rescale[r] = std::exp(top[row] - new_top);
         top[row] = new_top;
         const __m512 shift = _mm512_set1_ps(new_top);
