@@ -18,7 +18,6 @@ import argparse
 import os
 import random
 import statistics
-import time
 
 import torch
 from rich import box
@@ -28,11 +27,11 @@ from rich.table import Table
 from cluster.bench.args import positive_int
 from cluster.bench.benchmark import Benchmark
 from cluster.bench.offline import DTYPES, concrete_dtype
+from cluster.bench.prefix import time_to_first_token
 from cluster.engine.llm import LLM
 from cluster.models.layers.attention import PagedAttention
 from cluster.models.loader import resolve_model
 from cluster.shared.cpu_info import cpu_flags
-from cluster.shared.sampling_params import SamplingParams
 
 DEFAULT_CASES = "0+128,0+512,0+1731,1008+731,2000+600,0+4000"
 
@@ -61,17 +60,6 @@ def add_prefill_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=0)
 
 
-def _time_prompt(engine, prompt: list[int]) -> float:
-    """Seconds from add_request to the step that returns the first token, alone on the engine."""
-    if engine.has_unfinished():
-        raise RuntimeError("prefill timing needs an idle engine")
-    start = time.perf_counter()
-    engine.add_request(prompt, SamplingParams(max_tokens=1, temperature=0, ignore_eos=True))
-    while engine.has_unfinished():
-        engine.step()
-    return time.perf_counter() - start
-
-
 def measure_prefill(args: argparse.Namespace, console: Console) -> dict:
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -93,7 +81,7 @@ def measure_prefill(args: argparse.Namespace, console: Console) -> dict:
     def tokens(n: int) -> list[int]:
         return [rng.randrange(low, engine.vocab_size) for _ in range(n)]
 
-    _time_prompt(engine, tokens(min(256, longest)))  # warm-up: first-call costs stay out of the timings
+    time_to_first_token(engine, tokens(min(256, longest)), "warm-up")  # first-call costs stay out of the timings
     seconds = {(case, path): [] for case in args.cases for path in paths}
     for round_ in range(args.rounds):
         for case in args.cases:
@@ -104,8 +92,8 @@ def measure_prefill(args: argparse.Namespace, console: Console) -> dict:
                     layer.cpu_prefill = attached
                 head = tokens(prefix)
                 if prefix:
-                    _time_prompt(engine, head + tokens(1))  # cached from here on (whole blocks)
-                seconds[(case, path)].append(_time_prompt(engine, head + tokens(new)))
+                    time_to_first_token(engine, head + tokens(1), "prefix")  # cached from here on (whole blocks)
+                seconds[(case, path)].append(time_to_first_token(engine, head + tokens(new), path).ttft_s)
     for layer in layers:
         layer.cpu_prefill = kernel
     rows = []

@@ -136,8 +136,8 @@ def question(i: int) -> str:
     return text if i < len(PROMPTS) else f"{text} (take {i // len(PROMPTS) + 1})"
 
 
-def time_to_first_token(engine, prompt: str, kind: str) -> TTFTSample:
-    """Run ``prompt`` alone on an idle engine for one token."""
+def time_to_first_token(engine, prompt: str | list[int], kind: str) -> TTFTSample:
+    """Run ``prompt`` (text or token ids) alone on an idle engine for one token."""
     if engine.has_unfinished():
         raise RuntimeError("TTFT needs an idle engine")
     start = time.perf_counter()
