@@ -68,6 +68,7 @@ RATE_FRACTIONS = (0.25, 0.55, 0.85)  # of the measured capacity: light, medium, 
 UNIFORM_GOAL = 0.02  # adaptive at most 2% behind the best fixed k at every uniform rate
 PHASED_GOAL = 0.09  # adaptive at least 9% ahead of the best fixed k on phased traffic
 HYSTERESIS = 0.05
+TRAFFIC = ("all", "uniform", "phased", "none")
 
 
 def _rate_list(text: str) -> list[float]:
@@ -96,7 +97,11 @@ def add_paper_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--repeats", type=positive_int, default=1,
                         help="traffic runs per policy and workload, in rotated order; the median run is reported")
     parser.add_argument("--rates", type=_rate_list,
-                        help="uniform arrival rates in requests/s (default: fractions of a measured capacity)")
+                        help="uniform arrival rates in requests/s (default: fractions of a measured capacity); "
+                             "the phased workload alternates the lowest and the highest")
+    parser.add_argument("--traffic", choices=TRAFFIC, default="all",
+                        help="which traffic runs follow the sweep: every uniform rate and the phased workload "
+                             "(all), one kind, or none (the sweep and the step-time models only)")
     parser.add_argument("--max-num-seqs", type=positive_int,
                         help="the engine's batch limit (default: the largest of --batch-sizes)")
     parser.add_argument("--profile-acceptance", choices=("calibration", "workload"), default="calibration",
@@ -157,7 +162,8 @@ def measure_paper(args: argparse.Namespace, console: Console) -> dict:
     profile = run_profile(engine, args.batch_sizes, top_k, context_len)
 
     policies = [f"k={k}" for k in args.ks] + ["table", "adaptive"]
-    num_workloads = (len(args.rates) if args.rates else len(RATE_FRACTIONS)) + 1
+    num_rates = len(args.rates) if args.rates else len(RATE_FRACTIONS)
+    num_workloads = {"all": num_rates + 1, "uniform": num_rates, "phased": 1, "none": 0}[args.traffic]
     with Progress(console=console) as progress:
         task = progress.add_task("TPOT vs k", total=len(args.batch_sizes) * len(args.ks)
                                  + num_workloads * len(policies) * args.repeats)
@@ -168,8 +174,10 @@ def measure_paper(args: argparse.Namespace, console: Console) -> dict:
         add_predictions(cells, profile)
         capacity = measured_capacity(cells, args)
         rates = args.rates or [float(f"{f * capacity['requests_per_s']:.3g}") for f in RATE_FRACTIONS]
-        workloads = [uniform_workload(r, args.requests, args.seed) for r in rates]
-        workloads.append(phased_workload(min(rates), max(rates), args.requests, args.seed))
+        workloads = ([uniform_workload(r, args.requests, args.seed) for r in rates]
+                     if args.traffic in ("all", "uniform") else [])
+        if args.traffic in ("all", "phased"):
+            workloads.append(phased_workload(min(rates), max(rates), args.requests, args.seed))
         traffic = [_serve(engine, w, policies, profile, prompt_ids, args, progress, task) for w in workloads]
 
     return {
@@ -181,6 +189,7 @@ def measure_paper(args: argparse.Namespace, console: Console) -> dict:
                      "batch_sizes": args.batch_sizes, "ks": args.ks, "max_k": args.max_k,
                      "max_num_seqs": engine.config.scheduler.max_num_seqs,
                      "output_len": args.output_len, "requests": args.requests, "repeats": args.repeats,
+                     "traffic": args.traffic,
                      "seed": args.seed,
                      "prompt_format": prompt_format, "prompt_lens": [len(p) for p in prompt_ids],
                      "prompts": args.prompts, "workload": PROMPT_SETS.get(args.prompts, RANDOM_PROMPTS),

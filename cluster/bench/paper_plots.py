@@ -25,7 +25,9 @@ def _integer_ticks():
 def write_plots(result: dict, folder: Path) -> list[Path]:
     """Draw every figure into ``folder`` (created if missing); returns the files written."""
     folder.mkdir(parents=True, exist_ok=True)
-    paths = [_tpot_vs_k(result, folder / "tpot_vs_k.png"), _traffic_bars(result, folder / "traffic_tpot.png")]
+    paths = [_tpot_vs_k(result, folder / "tpot_vs_k.png")]
+    if result["traffic"]["workloads"]:
+        paths.append(_traffic_bars(result, folder / "traffic_tpot.png"))
     phased = [w for w in result["traffic"]["workloads"] if w["kind"] == "phased"]
     if phased:
         paths.append(_k_over_time(phased[0], folder / "phased_k_over_time.png"))

@@ -7,11 +7,15 @@ router over the same seeded workload, prints the table, writes the JSON and the 
 from __future__ import annotations
 
 import argparse
+import json
 from pathlib import Path
+
+from rich.console import Console
 
 from cluster.sim.config import load_sim_config, sim_config_from_dict
 from cluster.sim.report import print_report, write_json, write_plots
 from cluster.sim.runner import prepare, run_cells
+from cluster.sim.step_validation import compare_steps, compare_traffic, is_paper_result, print_step_comparison
 from cluster.sim.validation import compare, print_comparison
 
 
@@ -33,8 +37,15 @@ def run_sim(args: argparse.Namespace) -> list[dict]:
     print_report(config, prepared.models, prepared.capacity_rps, summaries)
     comparison = None
     if args.measured:
-        comparison = compare(args.measured, summaries)
-        print_comparison(comparison)
+        measured = read_measured(args.measured)
+        if is_paper_result(measured):
+            comparison = {"steps": compare_steps(measured, config, prepared.models),
+                          "traffic": compare_traffic(measured, config, summaries)}
+            print_step_comparison(Console(width=None if Console().is_terminal else 160), comparison["steps"],
+                                  comparison["traffic"])
+        else:
+            comparison = compare(measured, summaries)
+            print_comparison(comparison)
     json_path = args.json or Path(f"sim-{config.name}.json")
     write_json(json_path, config, prepared.models, prepared.capacity_rps, summaries, comparison)
     print(f"wrote {json_path}")
@@ -42,6 +53,18 @@ def run_sim(args: argparse.Namespace) -> list[dict]:
         for path in write_plots(summaries, args.plots, config.name):
             print(f"wrote {path}")
     return summaries
+
+
+def read_measured(path: Path) -> dict:
+    if not path.is_file():
+        raise ValueError(f"--measured {path}: no such file")
+    try:
+        data = json.loads(path.read_text())
+    except json.JSONDecodeError as err:
+        raise ValueError(f"--measured {path}: not JSON ({err})") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"--measured {path}: expected a JSON object, got {type(data).__name__}")
+    return data
 
 
 def add_sim_args(parser: argparse.ArgumentParser) -> None:
@@ -54,8 +77,9 @@ def add_sim_args(parser: argparse.ArgumentParser) -> None:
     add("--seed", type=int, help="override seed")
     add("--routers", help="override routers, comma-separated (tandem,pow2,round-robin,prefix-affinity)")
     add("--controllers", help="override controllers, comma-separated (adaptive,table,fixed:K)")
-    add("--measured", type=Path, help="a `tandem bench router --json` file of the same cluster: print the error "
-        "of each simulated percentile against it")
+    add("--measured", type=Path, help="a `tandem bench router --json` file of the same cluster (the error of each "
+        "simulated percentile), or a `tandem bench paper --json` file (the error of each simulated step time against "
+        "the engine's decoding steps, and of each policy's mean TPOT)")
     add("--disable-tqdm", action="store_true")
 
 

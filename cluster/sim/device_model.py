@@ -12,7 +12,8 @@ tokens a request carries into the verifying pass: k for a draft model, the sum o
 profile's first k coverages for n-gram lookup (which often proposes fewer than asked;
 :func:`cluster.spec_decode.latency_model.expected_drafted`), in expectation.
 
-Derived models, for GPU kinds nobody measured here (labelled ``derived`` everywhere):
+Derived models, for GPU kinds nobody measured here (labelled ``derived`` everywhere), with
+the device table's efficiency shares (a device's own where its entry gives them):
 
     c0 = target weight bytes / (bandwidth * eff_bw) + step_overhead_s
     c1 = kv_bytes_per_token * mean_context_len / (bandwidth * eff_bw)   (attention reads)
@@ -41,19 +42,22 @@ class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
 
+class Efficiency(_Strict):
+    bandwidth: float = Field(0.8, gt=0, le=1)
+    compute: float = Field(0.5, gt=0, le=1)
+    step_overhead_s: float = Field(0.003, ge=0)
+    memory_utilization: float = Field(0.9, gt=0, le=1)
+
+
 class DeviceFigures(_Strict):
     memory_bandwidth_gb_s: float = Field(gt=0)
     bf16_tflops: float = Field(gt=0)
     memory_gb: float = Field(gt=0)
     price_per_hour: float = Field(ge=0, description="assumed list price, US$")
     source: str
-
-
-class Efficiency(_Strict):
-    bandwidth: float = Field(0.8, gt=0, le=1)
-    compute: float = Field(0.5, gt=0, le=1)
-    step_overhead_s: float = Field(0.003, ge=0)
-    memory_utilization: float = Field(0.9, gt=0, le=1)
+    efficiency: Efficiency | None = Field(
+        None, description="this device's own shares and overhead, where the table's do not hold (figures "
+        "measured as rates the device reaches rather than a datasheet's peaks)")
 
 
 class DeviceTable(_Strict):
@@ -162,8 +166,9 @@ def group_step_model(config: SimConfig, group: GroupConfig, table: DeviceTable) 
     if figures is None:
         raise ConfigError(f"groups[{group.name}].device: {group.device!r} is not in the device table "
                           f"({', '.join(table.devices)}) and the group has no profile")
-    model = derive_latency_model(figures, table.efficiency, config.target, config.draft, config.mean_context_len)
-    capacity = group.kv_capacity_tokens or derived_kv_capacity(figures, table.efficiency, config.target, config.draft)
+    efficiency = figures.efficiency or table.efficiency
+    model = derive_latency_model(figures, efficiency, config.target, config.draft, config.mean_context_len)
+    capacity = group.kv_capacity_tokens or derived_kv_capacity(figures, efficiency, config.target, config.draft)
     acceptance = group.acceptance if group.acceptance is not None else config.acceptance
     return StepModel(model, tuple(acceptance), capacity, f"derived: {figures.source}", price, max_k)
 

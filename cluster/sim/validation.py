@@ -9,9 +9,6 @@ simulation predicted 20% less than was measured).
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
-
 from rich import box
 from rich.console import Console
 from rich.table import Table
@@ -21,9 +18,8 @@ METRICS = [(f"p{p}_{name}_ms", f"{label} p{p} (ms)") for name, label in (("ttft"
 METRICS += [("request_throughput", "requests/s"), ("output_throughput", "output tok/s")]
 
 
-def compare(measured_path: Path, summaries: list[dict]) -> dict[str, list[dict]]:
+def compare(measured: dict, summaries: list[dict]) -> dict[str, list[dict]]:
     """Per router: rows of {metric, label, measured, simulated, error}."""
-    measured = json.loads(Path(measured_path).read_text())
     runs = measured.get("runs", {})
     result: dict[str, list[dict]] = {}
     for summary in summaries:
@@ -38,7 +34,7 @@ def compare(measured_path: Path, summaries: list[dict]) -> dict[str, list[dict]]
             rows.append({"metric": key, "label": label, "measured": m, "simulated": s, "error": error})
         result[router] = rows
     if not result:
-        raise ValueError(f"{measured_path} has no run of the simulated routers ({', '.join(runs) or 'none'})")
+        raise ValueError(f"the measured JSON has no run of the simulated routers ({', '.join(runs) or 'none'})")
     return result
 
 
