@@ -110,6 +110,29 @@ def test_adaptive_still_switches_when_the_batch_really_changes():
     assert small == TRUE.best_k(1, acceptance, 8) == 3 and large == TRUE.best_k(64, acceptance, 8) == 0
 
 
+def test_a_burst_right_after_a_switch_is_followed_at_once():
+    """A switch restarts the dwell; a batch that then jumps to where the held k is far slower than
+    the best (a burst) is followed on its first step, while a k within the jump band waits it out."""
+    acceptance = [0.8] * 8
+    costs = TRUE.time_per_token_by_k(64, acceptance, 8)
+    assert costs[3] > costs[0] * 1.15  # k = 3 at batch 64 is far off the best
+
+    def switched_to_3(**kwargs) -> AdaptiveController:
+        adaptive = AdaptiveController(TRUE, acceptance, max_k=8, explore_every=10**6, **kwargs)
+        ks = [adaptive.choose_k(_state(1)) for _ in range(20)]
+        assert ks[-1] == 3 and adaptive.num_switches == 0
+        adaptive._steps_at_k = 0  # as right after a switch
+        return adaptive
+
+    assert switched_to_3().choose_k(_state(64)) == 0
+    held = switched_to_3(jump_band=1e9)  # the dwell alone: k = 3 for its 8 steps
+    assert [held.choose_k(_state(64)) for _ in range(9)] == [3] * 8 + [0]
+    # Batch 8's best is 1, within the band of k = 3: the dwell holds as before.
+    near = TRUE.time_per_token_by_k(8, acceptance, 8)
+    assert TRUE.best_k(8, acceptance, 8) == 1 and near[3] <= near[1] * 1.15
+    assert switched_to_3().choose_k(_state(8)) == 3
+
+
 def test_acceptance_near_zero_drives_k_to_zero():
     adaptive = AdaptiveController(TRUE, [0.9] * 8, max_k=8)
     assert adaptive.choose_k(_state(1)) > 0
