@@ -21,6 +21,7 @@ from cluster.sim.validation import compare, print_comparison
 
 def run_sim(args: argparse.Namespace) -> list[dict]:
     config = load_sim_config(args.config)
+    measured = read_measured(args.measured) if args.measured else None  # refused before simulating
     if args.num_requests or args.seed is not None or args.routers or args.controllers:
         data = config.model_dump()
         if args.num_requests:
@@ -36,8 +37,7 @@ def run_sim(args: argparse.Namespace) -> list[dict]:
     summaries = run_cells(config, prepared, show_progress=not args.disable_tqdm)
     print_report(config, prepared.models, prepared.capacity_rps, summaries)
     comparison = None
-    if args.measured:
-        measured = read_measured(args.measured)
+    if measured is not None:
         if is_paper_result(measured):
             comparison = {"steps": compare_steps(measured, config, prepared.models),
                           "traffic": compare_traffic(measured, config, summaries)}

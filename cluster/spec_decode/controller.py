@@ -13,7 +13,7 @@
   the best ``k`` for the batch at hand, and switches only when the new ``k`` is predicted
   to be clearly better and the current one has been held for a while (so ``k`` does not
   flap when the batch size sits at the edge between two best values), or at once when the
-  held one is predicted far slower than the best (the batch jumped). ``k = 0`` falls out of
+  batch has more than doubled or halved since the held one was chosen (a burst). ``k = 0`` falls out of
   the model wherever drafting does not pay; a ``k`` held is left, whatever the band, as soon
   as it is predicted slower than plain decoding (on random 128-token prompts at temperature 1,
   2-core Zen 4, 2 requests/s, n-gram held k = 6 where k = 0 was predicted 2.7% faster, inside
@@ -131,7 +131,7 @@ class AdaptiveController:
         hysteresis: float = 0.05,
         coverage: list[float] | None = None,
         min_dwell_steps: int = 8,
-        jump_band: float = 0.15,
+        jump_ratio: float = 2.0,
         acceptance_ema: float = 0.01,
         forgetting: float = 0.995,
         prior_weight: float = 10.0,
@@ -144,12 +144,14 @@ class AdaptiveController:
         self.max_k = max_k
         self.hysteresis = hysteresis
         self.min_dwell_steps = min_dwell_steps
-        # A held k predicted this much slower per token than the best is left at once, dwell
-        # or not: the batch jumped (a burst arrived or drained), it is not sitting at an edge,
-        # where the two best k are within a few per cent. On the `cpu` proportions pair a burst
-        # took the batch from 5 to 32 while the dwell held k = 3 for 4 more steps of 3.5x plain
-        # decoding's time, 8% of the heavy phase's TPOT (docs/speculative-decoding.md).
-        self.jump_band = jump_band
+        # The dwell is for a batch sitting at an edge between two best k. A batch more than
+        # ``jump_ratio`` times (or less than 1 / ``jump_ratio`` of) the one the held k was chosen
+        # at has jumped (a burst arrived or drained), and the hysteresis alone decides at once:
+        # on the `cpu` proportions pair a burst took the batch from 5 to 32 right after a switch,
+        # and the dwell held k = 3 for 4 steps of 3.5x plain decoding's time, 8% of the heavy
+        # phase's TPOT (docs/speculative-decoding.md).
+        self.jump_ratio = jump_ratio
+        self._batch_at_choice = 1  # the batch size the held k was chosen at
         # The weight of one request's sample at a position: 0.01 averages over ~100 samples,
         # a few steps of a large batch (0.02 left the estimate noisy enough to flip k there).
         self.acceptance_ema = acceptance_ema
@@ -222,10 +224,11 @@ class AdaptiveController:
         best = costs.index(min(costs))
         if self.k is None:  # as from k = 0: drafting starts only where it is clearly ahead
             self.k = best if costs[best] < costs[0] * (1 - self.hysteresis) else 0
-        elif best != self.k and (self._steps_at_k >= self.min_dwell_steps
-                                 or costs[self.k] > costs[best] * (1 + self.jump_band)):
+            self._batch_at_choice = b
+        elif best != self.k and (self._steps_at_k >= self.min_dwell_steps or self._batch_jumped(b)):
             if costs[best] < costs[self.k] * (1 - self.hysteresis) or costs[self.k] > costs[0]:
                 self.k, self._steps_at_k, self._steps_since_probe, self._steps_since_plain = best, 0, 0, 0
+                self._batch_at_choice = b
                 self.num_switches += 1
         self._steps_at_k += 1
         self._steps_since_probe += 1
@@ -233,6 +236,9 @@ class AdaptiveController:
         self._probe_credit = min(self._probe_credit + self.explore_budget, 1.0)
         probe = self._probe(b, costs)
         return self.k if probe is None else probe
+
+    def _batch_jumped(self, b: int) -> bool:
+        return b > self.jump_ratio * self._batch_at_choice or b * self.jump_ratio < self._batch_at_choice
 
     def _probe(self, b: int, costs: list[float]) -> int | None:
         """The k of a probe step, if one is due and the credit pays for it: one token more than
