@@ -201,8 +201,8 @@ def print_step_comparison(console, steps: dict[str, dict], traffic: dict | None)
         for header in ("controller", "measured ms", "simulated ms", "error", "measured gap", "simulated gap"):
             table.add_column(header, justify="left" if header == "controller" else "right")
         for r in traffic["rows"]:
-            table.add_row(r["controller"], f"{r['measured_ms']:.1f}", f"{r['simulated_ms']:.1f}", _pct(r["error"], True),
-                          _pct(r["measured_gap"], True), _pct(r["simulated_gap"], True))
+            table.add_row(r["controller"], f"{r['measured_ms']:.1f}", f"{r['simulated_ms']:.1f}",
+                          _pct(r["error"], True), _pct(r["measured_gap"], True), _pct(r["simulated_gap"], True))
         console.print(table)
 
 

@@ -13,8 +13,8 @@
   the best ``k`` for the batch at hand, and switches only when the new ``k`` is predicted
   to be clearly better and the current one has been held for a while (so ``k`` does not
   flap when the batch size sits at the edge between two best values), or at once when the
-  batch has more than doubled or halved since the held one was chosen (a burst). ``k = 0`` falls out of
-  the model wherever drafting does not pay; a ``k`` held is left, whatever the band, as soon
+  batch has more than doubled or halved since the held one was chosen (a burst). ``k = 0``
+  falls out of the model wherever drafting does not pay; a ``k`` held is left, whatever the band, as soon
   as it is predicted slower than plain decoding (on random 128-token prompts at temperature 1,
   2-core Zen 4, 2 requests/s, n-gram held k = 6 where k = 0 was predicted 2.7% faster, inside
   the band, and served TPOT came out 0.93x of speculation off). At most every
