@@ -56,12 +56,10 @@ def run_sim(args: argparse.Namespace) -> list[dict]:
 
 
 def read_measured(path: Path) -> dict:
-    if not path.is_file():
-        raise ValueError(f"--measured {path}: no such file")
     try:
         data = json.loads(path.read_text())
-    except json.JSONDecodeError as err:
-        raise ValueError(f"--measured {path}: not JSON ({err})") from None
+    except (OSError, json.JSONDecodeError) as err:
+        raise ValueError(f"--measured {path}: cannot read it as JSON: {err}") from None
     if not isinstance(data, dict):
         raise ValueError(f"--measured {path}: expected a JSON object, got {type(data).__name__}")
     return data
