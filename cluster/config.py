@@ -152,6 +152,10 @@ class SpeculativeConfig(_Strict):
     suffix_decoding_min_token_prob: float = Field(
         0.1, ge=0, le=1, description="suffix: drafting stops where the continuation's estimated probability (the "
         "product of branch frequencies) falls below this")
+    suffix_warm_start_requests: int = Field(
+        1000, ge=0, description="suffix, served by the native engine: a replica that starts beside running ones "
+        "seeds its replica-wide tree with up to this many of one's latest finished responses, so a scale-up does "
+        "not start cold (0: every replica starts with empty trees)")
 
     @model_validator(mode="after")
     def _check(self) -> "SpeculativeConfig":

@@ -8,11 +8,13 @@ its stream, which stays open until the request ends; its token deltas wait in th
 ``FeedOutbox`` for the ingress's ``feed`` call, which takes them for all its requests at
 once. When the caller goes away, Ray Serve cancels the stream, which aborts the request in
 the engine and frees its blocks. Publishes ``ReplicaStats`` for the router through
-``record_routing_stats``.
+``record_routing_stats``. A replica with suffix drafts asks another of its group, once it has
+started, for its latest responses and seeds its own trees with them (a warm start).
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from typing import AsyncIterator
@@ -24,7 +26,7 @@ from cluster.backends.factory import build_backend
 from cluster.config import TandemConfig, config_from_dict, group_engine_config, with_overrides
 from cluster.hosting.backend import BackendContext, EngineUnhealthyError
 from cluster.hosting.feed_outbox import FeedOutbox
-from cluster.hosting.protocol import FeedRequest, GenerateDelta, GenerateRequest
+from cluster.hosting.protocol import FeedRequest, GenerateDelta, GenerateRequest, WarmStartRequest
 from cluster.routing.policy import saturation_batch
 from cluster.routing.stats import ReplicaStats
 from cluster.metrics.prometheus_sink import PrometheusSink
@@ -37,6 +39,8 @@ logger = logging.getLogger(__name__)
 # A feed with nothing to carry and no request in flight ends after this long (its ingress opens
 # another with its next request here), so an idle ingress holds no call on the replica.
 FEED_IDLE_SECONDS = 2.0
+# How long a starting replica waits for another to answer its warm start before it stays cold.
+WARM_START_SECONDS = 60.0
 
 
 class TandemReplica:
@@ -57,6 +61,7 @@ class TandemReplica:
         try:
             replica = serve.get_replica_context()
         except Exception:  # constructed outside Serve (unit tests)
+            replica = None
             self.replica_id = f"{group_name}-local"
         else:
             self.replica_id = replica.replica_id.unique_id
@@ -64,8 +69,40 @@ class TandemReplica:
                 "application": replica.app_name, "deployment": replica.deployment, "replica": self.replica_id},
                 self.metrics.exposition)
         self._outboxes: dict[str, FeedOutbox] = {}
+        self._warm_start_task = None
+        spec = self.config.speculative
+        if (replica is not None and self.backend.name == "native" and spec.method == "suffix"
+                and spec.suffix_warm_start_requests > 0):
+            # Serve calls a constructor on its user-code event loop: the warm start runs there, after it.
+            self._warm_start_task = asyncio.get_running_loop().create_task(
+                self._warm_start(replica.app_name, replica.deployment, spec.suffix_warm_start_requests))
         logger.info("replica %s of group %s ready (%s engine, %s, %d torch threads)", self.replica_id, group_name,
                     self.backend.name, self.config.model.model, torch.get_num_threads())
+
+    async def _warm_start(self, app_name: str, deployment: str, max_requests: int) -> None:
+        """Seed the suffix trees with another replica's latest responses; best effort: with no other
+        replica, nothing to give, or no answer in WARM_START_SECONDS, this one starts cold."""
+        try:
+            handle = serve.get_deployment_handle(deployment, app_name)
+            response = handle.suffix_history.remote(WarmStartRequest(self.replica_id, max_requests))
+            answer = await asyncio.wait_for(response, WARM_START_SECONDS)
+            if answer["replica_id"] == self.replica_id or not answer["responses"]:
+                logger.info("replica %s starts with cold suffix trees: no other replica had responses to give",
+                            self.replica_id)
+                return
+            taken = await self.backend.seed_suffix(answer["responses"])
+            logger.info("replica %s seeded its suffix trees with %d responses of replica %s", self.replica_id,
+                        taken, answer["replica_id"])
+        except Exception as err:  # a warm start only speeds drafting up: never fail the replica for it
+            logger.warning("replica %s starts with cold suffix trees: %s: %s", self.replica_id,
+                           type(err).__name__, err)
+
+    async def suffix_history(self, request: WarmStartRequest) -> dict:
+        """Another replica's warm start: up to ``request.max_requests`` of this one's latest finished
+        responses, oldest first (none for the asker itself)."""
+        responses = [] if request.replica_id == self.replica_id else \
+            await self.backend.suffix_history(request.max_requests)
+        return {"replica_id": self.replica_id, "responses": responses}
 
     def _tp_launcher(self):
         """Further tensor-parallel ranks run as Ray actors in this replica's placement group."""

@@ -6,7 +6,8 @@ publishes (``record_routing_stats``), the requests this router has sent to each
 (Serve's queue-length cache) and the request's leading block hashes (prefix-cache
 affinity). Serve tries the ranks in order, so a replica at its
 ``max_ongoing_requests`` falls through to the next best. An ingress's delta feed
-(``FeedRequest``) goes to the replica it names.
+(``FeedRequest``) goes to the replica it names, a starting replica's ``WarmStartRequest``
+to any other.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from typing import List, Optional
 
 from ray.serve.request_router import FIFOMixin, PendingRequest, RequestRouter, RunningReplica
 
-from cluster.hosting.protocol import FeedRequest, GenerateRequest
+from cluster.hosting.protocol import FeedRequest, GenerateRequest, WarmStartRequest
 from cluster.routing.policy import power_of_two_choices, rank_replicas
 from cluster.routing.stats import Candidate, ReplicaStats
 
@@ -39,6 +40,9 @@ class TandemRequestRouter(FIFOMixin, RequestRouter):
         argument = _argument(pending_request)
         if isinstance(argument, FeedRequest):  # a feed goes to the replica it names (none else holds its deltas)
             return [[by_id[argument.replica_id]]] if argument.replica_id in by_id else [candidate_replicas]
+        if isinstance(argument, WarmStartRequest):  # any replica but the one starting (it has nothing yet)
+            others = [r for r in candidate_replicas if r.replica_id.unique_id != argument.replica_id]
+            return [[r] for r in others or candidate_replicas]
         request = argument.routing if isinstance(argument, GenerateRequest) else None
         if request is not None and request.avoid_replica in by_id and len(by_id) > 1:  # a retry: elsewhere
             del by_id[request.avoid_replica]

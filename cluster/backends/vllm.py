@@ -275,6 +275,12 @@ class VllmBackend:
         return {"note": "the step timeline is recorded by Tandem's engine-core process (engine.core_process), "
                         "not by vLLM's engine"}
 
+    async def suffix_history(self, max_requests: int) -> list[list[int]]:
+        return []  # vLLM's suffix trees live in its worker, out of reach: its replicas start cold
+
+    async def seed_suffix(self, responses: list[list[int]]) -> int:
+        return 0
+
     def check_health(self) -> None:
         if self._failed is None and self.engine.errored:
             self._failed = f"vLLM's engine died: {self.engine.dead_error}"

@@ -12,6 +12,9 @@ at once by the next prompt. Greedy, ``output_len`` tokens, EOS ignored, prefix c
 ``batch size`` requests x ``WARMUP_LEN`` tokens at its own ``k``. ``--repeats N`` measures
 every k of a batch size N times in rounds, each round starting at another k (so on a
 machine whose speed drifts no k is always measured first), and pools a cell's rounds.
+Suffix trees are emptied after each warm-up; ``--warm-tree N`` then seeds them with the target's
+answers to N further prompts of the set (made once, greedy at k = 0), as a replica that has
+served such prompts holds them.
 
 Per cell (:mod:`cluster.bench.spec_cells`): output tok/s (all output tokens / wall time,
 prefill included), TPOT per request as vLLM defines it ((last token time - first token time)
@@ -76,6 +79,9 @@ def add_spec_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--ks", type=k_list, default=list(range(9)), help="speculation lengths (default 0..8)")
     parser.add_argument("--output-len", type=positive_int, default=128, help="output tokens per request (EOS ignored)")
     parser.add_argument("--num-prompts", type=positive_int, default=16, help="requests per cell (default 16)")
+    parser.add_argument("--warm-tree", type=int, default=0, metavar="N",
+                        help="suffix: every cell's trees start with the target's answers to N other prompts of the "
+                             "set (as on a replica that has served them), instead of empty")
     parser.add_argument("--prompts", choices=SPEC_PROMPT_SETS, default="edit",
                         help="edit: rewrite / summarize / proofread a passage in the prompt; code: complete a "
                              "HumanEval function; agentic: tool-calling agent conversations up to the assistant's "
@@ -162,7 +168,8 @@ def engine_variants(args) -> list[tuple[str, dict]]:
             for invariant in modes]
 
 
-def _measure_tandem(args, source, prompt_ids, progress, task, system: str, variant: dict) -> list[SpecCell]:
+def _measure_tandem(args, source, prompt_ids, progress, task, system: str, variant: dict,
+                    warm_ids: list[list[int]] = ()) -> list[SpecCell]:
     if args.method == "draft" and not args.draft_model:
         raise ValueError("--method draft needs --draft-model (a model sharing the target's tokenizer)")
     if args.method == "eagle3" and not args.draft_model:
@@ -177,6 +184,14 @@ def _measure_tandem(args, source, prompt_ids, progress, task, system: str, varia
               num_speculative_tokens=max(args.ks), enable_prefix_caching=False,
               max_num_seqs=max(args.batch_sizes), kv_cache_memory=args.kv_cache_memory, **variant, **settings)
     engine = llm.engine
+    warm_answers: list[list[int]] = []
+    if warm_ids:  # the answers a long-lived replica would have given to the set's other prompts
+        progress.update(task, description=f"{system}: answering {len(warm_ids)} prompts for the trees")
+        engine.controller = _controller(args, 0)
+        answers: dict[int, list[int]] = {}
+        run_closed_loop(engine, warm_ids, args.output_len, max(args.batch_sizes), answers,
+                        temperature=args.temperature)
+        warm_answers = [answers[i] for i in range(len(warm_ids))]
     cells = []
     ks = sorted(args.ks) + ([ADAPTIVE_K] if args.adaptive else [])
     for batch_size in args.batch_sizes:
@@ -191,6 +206,7 @@ def _measure_tandem(args, source, prompt_ids, progress, task, system: str, varia
                                 temperature=args.temperature)
                 if hasattr(engine.proposer, "clear"):  # suffix trees: every cell starts cold, as the first
                     engine.proposer.clear()  # (the warm-up served these prompts' first tokens)
+                    engine.seed_suffix(warm_answers)
                 before = SpecCounts.of(engine.stats().spec)
                 outputs: dict[int, list[int]] = {}
                 timings, seconds = run_closed_loop(engine, prompt_ids, args.output_len, batch_size, outputs,
@@ -228,6 +244,10 @@ def measure_spec(args: argparse.Namespace, console: Console) -> dict:
         raise ValueError("the vLLM peer is measured greedy: drop --vllm or --temperature")
     variants = engine_variants(args)
     args.suffix_cost = []  # per timed run with suffix drafts: the trees' cost
+    if args.warm_tree and args.method != "suffix":
+        raise ValueError("--warm-tree seeds the suffix trees: it needs --method suffix")
+    if args.warm_tree < 0:
+        raise ValueError(f"--warm-tree must be 0 or more, not {args.warm_tree}")
     if args.adaptive:
         SpeculationProfile.load(str(args.adaptive))  # a missing or broken profile fails before any model loads
     if args.threads:
@@ -238,7 +258,12 @@ def measure_spec(args: argparse.Namespace, console: Console) -> dict:
     tokenizer = load_tokenizer(source)
     if tokenizer is None:
         raise ValueError(f"{args.model} has no tokenizer; this benchmark builds text prompts")
-    prompt_ids, prompt_format = workload_prompt_ids(args.prompts, tokenizer, args.num_prompts, console.print)
+    prompt_ids, prompt_format = workload_prompt_ids(args.prompts, tokenizer, args.num_prompts + args.warm_tree,
+                                                    console.print)
+    prompt_ids, warm_ids = prompt_ids[:args.num_prompts], prompt_ids[args.num_prompts:]
+    if any(w in prompt_ids for w in warm_ids):
+        raise ValueError(f"--warm-tree {args.warm_tree}: the {args.prompts} set has too few prompts for "
+                         f"{args.num_prompts} measured and {args.warm_tree} others")
     vllm = VllmResult(enabled=False)
     num_vllm = len(args.vllm_ks) * len(args.batch_sizes) if args.vllm else 0
     with Progress(console=console) as progress:
@@ -246,7 +271,7 @@ def measure_spec(args: argparse.Namespace, console: Console) -> dict:
         task = progress.add_task("loading", total=len(variants) * cells_per_batch * len(args.batch_sizes) * args.repeats
                                  + num_vllm)
         cells = [c for system, variant in variants
-                 for c in _measure_tandem(args, source, prompt_ids, progress, task, system, variant)]
+                 for c in _measure_tandem(args, source, prompt_ids, progress, task, system, variant, warm_ids)]
         if args.vllm:
             vllm = measure_vllm(args, prompt_ids, console, progress, task)
 

@@ -141,7 +141,7 @@ def build_result(args, source, load_average, prompt_ids, prompt_format, cells: l
                      "tpot": "per request (last token time - first token time) / (output tokens - 1), mean",
                      "quantization": args.quantization, "draft_quantization": args.draft_quantization,
                      "kv_cache_dtype": args.kv_cache_dtype, "batch_invariant": args.batch_invariant,
-                     "repeats": args.repeats,
+                     "repeats": args.repeats, "warm_tree": args.warm_tree,
                      "ngram_draft_per_match_token": args.ngram_draft_per_match_token if args.method == "ngram"
                      else None},
         "tandem": {"mode": "offline, in-process engine", "batch_invariant": not usual or args.batch_invariant == "on",

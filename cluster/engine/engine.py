@@ -30,6 +30,7 @@ from cluster.shared.sampling_params import SamplingParams
 from cluster.spec_decode.controller import BatchState, StepObservation
 from cluster.spec_decode.factory import build_speculation
 from cluster.spec_decode.stats import SpecDecodeStats
+from cluster.spec_decode.suffix import SuffixProposer
 
 logger = logging.getLogger(__name__)
 
@@ -198,6 +199,15 @@ class Engine:
             if self.proposer is not None:
                 self.proposer.free(request.request_id)
         return output
+
+    def suffix_history(self, max_requests: int) -> list[list[int]]:
+        """The latest finished responses a suffix proposer keeps for another replica's warm start,
+        oldest first ([] with another method)."""
+        return self.proposer.history(max_requests) if isinstance(self.proposer, SuffixProposer) else []
+
+    def seed_suffix(self, responses: list[list[int]]) -> int:
+        """Take another replica's responses into the suffix trees; how many went in (0 with another method)."""
+        return self.proposer.seed(responses) if isinstance(self.proposer, SuffixProposer) else 0
 
     def stats(self) -> EngineStats:
         bm, sched = self.block_manager, self.scheduler

@@ -13,6 +13,8 @@ from the group's engine settings and then only talks to :class:`EngineBackend`:
   are debug views.
 - metrics go to the ``MetricsSink`` of the :class:`BackendContext` under the names of
   ``cluster/metrics/catalog.py``, the same series from every backend.
+- ``suffix_history()`` and ``seed_suffix()`` carry a suffix proposer's latest responses from a
+  running replica to one starting beside it (empty and 0 where the engine keeps none).
 - ``check_health()`` raises :class:`EngineUnhealthyError` once the engine cannot serve.
 
 Which backend a group runs is ``engine.backend`` (``native`` or ``vllm``). The native
@@ -82,6 +84,10 @@ class EngineBackend(Protocol):
     async def engine_stats(self) -> dict: ...
 
     async def step_timeline(self, last_seconds: float | None = None) -> dict: ...
+
+    async def suffix_history(self, max_requests: int) -> list[list[int]]: ...
+
+    async def seed_suffix(self, responses: list[list[int]]) -> int: ...
 
     def check_health(self) -> None: ...
 

@@ -155,6 +155,10 @@ class EngineCore:
                 return CallResult(message.call_id, {"summary": self.timeline.summary(seconds, time.monotonic()),
                                                     "last_10s": self.timeline.summary(10.0, time.monotonic()),
                                                     "recent": self.timeline.recent()})
+            if message.method == "suffix_history":
+                return CallResult(message.call_id, self.engine.suffix_history(*message.args))
+            if message.method == "seed_suffix":
+                return CallResult(message.call_id, self.engine.seed_suffix(*message.args))
             return CallResult(message.call_id, error=f"the engine core has no call {message.method!r}")
         except Exception as err:  # an invariant broken: report it to the caller, keep serving
             return CallResult(message.call_id, error=f"{type(err).__name__}: {err}")

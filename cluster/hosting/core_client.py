@@ -136,6 +136,12 @@ class CoreClient:
         the last ``last_seconds``."""
         return await self._call("step_timeline", last_seconds)
 
+    async def suffix_history(self, max_requests: int) -> list[list[int]]:
+        return await self._call("suffix_history", max_requests)
+
+    async def seed_suffix(self, responses: list[list[int]]) -> int:
+        return await self._call("seed_suffix", responses)
+
     async def _call(self, method: str, *args):
         if self._dead is not None:
             raise EngineUnhealthyError(self._dead)

@@ -47,6 +47,15 @@ class FeedRequest:
     replica_id: str
 
 
+@dataclass(frozen=True)
+class WarmStartRequest:
+    """A starting replica (``replica_id``) asks another of its group for up to ``max_requests`` of its
+    latest finished responses (the router sends it to any replica but the asker, where there is one)."""
+
+    replica_id: str
+    max_requests: int
+
+
 # The code of an error that says the engine is gone or failed, not the request: the ingress may
 # send a request that has streamed nothing yet to another replica.
 ENGINE_UNAVAILABLE = "engine_unavailable"

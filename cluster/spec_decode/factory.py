@@ -32,7 +32,8 @@ def build_speculation(config: TandemConfig, target_worker) -> tuple[Proposer | N
     if spec.method == "suffix":
         try:
             proposer = SuffixProposer(spec.suffix_decoding_max_tree_depth, spec.suffix_decoding_max_cached_requests,
-                                      spec.suffix_decoding_max_spec_factor, spec.suffix_decoding_min_token_prob)
+                                      spec.suffix_decoding_max_spec_factor, spec.suffix_decoding_min_token_prob,
+                                      spec.suffix_warm_start_requests)
         except ImportError as exc:
             raise ConfigError(str(exc)) from exc
         return proposer, controller

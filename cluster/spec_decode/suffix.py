@@ -14,13 +14,20 @@ The trees are brought up to date lazily: before each proposal every scheduled re
 output tokens are appended (a step with no drafting asks nothing and adds nothing yet), and a
 finished request's last tokens are appended when it is freed. Drafts are deterministic (one-hot
 to the rejection sampler), so every verification mode keeps the target's distribution.
+
+A warm start (:meth:`SuffixProposer.history`, :meth:`SuffixProposer.seed`): the proposer keeps
+copies of its latest ``warm_start_requests`` finished responses, which a replica starting beside
+it takes into its own replica-wide tree, oldest first, as if it had produced them (they are
+evicted before anything it produces itself).
 """
 
 from __future__ import annotations
 
 import importlib.util
+import itertools
 import time
-from collections import OrderedDict
+from array import array
+from collections import OrderedDict, deque
 
 from cluster.shared.draft_proposal import DraftProposal
 from cluster.shared.request import Request
@@ -51,14 +58,45 @@ class SuffixProposer:
     """The engine's proposer for ``speculative.method: suffix`` (vLLM's keys and defaults)."""
 
     def __init__(self, max_tree_depth: int = 24, max_cached_requests: int = 10000, max_spec_factor: float = 1.0,
-                 min_token_prob: float = 0.1) -> None:
+                 min_token_prob: float = 0.1, warm_start_requests: int = 0) -> None:
         self.cache = suffix_cache_class()(max_tree_depth, max_cached_requests)
         self.max_tree_depth = max_tree_depth
         self.max_spec_factor = max_spec_factor
         self.min_token_prob = min_token_prob
         self._active: dict[str, tuple[Request, int]] = {}  # request id -> (request, output tokens in the trees)
         self._cached_len: OrderedDict[str, int] = OrderedDict()  # responses in the global tree, oldest first
+        # the latest finished responses, for a replica's warm start (none kept without a global tree)
+        self._recent: deque[array] = deque(maxlen=min(warm_start_requests, max_cached_requests))
+        self._seeded = itertools.count()
         self.tree_stats = SuffixTreeStats()
+
+    def history(self, max_requests: int) -> list[list[int]]:
+        """Up to ``max_requests`` of the latest finished responses (token ids), oldest first."""
+        if max_requests <= 0:
+            return []
+        return [list(tokens) for tokens in list(self._recent)[-max_requests:]]
+
+    def seed(self, responses: list[list[int]]) -> int:
+        """Take ``responses`` (oldest first) into the replica-wide tree as finished responses of
+        requests with ids of their own; returns how many went in (none without a global tree)."""
+        if self.cache.max_cached_requests == 0:
+            return 0
+        taken = 0
+        for tokens in responses:
+            tokens = [int(t) for t in tokens]
+            if not tokens:
+                continue
+            rid = f"warm-start-{next(self._seeded)}"
+            self.cache.start_request(rid, [])
+            self.cache.add_active_response(rid, tokens)
+            self.cache.stop_request(rid)
+            self._cached_len[rid] = len(tokens)
+            self.tree_stats.num_cached_tokens += len(tokens)
+            self.tree_stats.num_tokens_added += len(tokens)
+            self._recent.append(array("l", tokens))
+            self._forget_evicted()
+            taken += 1
+        return taken
 
     def record(self, aux_hidden: dict) -> None:
         pass
@@ -69,6 +107,7 @@ class SuffixProposer:
             raise RuntimeError(f"{len(self._active)} requests are still active; clear the trees between runs")
         self.cache = suffix_cache_class()(self.max_tree_depth, self.cache.max_cached_requests)
         self._cached_len.clear()
+        self._recent.clear()
         self.tree_stats = SuffixTreeStats()
 
     def timing_call(self, sequences: list[list[int]], num_draft_tokens: int):
@@ -111,6 +150,8 @@ class SuffixProposer:
         self._sync(entry[0])
         del self._active[request_id]
         self.cache.stop_request(request_id)
+        if self._recent.maxlen and entry[0].output_token_ids:
+            self._recent.append(array("l", entry[0].output_token_ids))
         self.tree_stats.num_active_requests = len(self._active)
 
     def _sync(self, request: Request) -> None:

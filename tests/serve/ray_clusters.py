@@ -1,13 +1,24 @@
 """Ray clusters a test starts with ``ray start`` beside the session's own (which the process is
 connected to): finding and killing exactly their processes (never ``ray stop``, which would
 take the session's cluster down too), and keeping ``ray start``'s record of the current
-cluster from redirecting later ``ray.init()`` calls."""
+cluster from redirecting later ``ray.init()`` calls. ``ray_cluster`` is such a cluster on
+loopback (4 CPUs), driven by Ray's own command-line tools (``run_tool``)."""
 
 from __future__ import annotations
 
 import os
+import shutil
 import signal
+import subprocess
+import sys
+import tempfile
+import time
 from pathlib import Path
+
+import pytest
+import yaml
+
+BIN = Path(sys.executable).parent
 
 
 def cluster_pids(gcs_port: int, marker: str = "") -> list[int]:
@@ -69,3 +80,43 @@ def restore(saved: bytes | None) -> None:
         CURRENT_CLUSTER.unlink(missing_ok=True)
     else:
         CURRENT_CLUSTER.write_bytes(saved)
+
+
+def run_tool(*args: str, env: dict, timeout: float = 180) -> str:
+    """A tool of this environment's (``ray``, ``serve``, ``python``) run to success; its stdout."""
+    done = subprocess.run([str(BIN / args[0]), *args[1:]], capture_output=True, text=True, env=env, timeout=timeout)
+    assert done.returncode == 0, f"{' '.join(args)}: {done.stdout[-2000:]}\n{done.stderr[-3000:]}"
+    return done.stdout
+
+
+@pytest.fixture()
+def ray_cluster():
+    """The environment (``RAY_DASHBOARD_ADDRESS``) of a Ray cluster of the test's own."""
+    from tests.serve.conftest import free_port
+
+    temp = tempfile.mkdtemp(prefix="ray-", dir="/tmp")  # Ray's socket paths must stay under 108 bytes
+    gcs, dashboard = free_port(), free_port()
+    env = {**os.environ, "RAY_DASHBOARD_ADDRESS": f"http://127.0.0.1:{dashboard}", "RAY_AUTH_MODE": "disabled"}
+    env.pop("RAY_ADDRESS", None)
+    saved = CURRENT_CLUSTER.read_bytes() if CURRENT_CLUSTER.exists() else None
+    try:
+        run_tool("ray", "start", "--head", f"--port={gcs}", "--node-ip-address=127.0.0.1", "--num-cpus=4",
+                 "--include-dashboard=true", "--dashboard-host=127.0.0.1", f"--dashboard-port={dashboard}",
+                 f"--temp-dir={temp}", "--disable-usage-stats", env=env)
+        restore(saved)
+        yield env
+    finally:
+        kill(with_descendants(cluster_pids(gcs)))  # this cluster's processes only, not the session's
+        restore(saved)
+        shutil.rmtree(temp, ignore_errors=True)
+
+
+def wait_app_running(env: dict, app: str = "tandem", timeout: float = 240) -> None:
+    deadline = time.time() + timeout
+    while True:
+        status = yaml.safe_load(run_tool("serve", "status", env=env)) or {}
+        state = (status.get("applications") or {}).get(app, {})
+        if state.get("status") == "RUNNING":
+            return
+        assert time.time() < deadline, f"never RUNNING: {status}"
+        time.sleep(2)

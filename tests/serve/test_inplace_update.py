@@ -9,54 +9,22 @@ its processes."""
 from __future__ import annotations
 
 import json
-import os
-import shutil
-import subprocess
-import sys
-import tempfile
 import time
 from pathlib import Path
 
-import pytest
 import yaml
 
 from cluster.config import config_from_dict
 from cluster.k8s.rayservice import serve_config
 from tests.serve.conftest import free_port
-from tests.serve.ray_clusters import CURRENT_CLUSTER, cluster_pids, kill, restore, with_descendants
+from tests.serve.ray_clusters import ray_cluster, run_tool, wait_app_running  # noqa: F401 (a fixture)
 
-BIN = Path(sys.executable).parent
 LIST_REPLICAS = """
 import json, os
 from ray.util.state import list_actors
 alive = list_actors(address=os.environ["RAY_DASHBOARD_ADDRESS"], filters=[("state", "=", "ALIVE")], limit=1000)
 print(json.dumps(sorted((a.class_name, a.actor_id) for a in alive if a.class_name.startswith("ServeReplica:"))))
 """
-
-
-def _run(*args: str, env: dict, timeout: float = 180) -> str:
-    done = subprocess.run([str(BIN / args[0]), *args[1:]], capture_output=True, text=True, env=env, timeout=timeout)
-    assert done.returncode == 0, f"{' '.join(args)}: {done.stdout[-2000:]}\n{done.stderr[-3000:]}"
-    return done.stdout
-
-
-@pytest.fixture()
-def ray_cluster():
-    temp = tempfile.mkdtemp(prefix="ray-", dir="/tmp")  # Ray's socket paths must stay under 108 bytes
-    gcs, dashboard = free_port(), free_port()
-    env = {**os.environ, "RAY_DASHBOARD_ADDRESS": f"http://127.0.0.1:{dashboard}", "RAY_AUTH_MODE": "disabled"}
-    env.pop("RAY_ADDRESS", None)
-    saved = CURRENT_CLUSTER.read_bytes() if CURRENT_CLUSTER.exists() else None
-    try:
-        _run("ray", "start", "--head", f"--port={gcs}", "--node-ip-address=127.0.0.1", "--num-cpus=4",
-             "--include-dashboard=true", "--dashboard-host=127.0.0.1", f"--dashboard-port={dashboard}",
-             f"--temp-dir={temp}", "--disable-usage-stats", env=env)
-        restore(saved)
-        yield env
-    finally:
-        kill(with_descendants(cluster_pids(gcs)))  # this cluster's processes only, not the session's
-        restore(saved)
-        shutil.rmtree(temp, ignore_errors=True)
 
 
 def _deploy(tiny_chat_model, max_replicas: int, port: int, path: Path, env: dict) -> None:
@@ -67,37 +35,26 @@ def _deploy(tiny_chat_model, max_replicas: int, port: int, path: Path, env: dict
                       "groups": [{"name": "a", "num_cpus": 0.5,
                                   "autoscaling": {"min_replicas": 1, "max_replicas": max_replicas}}]}}
     path.write_text(yaml.safe_dump(serve_config(config_from_dict(data, "test"), data)))
-    _run("serve", "deploy", str(path), env=env)
-
-
-def _wait_running(env: dict, timeout: float = 240) -> None:
-    deadline = time.time() + timeout
-    while True:
-        status = yaml.safe_load(_run("serve", "status", env=env)) or {}
-        app = (status.get("applications") or {}).get("tandem", {})
-        if app.get("status") == "RUNNING":
-            return
-        assert time.time() < deadline, f"never RUNNING: {status}"
-        time.sleep(2)
+    run_tool("serve", "deploy", str(path), env=env)
 
 
 def test_a_new_max_replicas_keeps_every_running_replica(tiny_chat_model, ray_cluster, tmp_path):
     env = ray_cluster
     config_path, port = tmp_path / "serve.yaml", free_port()
     _deploy(tiny_chat_model, 2, port, config_path, env)
-    _wait_running(env)
-    before = json.loads(_run("python", "-c", LIST_REPLICAS, env=env))
+    wait_app_running(env)
+    before = json.loads(run_tool("python", "-c", LIST_REPLICAS, env=env))
     assert {name for name, _ in before} >= {"ServeReplica:tandem:replica-a", "ServeReplica:tandem:ingress"}
 
     _deploy(tiny_chat_model, 3, port, config_path, env)
     deadline = time.time() + 120
     while True:  # Serve applies the new bounds
-        deployed = yaml.safe_load(_run("serve", "config", env=env))
+        deployed = yaml.safe_load(run_tool("serve", "config", env=env))
         [entry] = [d for d in deployed["deployments"] if d["name"] == "replica-a"]
         if entry["autoscaling_config"]["max_replicas"] == 3:
             break
         assert time.time() < deadline, entry
         time.sleep(2)
-    _wait_running(env)
-    after = json.loads(_run("python", "-c", LIST_REPLICAS, env=env))
+    wait_app_running(env)
+    after = json.loads(run_tool("python", "-c", LIST_REPLICAS, env=env))
     assert after == before  # the same replica actors, none restarted

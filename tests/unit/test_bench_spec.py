@@ -227,3 +227,21 @@ def test_adaptive_adds_a_cell_per_batch_size_run_by_the_controller(tiny_folder, 
     assert "adaptive" in capsys.readouterr().out
     assert main(["bench", "spec", "--model", str(tiny_folder), "--adaptive", str(tmp_path / "missing.json")]) != 0
     assert "missing.json does not exist" in capsys.readouterr().err
+
+
+def test_warm_tree_seeds_every_cell_with_answers_to_other_prompts(tiny_folder, tmp_path, capsys):
+    pytest.importorskip("arctic_inference", reason="arctic-inference is built by `make install`")
+    out = tmp_path / "spec.json"
+    assert main(["bench", "spec", "--model", str(tiny_folder), "--method", "suffix", "--batch-sizes", "2",
+                 "--ks", "0,4", "--output-len", "6", "--num-prompts", "4", "--warm-tree", "4",
+                 "--json", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert result["settings"]["warm_tree"] == 4 and len(result["settings"]["prompt_lens"]) == 4
+    cells = {c["k"]: c for c in result["tandem"]["cells"]}
+    assert cells[4]["num_requests"] == 4 and cells[4]["identical_to_k0"] == 4
+    # refused: trees to seed without suffix drafts; other prompts the set does not have
+    assert main(["bench", "spec", "--model", str(tiny_folder), "--ks", "0", "--warm-tree", "4"]) == 2
+    assert "needs --method suffix" in capsys.readouterr().err
+    assert main(["bench", "spec", "--model", str(tiny_folder), "--method", "suffix", "--ks", "0",
+                 "--num-prompts", "60", "--warm-tree", "10"]) == 2
+    assert "too few prompts" in capsys.readouterr().err

@@ -13,7 +13,7 @@ from cluster.shared.sampling_params import SamplingParams
 from cluster.shared.scheduled import ScheduledRequest
 from cluster.spec_decode.suffix import SuffixProposer
 from cluster.spec_decode.suffix_stats import MATCH_LEN_BUCKETS
-from tests.engine_helpers import make_engine
+from tests.engine_helpers import make_engine, run_to_completion
 
 pytest.importorskip("arctic_inference", reason="arctic-inference is built by `make install`")
 
@@ -91,6 +91,51 @@ def test_finished_responses_are_evicted_first_in_first_out():
     assert _propose(proposer, (_request("q", [9], [103, 203]), 4)) == {"q": [303]}
     assert proposer.tree_stats.num_evicted_requests == 3
     assert _propose(proposer, (_request("q2", [9], [100, 200]), 4)) == {}  # r0's response is gone
+
+
+def _finish(proposer: SuffixProposer, rid: str, output: list[int]) -> None:
+    _propose(proposer, (_request(rid, [1], output), 0))
+    proposer.free(rid)
+
+
+def test_a_new_replica_drafts_from_the_responses_another_gave_it():
+    running = SuffixProposer(warm_start_requests=2)
+    for i in range(3):
+        _finish(running, f"r{i}", [60 + i, 70 + i, 80 + i, 90 + i])
+    history = running.history(5)
+    assert history == [[61, 71, 81, 91], [62, 72, 82, 92]]  # the latest two, oldest first
+    assert running.history(1) == [[62, 72, 82, 92]] and running.history(0) == []
+
+    cold, warm = SuffixProposer(), SuffixProposer(warm_start_requests=2)
+    assert warm.seed(history + [[]]) == 2  # an empty response is skipped
+    asker = _request("q", [5], [62, 72])
+    assert _propose(cold, (asker, 4)) == {}
+    assert _propose(warm, (_request("q", [5], [62, 72]), 4)) == {"q": [82, 92]}
+    stats = warm.tree_stats
+    assert (stats.num_cached_requests, stats.num_cached_tokens) == (3, 10)  # two seeded, and q itself
+    assert warm.history(5) == history  # a seeded replica passes them on in turn
+
+
+def test_seeded_responses_are_evicted_before_the_replicas_own():
+    proposer = SuffixProposer(max_cached_requests=2)
+    assert proposer.seed([[1, 2, 3], [4, 5, 6]]) == 2
+    _finish(proposer, "own", [7, 8, 9])
+    assert len(proposer.cache.cached_requests) == 2 and "own" in proposer.cache.cached_requests
+    assert proposer.tree_stats.num_evicted_requests == 1
+    assert proposer.history(5) == []  # warm_start_requests 0: nothing kept to give
+    assert SuffixProposer(max_cached_requests=0).seed([[1, 2]]) == 0  # no replica-wide tree to seed
+
+
+def test_the_engine_gives_and_takes_responses_only_with_suffix_drafts(tiny_llama_dir):
+    giver = make_engine(tiny_llama_dir, method="suffix", num_blocks=64)
+    run_to_completion(giver, [[5, 6, 7, 8]], SamplingParams(max_tokens=6, temperature=0, ignore_eos=True))
+    [response] = giver.suffix_history(10)
+    assert len(response) == 6
+    taker = make_engine(tiny_llama_dir, method="suffix", num_blocks=64)
+    assert taker.seed_suffix([response]) == 1
+    assert taker.proposer.tree_stats.num_cached_tokens == 6
+    plain = make_engine(tiny_llama_dir, num_blocks=64)
+    assert plain.suffix_history(10) == [] and plain.seed_suffix([response]) == 0
 
 
 def test_method_suffix_through_the_config_and_config_check(tiny_llama_dir):
