@@ -10,7 +10,9 @@ and agent conversations ``agentic``, :mod:`cluster.bench.workloads`, written as 
 ``custom`` dataset before any server starts) at a request rate (2/s with 64 prompts, and
 saturation, ``inf`` with 100), driven by ``vllm.benchmarks.serve`` from the vLLM tier's
 environment (``vllm_client.py``). Tandem is compared with the better vLLM placement of each
-cell (the one with the higher output throughput).
+cell (the one with the higher output throughput). With ``--warm-prompts N`` every server first
+answers the set's last N code or agentic prompts (never measured) before each cell, as a replica
+that has served such requests (its suffix trees and prefix cache warm).
 
 While a cell runs, on either server, the CPU taken by every process is sampled from /proc
 (``proc_cpu.py``, with the client's own beside it), and on Tandem the engine core's step
@@ -48,6 +50,7 @@ from cluster.config import group_engine_config, load_config
 from cluster.models.loader import load_tokenizer, resolve_model
 
 VLLM_PLACEMENTS = {"vllm-default": {}, "vllm-all-cores": VLLM_ALL_CORES}
+WARM_CONCURRENCY = 8  # requests in flight while a server answers --warm-prompts
 
 
 def cells(args: argparse.Namespace) -> list[dict]:
@@ -73,7 +76,8 @@ def _client(args, url: str, cell: dict, out: Path) -> dict:
         cmd += ["--temperature", str(args.temperature)]
     dataset = args.dataset_files.get(cell["dataset"])
     if dataset is not None:
-        cmd += ["--dataset-path", str(dataset.path)] + (["--skip-chat-template"] if dataset.skip_chat_template else [])
+        path = dataset.warm_path if cell.get("warm") else dataset.path
+        cmd += ["--dataset-path", str(path)] + (["--skip-chat-template"] if dataset.skip_chat_template else [])
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=args.cell_timeout_s)
     if done.returncode != 0 or not out.exists():
         tail = "\n".join((done.stderr or done.stdout).strip().splitlines()[-12:])
@@ -81,6 +85,17 @@ def _client(args, url: str, cell: dict, out: Path) -> dict:
     result = json.loads(out.read_text())
     return {key: result.get(key) for key in FIGURES} | {"completed": result.get("completed"),
                                                          "num_prompts": cell["num_prompts"]}
+
+
+def _warm(args, url: str, cell: dict, out: Path) -> float | None:
+    """``--warm-prompts``: the server answers the dataset's other prompts, WARM_CONCURRENCY at a time and
+    not measured, before the cell (a replica that has served such requests); the seconds it took."""
+    if not args.warm_prompts:
+        return None
+    started = time.monotonic()
+    _client(args, url, {"dataset": cell["dataset"], "rate": "inf", "num_prompts": args.warm_prompts,
+                        "concurrency": WARM_CONCURRENCY, "warm": True}, out)
+    return time.monotonic() - started
 
 
 def _timeline(url: str, seconds: float) -> dict | None:
@@ -118,7 +133,11 @@ def _measure_cells(args, console, name: str, start, work: Path, is_tandem: bool,
             started = time.monotonic()
             try:
                 out = work / ("".join(c for c in f"{name}-{cell['name']}" if c.isalnum() or c in "-_=.") + ".json")
+                warm_s = _warm(args, server.url, cell, out.with_name(f"warm-{out.name}"))
+                started = time.monotonic()
                 results[cell["name"]] = _client(args, server.url, cell, out)
+                if warm_s is not None:
+                    results[cell["name"]]["warm_s"] = warm_s
             except Exception as err:
                 results[cell["name"]] = {"error": str(err)}
                 console.print(f"[red]    failed:[/] {err}")
@@ -143,6 +162,9 @@ def measure_served(args: argparse.Namespace, console: Console) -> dict:
                                                       text=True, check=True).stdout.strip().splitlines()[-1]
     if args.vllm_dtype == "tandem":
         args.vllm_dtype = tandem_dtype(args.config)
+    if args.warm_prompts and set(args.datasets) - set(VLLM_DATASETS):
+        raise ValueError(f"--warm-prompts answers other prompts of {' and '.join(VLLM_DATASETS)} only: drop "
+                         f"{', '.join(sorted(set(args.datasets) - set(VLLM_DATASETS)))} from --datasets")
     if args.speculation_alternatives and not args.speculation_ab:
         raise ValueError("--speculation-alternatives are served in the A/B rounds: give --speculation-ab ROUNDS too")
     runs = speculation_runs(args)
@@ -179,7 +201,7 @@ def measure_served(args: argparse.Namespace, console: Console) -> dict:
                                      + ("no sampling settings sent: temperature 1)" if args.temperature is None
                                         else f"temperature {args.temperature})"),
                            "max_concurrency": args.max_concurrency, "fresh_server_per_cell": args.fresh_server_per_cell,
-                           "speculation_ab_rounds": args.speculation_ab,
+                           "speculation_ab_rounds": args.speculation_ab, "warm_prompts": args.warm_prompts,
                            "speculation_alternatives": alternatives,
                            "vllm_speculative_config": args.vllm_speculative_config,
                            "input_len": args.input_len, "output_len": args.output_len, "seed": args.seed,
@@ -210,7 +232,8 @@ def write_datasets(args, work: Path, console: Console) -> dict[str, VllmDataset]
     config = load_config(args.config)
     model = group_engine_config(config, config.serve.groups[0].name).model
     tokenizer = load_tokenizer(resolve_model(model.model, model.cache_dir))
-    return {name: write_vllm_dataset(name, work / f"{name}.jsonl", tokenizer, console.print) for name in wanted}
+    return {name: write_vllm_dataset(name, work / f"{name}.jsonl", tokenizer, console.print, args.warm_prompts)
+            for name in wanted}
 
 
 def tandem_max_model_len(config_path) -> int:
@@ -254,6 +277,9 @@ def add_served_args(parser: argparse.ArgumentParser) -> None:
         help="a server of its own for every cell (no cell finds another's prompts in the caches or suffix trees)")
     add("--vllm-speculative-config", default=None, help="vLLM's --speculative-config (JSON), e.g. "
         '\'{"method": "suffix", "num_speculative_tokens": 8}\'')
+    add("--warm-prompts", type=int, default=0, metavar="N",
+        help="code and agentic: before every cell each server answers the set's last N prompts (never measured), "
+             f"{WARM_CONCURRENCY} at a time, unmeasured, as a replica that has served such requests")
     add("--skip-offline", action="store_true", help="no offline engine run of the saturation and closed-loop cells")
     add("--num-prompts", type=int, default=64, help="prompts per cell at a finite rate")
     add("--num-prompts-saturated", type=int, default=100, help="prompts per cell at rate inf")

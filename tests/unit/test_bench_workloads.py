@@ -217,6 +217,43 @@ def test_served_datasets_are_custom_jsonl_files(tokenizer, tmp_path, monkeypatch
     assert rows[1]["prompt"].startswith(f"<system>{SYSTEM_PROMPT}") and rows[1]["prompt"].endswith("<assistant>")
 
 
+def test_warm_prompts_are_the_sets_last_and_never_in_the_measured_file(tokenizer, tmp_path, monkeypatch):
+    monkeypatch.setattr(prompt_sets, "human_eval_problems", lambda: PROBLEMS[:4])
+    code = prompt_sets.write_vllm_dataset("code", tmp_path / "code.jsonl", tokenizer, num_warm=3)
+    measured = [json.loads(line)["prompt"] for line in code.path.read_text().splitlines()]
+    warm = [json.loads(line)["prompt"] for line in code.warm_path.read_text().splitlines()]
+    assert measured == [code_prompts.code_user_message(PROBLEMS[0])]
+    assert warm == [code_prompts.code_user_message(p) for p in PROBLEMS[1:4]]
+    assert prompt_sets.write_vllm_dataset("code", tmp_path / "c.jsonl", tokenizer).warm_path is None
+    with pytest.raises(ValueError, match="leave none to measure"):
+        prompt_sets.write_vllm_dataset("code", tmp_path / "code.jsonl", tokenizer, num_warm=4)
+
+
+def test_served_answers_the_warm_prompts_before_a_cell(tmp_path, monkeypatch):
+    commands = []
+
+    def fake_run(cmd, **kwargs):
+        commands.append(cmd)
+        for out in (tmp_path / "warm-out.json", tmp_path / "out.json"):
+            out.write_text("{}")
+        return subprocess.CompletedProcess(cmd, 0, "", "")
+
+    monkeypatch.setattr(served.subprocess, "run", fake_run)
+    args = argparse.Namespace(python_vllm="py", served_model_name="m", tokenizer="tok", input_len=8, output_len=16,
+                              seed=0, cell_timeout_s=10, temperature=0.0, warm_prompts=5, dataset_files={
+                                  "code": prompt_sets.VllmDataset(tmp_path / "code.jsonl", False,
+                                                                  tmp_path / "code-warm.jsonl")})
+    cell = {"dataset": "code", "rate": "inf", "num_prompts": 4, "concurrency": 1}
+    assert served._warm(args, "http://h:1", cell, tmp_path / "warm-out.json") >= 0
+    served._client(args, "http://h:1", cell, tmp_path / "out.json")
+    warm, measured = commands
+    assert warm[warm.index("--dataset-path") + 1] == str(tmp_path / "code-warm.jsonl")
+    assert warm[warm.index("--num-prompts") + 1] == "5" and warm[warm.index("--max-concurrency") + 1] == "8"
+    assert measured[measured.index("--dataset-path") + 1] == str(tmp_path / "code.jsonl")
+    args.warm_prompts = 0
+    assert served._warm(args, "http://h:1", cell, tmp_path / "warm-out.json") is None and len(commands) == 2
+
+
 def client_options(**changes):
     options = dict(url="http://h:1", model="m", tokenizer="tok", seed=0, num_prompts=4, rate="inf", out="o.json",
                    dataset="instructions", dataset_path=None, skip_chat_template=False, input_len=8, output_len=16)

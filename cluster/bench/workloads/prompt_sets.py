@@ -46,6 +46,7 @@ class VllmDataset(NamedTuple):
 
     path: Path
     skip_chat_template: bool  # the prompts are already rendered: --custom-skip-chat-template
+    warm_path: Path | None = None  # the set's other prompts, answered before a cell and never measured
 
 
 def workload_prompt_ids(name: str, tokenizer, num_prompts: int | None = None,
@@ -81,11 +82,13 @@ def served_prompt_texts(name: str, tokenizer, announce: Callable[[str], None] = 
     raise ValueError(f"no served prompt set {name!r}; choose one of {', '.join(VLLM_DATASETS)}")
 
 
-def write_vllm_dataset(name: str, path: Path, tokenizer, announce: Callable[[str], None] = print) -> VllmDataset:
+def write_vllm_dataset(name: str, path: Path, tokenizer, announce: Callable[[str], None] = print,
+                       num_warm: int = 0) -> VllmDataset:
     """Write set ``name`` as vLLM's ``custom`` dataset (one ``{"prompt": ...}`` per line). ``code``
     holds the user messages, which vLLM's client puts through the chat template as it does the
     instruction prompts; ``agentic`` holds prompts rendered here (a multi-turn chat with tools is
-    no single user message), sent as they are."""
+    no single user message), sent as they are. ``num_warm`` of the set's last prompts go to a file
+    of their own (``warm_path``) instead: the client never samples them for a cell."""
     if name == "code":
         problems = human_eval_problems()
         prompts = [m[0]["content"] for m in code_messages(problems, len(problems))]
@@ -93,5 +96,12 @@ def write_vllm_dataset(name: str, path: Path, tokenizer, announce: Callable[[str
         prompts = agentic_prompt_texts(tokenizer, load_conversations(announce=announce))
     else:
         raise ValueError(f"no vLLM dataset {name!r}; choose one of {', '.join(VLLM_DATASETS)}")
-    path.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in prompts))
-    return VllmDataset(path, skip_chat_template=name == "agentic")
+    if not 0 <= num_warm < len(prompts):
+        raise ValueError(f"the {name} set has {len(prompts)} prompts: {num_warm} to warm with leave none to measure")
+    measured, warm = prompts[: len(prompts) - num_warm], prompts[len(prompts) - num_warm :]
+    path.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in measured))
+    warm_path = None
+    if warm:
+        warm_path = path.with_name(f"{path.stem}-warm{path.suffix}")
+        warm_path.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in warm))
+    return VllmDataset(path, skip_chat_template=name == "agentic", warm_path=warm_path)
