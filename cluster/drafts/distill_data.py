@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from cluster.engine.llm import LLM, apply_chat_template
+from cluster.engine.llm import LLM, user_prompt_text
 from cluster.shared.sampling_params import SamplingParams
 
 INSTRUCTIONS_PATH = Path(__file__).resolve().parent.parent / "bench" / "data" / "instructions.jsonl"
@@ -73,7 +73,7 @@ def generate_samples(target: str, prompts: list[str], settings: SampleSettings, 
     if not prompts:
         raise ValueError("distillation needs at least one prompt")
     llm = LLM(model=target, **engine_overrides)
-    texts = [_format(llm.tokenizer, p) for p in prompts]
+    texts = [user_prompt_text(llm.tokenizer, p) for p in prompts]
     which = [i % len(prompts) for i in range(settings.num_samples)]
     params = [
         SamplingParams(max_tokens=settings.max_new_tokens, temperature=settings.temperature,
@@ -125,9 +125,3 @@ def _rows(samples: list[Sample], seq_len: int, pad_id: int) -> Rows:
         # Position t predicts token t+1: from the last prompt token to the second-to-last token.
         loss_mask[r, max(s.prompt_len - 1, 0) : len(ids) - 1] = True
     return Rows(token_ids, loss_mask)
-
-
-def _format(tokenizer, prompt: str) -> str:
-    if tokenizer is not None and getattr(tokenizer, "chat_template", None):
-        return apply_chat_template(tokenizer, [{"role": "user", "content": prompt}])
-    return prompt

@@ -22,7 +22,7 @@ from tqdm import tqdm
 
 from cluster.drafts.checkpoint import load_state, save_state
 from cluster.drafts.head_prompts import edit_prompts, open_prompts
-from cluster.engine.llm import LLM, apply_chat_template
+from cluster.engine.llm import LLM, user_prompt_text
 from cluster.profiling.edit_prompts import PASSAGES, TASKS
 from cluster.shared.sampling_params import SamplingParams
 
@@ -74,16 +74,10 @@ def _answer(llm: LLM, prompts: list[str], settings: TextSettings, first_index: i
         temperature = 0.0 if index % 2 == 0 else settings.temperature
         params.append(SamplingParams(max_tokens=settings.max_new_tokens, temperature=temperature,
                                      seed=settings.seed + index if temperature > 0 else None))
-    texts = [_format(llm.tokenizer, p) for p in prompts]
+    texts = [user_prompt_text(llm.tokenizer, p) for p in prompts]
     outputs = llm.generate(texts, params, use_tqdm=progress)
     return [Text(list(o.prompt_token_ids) + list(o.outputs[0].token_ids), len(o.prompt_token_ids))
             for o in outputs]
-
-
-def _format(tokenizer, prompt: str) -> str:
-    if getattr(tokenizer, "chat_template", None):
-        return apply_chat_template(tokenizer, [{"role": "user", "content": prompt}])
-    return prompt
 
 
 def load_or_generate_texts(path: Path, target: str, settings: TextSettings, progress: bool = True,

@@ -22,10 +22,10 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from cluster.drafts.head_data import Text, _format, extract_features, held_out_prompts
+from cluster.drafts.head_data import Text, extract_features, held_out_prompts
 from cluster.drafts.head_ttt import unrolled_logits
 from cluster.drafts.prune import load_target
-from cluster.engine.llm import LLM
+from cluster.engine.llm import LLM, user_prompt_text
 from cluster.models.eagle3 import Eagle3Head, load_head
 from cluster.models.loader import resolve_model
 from cluster.models.shipped_heads import resolve_head
@@ -84,7 +84,7 @@ def measure(target: str, head_name: str, prompts: list[str | list[int]], max_tok
     llm = LLM(model=target, dtype=dtype, method="eagle3", draft_model=head_name, num_speculative_tokens=1,
               controller="fixed", **engine_overrides)
     try:
-        outputs = llm.generate([_format(llm.tokenizer, p) if isinstance(p, str) else p for p in prompts],
+        outputs = llm.generate([user_prompt_text(llm.tokenizer, p) if isinstance(p, str) else p for p in prompts],
                                SamplingParams(max_tokens=max_tokens, temperature=0.0))
     finally:
         llm.engine.worker.close()

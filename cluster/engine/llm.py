@@ -76,3 +76,10 @@ def apply_chat_template(tokenizer, messages: list[dict]) -> str:
     if tokenizer is None or not getattr(tokenizer, "chat_template", None):
         raise ValueError("this model has no chat template; send a plain prompt")
     return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+
+
+def user_prompt_text(tokenizer, prompt: str) -> str:
+    """``prompt`` as one user message through the model's chat template, or as it is without one."""
+    if tokenizer is not None and getattr(tokenizer, "chat_template", None):
+        return apply_chat_template(tokenizer, [{"role": "user", "content": prompt}])
+    return prompt
