@@ -9,7 +9,10 @@
   (its measured grid where it measured every batch size and length, as the table's do,
   else its fitted line); the least squares learn how many times slower this device runs
   them, quickly, and a correction to their shape, linear in the batch size and k, slowly
-  (a profile is often measured on another machine than the one serving). It re-solves
+  (a profile is often measured on another machine than the one serving). The first steps
+  it times set the profile's unit (how many of this device's seconds its times are), so
+  its prior on the shape weighs as meant whatever the profile's units (the built-in prior's
+  are relative). It re-solves
   the best ``k`` for the batch at hand, and switches only when the new ``k`` is predicted
   to be clearly better and the current one has been held for a while (so ``k`` does not
   flap when the batch size sits at the edge between two best values), or at once when the
@@ -137,6 +140,7 @@ class AdaptiveController:
         prior_weight: float = 10.0,
         scale_prior_weight: float = 0.01,
         prior_floor: float = 1e-3,
+        calibration_steps: int = 16,
         explore_every: int = 64,
         explore_budget: float = 0.001,
         grid: PassGrid | None = None,
@@ -172,7 +176,8 @@ class AdaptiveController:
         self.grid = grid
         self._profile = (LatencyModel([0.0, 0.0, 0.0], [0.0, 0.0], grid) if grid is not None
                          else LatencyModel(list(model.target_coef), list(model.draft_coef)))
-        self.coefficients = [1.0, 0.0, 0.0, 0.0, 0.0]  # [s, c0, c1, d0, d1] as last solved
+        self._unit = 1.0  # the profile's times in this device's seconds are unit x theirs (below)
+        self.coefficients = [1.0, 0.0, 0.0, 0.0, 0.0]  # [s / unit, c0, c1, d0, d1] as last solved
         self.model = self._composed(*self.coefficients)
         # The profile enters as pseudo-steps, forgotten like observed steps but never below
         # ``prior_floor`` of their weight: steps held at one k (or one batch size) leave some of
@@ -198,6 +203,15 @@ class AdaptiveController:
         # element: with numpy arrays ``observe`` took ~150 us a step in the engine, ~70 us so.
         self._prior_xtx = prior_xtx.ravel().tolist()
         self._prior_xty = (prior_xtx @ np.array([1.0, 0.0, 0.0, 0.0, 0.0])).tolist()
+        # The profile's times in this device's seconds: ``unit`` times the profile's, set from
+        # the median ratio of the first ``calibration_steps`` steps' times to the profile's (1
+        # until then). Without it the corrections' prior stood in the profile's units: the
+        # built-in prior's, where a target pass is 1.0, weighed about 10^-4 of a timed step of
+        # 10 ms, so nothing held the corrections where a batch of one size left them unidentified
+        # (s 0.03-0.05 against 0.01 and c0 -24 to -41 ms cancelling it, after a warm-up at batch
+        # 8): at batch 1 that model priced one draft at +66% of a plain step and held k = 0.
+        self._calibration_steps = calibration_steps
+        self._calibrating: list[tuple[int, int, float, float | None]] | None = [] if calibration_steps > 0 else None
         self._prior_scale = 1.0
         self._prior_floor = prior_floor
         self._xtx = [0.0] * 25  # the observed steps' sums, forgotten at rate ``forgetting``
@@ -286,7 +300,7 @@ class AdaptiveController:
             "k_held": self.k,
             "acceptance": [round(a, 4) for a in self.acceptance],
             "coverage": [round(c, 4) for c in self.coverage],
-            "coefficients": [round(c, 6) for c in self.coefficients],
+            "coefficients": [round(c, 6) for c in [self._unit * self.coefficients[0], *self.coefficients[1:]]],
             "num_probes": self.num_probes,
             "num_switches": self.num_switches,
             "ms_per_token_by_k": {b: [round(1000 * t, 3) for t in self.model.time_per_token_by_k(
@@ -308,9 +322,12 @@ class AdaptiveController:
         """Add one step to the least-squares sums (forgetting the older ones) and re-solve."""
         if batch_size < 1 or seconds <= 0:
             return
-        drafted = batch_size * k if num_drafted is None else num_drafted
-        profiled = (self._profile.target_time(batch_size, 1.0 + drafted / batch_size)
-                    + k * self._profile.draft_time(batch_size))
+        if self._calibrating is not None:
+            self._calibrating.append((batch_size, k, seconds, num_drafted))
+            if len(self._calibrating) >= self._calibration_steps:
+                self._calibrate()
+            return
+        profiled = self._unit * self._profiled(batch_size, k, num_drafted)
         # the step's features / seconds: relative errors, as the profile's fit
         x = (profiled / seconds, 1.0 / seconds, float(batch_size) / seconds, float(k) / seconds,
              float(k * batch_size) / seconds)
@@ -323,9 +340,29 @@ class AdaptiveController:
         self.coefficients = self._solve(xtx, xty).tolist()
         self.model = self._composed(*self.coefficients)
 
+    def _profiled(self, batch_size: int, k: int, num_drafted: float | None) -> float:
+        """The profile's time for a step, in its own units."""
+        drafted = batch_size * k if num_drafted is None else num_drafted
+        return (self._profile.target_time(batch_size, 1.0 + drafted / batch_size)
+                + k * self._profile.draft_time(batch_size))
+
+    def _calibrate(self) -> None:
+        """Read the profile in this device's seconds (``unit``: the median ratio of the steps
+        timed so far to the profile's), rescale the corrections' prior to match, and fit those steps."""
+        steps, self._calibrating = self._calibrating or [], None
+        ratios = [t / p for b, k, t, d in steps if (p := self._profiled(b, k, d)) > 0]
+        if ratios:
+            self._unit = float(np.median(ratios))
+            xtx = np.array(self._prior_xtx).reshape(5, 5)
+            xtx[1:, 1:] /= self._unit ** 2  # the corrections' rows: features over times now in seconds
+            self._prior_xtx = xtx.ravel().tolist()
+            self._prior_xty = (xtx @ np.array([1.0, 0.0, 0.0, 0.0, 0.0])).tolist()
+        for step in steps:
+            self._refit(*step)
+
     def _composed(self, s: float, c0: float, c1: float, d0: float, d1: float) -> LatencyModel:
         """The profile's model read ``s`` times slower, plus the correction."""
-        s = max(s, 0.0)
+        s = max(s, 0.0) * self._unit
         (p0, p1, p2), (q0, q1) = self._profile.target_coef, self._profile.draft_coef
         target, draft = [s * p0 + c0, s * p1 + c1, s * p2], [s * q0 + d0, s * q1 + d1]
         if self.grid is None:  # the line's costs: a negative one is noise
