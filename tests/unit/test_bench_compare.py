@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import yaml
 
 from cluster.bench.compare import LATENCY_KEYS, THROUGHPUT_KEYS, print_report, ratios
@@ -19,10 +21,15 @@ def test_ratios_are_first_over_second_and_none_when_missing():
 
 
 def test_derived_configs_keep_the_profile_and_swap_speculation_and_groups(tmp_path):
-    on, port = tandem_config_yaml("configs/local.yaml", True, None, tmp_path)
+    source = tmp_path / "source" / "ngram.yaml"  # local.yaml with the n-gram profile its comment names
+    source.parent.mkdir()
+    source.write_text(Path("configs/local.yaml").read_text().replace("# profile: ", "profile: ")
+                      .replace("method: suffix", "method: ngram"))
+    on, port = tandem_config_yaml(source, True, None, tmp_path)
     config = load_config(on)
     assert config.serve.port == port and config.speculative.method == "ngram"
-    assert config.speculative.profile and config.speculative.profile.endswith(".json")
+    profile = source.parent / "profiles" / "cpu-2core-avx512-smollm2-135m-ngram-capped-bf16.json"
+    assert config.speculative.profile == str(profile)  # absolute: found beside the source, not the copy
     groups = [{"name": "native", "num_cpus": 1}, {"name": "vllm", "num_cpus": 1, "engine": "vllm"}]
     off, _ = tandem_config_yaml("configs/local.yaml", False, groups, tmp_path)
     config = load_config(off)

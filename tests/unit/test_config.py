@@ -54,10 +54,18 @@ def test_sizes():
         parse_size("lots")
 
 
-def test_local_yaml_profile_is_found_next_to_it():
+def test_local_yaml_ships_suffix_drafts_and_its_ngram_profile_is_found_next_to_it(tmp_path):
     config = load_config(ROOT / "configs" / "local.yaml")
-    assert config.speculative.method == "ngram" and config.speculative.controller == "adaptive"
-    assert Path(config.speculative.profile).is_file()
+    assert config.speculative.method == "suffix" and config.speculative.controller == "adaptive"
+    assert config.speculative.profile is None  # the built-in prior, calibrated online
+    # the n-gram profile its comment names, uncommented in a copy elsewhere: read next to the copy
+    text = (ROOT / "configs" / "local.yaml").read_text().replace("# profile: ", "profile: ")
+    (tmp_path / "profiles").mkdir()
+    name = "cpu-2core-avx512-smollm2-135m-ngram-capped-bf16.json"
+    (tmp_path / "profiles" / name).write_bytes((ROOT / "configs" / "profiles" / name).read_bytes())
+    (tmp_path / "local.yaml").write_text(text.replace("method: suffix", "method: ngram"))
+    config = load_config(tmp_path / "local.yaml")
+    assert config.speculative.method == "ngram" and Path(config.speculative.profile) == tmp_path / "profiles" / name
 
 
 def test_ngram_draft_cap_reaches_the_proposer():

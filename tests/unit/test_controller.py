@@ -414,7 +414,7 @@ def test_a_profile_names_the_draft_model_only_when_a_model_drafts():
 
     from cluster.profiling.profiler import _draft_name
 
-    # configs/local.yaml names a draft model for `method: draft` while n-gram drafts.
+    # configs/local.yaml names a draft model for `method: draft` while another method drafts.
     def speculative(method, draft_model, cap=None):
         return SimpleNamespace(method=method, draft_model=draft_model, ngram_draft_per_match_token=cap)
 
