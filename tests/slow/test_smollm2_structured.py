@@ -63,7 +63,7 @@ def test_bench_structured_measures_both_engines_and_its_result_prints_again(tmp_
                  "--repeats", "1", "--json", str(out)]) == 0
     result = json.loads(out.read_text())
     assert [(c["speculation"], c["batch_size"]) for c in result["cells"]] == [
-        ("none", 1), ("none", 2), ("ngram", 1), ("ngram", 2)]
+        ("none", 1), ("none", 2), ("suffix", 1), ("suffix", 2)]  # local.yaml's method
     assert all({"free_tok_s", "constrained_tok_s", "grammar_share"} <= set(c) for c in result["cells"])
     assert result["run"]["benchmark"] == "structured"
     printed = capsys.readouterr().out
