@@ -355,8 +355,7 @@ class AdaptiveController:
             self._unit = float(np.median(ratios))
             xtx = np.array(self._prior_xtx).reshape(5, 5)
             xtx[1:, 1:] /= self._unit ** 2  # the corrections' rows: features over times now in seconds
-            self._prior_xtx = xtx.ravel().tolist()
-            self._prior_xty = (xtx @ np.array([1.0, 0.0, 0.0, 0.0, 0.0])).tolist()
+            self._prior_xtx = xtx.ravel().tolist()  # (the prior's xty is the scale's alone: unchanged)
         for step in steps:
             self._refit(*step)
 
