@@ -167,17 +167,23 @@ class AdaptiveController:
         self.coverage = [float(coverage[min(j, len(coverage) - 1)]) if coverage else 1.0
                          for j in range(max(1, max_k))]
         # Least squares over whole-step times, forgetting old steps. A step that verifies D
-        # draft tokens at batch size b costs s P(b, k, D) + c0 + c1 b + d0 k + d1 k b, where
+        # draft tokens at batch size b costs s P(b, k, D) + c0 + c1 b + d0 k + e D, where
         # P is the profile's time for it (its measured grid: the verifying pass at 1 + D / b
-        # tokens and k draft passes; else its fitted line) and [s, c0, c1, d0, d1] are learnt:
+        # tokens and k draft passes; else its fitted line) and [s, c0, c1, d0, e] are learnt:
         # s how much slower or faster this device runs than the one profiled (1 at first),
-        # c0..d1 a correction to the profile's shape (0 at first, of either sign with a grid;
-        # without one the line's coefficients they add to are never taken below 0).
+        # c0..e a correction to the profile's shape (0 at first, of either sign with a grid;
+        # without one the line's coefficients they add to are never taken below 0). The
+        # correction's last term follows the draft tokens a step really verified, not k b: where
+        # drafts are partial (suffix, n-gram) and each verified token costs nearly a plain row
+        # (a CPU at batch 8), a term in k b could not tell a step of 9 drafted tokens from one of
+        # 50 at the same k, and the profile's per-token share priced them at half their cost
+        # (on the instruction prompts at concurrency 8, k = 2 was held at 0.91x of plain
+        # decoding's throughput). For full drafts D = k b: the same feature as before.
         self.grid = grid
         self._profile = (LatencyModel([0.0, 0.0, 0.0], [0.0, 0.0], grid) if grid is not None
                          else LatencyModel(list(model.target_coef), list(model.draft_coef)))
         self._unit = 1.0  # the profile's times in this device's seconds are unit x theirs (below)
-        self.coefficients = [1.0, 0.0, 0.0, 0.0, 0.0]  # [s / unit, c0, c1, d0, d1] as last solved
+        self.coefficients = [1.0, 0.0, 0.0, 0.0, 0.0]  # [s / unit, c0, c1, d0, e] as last solved
         self.model = self._composed(*self.coefficients)
         # The profile enters as pseudo-steps, forgotten like observed steps but never below
         # ``prior_floor`` of their weight: steps held at one k (or one batch size) leave some of
@@ -293,8 +299,8 @@ class AdaptiveController:
 
     def estimates(self, batch_sizes: list[int]) -> dict:
         """What the controller believes now, for debugging a served engine: the k held, per-position
-        acceptance and coverage, the learnt step-time coefficients ([s, c0, c1, d0, d1], s the
-        device's slowness against the profile) and, per batch size, the predicted ms per output
+        acceptance and coverage, the learnt step-time coefficients ([s, c0, c1, d0, e], s the
+        device's slowness against the profile, e a draft token's verification) and, per batch size, the predicted ms per output
         token of each k from 0 to max_k."""
         return {
             "k_held": self.k,
@@ -327,10 +333,11 @@ class AdaptiveController:
             if len(self._calibrating) >= self._calibration_steps:
                 self._calibrate()
             return
-        profiled = self._unit * self._profiled(batch_size, k, num_drafted)
+        drafted = float(batch_size * k if num_drafted is None else num_drafted)
+        profiled = self._unit * self._profiled(batch_size, k, drafted)
         # the step's features / seconds: relative errors, as the profile's fit
         x = (profiled / seconds, 1.0 / seconds, float(batch_size) / seconds, float(k) / seconds,
-             float(k * batch_size) / seconds)
+             drafted / seconds)
         f = self.forgetting
         self._xtx = [f * s + xi * xj for s, (xi, xj) in zip(self._xtx, product(x, repeat=2))]
         self._xty = [f * s + xi for s, xi in zip(self._xty, x)]  # y = seconds / seconds
@@ -359,13 +366,17 @@ class AdaptiveController:
         for step in steps:
             self._refit(*step)
 
-    def _composed(self, s: float, c0: float, c1: float, d0: float, d1: float) -> LatencyModel:
-        """The profile's model read ``s`` times slower, plus the correction."""
+    def _composed(self, s: float, c0: float, c1: float, d0: float, e: float) -> LatencyModel:
+        """The profile's model read ``s`` times slower, plus the correction. The cost ``e`` of a
+        draft token verified goes to the verifying pass's per-token cost (``c2 b n`` with ``n = 1 +``
+        drafts per request), less ``e b`` per request, so that a plain step does not pay it."""
         s = max(s, 0.0) * self._unit
         (p0, p1, p2), (q0, q1) = self._profile.target_coef, self._profile.draft_coef
-        target, draft = [s * p0 + c0, s * p1 + c1, s * p2], [s * q0 + d0, s * q1 + d1]
+        target, draft = [s * p0 + c0, s * p1 + c1, s * p2], [s * q0 + d0, s * q1]
         if self.grid is None:  # the line's costs: a negative one is noise
             target, draft = [max(c, 0.0) for c in target], [max(d, 0.0) for d in draft]
+            e = max(e, -target[2])  # nor a draft token verified below nothing
+        target = [target[0], target[1] - e, target[2] + e]
         return LatencyModel(target, draft, self.grid, grid_scale=s)
 
     @staticmethod
@@ -374,5 +385,5 @@ class AdaptiveController:
 
 
 def _step_features(b: int, k: int) -> np.ndarray:
-    """Whole-step features: the target's pass plus k draft passes, [1, b, k, k b]."""
+    """Whole-step features of the prior's pseudo-steps: [1, b, k, D], full drafts (D = k b)."""
     return np.array([1.0, b, k, k * b], dtype=np.float64)
