@@ -171,14 +171,17 @@ class AdaptiveController:
         # P is the profile's time for it (its measured grid: the verifying pass at 1 + D / b
         # tokens and k draft passes; else its fitted line) and [s, c0, c1, d0, e] are learnt:
         # s how much slower or faster this device runs than the one profiled (1 at first),
-        # c0..e a correction to the profile's shape (0 at first, of either sign with a grid;
-        # without one the line's coefficients they add to are never taken below 0). The
-        # correction's last term follows the draft tokens a step really verified, not k b: where
-        # drafts are partial (suffix, n-gram) and each verified token costs nearly a plain row
-        # (a CPU at batch 8), a term in k b could not tell a step of 9 drafted tokens from one of
-        # 50 at the same k, and the profile's per-token share priced them at half their cost
-        # (on the instruction prompts at concurrency 8, k = 2 was held at 0.91x of plain
-        # decoding's throughput). For full drafts D = k b: the same feature as before.
+        # c0..e a correction to the profile's shape (0 at first, of either sign). The model
+        # composed from them predicts what the fit fitted: its terms are not clipped one by one
+        # (where the batch sits at one size the fit may trade c0 against c1 b, +16 ms against
+        # -3 ms a request; clipping c1 at 0 added 22 ms to every batch-8 step, which diluted
+        # drafting's cost against plain decoding's, and k = 3 was held on the instruction
+        # prompts at concurrency 8 at 0.91x of plain decoding's throughput); a whole step and
+        # a draft pass are never predicted below 0 (LatencyModel). The last term follows the
+        # draft tokens a step really verified, not k b: where drafts are partial (suffix,
+        # n-gram) and each verified token costs nearly a plain row (a CPU at batch 8), a term
+        # in k b could not tell a step of 9 drafted tokens from one of 50 at the same k, and
+        # was up to 10% off (tests/unit/test_controller.py). For full drafts D = k b.
         self.grid = grid
         self._profile = (LatencyModel([0.0, 0.0, 0.0], [0.0, 0.0], grid) if grid is not None
                          else LatencyModel(list(model.target_coef), list(model.draft_coef)))
@@ -372,12 +375,8 @@ class AdaptiveController:
         drafts per request), less ``e b`` per request, so that a plain step does not pay it."""
         s = max(s, 0.0) * self._unit
         (p0, p1, p2), (q0, q1) = self._profile.target_coef, self._profile.draft_coef
-        target, draft = [s * p0 + c0, s * p1 + c1, s * p2], [s * q0 + d0, s * q1]
-        if self.grid is None:  # the line's costs: a negative one is noise
-            target, draft = [max(c, 0.0) for c in target], [max(d, 0.0) for d in draft]
-            e = max(e, -target[2])  # nor a draft token verified below nothing
-        target = [target[0], target[1] - e, target[2] + e]
-        return LatencyModel(target, draft, self.grid, grid_scale=s)
+        target = [s * p0 + c0, s * p1 + c1 - e, s * p2 + e]
+        return LatencyModel(target, [s * q0 + d0, s * q1], self.grid, grid_scale=s)
 
     @staticmethod
     def _solve(xtx: np.ndarray, xty: np.ndarray) -> np.ndarray:
