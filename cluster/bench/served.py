@@ -74,6 +74,8 @@ def _client(args, url: str, cell: dict, out: Path) -> dict:
         cmd += ["--max-concurrency", str(cell["concurrency"])]
     if args.temperature is not None:
         cmd += ["--temperature", str(args.temperature)]
+    if args.honor_eos:
+        cmd.append("--honor-eos")
     dataset = args.dataset_files.get(cell["dataset"])
     if dataset is not None:
         path = dataset.warm_path if cell.get("warm") else dataset.path
@@ -193,11 +195,13 @@ def measure_served(args: argparse.Namespace, console: Console) -> dict:
             console.print(f"[bold]offline engine[/]: {cell['name']}")
             offline[cell["name"]] = offline_engine_figures(args.config, cell["dataset"], cell["num_prompts"],
                                                            args.input_len, args.output_len, args.seed,
-                                                           cell.get("concurrency"), args.temperature)
+                                                           cell.get("concurrency"), args.temperature,
+                                                           ignore_eos=not args.honor_eos)
     return {"config": str(args.config), "machine_cores": _cores(), "systems": systems, "offline": offline,
             "speculation_gain": speculation_gains(systems),
             "speculation_gain_alternatives": {name: speculation_gains(systems, name) for name in alternatives},
-              "settings": {"client": "vllm.benchmarks.serve (backend vllm, streamed completions, ignore_eos, "
+              "settings": {"client": "vllm.benchmarks.serve (backend vllm, streamed completions, "
+                                     + ("EOS honoured, " if args.honor_eos else "ignore_eos, ")
                                      + ("no sampling settings sent: temperature 1)" if args.temperature is None
                                         else f"temperature {args.temperature})"),
                            "max_concurrency": args.max_concurrency, "fresh_server_per_cell": args.fresh_server_per_cell,
@@ -285,6 +289,9 @@ def add_served_args(parser: argparse.ArgumentParser) -> None:
     add("--num-prompts-saturated", type=int, default=100, help="prompts per cell at rate inf")
     add("--input-len", type=int, default=128, help="random prompts' length")
     add("--output-len", type=int, default=128, help="every request's output tokens (ignore_eos)")
+    add("--honor-eos", action="store_true",
+        help="outputs end where the model ends them, at most --output-len tokens (default: exactly that many, so "
+             "closed-loop requests with speculation off finish and start again in waves)")
     add("--seed", type=int, default=0)
     add("--served-model-name", default="smollm2-135m-instruct")
     add("--vllm-script", type=Path, default=DEFAULT_ANCHOR, help="vLLM's CPU anchor script (vllm_cpu.sh)")

@@ -4,7 +4,7 @@ The same config's engine (the group's settings, every core) gets the cell's requ
 same shapes as vLLM's client sends: ``random`` prompts of ``input_len`` random token ids, or the
 instruction, code or agentic prompts with the chat template
 (:func:`~cluster.bench.workloads.prompt_sets.served_prompt_texts`), repeated to ``num_prompts``;
-``output_len`` tokens each (ignore_eos), the cell's temperature (1 where none is sent). A
+``output_len`` tokens each (ignore_eos unless the bench honours EOS), the cell's temperature (1 where none is sent). A
 saturation cell's requests come all at once; a closed-loop cell keeps ``concurrency`` in
 flight, as the client's ``--max-concurrency`` does. Each request's time to its first token and
 its time per output token after it are taken as vLLM's client takes them (TPOT = (end - first
@@ -29,9 +29,9 @@ from cluster.shared.sampling_params import SamplingParams
 
 def offline_engine_figures(config_path: str | Path, dataset: str, num_prompts: int, input_len: int,
                            output_len: int, seed: int, concurrency: int | None = None,
-                           temperature: float | None = None) -> dict:
+                           temperature: float | None = None, ignore_eos: bool = True) -> dict:
     """Output throughput, mean TTFT and median TPOT of the engine alone on one cell's requests
-    (``concurrency`` None: all at once)."""
+    (``concurrency`` None: all at once; ``ignore_eos`` False: outputs end at the model's EOS)."""
     config = load_config(config_path)
     group = config.serve.groups[0]
     config = group_engine_config(config, group.name)
@@ -40,7 +40,7 @@ def offline_engine_figures(config_path: str | Path, dataset: str, num_prompts: i
     engine = Engine(config)
     pending = _prompts(engine, dataset, num_prompts, input_len, seed)
     params = SamplingParams(max_tokens=output_len, temperature=1.0 if temperature is None else temperature,
-                            ignore_eos=True)
+                            ignore_eos=ignore_eos)
     limit = len(pending) if concurrency is None else concurrency
     sent: dict[str, float] = {}  # requests in flight: when each was added
     first: dict[str, float] = {}  # ... and when its first token came

@@ -4,8 +4,8 @@ Runs in an interpreter that has vLLM (the vLLM tier's environment): ``python -m
 cluster.bench.vllm_client --url URL --tokenizer DIR --dataset random|instructions|code|agentic
 --rate R --num-prompts N --output-len L --out JSON``. The workload is the one vLLM's documentation
 uses for serving figures: the ``vllm`` backend (completions, streamed), a fixed seed, outputs
-of exactly ``--output-len`` tokens (``--ignore-eos``), no sampling settings sent (each server's
-defaults: temperature 1). ``random`` draws ``--input-len``-token prompts; the others are
+of exactly ``--output-len`` tokens (``--ignore-eos``; ``--honor-eos``: at most that many, each
+ending where the model ends it), no sampling settings sent (each server's defaults: temperature 1). ``random`` draws ``--input-len``-token prompts; the others are
 vLLM's ``custom`` dataset (a jsonl of ``{"prompt": ...}``): ``instructions`` reads Tandem's
 instruction prompts (``data/instructions.jsonl``), ``code`` and ``agentic`` the file ``tandem
 bench served`` wrote (``--dataset-path``; :func:`cluster.bench.workloads.prompt_sets.write_vllm_dataset`),
@@ -27,9 +27,11 @@ def client_args(options: argparse.Namespace) -> list[str]:
     """The command line of ``vllm bench serve`` for these options."""
     args = ["--backend", "vllm", "--base-url", options.url, "--model", options.model, "--tokenizer",
             str(options.tokenizer), "--seed", str(options.seed), "--num-prompts", str(options.num_prompts),
-            "--request-rate", str(options.rate), "--ignore-eos", "--disable-tqdm",
+            "--request-rate", str(options.rate), "--disable-tqdm",
             "--percentile-metrics", "ttft,tpot,itl,e2el", "--metric-percentiles", "50,90,99",
             "--save-result", "--result-filename", str(options.out)]
+    if not getattr(options, "honor_eos", False):
+        args.append("--ignore-eos")
     if getattr(options, "max_concurrency", None) is not None:
         args += ["--max-concurrency", str(options.max_concurrency)]
     if getattr(options, "temperature", None) is not None:
@@ -62,6 +64,8 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--num-prompts", type=int, default=64)
     parser.add_argument("--input-len", type=int, default=128)
     parser.add_argument("--output-len", type=int, default=128)
+    parser.add_argument("--honor-eos", action="store_true",
+                        help="outputs end where the model ends them (at most --output-len), not at exactly that many")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--max-concurrency", type=int, help="requests in flight at most (default: no limit)")
     parser.add_argument("--temperature", type=float, help="sent with every request (default: the server's, 1)")

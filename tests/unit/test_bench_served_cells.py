@@ -93,3 +93,12 @@ def test_one_round_prints_the_gain_table_beside_the_vllm_table():
     text = out.getvalue()
     assert "speculation against none" in text and "gain tandem:suffix" in text
     assert "4.0" in text and "2.0" in text  # suffix's and the config's TPOT gains
+
+
+def test_the_client_ignores_eos_unless_the_bench_honours_it():
+    options = argparse.Namespace(url="http://x", model="m", tokenizer="t", seed=0, num_prompts=4, rate="inf",
+                                 out="o.json", dataset="random", input_len=8, output_len=8)
+    assert "--ignore-eos" in client_args(options)
+    options.honor_eos = True
+    assert "--ignore-eos" not in client_args(options)
+    assert _args("--honor-eos").honor_eos and not _args().honor_eos

@@ -37,3 +37,8 @@ def test_every_dataset_parses_as_vllm_reads_it(dataset, skip):
     assert parsed.max_concurrency == 8 and parsed.temperature == 0.0 and parsed.ignore_eos
     if dataset != "random":
         assert parsed.custom_output_len == 16
+
+
+def test_honoured_eos_parses_as_vllm_reads_it():
+    parsed = _parse(vllm_client.client_args(_options(dataset="instructions", honor_eos=True)))
+    assert not parsed.ignore_eos and parsed.custom_output_len == 16
