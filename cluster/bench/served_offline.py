@@ -1,15 +1,15 @@
 """Tandem's engine alone on the cells of ``tandem bench served`` that it can be held to.
 
-The same config's engine (the group's settings, every core) gets the cell's requests, of the
-same shapes as vLLM's client sends: ``random`` prompts of ``input_len`` random token ids, or the
+The same config's engine (the group's settings, every core) gets the cell's requests, of the same
+shapes as vLLM's client sends: ``random`` prompts of ``input_len`` random token ids, or the
 instruction, code or agentic prompts with the chat template
 (:func:`~cluster.bench.workloads.prompt_sets.served_prompt_texts`), repeated to ``num_prompts``;
-``output_len`` tokens each (ignore_eos unless the bench honours EOS), the cell's temperature (1 where none is sent). A
-saturation cell's requests come all at once; a closed-loop cell keeps ``concurrency`` in
-flight, as the client's ``--max-concurrency`` does. Each request's time to its first token and
-its time per output token after it are taken as vLLM's client takes them (TPOT = (end - first
-token) / (tokens - 1)), from the step that produced them, so the served figure over this one
-is what the serving layer adds to the engine's own.
+``output_len`` tokens each (ignore_eos, unless the bench honours EOS), the cell's temperature (1
+where none is sent). A saturation cell's requests come all at once; a closed-loop cell keeps
+``concurrency`` in flight, as the client's ``--max-concurrency`` does. Each request's time to its
+first token and its time per output token after it are taken as vLLM's client takes them (TPOT =
+(end - first token) / (tokens - 1)), from the step that produced them, so the served figure over
+this one is what the serving layer adds to the engine's own.
 """
 
 from __future__ import annotations
