@@ -240,7 +240,7 @@ def test_served_answers_the_warm_prompts_before_a_cell(tmp_path, monkeypatch):
 
     monkeypatch.setattr(served.subprocess, "run", fake_run)
     args = argparse.Namespace(python_vllm="py", served_model_name="m", tokenizer="tok", input_len=8, output_len=16,
-                              seed=0, cell_timeout_s=10, temperature=0.0, warm_prompts=5, dataset_files={
+                              seed=0, cell_timeout_s=10, temperature=0.0, honor_eos=False, warm_prompts=5, dataset_files={
                                   "code": prompt_sets.VllmDataset(tmp_path / "code.jsonl", False,
                                                                   tmp_path / "code-warm.jsonl")})
     cell = {"dataset": "code", "rate": "inf", "num_prompts": 4, "concurrency": 1}
@@ -282,7 +282,7 @@ def test_served_passes_the_written_dataset_to_the_client(tmp_path, monkeypatch):
 
     monkeypatch.setattr(served.subprocess, "run", fake_run)
     args = argparse.Namespace(python_vllm="py", served_model_name="m", tokenizer="tok", input_len=8, output_len=16,
-                              seed=0, cell_timeout_s=10, temperature=None, dataset_files={
+                              seed=0, cell_timeout_s=10, temperature=None, honor_eos=False, dataset_files={
                                   "agentic": prompt_sets.VllmDataset(tmp_path / "agentic.jsonl", True)})
     served._client(args, "http://h:1", {"dataset": "agentic", "rate": "inf", "num_prompts": 4}, tmp_path / "out.json")
     served._client(args, "http://h:1", {"dataset": "random", "rate": "inf", "num_prompts": 4}, tmp_path / "out.json")
