@@ -8,8 +8,9 @@
   moving averages; least squares with forgetting). The step times stand on the profile's
   (its measured grid where it measured every batch size and length, as the table's do,
   else its fitted line); the least squares learn how many times slower this device runs
-  them, quickly, and a correction to their shape, linear in the batch size and k, slowly
-  (a profile is often measured on another machine than the one serving). The first steps
+  them, quickly, and a correction to their shape, linear in the batch size, k and the draft
+  tokens verified, slowly (a profile is often measured on another machine than the one
+  serving). The first steps
   it times set the profile's unit (how many of this device's seconds its times are), so
   its prior on the shape weighs as meant whatever the profile's units (the built-in prior's
   are relative). It re-solves
