@@ -304,8 +304,8 @@ class AdaptiveController:
     def estimates(self, batch_sizes: list[int]) -> dict:
         """What the controller believes now, for debugging a served engine: the k held, per-position
         acceptance and coverage, the learnt step-time coefficients ([s, c0, c1, d0, e], s the
-        device's slowness against the profile, e a draft token's verification) and, per batch size, the predicted ms per output
-        token of each k from 0 to max_k."""
+        device's slowness against the profile, e a draft token's verification) and, per batch
+        size, the predicted ms per output token of each k from 0 to max_k."""
         return {
             "k_held": self.k,
             "acceptance": [round(a, 4) for a in self.acceptance],
