@@ -14,7 +14,7 @@ Builds and loads of one kernel take turns under a file lock that dies with its h
 process killed mid-build never leaves the next one waiting (torch's builder alone would).
 
 Where the build cannot happen (no compiler, a CPU without AVX2/FMA, a build error),
-:func:`small_gemm`, :func:`widening_gemm`, :func:`lowbit_gemm`, :func:`decode_ops` and
+:func:`small_gemm`, :func:`widening_gemm`, :func:`pair_gemm`, :func:`lowbit_gemm`, :func:`decode_ops` and
 :func:`prefill_attention` return None with a logged reason
 and callers keep torch's own kernels. ``TANDEM_CPU_KERNELS=0`` turns the kernels off (for A/B runs and as an escape
 hatch).
@@ -79,6 +79,13 @@ def widening_gemm() -> ModuleType | None:
     """The compiled many-row GEMM on bfloat16 weights in float32 arithmetic (``widening_gemm.cpp``),
     or None where it cannot run (it needs AVX-512)."""
     module = _load("widening_gemm")
+    return module if module is not None and module.available else None
+
+
+def pair_gemm() -> ModuleType | None:
+    """The compiled many-row GEMM on bfloat16 weights with the CPU's bfloat16 pair product
+    (``pair_gemm.cpp``), or None where it cannot run (it needs AVX-512-BF16)."""
+    module = _load("pair_gemm")
     return module if module is not None and module.available else None
 
 

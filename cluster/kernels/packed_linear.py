@@ -8,7 +8,9 @@ forward pass) took, in ms at 1 / 2 / 4 / 8 / 16 rows:
 float32: small_gemm 14.0 / 12.6 / 14.0 / 20.3 / 29.6, oneDNN-packed 35.3 / 15.6 / 15.4 / 18.1 / 24.5,
 ``F.linear`` 34.4 / 56.6 / 53.1 / 49.2 / 61.2;
 bfloat16: small_gemm 6.9 / 8.5 / 8.4 / 10.0 / 17.7, oneDNN-packed 9.4 / 10.4 / 10.4 / 10.4 / 12.8.
-Above those rows (prefill, large batches) oneDNN's packed weight wins, as below.
+Above those rows (prefill, large batches) oneDNN's packed weight wins, as below, except where
+the CPU's bfloat16 pair product is fast (AVX-512-BF16 without AMX, probed:
+:mod:`cluster.kernels.pair_products`): there ``pair_gemm``'s copy takes oneDNN's place.
 
 ``F.linear`` on the CPU hands oneDNN a plain row-major weight and lets it reorder the
 weight into its blocked layout on every call. Reordering once at load time and calling
@@ -48,8 +50,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from cluster.kernels.build import small_gemm, widening_gemm
+from cluster.kernels.build import pair_gemm, small_gemm, widening_gemm
 from cluster.kernels.float32_gemm import float32_gemm_min_rows
+from cluster.kernels.pair_products import pair_gemm_wins
 from cluster.kernels.small_rows import SMALL_GEMM_MAX_ROWS, small_gemm_max_rows
 
 logger = logging.getLogger(__name__)
@@ -75,10 +78,12 @@ class PackedLinear(nn.Module):
     small_gemm for every row count (ValueError where it cannot take the weight).
     ``float32_from_rows``: a bfloat16 layer computes calls of that many rows or more in
     float32 arithmetic, through ``widening_gemm`` on its own copy of the weight (None: never).
-    ``small_max_rows``: the most rows small_gemm takes (default ``SMALL_GEMM_MAX_ROWS``)."""
+    ``small_max_rows``: the most rows small_gemm takes (default ``SMALL_GEMM_MAX_ROWS``).
+    ``pair_products``: a bfloat16 layer computes the rows small_gemm does not take through
+    ``pair_gemm`` (:mod:`cluster.kernels.pair_products`), packed for it instead of for oneDNN."""
 
     def __init__(self, linear: nn.Linear, batch_invariant: bool = False, float32_from_rows: int | None = None,
-                 small_max_rows: int | None = None) -> None:
+                 small_max_rows: int | None = None, pair_products: bool = False) -> None:
         super().__init__()
         self.in_features = linear.in_features
         self.out_features = linear.out_features
@@ -99,14 +104,21 @@ class PackedLinear(nn.Module):
         # The kernel adds a float32 bias; converted once here, not on every call.
         small_bias = self.bias.float() if small is not None and self.bias is not None else None
         self.register_buffer("small_gemm_bias", small_bias)
+        self._pair = (pair_gemm() if pair_products and not batch_invariant and float32_from_rows is None
+                      and weight.device.type == "cpu" and weight.dtype == torch.bfloat16
+                      and self.in_features % 2 == 0 else None)
+        self.register_buffer("pair_weight", self._pair.pack(weight.contiguous()) if self._pair is not None else None)
+        self.register_buffer("pair_bias", self.bias.float() if self._pair is not None and self.bias is not None
+                             else None)
         onednn = None
-        if can_pack(weight.device, weight.dtype) and not batch_invariant:  # small_gemm takes every row then
+        # batch_invariant: small_gemm takes every row; pair_products: pair_gemm takes the rest
+        if can_pack(weight.device, weight.dtype) and not batch_invariant and self._pair is None:
             onednn = torch.ops.mkldnn._reorder_linear_weight(weight, _PACK_ROWS_HINT)
         self.register_buffer("packed_weight", onednn)
         # oneDNN's float32 path loses at 1 row: keep the plain weight for rows small_gemm does not take.
         self.min_packed_rows = _FLOAT32_MIN_PACKED_ROWS if weight.dtype == torch.float32 else 0
-        needs_plain = not batch_invariant and (self.packed_weight is None
-                                               or self.min_packed_rows > max(self.small_max_rows, 1))
+        needs_plain = not batch_invariant and self._pair is None and (
+            self.packed_weight is None or self.min_packed_rows > max(self.small_max_rows, 1))
         self.plain_weight = weight if needs_plain else None
         self._widening = widening_gemm() if float32_from_rows is not None and weight.dtype == torch.bfloat16 else None
         wide = self._widening is not None and onednn is not None
@@ -120,6 +132,8 @@ class PackedLinear(nn.Module):
             return self._small_gemm(x)
         if self.float32_from_rows is not None and rows >= self.float32_from_rows:
             return self._widening.linear(x, self.widened_weight, self.out_features, self.float32_bias)
+        if self.pair_weight is not None:
+            return self._pair.linear(x, self.pair_weight, self.out_features, self.pair_bias)
         if self.packed_weight is not None and rows >= self.min_packed_rows:
             return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, "none", [], "")
         return F.linear(x, self.plain_weight, self.bias)
@@ -158,6 +172,13 @@ def can_pack(device: torch.device, dtype: torch.dtype) -> bool:
     )
 
 
+def pair_products_here(device: torch.device, dtype: torch.dtype, batch_invariant: bool = False) -> bool:
+    """Whether ``dtype`` layers on ``device`` compute the rows small_gemm leaves on the bfloat16 pair
+    product (:func:`pair_gemm_wins`): bfloat16 CPU layers, not batch-invariant, where the probe chose it."""
+    return (dtype == torch.bfloat16 and not batch_invariant and can_pack(device, dtype)
+            and float32_compute_rows(device, dtype) is None and pair_gemm_wins())
+
+
 def float32_compute_rows(device: torch.device, dtype: torch.dtype, batch_invariant: bool = False) -> int | None:
     """From how many rows ``dtype`` layers on ``device`` compute in float32: bfloat16 layers on
     a CPU where float32 arithmetic on the widened weights beats oneDNN's bfloat16 GEMM
@@ -189,9 +210,10 @@ def pack_linears(model: nn.Module, device: torch.device, dtype: torch.dtype, bat
 
     Call after the weights are loaded. A head tied to the embedding keeps the embedding
     and gets a packed copy. bfloat16 layers compute in float32 arithmetic from the row count where
-    this CPU does that faster (:func:`float32_compute_rows`), if it has one, and up to the rows
-    where small_gemm is no slower than that or oneDNN (:func:`small_gemm_max_rows`) they take
-    small_gemm. Returns the number of layers replaced.
+    this CPU does that faster (:func:`float32_compute_rows`), if it has one, else on the pair
+    product where that is faster than oneDNN (:func:`pair_products_here`), and up to the rows
+    where small_gemm is no slower than the kernel after it (:func:`small_gemm_max_rows`) they
+    take small_gemm. Returns the number of layers replaced.
     """
     if batch_invariant and (device.type != "cpu" or dtype not in SMALL_GEMM_MAX_ROWS or small_gemm() is None):
         raise ValueError(f"model.batch_invariant runs on the CPU in float32 or bfloat16 with the compiled kernels "
@@ -201,13 +223,14 @@ def pack_linears(model: nn.Module, device: torch.device, dtype: torch.dtype, bat
     if not fast_cpu_linear(device, dtype):
         return 0
     float32_from_rows = float32_compute_rows(device, dtype, batch_invariant)
+    pairs = pair_products_here(device, dtype, batch_invariant)
     small_rows = (small_gemm_max_rows(dtype) if dtype in SMALL_GEMM_MAX_ROWS and small_gemm() is not None
                   and can_pack(device, dtype) else None)
     replaced = 0
     for name, module in list(model.named_modules()):
         for child_name, child in list(module.named_children()):
             if type(child) is nn.Linear:
-                setattr(module, child_name, PackedLinear(child, batch_invariant, float32_from_rows, small_rows))
+                setattr(module, child_name, PackedLinear(child, batch_invariant, float32_from_rows, small_rows, pairs))
                 replaced += 1
     logger.info("packed %d linear layers for the CPU", replaced)
     return replaced

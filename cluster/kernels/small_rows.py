@@ -2,7 +2,8 @@
 
 ``small_gemm`` computes each row the same way whatever the row count, so the more rows it takes,
 the longer a batch-1 verification reproduces plain decoding bit for bit; past some row count the
-next kernel (oneDNN's packed bfloat16 GEMM, or ``widening_gemm`` where the float32 probe chose it)
+next kernel (oneDNN's packed bfloat16 GEMM, ``widening_gemm`` where the float32 probe chose it, or
+``pair_gemm`` where the pair-product probe did)
 is faster. Below ``SMALL_GEMM_MAX_ROWS`` small_gemm always keeps its rows (their speed was
 measured when that floor was set); above it, the probe times both kernels at each of
 ``CANDIDATE_ROWS`` on weights that do not fit a core's L2 cache, in turn, and small_gemm keeps
@@ -21,8 +22,9 @@ import os
 
 import torch
 
-from cluster.kernels.build import small_gemm, widening_gemm
+from cluster.kernels.build import pair_gemm, small_gemm, widening_gemm
 from cluster.kernels.float32_gemm import best_pass_seconds, float32_gemm_min_rows
+from cluster.kernels.pair_products import pair_gemm_wins
 
 logger = logging.getLogger(__name__)
 
@@ -67,6 +69,10 @@ def _probe() -> dict[int, tuple[float, float]]:
     if widening_from is not None:
         other = [wide.pack(w) for w in plain]
         run_other = lambda x: [wide.linear(x, w, _PROBE_SHAPE[0], None) for w in other]  # noqa: E731
+    elif pair_gemm_wins():
+        pairs = pair_gemm()
+        other = [pairs.pack(w) for w in plain]
+        run_other = lambda x: [pairs.linear(x, w, _PROBE_SHAPE[0], None) for w in other]  # noqa: E731
     else:
         other = [torch.ops.mkldnn._reorder_linear_weight(w, 32) for w in plain]
         run_other = lambda x: [torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], "")  # noqa: E731

@@ -114,7 +114,8 @@ def _weight_bytes(shape: ModelShape, dtype_bytes: int, quantization: str, tp: in
 def _cpu_packed_bytes(shape: ModelShape, dtype: str, quantization: str, batch_invariant: bool, tp: int) -> int:
     """What the CPU's ``PackedLinear`` layers hold beyond the weights ``_weight_bytes`` counts,
     per rank: full-precision linear layers and the LM head are packed for small_gemm and for
-    oneDNN (the plain weight freed, a tied head's embedding kept), small_gemm's alone when
+    oneDNN or, where the pair product wins, pair_gemm (the plain weight freed, a tied head's
+    embedding kept), small_gemm's alone when
     batch-invariant; a bfloat16 layer also gets widening_gemm's copy where this CPU computes
     GEMMs of several rows faster in float32 (``float32_compute_rows``). A tensor-parallel rank keeps
     its shards' plain weights beside their packs and does not pack the LM head."""
@@ -125,7 +126,7 @@ def _cpu_packed_bytes(shape: ModelShape, dtype: str, quantization: str, batch_in
     if batch_invariant:
         packs = 1  # small_gemm's copy alone
     elif kernels_enabled() and cpu_has_vectors():  # where small_gemm may build (planning never builds it)
-        packs = 2  # small_gemm's copy and oneDNN's
+        packs = 2  # small_gemm's copy and oneDNN's (or pair_gemm's)
     else:
         packs = 2 if dtype == "float32" else 1  # oneDNN's, and a float32 layer's plain weight for 1 row
     if float32_compute_rows(torch.device("cpu"), torch_dtype, batch_invariant) is not None:

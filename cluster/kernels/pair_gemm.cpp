@@ -1,0 +1,162 @@
+// y[M, N] = x[M, K] @ W[N, K]^T (+ bias) on bfloat16 x and W with the CPU's bfloat16 pair product
+// (AVX-512-BF16 `vdpbf16ps`: two products of bfloat16 pairs added into a float32 sum), for the
+// rows small_gemm does not take: big decode batches and prefill chunks, where a step is bound by
+// arithmetic. On a CPU whose pair product issues as often as a float32 FMA (AMD Zen 4), it does
+// twice a float32 FMA's work; oneDNN's bfloat16 GEMM gets there only for hundreds of rows.
+//
+// `pack` lays W out as panels of 32 output rows, [ceil(N / 32), K / 2, 32] pairs: at each pair
+// step k the 32-bit lane j holds (W[n0 + j, 2k], W[n0 + j, 2k + 1]), rows n0..n0+15 in the first
+// 64-byte line and n0+16..n0+31 in the second. `linear` computes a panel for up to 12 rows of x at
+// a time, 24 accumulators, each pair product taking its x pair by a 32-bit broadcast; rows past 12
+// come in blocks of near-equal size that reuse the panel from L1/L2. Panels are split over ATen's
+// intra-op threads.
+// Every output is one float32 sum over k in pair order (the instruction's rounding), plus the
+// bias, rounded to bfloat16 once (nearest even).
+// build.py compiles this for the host CPU; without AVX-512-BF16 the module's `available` is false.
+#include <ATen/Parallel.h>
+#include <immintrin.h>
+#include <torch/extension.h>
+
+#include <algorithm>
+#include <cstring>
+
+namespace {
+
+constexpr int kPanel = 32;     // output rows (of W) per panel
+constexpr int kRowBlock = 12;  // rows of x per pass over a panel
+
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+constexpr bool kAvailable = true;
+
+inline __m512i round_to_bf16_bits(__m512 v) {  // float32 -> bfloat16 bits (nearest even), as c10 rounds
+  const __m512i bits = _mm512_castps_si512(v);
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+  const __m512i bias = _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF));
+  const __m512i rounded = _mm512_srli_epi32(_mm512_add_epi32(bits, bias), 16);
+  const __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+  return _mm512_mask_blend_epi32(nan, rounded, _mm512_set1_epi32(0x7FC0));
+}
+
+inline __mmask16 first_lanes(int n) {  // the first n of 16 lanes (n may be <= 0 or >= 16)
+  return n >= 16 ? static_cast<__mmask16>(0xFFFF) : n <= 0 ? 0 : static_cast<__mmask16>((1u << n) - 1);
+}
+
+// One row of a panel's outputs: rows n0..n0+15 in lo, n0+16..n0+31 in hi, the first `valid` kept.
+inline void store_row(__m512 lo, __m512 hi, const float* bias, int valid, at::BFloat16* y) {
+  if (bias) lo = _mm512_add_ps(lo, _mm512_load_ps(bias)), hi = _mm512_add_ps(hi, _mm512_load_ps(bias + 16));
+  _mm256_mask_storeu_epi16(y, first_lanes(valid), _mm512_cvtepi32_epi16(round_to_bf16_bits(lo)));
+  if (valid > 16)
+    _mm256_mask_storeu_epi16(y + 16, first_lanes(valid - 16), _mm512_cvtepi32_epi16(round_to_bf16_bits(hi)));
+}
+
+// M rows of x (bfloat16 pairs, row stride K2 pairs) against one panel; y rows with stride N.
+template <int M>
+inline void panel_rows(const uint32_t* x, const uint32_t* panel, int64_t K2, const float* bias, int valid,
+                       at::BFloat16* y, int64_t N) {
+  __m512 lo[M], hi[M];
+  for (int m = 0; m < M; ++m) lo[m] = hi[m] = _mm512_setzero_ps();
+  for (int64_t k = 0; k < K2; ++k) {
+    const __m512bh w_lo = (__m512bh)_mm512_loadu_si512(panel + k * kPanel);
+    const __m512bh w_hi = (__m512bh)_mm512_loadu_si512(panel + k * kPanel + 16);
+    for (int m = 0; m < M; ++m) {
+      const __m512bh xv = (__m512bh)_mm512_set1_epi32(static_cast<int>(x[m * K2 + k]));
+      lo[m] = _mm512_dpbf16_ps(lo[m], w_lo, xv);
+      hi[m] = _mm512_dpbf16_ps(hi[m], w_hi, xv);
+    }
+  }
+  for (int m = 0; m < M; ++m) store_row(lo[m], hi[m], bias, valid, y + m * N);
+}
+
+void gemm(int64_t rows, const uint32_t* x, const uint32_t* packed, const float* bias, at::BFloat16* y, int64_t N,
+          int64_t K2) {
+  const int64_t num_panels = (N + kPanel - 1) / kPanel;
+  at::parallel_for(0, num_panels, 1, [&](int64_t begin, int64_t end) {
+    alignas(64) float bias_panel[kPanel];
+    for (int64_t p = begin; p < end; ++p) {
+      const uint32_t* panel = packed + p * K2 * kPanel;
+      const int64_t n0 = p * kPanel;
+      const int valid = static_cast<int>(std::min<int64_t>(kPanel, N - n0));
+      const float* b = nullptr;
+      if (bias) {
+        std::memset(bias_panel, 0, sizeof(bias_panel));
+        std::memcpy(bias_panel, bias + n0, sizeof(float) * valid);
+        b = bias_panel;
+      }
+      // rows in ceil(rows / kRowBlock) blocks of near-equal size (16 rows: 8 + 8, not 12 + 4)
+      const int64_t num_blocks = (rows + kRowBlock - 1) / kRowBlock;
+      for (int64_t i = 0, m0 = 0; i < num_blocks; ++i) {
+        const int64_t block = (rows - m0) / (num_blocks - i);
+        const uint32_t* xb = x + m0 * K2;
+        at::BFloat16* yb = y + m0 * N + n0;
+        m0 += block;
+        switch (block) {
+          case 12: panel_rows<12>(xb, panel, K2, b, valid, yb, N); break;
+          case 11: panel_rows<11>(xb, panel, K2, b, valid, yb, N); break;
+          case 10: panel_rows<10>(xb, panel, K2, b, valid, yb, N); break;
+          case 9: panel_rows<9>(xb, panel, K2, b, valid, yb, N); break;
+          case 8: panel_rows<8>(xb, panel, K2, b, valid, yb, N); break;
+          case 7: panel_rows<7>(xb, panel, K2, b, valid, yb, N); break;
+          case 6: panel_rows<6>(xb, panel, K2, b, valid, yb, N); break;
+          case 5: panel_rows<5>(xb, panel, K2, b, valid, yb, N); break;
+          case 4: panel_rows<4>(xb, panel, K2, b, valid, yb, N); break;
+          case 3: panel_rows<3>(xb, panel, K2, b, valid, yb, N); break;
+          case 2: panel_rows<2>(xb, panel, K2, b, valid, yb, N); break;
+          default: panel_rows<1>(xb, panel, K2, b, valid, yb, N); break;
+        }
+      }
+    }
+  });
+}
+#else
+constexpr bool kAvailable = false;
+#endif
+
+// W [N, K] bfloat16, K even -> [ceil(N / 32), K / 2, 32] pairs: lane j of pair step k is (W[n0 + j, 2k], W[n0 + j, 2k + 1]).
+torch::Tensor pack(torch::Tensor weight) {
+  TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == at::kBFloat16,
+              "pair_gemm.pack: weight must be a bfloat16 [out_features, in_features]");
+  const int64_t N = weight.size(0), K = weight.size(1);
+  TORCH_CHECK(K % 2 == 0, "pair_gemm.pack: in_features must be even (pairs), got ", K);
+  const int64_t num_panels = (N + kPanel - 1) / kPanel;
+  auto padded = torch::zeros({num_panels * kPanel, K}, weight.options().device(at::kCPU));
+  padded.narrow(0, 0, N).copy_(weight);
+  // [P, 32, K/2, 2] -> [P, K/2, 32, 2]
+  return padded.view({num_panels, kPanel, K / 2, 2}).permute({0, 2, 1, 3}).contiguous().view(
+      {num_panels, K / 2, 2 * kPanel});
+}
+
+torch::Tensor linear(torch::Tensor x, torch::Tensor packed, int64_t out_features, std::optional<torch::Tensor> bias) {
+  TORCH_CHECK(kAvailable, "pair_gemm needs AVX-512-BF16; this build has none");
+  TORCH_CHECK(x.device().is_cpu() && packed.device().is_cpu(), "pair_gemm runs on the CPU");
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16, "pair_gemm: x must be bfloat16 [rows, in_features]");
+  TORCH_CHECK(packed.dim() == 3 && packed.size(2) == 2 * kPanel && packed.is_contiguous() &&
+              packed.scalar_type() == at::kBFloat16, "pair_gemm: the weight must come from pair_gemm.pack");
+  const int64_t rows = x.size(0), K = x.size(1), N = out_features;
+  TORCH_CHECK(packed.size(1) * 2 == K, "pair_gemm: x has ", K, " features, the weight ", packed.size(1) * 2);
+  TORCH_CHECK(N > (packed.size(0) - 1) * kPanel && N <= packed.size(0) * kPanel,
+              "pair_gemm: out_features ", N, " does not match the packed weight");
+  auto y = torch::empty({rows, N}, x.options());
+  if (rows == 0) return y;
+  torch::Tensor bias_f32;
+  const float* bias_ptr = nullptr;
+  if (bias.has_value() && bias->defined()) {
+    TORCH_CHECK(bias->numel() == N, "pair_gemm: bias has ", bias->numel(), " values, need ", N);
+    bias_f32 = bias->to(at::kFloat).contiguous();
+    bias_ptr = bias_f32.data_ptr<float>();
+  }
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+  const auto xc = x.contiguous();
+  gemm(rows, reinterpret_cast<const uint32_t*>(xc.data_ptr<at::BFloat16>()),
+       reinterpret_cast<const uint32_t*>(packed.data_ptr<at::BFloat16>()), bias_ptr, y.data_ptr<at::BFloat16>(), N,
+       K / 2);
+#endif
+  return y;
+}
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("pack", &pack, "lay a bfloat16 [out, in] weight out in the kernel's panels of pairs");
+  m.def("linear", &linear, "y = x @ W.T (+ bias) with bfloat16 pair products, W from pack(); y bfloat16");
+  m.attr("available") = kAvailable;
+}
