@@ -43,6 +43,19 @@ inline Vec vsum_lanes(const Vec* v) {
   return _mm512_add_ps(_mm512_shuffle_f32x4(low, high, _MM_SHUFFLE(2, 0, 2, 0)),
                        _mm512_shuffle_f32x4(low, high, _MM_SHUFFLE(3, 1, 3, 1)));
 }
+// float32 -> bfloat16 bits (nearest even, as c10 rounds; NaN stays NaN) in each lane's low half.
+inline __m512i round_to_bf16_bits(__m512 v) {
+  const __m512i bits = _mm512_castps_si512(v);
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+  const __m512i bias = _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF));
+  const __m512i rounded = _mm512_srli_epi32(_mm512_add_epi32(bits, bias), 16);
+  const __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+  return _mm512_mask_blend_epi32(nan, rounded, _mm512_set1_epi32(0x7FC0));
+}
+// The first n of 16 lanes (n may be <= 0 or >= 16).
+inline __mmask16 first_lanes(int n) {
+  return n >= 16 ? static_cast<__mmask16>(0xFFFF) : n <= 0 ? 0 : static_cast<__mmask16>((1u << n) - 1);
+}
 #elif defined(__AVX2__) && defined(__FMA__)
 constexpr int kLanes = 8;
 using Vec = __m256;

@@ -23,6 +23,8 @@
 #include <algorithm>
 #include <cstring>
 
+#include "simd.h"
+
 namespace {
 
 constexpr int kPanel = 32;     // output rows (of W) per panel
@@ -30,19 +32,6 @@ constexpr int kRowBlock = 12;  // rows of x per pass over a panel
 
 #if defined(__AVX512F__)
 constexpr bool kAvailable = true;
-
-inline __m512i round_to_bf16_bits(__m512 v) {  // float32 -> bfloat16 bits (nearest even), as c10 rounds
-  const __m512i bits = _mm512_castps_si512(v);
-  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
-  const __m512i bias = _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF));
-  const __m512i rounded = _mm512_srli_epi32(_mm512_add_epi32(bits, bias), 16);
-  const __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
-  return _mm512_mask_blend_epi32(nan, rounded, _mm512_set1_epi32(0x7FC0));
-}
-
-inline __mmask16 first_lanes(int n) {  // the first n of 16 lanes (n may be <= 0 or >= 16)
-  return n >= 16 ? static_cast<__mmask16>(0xFFFF) : n <= 0 ? 0 : static_cast<__mmask16>((1u << n) - 1);
-}
 
 // One row of a panel's outputs: rows n0..n0+15 in lo, n0+16..n0+31 in hi, the first `valid` kept.
 inline void store_row(__m512 lo, __m512 hi, const float* bias, int valid, float* y) {
