@@ -52,7 +52,7 @@ from torch import nn
 
 from cluster.kernels.build import pair_gemm, small_gemm, widening_gemm
 from cluster.kernels.float32_gemm import float32_gemm_min_rows
-from cluster.kernels.pair_products import pair_gemm_wins
+from cluster.kernels.pair_products import pair_gemm_takes_few_rows, pair_gemm_wins
 from cluster.kernels.small_rows import SMALL_GEMM_MAX_ROWS, small_gemm_max_rows
 
 logger = logging.getLogger(__name__)
@@ -68,7 +68,8 @@ _FLOAT32_MIN_PACKED_ROWS = 2
 # against oneDNN (2-core AVX-512): bfloat16 6.74 / 6.93 ms against 6.54 / 6.85 (+3% / +1%);
 # float32 13.8 / 14.6 against 11.7 / 11.7 (+18% / +24%, so float32 stops at 8 rows). With 8 rows
 # in bfloat16, k = 8 at batch 1 kept plain decoding's greedy text for 2 of 32 requests. bfloat16
-# layers take more where the probe finds small_gemm no slower (small_gemm_max_rows).
+# layers take more where the probe finds small_gemm no slower (small_gemm_max_rows), and none where
+# pair_gemm, which computes rows alike too, is faster at every row (pair_products).
 _ANY_ROWS = 1 << 62  # small_max_rows of a batch-invariant layer
 
 
@@ -79,17 +80,22 @@ class PackedLinear(nn.Module):
     ``float32_from_rows``: a bfloat16 layer computes calls of that many rows or more in
     float32 arithmetic, through ``widening_gemm`` on its own copy of the weight (None: never).
     ``small_max_rows``: the most rows small_gemm takes (default ``SMALL_GEMM_MAX_ROWS``).
-    ``pair_products``: a bfloat16 layer computes the rows small_gemm does not take through
-    ``pair_gemm`` (:mod:`cluster.kernels.pair_products`), packed for it instead of for oneDNN."""
+    ``pair_from_rows``: a bfloat16 layer computes calls of that many rows or more through
+    ``pair_gemm`` (:mod:`cluster.kernels.pair_products`), packed for it instead of for oneDNN; 1:
+    every call, and no small_gemm copy; above 1, small_gemm keeps the rows it takes (None: never)."""
 
     def __init__(self, linear: nn.Linear, batch_invariant: bool = False, float32_from_rows: int | None = None,
-                 small_max_rows: int | None = None, pair_products: bool = False) -> None:
+                 small_max_rows: int | None = None, pair_from_rows: int | None = None) -> None:
         super().__init__()
         self.in_features = linear.in_features
         self.out_features = linear.out_features
         weight = linear.weight.detach()
         self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach(), requires_grad=False)
-        self._kernel = small_gemm_for(weight)
+        self._pair = (pair_gemm() if pair_from_rows is not None and not batch_invariant and float32_from_rows is None
+                      and weight.device.type == "cpu" and weight.dtype == torch.bfloat16
+                      and self.in_features % 2 == 0 else None)
+        pair_takes_all = self._pair is not None and pair_from_rows <= 1
+        self._kernel = None if pair_takes_all else small_gemm_for(weight)
         if batch_invariant and self._kernel is None:
             raise ValueError(f"model.batch_invariant needs the compiled small_gemm kernel for a "
                              f"{weight.dtype} [{self.out_features}, {self.in_features}] weight on "
@@ -104,14 +110,12 @@ class PackedLinear(nn.Module):
         # The kernel adds a float32 bias; converted once here, not on every call.
         small_bias = self.bias.float() if small is not None and self.bias is not None else None
         self.register_buffer("small_gemm_bias", small_bias)
-        self._pair = (pair_gemm() if pair_products and not batch_invariant and float32_from_rows is None
-                      and weight.device.type == "cpu" and weight.dtype == torch.bfloat16
-                      and self.in_features % 2 == 0 else None)
+        self.pair_from_rows = self.small_max_rows + 1 if self._pair is not None else None  # every row small_gemm leaves
         self.register_buffer("pair_weight", self._pair.pack(weight.contiguous()) if self._pair is not None else None)
         self.register_buffer("pair_bias", self.bias.float() if self._pair is not None and self.bias is not None
                              else None)
         onednn = None
-        # batch_invariant: small_gemm takes every row; pair_products: pair_gemm takes the rest
+        # batch_invariant: small_gemm takes every row; pair_from_rows: pair_gemm takes the rest
         if can_pack(weight.device, weight.dtype) and not batch_invariant and self._pair is None:
             onednn = torch.ops.mkldnn._reorder_linear_weight(weight, _PACK_ROWS_HINT)
         self.register_buffer("packed_weight", onednn)
@@ -132,7 +136,7 @@ class PackedLinear(nn.Module):
             return self._small_gemm(x)
         if self.float32_from_rows is not None and rows >= self.float32_from_rows:
             return self._widening.linear(x, self.widened_weight, self.out_features, self.float32_bias)
-        if self.pair_weight is not None:
+        if self.pair_from_rows is not None:
             return self._pair.linear(x, self.pair_weight, self.out_features, self.pair_bias)
         if self.packed_weight is not None and rows >= self.min_packed_rows:
             return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, "none", [], "")
@@ -172,11 +176,15 @@ def can_pack(device: torch.device, dtype: torch.dtype) -> bool:
     )
 
 
-def pair_products_here(device: torch.device, dtype: torch.dtype, batch_invariant: bool = False) -> bool:
-    """Whether ``dtype`` layers on ``device`` compute the rows small_gemm leaves on the bfloat16 pair
-    product (:func:`pair_gemm_wins`): bfloat16 CPU layers, not batch-invariant, where the probe chose it."""
-    return (dtype == torch.bfloat16 and not batch_invariant and can_pack(device, dtype)
-            and float32_compute_rows(device, dtype) is None and pair_gemm_wins())
+def pair_compute_rows(device: torch.device, dtype: torch.dtype, batch_invariant: bool = False) -> int | None:
+    """From how many rows ``dtype`` layers on ``device`` compute on the bfloat16 pair product:
+    bfloat16 CPU layers, not batch-invariant, where the probes chose it (:func:`pair_gemm_wins`), from
+    1 row where it is no slower than small_gemm either (:func:`pair_gemm_takes_few_rows`), else from
+    the rows small_gemm leaves; None everywhere else."""
+    if not (dtype == torch.bfloat16 and not batch_invariant and can_pack(device, dtype)
+            and float32_compute_rows(device, dtype) is None and pair_gemm_wins()):
+        return None
+    return 1 if pair_gemm_takes_few_rows() else SMALL_GEMM_MAX_ROWS[dtype] + 1
 
 
 def float32_compute_rows(device: torch.device, dtype: torch.dtype, batch_invariant: bool = False) -> int | None:
@@ -211,7 +219,8 @@ def pack_linears(model: nn.Module, device: torch.device, dtype: torch.dtype, bat
     Call after the weights are loaded. A head tied to the embedding keeps the embedding
     and gets a packed copy. bfloat16 layers compute in float32 arithmetic from the row count where
     this CPU does that faster (:func:`float32_compute_rows`), if it has one, else on the pair
-    product where that is faster than oneDNN (:func:`pair_products_here`), and up to the rows
+    product where that is faster than oneDNN (:func:`pair_compute_rows`; every row where it beats
+    small_gemm too), and up to the rows
     where small_gemm is no slower than the kernel after it (:func:`small_gemm_max_rows`) they
     take small_gemm. Returns the number of layers replaced.
     """
@@ -223,14 +232,15 @@ def pack_linears(model: nn.Module, device: torch.device, dtype: torch.dtype, bat
     if not fast_cpu_linear(device, dtype):
         return 0
     float32_from_rows = float32_compute_rows(device, dtype, batch_invariant)
-    pairs = pair_products_here(device, dtype, batch_invariant)
+    pair_from_rows = pair_compute_rows(device, dtype, batch_invariant)
     small_rows = (small_gemm_max_rows(dtype) if dtype in SMALL_GEMM_MAX_ROWS and small_gemm() is not None
-                  and can_pack(device, dtype) else None)
+                  and can_pack(device, dtype) and pair_from_rows != 1 else None)
     replaced = 0
     for name, module in list(model.named_modules()):
         for child_name, child in list(module.named_children()):
             if type(child) is nn.Linear:
-                setattr(module, child_name, PackedLinear(child, batch_invariant, float32_from_rows, small_rows, pairs))
+                setattr(module, child_name, PackedLinear(child, batch_invariant, float32_from_rows, small_rows,
+                                                                 pair_from_rows))
                 replaced += 1
     logger.info("packed %d linear layers for the CPU", replaced)
     return replaced

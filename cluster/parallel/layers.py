@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from cluster.kernels.packed_linear import PackedLinear, fast_cpu_linear, float32_compute_rows, pair_products_here
+from cluster.kernels.packed_linear import PackedLinear, fast_cpu_linear, float32_compute_rows, pair_compute_rows
 from cluster.parallel.group import TPGroup
 
 
@@ -129,13 +129,13 @@ def pack_parallel_linears(model: nn.Module, device: torch.device, dtype: torch.d
         return 0
     packed = 0
     float32_from_rows = float32_compute_rows(device, dtype)
-    pairs = pair_products_here(device, dtype)
+    pair_from_rows = pair_compute_rows(device, dtype)
     for module in model.modules():
         if isinstance(module, (ColumnParallelLinear, RowParallelLinear)) and module.packed is None:
             bias = module.bias if isinstance(module, ColumnParallelLinear) else None
             shard = SimpleNamespace(in_features=module.weight.shape[1], out_features=module.weight.shape[0],
                                     weight=module.weight, bias=bias)
-            module.packed = PackedLinear(shard, float32_from_rows=float32_from_rows, pair_products=pairs)
+            module.packed = PackedLinear(shard, float32_from_rows=float32_from_rows, pair_from_rows=pair_from_rows)
             packed += 1
     return packed
 

@@ -29,7 +29,7 @@ import torch
 
 from cluster.config import ConfigError, TandemConfig, group_engine_config
 from cluster.kernels.build import cpu_has_vectors, kernels_enabled
-from cluster.kernels.packed_linear import float32_compute_rows, onednn_packs
+from cluster.kernels.packed_linear import float32_compute_rows, onednn_packs, pair_compute_rows
 from cluster.planning import vllm_memory
 from cluster.planning.device_kinds import device_memory_bytes, known_kinds
 from cluster.planning.lora_memory import lora_bytes
@@ -114,8 +114,8 @@ def _weight_bytes(shape: ModelShape, dtype_bytes: int, quantization: str, tp: in
 def _cpu_packed_bytes(shape: ModelShape, dtype: str, quantization: str, batch_invariant: bool, tp: int) -> int:
     """What the CPU's ``PackedLinear`` layers hold beyond the weights ``_weight_bytes`` counts,
     per rank: full-precision linear layers and the LM head are packed for small_gemm and for
-    oneDNN or, where the pair product wins, pair_gemm (the plain weight freed, a tied head's
-    embedding kept), small_gemm's alone when
+    oneDNN or, where the pair product wins, pair_gemm (pair_gemm's alone where it takes every row;
+    the plain weight freed, a tied head's embedding kept), small_gemm's alone when
     batch-invariant; a bfloat16 layer also gets widening_gemm's copy where this CPU computes
     GEMMs of several rows faster in float32 (``float32_compute_rows``). A tensor-parallel rank keeps
     its shards' plain weights beside their packs and does not pack the LM head."""
@@ -127,6 +127,8 @@ def _cpu_packed_bytes(shape: ModelShape, dtype: str, quantization: str, batch_in
         packs = 1  # small_gemm's copy alone
     elif kernels_enabled() and cpu_has_vectors():  # where small_gemm may build (planning never builds it)
         packs = 2  # small_gemm's copy and oneDNN's (or pair_gemm's)
+        if pair_compute_rows(torch.device("cpu"), torch_dtype, batch_invariant) == 1:
+            packs = 1  # pair_gemm's alone, taking every row
     else:
         packs = 2 if dtype == "float32" else 1  # oneDNN's, and a float32 layer's plain weight for 1 row
     if float32_compute_rows(torch.device("cpu"), torch_dtype, batch_invariant) is not None:

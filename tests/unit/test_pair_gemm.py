@@ -48,6 +48,19 @@ def test_every_row_and_output_matches_the_float64_product(out_features, in_featu
 
 
 @needs_kernel
+def test_a_row_gets_the_same_bits_alone_or_beside_any_other_rows():
+    """What lets the kernel take batch-1 decoding and its verification steps: plain decoding's row
+    and the same row among k drafted ones come out bit for bit alike."""
+    generator = torch.Generator().manual_seed(7)
+    weight = torch.randn(200, 576, generator=generator).to(torch.bfloat16)
+    packed = kernel.pack(weight)
+    x = torch.randn(40, 576, generator=generator).to(torch.bfloat16)
+    alone = torch.cat([kernel.linear(x[i:i + 1], packed, 200, None) for i in range(40)])
+    for rows in (2, 9, 13, 25, 40):
+        assert torch.equal(kernel.linear(x[:rows], packed, 200, None), alone[:rows]), rows
+
+
+@needs_kernel
 def test_rounding_to_bfloat16_is_torchs_nearest_even_and_keeps_inf_and_nan():
     weight = torch.eye(32, dtype=torch.bfloat16)
     x = torch.tensor([1.5, -2.25, 3.3e38, -3.3e38] + [0.0] * 28).to(torch.bfloat16)[None, :]
@@ -92,13 +105,15 @@ def probe_says(monkeypatch):
         monkeypatch.setattr(pair_products, "pair_gemm", lambda: object())  # as if it built here
         monkeypatch.setattr(pair_products, "float32_gemm_min_rows", lambda: None)
         pair_products.pair_gemm_wins.cache_clear()
+        pair_products.pair_gemm_takes_few_rows.cache_clear()
     yield install
     pair_products.pair_gemm_wins.cache_clear()
+    pair_products.pair_gemm_takes_few_rows.cache_clear()
 
 
 @pytest.mark.parametrize("speedups, expected", [
     ((1.24, 1.04), True),  # Zen 4: ahead at 32 rows, level at 256
-    ((1.05, 1.2), False),  # too small a lead where it counts
+    ((1.02, 1.2), False),  # too small a lead where it counts
     ((1.3, 0.8), False),  # behind on many rows: prefill would pay
     ((0.3, 0.2), False),  # AMX: oneDNN far ahead
     (RuntimeError("no bfloat16 path"), False),
@@ -120,18 +135,37 @@ def test_no_pair_kernel_where_float32_won_it_is_missing_or_turned_off(monkeypatc
     assert pair_products.pair_gemm_wins() is False
 
 
+@pytest.mark.parametrize("speedups, expected", [
+    ((1.27, 1.44), True),  # Zen 4: small_gemm reads the weights slower
+    ((0.9, 1.3), False),  # small_gemm ahead at batch 1
+    ((1.2, 0.95), False),
+])
+def test_every_row_goes_to_the_pair_kernel_only_where_it_beats_small_gemm_too(monkeypatch, probe_says, speedups,
+                                                                              expected):
+    probe_says((1.3, 1.0))
+    monkeypatch.setattr(pair_products, "small_gemm", lambda: object())
+    monkeypatch.setattr(pair_products, "_probe_few", lambda: speedups)
+    assert pair_products.pair_gemm_takes_few_rows() is expected
+    probe_says((1.0, 1.0))  # the pair kernel not taken at all: not for few rows either
+    monkeypatch.setattr(pair_products, "_probe_few", lambda: (2.0, 2.0))
+    assert pair_products.pair_gemm_takes_few_rows() is False
+
+
 @needs_both
-def test_the_probe_runs_on_this_cpu_and_gives_speedups():
+def test_the_probes_run_on_this_cpu_and_give_speedups():
     few, many = pair_products._probe()
     assert 0 < few < 100 and 0 < many < 100
+    one, eight = pair_products._probe_few()
+    assert 0 < one < 100 and 0 < eight < 100
 
 
 @needs_both
 def test_rows_past_small_gemm_take_the_pair_copy_and_stay_exact_to_bfloat16():
     torch.manual_seed(0)
     linear = torch.nn.Linear(192, 200).to(torch.bfloat16)
-    layer = PackedLinear(linear, pair_products=True)
+    layer = PackedLinear(linear, pair_from_rows=10)
     assert layer.pair_weight is not None and layer.packed_weight is None and layer.plain_weight is None
+    assert layer.pair_from_rows == layer.small_max_rows + 1
     assert layer.pair_bias.dtype == torch.float32
     for rows in (1, layer.small_max_rows, layer.small_max_rows + 1, 100):
         x = torch.randn(rows, 192).to(torch.bfloat16)
@@ -149,20 +183,35 @@ def test_rows_past_small_gemm_take_the_pair_copy_and_stay_exact_to_bfloat16():
 
 
 @needs_both
+def test_from_one_row_the_pair_kernel_takes_every_call_and_small_gemm_keeps_no_copy():
+    torch.manual_seed(1)
+    linear = torch.nn.Linear(192, 200).to(torch.bfloat16)
+    layer = PackedLinear(linear, pair_from_rows=1)
+    assert layer.pair_from_rows == 1 and layer.small_max_rows == 0 and layer.small_gemm_weight is None
+    assert layer.packed_weight is None and layer.plain_weight is None
+    x = torch.randn(12, 192).to(torch.bfloat16)
+    alone = torch.cat([layer(x[i:i + 1]) for i in range(12)])
+    assert torch.equal(layer(x), alone)  # batch-1 verification reproduces plain decoding
+    expected = x.double() @ linear.weight.double().T + linear.bias.double()
+    assert ((alone.double() - expected).abs() <= _bound(x, linear.weight)).all()
+
+
+@needs_both
 def test_only_bfloat16_layers_of_even_width_that_are_not_batch_invariant_get_the_pair_copy():
-    assert PackedLinear(torch.nn.Linear(192, 64), pair_products=True).pair_weight is None  # float32
-    odd = PackedLinear(torch.nn.Linear(63, 64).to(torch.bfloat16), pair_products=True)
-    assert odd.pair_weight is None and odd.packed_weight is not None
-    invariant = PackedLinear(torch.nn.Linear(192, 64).to(torch.bfloat16), batch_invariant=True, pair_products=True)
-    assert invariant.pair_weight is None
-    widening = PackedLinear(torch.nn.Linear(192, 64).to(torch.bfloat16), float32_from_rows=10, pair_products=True)
+    assert PackedLinear(torch.nn.Linear(192, 64), pair_from_rows=1).pair_weight is None  # float32
+    odd = PackedLinear(torch.nn.Linear(63, 64).to(torch.bfloat16), pair_from_rows=1)
+    assert odd.pair_weight is None and odd.pair_from_rows is None and odd.packed_weight is not None
+    invariant = PackedLinear(torch.nn.Linear(192, 64).to(torch.bfloat16), batch_invariant=True, pair_from_rows=1)
+    assert invariant.pair_weight is None and invariant.small_gemm_weight is not None
+    widening = PackedLinear(torch.nn.Linear(192, 64).to(torch.bfloat16), float32_from_rows=10, pair_from_rows=1)
     assert widening.pair_weight is None
 
 
 @needs_both
-@pytest.mark.parametrize("wins", [True, False])
-def test_pack_linears_follows_the_probe(monkeypatch, wins):
+@pytest.mark.parametrize("wins, few_rows", [(True, True), (True, False), (False, False)])
+def test_pack_linears_follows_the_probes(monkeypatch, wins, few_rows):
     monkeypatch.setattr(packed_linear, "pair_gemm_wins", lambda: wins)
+    monkeypatch.setattr(packed_linear, "pair_gemm_takes_few_rows", lambda: few_rows)
     monkeypatch.setattr(packed_linear, "float32_compute_rows", lambda *args, **kwargs: None)
     model = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.Linear(128, 64)).to(torch.bfloat16)
     x = torch.randn(40, 64).to(torch.bfloat16)
@@ -170,4 +219,6 @@ def test_pack_linears_follows_the_probe(monkeypatch, wins):
     assert pack_linears(model, CPU, torch.bfloat16) == 2
     for layer in model:
         assert (layer.pair_weight is not None) is wins and (layer.packed_weight is None) is wins
+        assert (layer.small_gemm_weight is None) is few_rows and (layer.pair_from_rows == 1) is few_rows
     torch.testing.assert_close(model(x), expected, rtol=3e-2, atol=3e-2)
+    torch.testing.assert_close(model(x[:1]), expected[:1], rtol=3e-2, atol=3e-2)

@@ -7,7 +7,7 @@ import pytest
 import torch
 from torch import nn
 
-from cluster.kernels import small_rows
+from cluster.kernels import packed_linear, small_rows
 from cluster.kernels.build import small_gemm
 from cluster.kernels.packed_linear import PackedLinear, can_pack, pack_linears
 
@@ -47,6 +47,8 @@ def test_the_probe_measures_every_candidate_and_layers_take_its_rows(monkeypatch
     assert sorted(times) == list(small_rows.CANDIDATE_ROWS)
     assert all(s > 0 and o > 0 for s, o in times.values())
     monkeypatch.setattr(small_rows, "_probe", lambda: {10: (1, 2), 12: (1, 2), 16: (3, 2)})
+    # where the pair kernel beats small_gemm at every row (pair_products), small_gemm would keep none
+    monkeypatch.setattr(packed_linear, "pair_gemm_takes_few_rows", lambda: False)
     model = nn.Sequential(nn.Linear(64, 32)).to(torch.bfloat16)
     assert pack_linears(model, torch.device("cpu"), torch.bfloat16) == 1
     layer = model[0]
