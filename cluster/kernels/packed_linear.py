@@ -220,9 +220,8 @@ def pack_linears(model: nn.Module, device: torch.device, dtype: torch.dtype, bat
     and gets a packed copy. bfloat16 layers compute in float32 arithmetic from the row count where
     this CPU does that faster (:func:`float32_compute_rows`), if it has one, else on the pair
     product where that is faster than oneDNN (:func:`pair_compute_rows`; every row where it beats
-    small_gemm too), and up to the rows
-    where small_gemm is no slower than the kernel after it (:func:`small_gemm_max_rows`) they
-    take small_gemm. Returns the number of layers replaced.
+    small_gemm too), and up to the rows where small_gemm is no slower than the kernel after it
+    (:func:`small_gemm_max_rows`) they take small_gemm. Returns the number of layers replaced.
     """
     if batch_invariant and (device.type != "cpu" or dtype not in SMALL_GEMM_MAX_ROWS or small_gemm() is None):
         raise ValueError(f"model.batch_invariant runs on the CPU in float32 or bfloat16 with the compiled kernels "
@@ -239,8 +238,8 @@ def pack_linears(model: nn.Module, device: torch.device, dtype: torch.dtype, bat
     for name, module in list(model.named_modules()):
         for child_name, child in list(module.named_children()):
             if type(child) is nn.Linear:
-                setattr(module, child_name, PackedLinear(child, batch_invariant, float32_from_rows, small_rows,
-                                                                 pair_from_rows))
+                layer = PackedLinear(child, batch_invariant, float32_from_rows, small_rows, pair_from_rows)
+                setattr(module, child_name, layer)
                 replaced += 1
     logger.info("packed %d linear layers for the CPU", replaced)
     return replaced
