@@ -36,10 +36,10 @@ from cluster.kernels.float32_gemm import best_pass_seconds, float32_gemm_min_row
 
 logger = logging.getLogger(__name__)
 
-# The rows probed: where the pair kernel must lead, and where it must not fall behind.
-_FEW_ROWS = 32
+# The rows probed against oneDNN: where the pair kernel must lead, and where it must not fall behind.
+_BATCH_ROWS = 32  # a big decode batch
 _MANY_ROWS = 256
-_MIN_SPEEDUP = 1.05  # at _FEW_ROWS
+_MIN_SPEEDUP = 1.05  # at _BATCH_ROWS
 _MIN_SPEED_MANY = 0.97  # at _MANY_ROWS: no slower, within a probe's noise
 _MIN_SPEED_FEW = 1.0  # against small_gemm at 1 and 8 rows
 # The shape and number of distinct weights a pass reads (14 MB: more than a core's L2 cache).
@@ -69,7 +69,7 @@ def pair_gemm_wins() -> bool:
         logger.info("pair_gemm for bfloat16 weights: not probed (%s)", err)
         return False
     chosen = few >= _MIN_SPEEDUP and many >= _MIN_SPEED_MANY
-    logger.info("pair_gemm at %d / %d rows: %.2fx / %.2fx oneDNN's bfloat16 speed; %s", _FEW_ROWS, _MANY_ROWS, few,
+    logger.info("pair_gemm at %d / %d rows: %.2fx / %.2fx oneDNN's bfloat16 speed; %s", _BATCH_ROWS, _MANY_ROWS, few,
                 many, "bfloat16 layers use it above small_gemm's rows" if chosen else "oneDNN stays")
     return chosen
 
@@ -110,14 +110,14 @@ def _probe_few() -> tuple[float, float]:
 
 
 def _probe() -> tuple[float, float]:
-    """oneDNN time / pair_gemm time of a pass over the probe's weights at ``_FEW_ROWS`` and ``_MANY_ROWS``."""
+    """oneDNN time / pair_gemm time of a pass over the probe's weights at ``_BATCH_ROWS`` and ``_MANY_ROWS``."""
     kernel = pair_gemm()
     generator = torch.Generator().manual_seed(0)
     plain = [torch.randn(_PROBE_SHAPE, generator=generator).to(torch.bfloat16) for _ in range(_PROBE_WEIGHTS)]
     onednn = [torch.ops.mkldnn._reorder_linear_weight(w, 32) for w in plain]
     pairs = [kernel.pack(w) for w in plain]
     ratios = []
-    for rows in (_FEW_ROWS, _MANY_ROWS):
+    for rows in (_BATCH_ROWS, _MANY_ROWS):
         x = torch.randn(rows, _PROBE_SHAPE[1], generator=generator).to(torch.bfloat16)
         onednn_s, pair_s = best_pass_seconds(
             [lambda: [torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], "") for w in onednn],
