@@ -11,46 +11,26 @@
 // the 32-bit lane j holds W[n0 + j, k] in its low half and W[n0 + 16 + j, k] in its high half
 // (one 64-byte line per k). Widening a line is then two instructions: a shift by 16 gives rows
 // n0..n0+15, a mask of the low half gives rows n0+16..n0+31. `linear` computes a panel for up to
-// 12 rows of x at a time, 24 accumulators, each FMA taking its x value by an embedded broadcast;
-// rows past 12 come in blocks of near-equal size that reuse the panel from L1/L2. Panels are split
-// over ATen's intra-op threads.
+// 12 rows of x at a time (panel_gemm.h drives the panels and row blocks), each FMA taking its x
+// value by an embedded broadcast.
 // Every output is one float32 sum over k in order, rounded to bfloat16 once (nearest even).
 // build.py compiles this for the host CPU; without AVX-512 the module's `available` is false.
-#include <ATen/Parallel.h>
 #include <immintrin.h>
 #include <torch/extension.h>
 
-#include <algorithm>
-#include <cstring>
-
-#include "simd.h"
+#include "panel_gemm.h"
 
 namespace {
-
-constexpr int kPanel = 32;     // output rows (of W) per panel
-constexpr int kRowBlock = 12;  // rows of x per pass over a panel
 
 #if defined(__AVX512F__)
 constexpr bool kAvailable = true;
 
-// One row of a panel's outputs: rows n0..n0+15 in lo, n0+16..n0+31 in hi, the first `valid` kept.
-inline void store_row(__m512 lo, __m512 hi, const float* bias, int valid, float* y) {
-  if (bias) lo = _mm512_add_ps(lo, _mm512_load_ps(bias)), hi = _mm512_add_ps(hi, _mm512_load_ps(bias + 16));
-  _mm512_mask_storeu_ps(y, first_lanes(valid), lo);
-  if (valid > 16) _mm512_mask_storeu_ps(y + 16, first_lanes(valid - 16), hi);
-}
-
-inline void store_row(__m512 lo, __m512 hi, const float* bias, int valid, at::BFloat16* y) {
-  if (bias) lo = _mm512_add_ps(lo, _mm512_load_ps(bias)), hi = _mm512_add_ps(hi, _mm512_load_ps(bias + 16));
-  _mm256_mask_storeu_epi16(y, first_lanes(valid), _mm512_cvtepi32_epi16(round_to_bf16_bits(lo)));
-  if (valid > 16)
-    _mm256_mask_storeu_epi16(y + 16, first_lanes(valid - 16), _mm512_cvtepi32_epi16(round_to_bf16_bits(hi)));
-}
-
 // M rows of x (float32, row stride K) against one panel; y rows with stride N.
+// Out of line: each block size its own function, so the 12-row loop keeps its registers (inlined
+// into the panel driver with the others, it ran 3-4% slower at 256 rows).
 template <int M, typename Y>
-inline void panel_rows(const float* x, const uint32_t* panel, int64_t K, const float* bias, int valid, Y* y,
-                       int64_t N) {
+__attribute__((noinline)) void panel_rows(const float* x, const uint32_t* panel, int64_t K, const float* bias,
+                                          int valid, Y* y, int64_t N) {
   __m512 lo[M], hi[M];
   for (int m = 0; m < M; ++m) lo[m] = hi[m] = _mm512_setzero_ps();
   const __m512i high_half = _mm512_set1_epi32(static_cast<int>(0xFFFF0000u));
@@ -67,46 +47,19 @@ inline void panel_rows(const float* x, const uint32_t* panel, int64_t K, const f
   for (int m = 0; m < M; ++m) store_row(lo[m], hi[m], bias, valid, y + m * N);
 }
 
+// The whole of x and y, for gemm_panels.
 template <typename Y>
-void gemm(int64_t rows, const float* x, const uint32_t* packed, const float* bias, Y* y, int64_t N, int64_t K) {
-  const int64_t num_panels = (N + kPanel - 1) / kPanel;
-  at::parallel_for(0, num_panels, 1, [&](int64_t begin, int64_t end) {
-    alignas(64) float bias_panel[kPanel];
-    for (int64_t p = begin; p < end; ++p) {
-      const uint32_t* panel = packed + p * K * 16;
-      const int64_t n0 = p * kPanel;
-      const int valid = static_cast<int>(std::min<int64_t>(kPanel, N - n0));
-      const float* b = nullptr;
-      if (bias) {
-        std::memset(bias_panel, 0, sizeof(bias_panel));
-        std::memcpy(bias_panel, bias + n0, sizeof(float) * valid);
-        b = bias_panel;
-      }
-      // rows in ceil(rows / kRowBlock) blocks of near-equal size (16 rows: 8 + 8, not 12 + 4)
-      const int64_t num_blocks = (rows + kRowBlock - 1) / kRowBlock;
-      for (int64_t i = 0, m0 = 0; i < num_blocks; ++i) {
-        const int64_t block = (rows - m0) / (num_blocks - i);
-        const float* xb = x + m0 * K;
-        Y* yb = y + m0 * N + n0;
-        m0 += block;
-        switch (block) {
-          case 12: panel_rows<12>(xb, panel, K, b, valid, yb, N); break;
-          case 11: panel_rows<11>(xb, panel, K, b, valid, yb, N); break;
-          case 10: panel_rows<10>(xb, panel, K, b, valid, yb, N); break;
-          case 9: panel_rows<9>(xb, panel, K, b, valid, yb, N); break;
-          case 8: panel_rows<8>(xb, panel, K, b, valid, yb, N); break;
-          case 7: panel_rows<7>(xb, panel, K, b, valid, yb, N); break;
-          case 6: panel_rows<6>(xb, panel, K, b, valid, yb, N); break;
-          case 5: panel_rows<5>(xb, panel, K, b, valid, yb, N); break;
-          case 4: panel_rows<4>(xb, panel, K, b, valid, yb, N); break;
-          case 3: panel_rows<3>(xb, panel, K, b, valid, yb, N); break;
-          case 2: panel_rows<2>(xb, panel, K, b, valid, yb, N); break;
-          default: panel_rows<1>(xb, panel, K, b, valid, yb, N); break;
-        }
-      }
-    }
-  });
-}
+struct WideningRows {
+  const float* x;
+  int64_t K;
+  Y* y;
+  int64_t N;
+
+  template <int M>
+  void rows(const uint32_t* panel, int64_t m0, int64_t n0, const float* bias, int valid) const {
+    panel_rows<M>(x + m0 * K, panel, K, bias, valid, y + m0 * N + n0, N);
+  }
+};
 #else
 constexpr bool kAvailable = false;
 #endif
@@ -148,9 +101,10 @@ torch::Tensor linear(torch::Tensor x, torch::Tensor packed, int64_t out_features
   const auto x_f32 = x.to(at::kFloat).contiguous();
   const auto* w = reinterpret_cast<const uint32_t*>(packed.data_ptr<at::BFloat16>());
   if (x.scalar_type() == at::kFloat)
-    gemm<float>(rows, x_f32.data_ptr<float>(), w, bias_ptr, y.data_ptr<float>(), N, K);
+    gemm_panels(rows, w, K * 16, bias_ptr, N, WideningRows<float>{x_f32.data_ptr<float>(), K, y.data_ptr<float>(), N});
   else
-    gemm<at::BFloat16>(rows, x_f32.data_ptr<float>(), w, bias_ptr, y.data_ptr<at::BFloat16>(), N, K);
+    gemm_panels(rows, w, K * 16, bias_ptr, N,
+                WideningRows<at::BFloat16>{x_f32.data_ptr<float>(), K, y.data_ptr<at::BFloat16>(), N});
 #endif
   return y;
 }
