@@ -10,7 +10,9 @@ and agent conversations ``agentic``, :mod:`cluster.bench.workloads`, written as 
 ``custom`` dataset before any server starts) at a request rate (2/s with 64 prompts, and
 saturation, ``inf`` with 100), driven by ``vllm.benchmarks.serve`` from the vLLM tier's
 environment (``vllm_client.py``). Tandem is compared with the better vLLM placement of each
-cell (the one with the higher output throughput). With ``--warm-prompts N`` every server first
+cell (the one with the higher output throughput). With ``--rounds N`` they take turns N times
+(Tandem, vLLM, Tandem, vLLM), each round compared within itself and the median ratio judged, so
+a slow spell of the machine falls on both. With ``--warm-prompts N`` every server first
 answers the set's last N code or agentic prompts (never measured) before each cell, as a replica
 that has served such requests (its suffix trees and prefix cache warm).
 
@@ -44,7 +46,7 @@ from cluster.bench.offline import concrete_dtype
 from cluster.bench.spec_vllm import VLLM_ALL_CORES
 from cluster.bench.proc_cpu import ProcessCpuSampler
 from cluster.bench.served_offline import offline_engine_figures
-from cluster.bench.served_report import FIGURES, print_served_report, speculation_gains
+from cluster.bench.served_report import FIGURES, print_served_report, server_ratios, speculation_gains
 from cluster.bench.workloads.prompt_sets import VLLM_DATASETS, VllmDataset, write_vllm_dataset
 from cluster.config import group_engine_config, load_config
 from cluster.models.loader import load_tokenizer, resolve_model
@@ -153,7 +155,8 @@ def _measure_cells(args, console, name: str, start, work: Path, is_tandem: bool,
 
 
 def measure_served(args: argparse.Namespace, console: Console) -> dict:
-    """Every cell on Tandem, then on each vLLM placement, then offline; returns the JSON result."""
+    """Every cell on Tandem, then on each vLLM placement (``--rounds`` times in turn), then offline;
+    returns the JSON result."""
     args.python_vllm = args.python_vllm or python_with_vllm()
     if args.python_vllm is None:
         raise ValueError("vLLM's client needs an interpreter with vLLM: pass --python-vllm, or build the vLLM "
@@ -169,6 +172,11 @@ def measure_served(args: argparse.Namespace, console: Console) -> dict:
                          f"{', '.join(sorted(set(args.datasets) - set(VLLM_DATASETS)))} from --datasets")
     if args.speculation_alternatives and not args.speculation_ab:
         raise ValueError("--speculation-alternatives are served in the A/B rounds: give --speculation-ab ROUNDS too")
+    if args.rounds < 1:
+        raise ValueError(f"--rounds must be at least 1, got {args.rounds}")
+    if args.rounds > 1 and (args.speculation_ab or args.skip_vllm):
+        raise ValueError("--rounds alternates Tandem with vLLM: it takes neither --speculation-ab (its own rounds) "
+                         "nor --skip-vllm")
     runs = speculation_runs(args)
     alternatives = {name: str(config) for name, config, _ in runs[1:-1]}
     work = Path(tempfile.mkdtemp(prefix="tandem-served-"))
@@ -179,16 +187,18 @@ def measure_served(args: argparse.Namespace, console: Console) -> dict:
             key = name if args.speculation_ab == 1 else f"{name} #{round_ + 1}"
             systems[key] = _measure_system(args, console, key, lambda c=config, s=speculation: start_tandem(
                 key, c, s, sys.executable), work, True)
-    if not args.speculation_ab:
-        systems["tandem"] = _measure_system(args, console, "tandem", lambda: start_tandem(
-            "tandem", args.config, True, sys.executable), work, True)
-    if not args.skip_vllm:
-        vllm_args = ["--dtype", args.vllm_dtype, "--max-num-seqs", str(args.max_num_seqs),
-                     "--max-model-len", str(tandem_max_model_len(args.config))]  # the same prompts fit both
-        speculative = json.loads(args.vllm_speculative_config) if args.vllm_speculative_config else None
-        for name, env in ((name, VLLM_PLACEMENTS[name]) for name in args.vllm_placements):
-            systems[name] = _measure_system(args, console, name, lambda env=env: start_vllm_anchor(
-                name, args.vllm_script, speculative, vllm_args, env), work, False)
+    vllm_args = ["--dtype", args.vllm_dtype, "--max-num-seqs", str(args.max_num_seqs),
+                 "--max-model-len", str(tandem_max_model_len(args.config))]  # the same prompts fit both
+    speculative = json.loads(args.vllm_speculative_config) if args.vllm_speculative_config else None
+    for round_ in range(args.rounds):  # T V T V: Tandem, then each vLLM placement, in every round
+        suffix = "" if args.rounds == 1 else f" #{round_ + 1}"
+        if not args.speculation_ab:
+            systems["tandem" + suffix] = _measure_system(args, console, "tandem" + suffix, lambda: start_tandem(
+                "tandem", args.config, True, sys.executable), work, True)
+        if not args.skip_vllm:
+            for name, env in ((name, VLLM_PLACEMENTS[name]) for name in args.vllm_placements):
+                systems[name + suffix] = _measure_system(args, console, name + suffix, lambda n=name, e=env: (
+                    start_vllm_anchor(n, args.vllm_script, speculative, vllm_args, e)), work, False)
     offline = {}
     for cell in cells(args):
         if cell["rate"] == "inf" and not args.skip_offline:
@@ -200,12 +210,14 @@ def measure_served(args: argparse.Namespace, console: Console) -> dict:
     return {"config": str(args.config), "machine_cores": _cores(), "systems": systems, "offline": offline,
             "speculation_gain": speculation_gains(systems),
             "speculation_gain_alternatives": {name: speculation_gains(systems, name) for name in alternatives},
+            "vllm_ratios": server_ratios(systems),
               "settings": {"client": "vllm.benchmarks.serve (backend vllm, streamed completions, "
                                      + ("EOS honoured, " if args.honor_eos else "ignore_eos, ")
                                      + ("no sampling settings sent: temperature 1)" if args.temperature is None
                                         else f"temperature {args.temperature})"),
                            "max_concurrency": args.max_concurrency, "fresh_server_per_cell": args.fresh_server_per_cell,
-                           "speculation_ab_rounds": args.speculation_ab, "warm_prompts": args.warm_prompts,
+                           "speculation_ab_rounds": args.speculation_ab, "rounds": args.rounds,
+                           "warm_prompts": args.warm_prompts,
                            "speculation_alternatives": alternatives,
                            "vllm_speculative_config": args.vllm_speculative_config,
                            "input_len": args.input_len, "output_len": args.output_len, "seed": args.seed,
@@ -277,6 +289,9 @@ def add_served_args(parser: argparse.ArgumentParser) -> None:
     add("--speculation-alternatives", nargs="*", default=[], metavar="CONFIG",
         help="with --speculation-ab: more Tandem configs (another speculative method, k, controller) served in "
              "each round beside CONFIG and none, each one's gain over none reported")
+    add("--rounds", type=int, default=1,
+        help="Tandem and each vLLM placement served in turn, ROUNDS times (T V T V), so the machine's drift "
+             "falls on both; each round's ratios and their median are reported")
     add("--fresh-server-per-cell", action="store_true",
         help="a server of its own for every cell (no cell finds another's prompts in the caches or suffix trees)")
     add("--vllm-speculative-config", default=None, help="vLLM's --speculative-config (JSON), e.g. "

@@ -1,7 +1,10 @@
 """The tables of ``tandem bench served``: per cell, Tandem beside both vLLM placements and the
-better of them, the served / offline ratio, and where Tandem's CPU time went."""
+better of them (in each round, with ``--rounds``, and the median of the rounds' ratios), the
+served / offline ratio, and where Tandem's CPU time went."""
 
 from __future__ import annotations
+
+import statistics
 
 from rich import box
 from rich.table import Table
@@ -20,11 +23,40 @@ FIGURES = {
 GOAL_FIGURES = ("output_throughput", "mean_ttft_ms", "p99_ttft_ms", "median_tpot_ms", "p99_tpot_ms")
 
 
-def best_vllm(systems: dict, cell: str) -> str | None:
-    """The vLLM placement with the higher output throughput in ``cell``."""
-    candidates = [(s[cell]["output_throughput"], name) for name, s in systems.items()
-                  if name.startswith("vllm") and isinstance(s.get(cell), dict) and s[cell].get("output_throughput")]
+def best_vllm(systems: dict, cell: str, names: list[str] | None = None) -> str | None:
+    """The vLLM run (of ``names``, default every one) with the higher output throughput in ``cell``."""
+    candidates = [(systems[name][cell]["output_throughput"], name) for name in (names or systems)
+                  if name.startswith("vllm") and isinstance(systems[name].get(cell), dict)
+                  and systems[name][cell].get("output_throughput")]
     return max(candidates)[1] if candidates else None
+
+
+def server_rounds(systems: dict) -> list[tuple[str, list[str]]]:
+    """Each round's Tandem run and the vLLM runs beside it: ``tandem`` with every ``vllm-*`` (one
+    round), or ``tandem #r`` with ``vllm-* #r`` (``--rounds``)."""
+    if "tandem" in systems:
+        return [("tandem", [n for n in systems if n.startswith("vllm") and "#" not in n])]
+    rounds = sorted(int(n.split("#")[1]) for n in systems if n.startswith("tandem #"))
+    paired = [(f"tandem #{r}", [n for n in systems if n.startswith("vllm") and n.endswith(f" #{r}")]) for r in rounds]
+    return [pair for pair in paired if pair[1]]  # a speculation A/B's rounds have no vLLM beside them
+
+
+def server_ratios(systems: dict) -> dict[str, dict[str, dict]]:
+    """Per cell and goal figure: Tandem / the round's better vLLM placement in each round, their
+    median, and whether Tandem is ahead by that median."""
+    out: dict[str, dict[str, dict]] = {}
+    for index, (tandem, vllm_names) in enumerate(server_rounds(systems)):
+        for cell, figures in systems[tandem].items():
+            best = best_vllm(systems, cell, vllm_names) if isinstance(figures, dict) else None
+            for key, judged in (verdicts(figures, systems[best][cell]) if best else {}).items():
+                entry = out.setdefault(cell, {}).setdefault(key, {"rounds": []})
+                entry["rounds"] += [None] * (index - len(entry["rounds"])) + [judged["ratio"]]
+    for cell in out.values():
+        for key, entry in cell.items():
+            taken = [r for r in entry["rounds"] if r is not None]
+            entry["median"] = statistics.median(taken)
+            entry["ahead"] = entry["median"] > 1 if FIGURES[key][1] else entry["median"] < 1
+    return out
 
 
 def verdicts(tandem: dict, vllm: dict) -> dict[str, dict]:
@@ -84,38 +116,54 @@ def print_served_report(console, report: dict) -> None:
     systems = report["systems"]
     if any(name.startswith("tandem-no-spec") for name in systems):
         print_speculation_ab(console, report)
-    tandem = systems.get("tandem", {})
+    rounds = server_rounds(systems)
+    if not rounds:
+        return
     settings = report.get("settings", {})
     if "vllm" in settings:
         console.print(f"what each got: tandem: {settings['tandem']}; vLLM: dtype {settings['vllm']['dtype']}, "
                       f"--max-num-seqs {settings['vllm']['max_num_seqs']}, placements "
                       f"{', '.join(settings['vllm']['placements'])}; client: {settings['client']}")
-    for cell, figures in tandem.items():
-        if not isinstance(figures, dict) or "error" in figures:
-            console.print(f"[red]tandem {cell}:[/] {figures.get('error') if isinstance(figures, dict) else figures}")
+    ratios = server_ratios(systems)
+    several = len(rounds) > 1
+    for cell in systems[rounds[0][0]]:
+        failed = [(t, systems[t][cell]) for t, _ in rounds
+                  if not isinstance(systems[t].get(cell), dict) or "error" in systems[t][cell]]
+        for tandem, figures in failed:
+            console.print(f"[red]{tandem} {cell}:[/] {figures.get('error') if isinstance(figures, dict) else figures}")
+        if len(failed) == len(rounds):
             continue
-        best = best_vllm(systems, cell)
-        table = Table(title=f"{cell} (vLLM's client)", box=box.SIMPLE_HEAD, show_edge=False,
-                      caption=f"better vLLM placement here: {best}; ratio = tandem / that one")
+        bests = [best_vllm(systems, cell, names) for _, names in rounds]
+        caption = ("better vLLM placement per round: " + ", ".join(str(b) for b in bests)
+                   + "; ratio = tandem / that one" + ("; judged by the median ratio over rounds" if several else ""))
+        table = Table(title=f"{cell} (vLLM's client)", box=box.SIMPLE_HEAD, show_edge=False, caption=caption)
         table.add_column("figure")
-        names = ["tandem"] + [n for n in systems if n.startswith("vllm")]
+        names = [name for tandem, vllm_names in rounds for name in (tandem, *vllm_names)]
         for name in names:
             table.add_column(name, justify="right")
-        table.add_column("ratio", justify="right")
+        ratio_names = [f"ratio #{i + 1}" for i in range(len(rounds))] if several else ["ratio"]
+        for label in ratio_names + (["median"] if several else []):
+            table.add_column(label, justify="right")
         table.add_column("tandem", justify="left")
-        judged = verdicts(figures, systems[best][cell]) if best else {}
         for key, (label, _) in FIGURES.items():
             row = [label] + [_fmt(systems.get(n, {}).get(cell, {}).get(key)) for n in names]
-            ratio = figures.get(key) / systems[best][cell][key] if best and systems[best][cell].get(key) else None
-            verdict = judged.get(key)
-            row += [_fmt(ratio), "" if verdict is None else ("ahead" if verdict["ahead"] else "behind")]
+            for (tandem, _), best in zip(rounds, bests):
+                a, b = systems[tandem].get(cell, {}).get(key), best and systems[best][cell].get(key)
+                row.append(_fmt(a / b if a is not None and b else None, 2))
+            judged = ratios.get(cell, {}).get(key)
+            if several:
+                row.append(_fmt(judged["median"] if judged else None, 2))
+            row.append("" if judged is None else ("ahead" if judged["ahead"] else "behind"))
             table.add_row(*row)
         offline = report.get("offline", {}).get(cell)
         for key, label, unit in (("output_throughput", "served / offline engine", "tok/s"),
                                  ("mean_ttft_ms", "TTFT served / offline", "ms"),
                                  ("median_tpot_ms", "TPOT served / offline", "ms")):
-            if offline and offline.get(key) and figures.get(key):
-                table.add_row(label, f"{figures[key] / offline[key]:.2f}", *[""] * (len(names) - 1), "",
+            served = [systems[t][cell][key] for t, _ in rounds
+                      if isinstance(systems[t].get(cell), dict) and systems[t][cell].get(key)]
+            if offline and offline.get(key) and served:
+                table.add_row(label, f"{statistics.median(served) / offline[key]:.2f}",
+                              *[""] * (len(names) - 1 + len(ratio_names) + several),
                               f"offline {offline[key]:.1f} {unit}")
         console.print(table)
         for name in names:
@@ -145,5 +193,5 @@ def _print_cpu(console, name: str, figures: dict) -> None:
                           f"{100 * timeline['drafting_step_fraction']:.0f}% of steps verified drafts")
 
 
-def _fmt(value) -> str:
-    return "-" if value is None else f"{value:.1f}"
+def _fmt(value, digits: int = 1) -> str:
+    return "-" if value is None else f"{value:.{digits}f}"

@@ -102,3 +102,79 @@ def test_the_client_ignores_eos_unless_the_bench_honours_it():
     options.honor_eos = True
     assert "--ignore-eos" not in client_args(options)
     assert _args("--honor-eos").honor_eos and not _args().honor_eos
+
+
+def _round(tandem_tps: float, tandem_ttft: float, vllm_tps: float, vllm_ttft: float) -> tuple[dict, dict]:
+    cell = "random @ 2/s"
+    return ({cell: {"output_throughput": tandem_tps, "mean_ttft_ms": tandem_ttft}},
+            {cell: {"output_throughput": vllm_tps, "mean_ttft_ms": vllm_ttft}})
+
+
+def test_rounds_are_compared_within_themselves_and_judged_by_the_median():
+    from cluster.bench.served_report import server_ratios, server_rounds
+
+    systems = {}
+    # Round 2 fell on a slow spell for Tandem, round 3 for vLLM: each round's ratio is its own.
+    for r, figures in enumerate([(110.0, 100.0, 100.0, 120.0), (80.0, 150.0, 100.0, 120.0),
+                                 (100.0, 100.0, 80.0, 150.0)], start=1):
+        t, v = _round(*figures)
+        systems[f"tandem #{r}"], systems[f"vllm-all-cores #{r}"] = t, v
+        systems[f"vllm-default #{r}"] = {"random @ 2/s": {"output_throughput": 10.0, "mean_ttft_ms": 1.0}}
+    assert server_rounds(systems)[1] == ("tandem #2", ["vllm-all-cores #2", "vllm-default #2"])
+    ratios = server_ratios(systems)["random @ 2/s"]
+    # Each round against its better placement (by throughput: all-cores), never the other round's.
+    assert ratios["output_throughput"]["rounds"] == [1.1, 0.8, 1.25]
+    assert ratios["output_throughput"]["median"] == 1.1 and ratios["output_throughput"]["ahead"]
+    assert ratios["mean_ttft_ms"]["rounds"] == [100 / 120, 150 / 120, 100 / 150]
+    assert ratios["mean_ttft_ms"]["median"] == 100 / 120 and ratios["mean_ttft_ms"]["ahead"]  # lower is better
+
+
+def test_one_round_keeps_its_names_and_a_speculation_ab_has_no_server_rounds():
+    from cluster.bench.served_report import server_ratios, server_rounds
+
+    t, v = _round(90.0, 130.0, 100.0, 120.0)
+    one = {"tandem": t, "vllm-default": v}
+    assert server_rounds(one) == [("tandem", ["vllm-default"])]
+    assert server_ratios(one)["random @ 2/s"]["output_throughput"] == {"rounds": [0.9], "median": 0.9,
+                                                                       "ahead": False}
+    assert server_rounds({"tandem #1": t, "tandem-no-spec #1": t}) == []
+
+
+def test_the_report_prints_each_rounds_ratio_and_the_median():
+    import io
+
+    from rich.console import Console
+
+    from cluster.bench.served_report import print_served_report
+
+    systems = {}
+    for r, figures in enumerate([(120.0, 100.0, 100.0, 100.0), (90.0, 100.0, 100.0, 100.0)], start=1):
+        systems[f"tandem #{r}"], systems[f"vllm-all-cores #{r}"] = _round(*figures)
+    out = io.StringIO()
+    print_served_report(Console(file=out, width=250), {"systems": systems, "offline": {
+        "random @ 2/s": {"output_throughput": 210.0}}})
+    text = out.getvalue()
+    assert "ratio #1" in text and "ratio #2" in text and "median" in text
+    throughput_row = next(line for line in text.splitlines() if line.strip().startswith("output tok/s"))
+    assert "1.20" in throughput_row and "0.90" in throughput_row and "1.05" in throughput_row  # median of two
+    assert "ahead" in throughput_row
+    assert "0.50" in text  # served / offline: the rounds' median 105 against 210
+
+
+def test_rounds_need_vllm_and_no_speculation_ab(tmp_path):
+    from rich.console import Console
+
+    from cluster.bench.served import measure_served
+
+    script = tmp_path / "vllm_cpu.sh"
+    script.write_text("#!/bin/sh\necho model-folder\n")
+    script.chmod(0o755)
+    for argv, wanted in ((["--rounds", "0"], "at least 1"), (["--rounds", "2", "--skip-vllm"], "--skip-vllm"),
+                         (["--rounds", "2", "--speculation-ab", "1"], "--speculation-ab")):
+        args = _args("--vllm-script", str(script), "--python-vllm", "/bin/true", "--vllm-dtype", "bfloat16", *argv)
+        try:
+            measure_served(args, Console(file=None))
+        except ValueError as err:
+            assert wanted in str(err)
+        else:
+            raise AssertionError(f"{argv} was taken")
