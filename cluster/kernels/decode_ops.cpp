@@ -3,6 +3,7 @@
 // * rms_norm: y = (x * rsqrt(mean(x^2) + eps)).to(dtype) * weight, float32 inside (the
 //   rounding order of Hugging Face's LlamaRMSNorm); add_rms_norm adds the residual first.
 // * silu_and_mul: the gated MLP's silu(gate) * up on the fused gate|up projection's output.
+// * rotary: rotary embeddings on Q and K of a longer query (a prompt's chunk), in torch's rounding.
 // * paged_decode_attention: writes each query row's new K/V at its slot, then attends the row's
 //   query heads to its context straight through the slot table: no gather of the context,
 //   scores and softmax in float32, GQA without repeating K/V. A row is a decoding sequence, or
@@ -152,6 +153,71 @@ torch::Tensor silu_and_mul(torch::Tensor gate_up) {
   for_dtype(gate_up, [&](auto* tag) {
     using T = std::remove_pointer_t<decltype(tag)>;
     silu_and_mul_rows<T>(gate_up.data_ptr<T>(), out.data_ptr<T>(), rows, n);
+  });
+  return out;
+}
+
+// Rotary embeddings on [rows, heads, head_dim] (heads contiguous in a row, rows `row_stride` apart):
+// x * cos + roll(x, head_dim / 2) * sin_signed, each product and the sum rounded to T as torch's
+// three ops round them (apply_rotary in cluster/models/layers/rotary.py), into a contiguous out. No
+// contraction of a product and the sum into one FMA: float32 too keeps torch's two roundings.
+#pragma GCC push_options
+#pragma GCC optimize("fp-contract=off")
+template <typename T>
+void rotary_rows(const T* x, int64_t row_stride, const T* cos, const T* sin_signed, T* out, int64_t rows,
+                 int64_t heads, int64_t head_dim) {
+  const T* tag = nullptr;
+  const int64_t half = head_dim / 2;
+  at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const T* c = cos + r * head_dim;
+      const T* s = sin_signed + r * head_dim;
+      for (int64_t h = 0; h < heads; ++h) {
+        const T* xh = x + r * row_stride + h * head_dim;
+        T* oh = out + (r * heads + h) * head_dim;
+        int64_t d = 0;
+        for (; d + kLanes <= half; d += kLanes) {
+          const Vec lo = vload(xh + d), hi = vload(xh + half + d);
+          const Vec lo_c = vround_to(vmul(lo, vload(c + d)), tag), hi_s = vround_to(vmul(hi, vload(s + d)), tag);
+          vstore_as(oh + d, vround_to(vadd(lo_c, hi_s), tag));
+          const Vec hi_c = vround_to(vmul(hi, vload(c + half + d)), tag);
+          const Vec lo_s = vround_to(vmul(lo, vload(s + half + d)), tag);
+          vstore_as(oh + half + d, vround_to(vadd(hi_c, lo_s), tag));
+        }
+        for (; d < half; ++d) {
+          for (const int64_t i : {d, d + half}) {
+            const int64_t partner = i < half ? i + half : i - half;
+            const float a = to_float(static_cast<T>(to_float(xh[i]) * to_float(c[i])));
+            const float b = to_float(static_cast<T>(to_float(xh[partner]) * to_float(s[i])));
+            oh[i] = static_cast<T>(a + b);
+          }
+        }
+      }
+    }
+  });
+}
+#pragma GCC pop_options
+
+torch::Tensor rotary(torch::Tensor x, torch::Tensor cos, torch::Tensor sin_signed) {
+  // x: [rows, heads, head_dim] with contiguous heads (a column range of the fused QKV output);
+  // cos, sin_signed: [rows, 1, head_dim] (see cluster/models/layers/rotary.py).
+  TORCH_CHECK(x.device().is_cpu() && x.dim() == 3, "rotary: x must be a CPU [rows, heads, head_dim] tensor");
+  TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16,
+              "rotary: float32 or bfloat16, got ", x.scalar_type());
+  const int64_t rows = x.size(0), heads = x.size(1), head_dim = x.size(2);
+  TORCH_CHECK(head_dim % 2 == 0, "rotary: head_dim must be even, got ", head_dim);
+  TORCH_CHECK(rows <= 1 || x.stride(0) >= heads * head_dim, "rotary: rows of x overlap");
+  TORCH_CHECK(x.stride(2) == 1 && (heads <= 1 || x.stride(1) == head_dim),
+              "rotary: each row's heads must be contiguous");
+  for (const auto& t : {cos, sin_signed})
+    TORCH_CHECK(t.scalar_type() == x.scalar_type() && t.is_contiguous() && t.numel() == rows * head_dim,
+                "rotary: cos and sin must be contiguous [rows, 1, head_dim] of x's dtype");
+  auto out = torch::empty({rows, heads, head_dim}, x.options());
+  if (rows == 0 || heads == 0) return out;
+  for_dtype(x, [&](auto* tag) {
+    using T = std::remove_pointer_t<decltype(tag)>;
+    rotary_rows<T>(x.data_ptr<T>(), x.stride(0), cos.data_ptr<T>(), sin_signed.data_ptr<T>(), out.data_ptr<T>(),
+                   rows, heads, head_dim);
   });
   return out;
 }
@@ -506,6 +572,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rms_norm", &rms_norm, "Llama RMSNorm over the last dimension, float32 inside");
   m.def("add_rms_norm", &add_rms_norm, "(x + residual, rms_norm(x + residual)): the residual add and the next norm");
   m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up for a [..., 2 * n] gate|up tensor");
+  m.def("rotary", &rotary, "x * cos + rotate_half(x) * sin for [rows, heads, head_dim], in torch's rounding");
   m.attr("head_dim_multiple") = kLanes;
   m.def("paged_decode_attention", &paged_decode_attention,
         "write each query row's K/V and attend it to its paged context");

@@ -92,7 +92,8 @@ class LlamaDecoderLayer(nn.Module):
         else:
             num_tokens = hidden.shape[0]
             # Rotate Q and K heads together: [num_tokens, num_heads + num_kv_heads, head_dim]
-            qk = apply_rotary(qkv[:, : self.q_size + self.kv_size].view(num_tokens, -1, self.head_dim), *rope)
+            qk = apply_rotary(qkv[:, : self.q_size + self.kv_size].view(num_tokens, -1, self.head_dim), *rope,
+                              cpu_ops=self.attn.cpu_ops)
             q = qk[:, : self.num_heads].reshape(num_tokens, self.q_size)
             k = qk[:, self.num_heads :].reshape(num_tokens, self.kv_size)
             v = qkv[:, self.q_size + self.kv_size :]

@@ -264,3 +264,72 @@ def test_speculation_at_batch_1_keeps_greedy_output_bit_for_bit(ops, tiny_llama_
     drafted = llm.engine.stats().spec
     assert drafted.num_draft_tokens > 0  # verification steps did happen
     assert outputs[4] == outputs[0]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("head_dim", [64, 32, 40])  # 40: half a head is a vector and a scalar tail
+def test_rotary_gives_torchs_values_bit_for_bit(ops, dtype, head_dim):
+    gen = torch.Generator().manual_seed(11)
+    rows, heads, kv_heads = 37, 9, 3
+    qkv = (torch.randn(rows, (heads + 2 * kv_heads) * head_dim, generator=gen) * 4).to(dtype)
+    x = qkv[:, : (heads + kv_heads) * head_dim].view(rows, -1, head_dim)  # Q and K heads, rows qkv's stride apart
+    angles = torch.rand(rows, 1, head_dim // 2, generator=gen) * 50
+    cos = torch.cat([angles.cos(), angles.cos()], -1).to(dtype)
+    sin_signed = torch.cat([-angles.sin(), angles.sin()], -1).to(dtype)
+    out = ops.rotary(x, cos, sin_signed)
+    assert out.shape == x.shape and out.is_contiguous()
+    assert torch.equal(out, apply_rotary(x, cos, sin_signed))  # torch's three ops, each rounded to dtype
+    assert torch.equal(apply_rotary(x, cos, sin_signed, cpu_ops=ops), out)
+    assert ops.rotary(x[:0], cos[:0], sin_signed[:0]).shape == (0, heads + kv_heads, head_dim)
+
+
+def test_rotary_refuses_what_it_cannot_read(ops):
+    x = torch.randn(4, 3, 32).bfloat16()
+    cos = sin = torch.randn(4, 1, 32).bfloat16()
+    with pytest.raises(RuntimeError, match="cos and sin must be"):
+        ops.rotary(x, cos.float(), sin)
+    with pytest.raises(RuntimeError, match="cos and sin must be"):
+        ops.rotary(x, cos[:2], sin)
+    with pytest.raises(RuntimeError, match="rows of x overlap"):
+        ops.rotary(x.transpose(0, 1), cos[:3], sin[:3])
+    with pytest.raises(RuntimeError, match="heads must be contiguous"):
+        ops.rotary(x[..., ::2], cos[..., :16].contiguous(), sin[..., :16].contiguous())
+    with pytest.raises(RuntimeError, match="float32 or bfloat16"):
+        ops.rotary(x.double(), cos.double(), sin.double())
+
+
+def test_prompt_steps_rotate_in_the_compiled_op_and_keep_transformers_outputs(ops, tiny_llama_dir):
+    """A prompt longer than a short query rotates Q and K in one compiled call per layer, and greedy
+    output still equals transformers' greedy generation token for token."""
+    from transformers import AutoModelForCausalLM
+
+    from cluster.engine.llm import LLM
+    from cluster.shared.sampling_params import SamplingParams
+
+    prompt = torch.randint(3, 256, (40,), generator=torch.Generator().manual_seed(5)).tolist()
+    hf = AutoModelForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.float32).eval()
+    hf.generation_config.eos_token_id = None
+    ids = torch.tensor([prompt])
+    expected = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=8, do_sample=False,
+                           pad_token_id=0)[0, len(prompt):].tolist()
+    llm = LLM(str(tiny_llama_dir), device="cpu", dtype="float32", num_blocks=64)
+    model = llm.engine.worker.runner.model
+    calls = []
+
+    class Counting:
+        def __init__(self, inner):
+            self.inner = inner
+
+        def __getattr__(self, name):
+            return getattr(self.inner, name)
+
+        def rotary(self, *args):
+            calls.append(args[0].shape[0])
+            return self.inner.rotary(*args)
+
+    for module in model.modules():
+        if getattr(module, "cpu_ops", None) is not None:
+            module.cpu_ops = Counting(module.cpu_ops)
+    out = llm.generate([prompt], SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))
+    assert out[0].outputs[0].token_ids == expected
+    assert calls == [40] * model.num_layers  # the prompt's step only: decode steps rotate inside the attention

@@ -54,6 +54,11 @@ def apply_rotary(
     x: torch.Tensor,  # [num_tokens, num_heads, head_dim]
     cos: torch.Tensor,  # [num_tokens, 1, head_dim]
     sin_signed: torch.Tensor,  # [num_tokens, 1, head_dim]
+    cpu_ops=None,  # the compiled CPU ops (cluster/kernels/decode_ops.cpp), where the caller has them
 ) -> torch.Tensor:
-    """x * cos + rotate_half(x) * sin, with rotate_half done as one roll (sin carries the sign)."""
+    """x * cos + rotate_half(x) * sin, with rotate_half done as one roll (sin carries the sign).
+    With ``cpu_ops``, on the CPU, one compiled call gives the same values (torch's roundings)
+    without the three ops' intermediate tensors."""
+    if cpu_ops is not None and x.device.type == "cpu" and x.dtype == cos.dtype:
+        return cpu_ops.rotary(x, cos, sin_signed)
     return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * sin_signed
