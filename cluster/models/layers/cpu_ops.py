@@ -9,7 +9,7 @@ silu(gate) * up instead of a chunk and two ops, and one call per layer for the
 attention of short-query steps (decode, draft verification, chunks of up to
 ``SHORT_QUERY_MAX`` tokens per sequence: rotary, the K/V write, attention through the slot
 table, one query row at a time) instead of gathering the context and running batched
-matmuls. In bfloat16, attention also gets the compiled prefill attention for longer queries
+matmuls; longer queries get their rotary in one call (``apply_rotary``). In bfloat16, attention also gets the compiled prefill attention for longer queries
 where it measured faster than SDPA (:func:`~cluster.kernels.prefill_choice.prefill_kernel_for`).
 Modules keep their torch code for every other case (CUDA, other dtypes, the int8 KV cache), so
 the model code is the same everywhere.
