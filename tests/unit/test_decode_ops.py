@@ -169,21 +169,26 @@ def test_bad_indices_are_refused_before_anything_is_written(ops):
     assert torch.equal(cache, before)
 
 
+def _transformers_greedy(model_dir, prompt_len: int, seed: int, new_tokens: int) -> tuple[list[int], list[int]]:
+    """A random prompt of the tiny Llama's vocabulary and transformers' greedy continuation of it."""
+    from transformers import AutoModelForCausalLM
+
+    prompt = torch.randint(3, 256, (prompt_len,), generator=torch.Generator().manual_seed(seed)).tolist()
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    hf.generation_config.eos_token_id = None
+    ids = torch.tensor([prompt])
+    out = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens, do_sample=False,
+                      pad_token_id=0)
+    return prompt, out[0, prompt_len:].tolist()
+
+
 def test_the_engine_decodes_in_the_kernels_and_keeps_transformers_outputs(ops, tiny_llama_dir):
     """Short-query steps of a tiny Llama go through the compiled ops (counted), and greedy output
     still equals transformers' greedy generation token for token."""
-    from transformers import AutoModelForCausalLM
-
     from cluster.engine.llm import LLM
     from cluster.shared.sampling_params import SamplingParams
 
-    prompt = torch.randint(3, 256, (11,), generator=torch.Generator().manual_seed(4)).tolist()
-    hf = AutoModelForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.float32).eval()
-    hf.generation_config.eos_token_id = None
-    ids = torch.tensor([prompt])
-    expected = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=16, do_sample=False,
-                           pad_token_id=0)[0, len(prompt):].tolist()
-
+    prompt, expected = _transformers_greedy(tiny_llama_dir, 11, 4, 16)
     llm = LLM(str(tiny_llama_dir), device="cpu", dtype="float32", num_blocks=64)
     model = llm.engine.worker.runner.model
     calls = {"attention": 0, "norm": 0, "add_norm": 0, "act": 0}
@@ -301,17 +306,10 @@ def test_rotary_refuses_what_it_cannot_read(ops):
 def test_prompt_steps_rotate_in_the_compiled_op_and_keep_transformers_outputs(ops, tiny_llama_dir):
     """A prompt longer than a short query rotates Q and K in one compiled call per layer, and greedy
     output still equals transformers' greedy generation token for token."""
-    from transformers import AutoModelForCausalLM
-
     from cluster.engine.llm import LLM
     from cluster.shared.sampling_params import SamplingParams
 
-    prompt = torch.randint(3, 256, (40,), generator=torch.Generator().manual_seed(5)).tolist()
-    hf = AutoModelForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.float32).eval()
-    hf.generation_config.eos_token_id = None
-    ids = torch.tensor([prompt])
-    expected = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=8, do_sample=False,
-                           pad_token_id=0)[0, len(prompt):].tolist()
+    prompt, expected = _transformers_greedy(tiny_llama_dir, 40, 5, 8)
     llm = LLM(str(tiny_llama_dir), device="cpu", dtype="float32", num_blocks=64)
     model = llm.engine.worker.runner.model
     calls = []
