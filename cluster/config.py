@@ -27,7 +27,7 @@ class _Strict(BaseModel):
 
 
 DType = Literal["float32", "bfloat16", "float16", "auto"]
-Quantization = Literal["none", "int8", "int4", "int8-dynamic"]
+Quantization = Literal["none", "int8", "int4", "int8-dynamic", "gguf"]
 
 
 class ModelConfig(_Strict):
@@ -38,7 +38,9 @@ class ModelConfig(_Strict):
     quantization: Quantization = Field(
         "none", description="int8: int8 weights, per-output-channel scales (linear layers and LM head); "
         "int4: 4-bit weights, a float16 scale and offset per 64 inputs of a row; "
-        "int8-dynamic: also int8 activations per tensor (fbgemm, CPU; fast but measured far less accurate)")
+        "int8-dynamic: also int8 activations per tensor (fbgemm, CPU; fast but measured far less accurate); "
+        "gguf: a GGUF model's own quantized weights as the file holds them (Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K) "
+        "for decode steps on the CPU, the same values widened for prompts and large batches")
     batch_invariant: bool = Field(
         False, description="compute every token the same way whatever else is in the step (CPU, float32 or "
         "bfloat16): a request's output, speculative or not, no longer depends on its batch; prefill runs slower")

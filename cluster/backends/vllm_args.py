@@ -143,6 +143,10 @@ def _refuse_native_quantization(config: TandemConfig) -> None:
                          "leave it unset (vLLM has its own: the environment variable VLLM_BATCH_INVARIANT=1)")
     for key, (value, off) in own.items():
         if value not in (off, "none"):
+            if value == "gguf":
+                raise ValueError("model.quantization='gguf' is Tandem's own engine computing from a GGUF file's "
+                                 "blocks; a vLLM group leaves it unset (vLLM loads a .gguf model itself, as it "
+                                 "loads it)")
             raise ValueError(f"{key}={value!r} is Tandem's own int8 scheme, which vLLM does not run; for a vLLM "
                              "group leave it unset and name vLLM's method in engine.vllm_args (quantization: fp8, "
                              "awq, gptq, ... or kv_cache_dtype: fp8)")

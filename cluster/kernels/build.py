@@ -14,7 +14,7 @@ Builds and loads of one kernel take turns under a file lock that dies with its h
 process killed mid-build never leaves the next one waiting (torch's builder alone would).
 
 Where the build cannot happen (no compiler, a CPU without AVX2/FMA, a build error),
-:func:`small_gemm`, :func:`widening_gemm`, :func:`pair_gemm`, :func:`lowbit_gemm`, :func:`decode_ops` and
+:func:`small_gemm`, :func:`widening_gemm`, :func:`pair_gemm`, :func:`lowbit_gemm`, :func:`gguf_gemm`, :func:`decode_ops` and
 :func:`prefill_attention` return None with a logged reason
 and callers keep torch's own kernels. ``TANDEM_CPU_KERNELS=0`` turns the kernels off (for A/B runs and as an escape
 hatch).
@@ -92,6 +92,11 @@ def pair_gemm() -> ModuleType | None:
 def lowbit_gemm() -> ModuleType | None:
     """The compiled few-row GEMMs on int8 and 4-bit weights (``lowbit_gemm.cpp``), or None where they cannot run."""
     return _load("lowbit_gemm")
+
+
+def gguf_gemm() -> ModuleType | None:
+    """The compiled few-row GEMM on GGUF's quantized blocks (``gguf_gemm.cpp``), or None where it cannot run."""
+    return _load("gguf_gemm")
 
 
 def prefill_attention() -> ModuleType | None:

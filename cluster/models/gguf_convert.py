@@ -3,7 +3,9 @@
 The folder holds ``config.json`` (a ``LlamaConfig`` built from the GGUF
 metadata), ``model.safetensors`` (every tensor dequantized to float32 under its
 Hugging Face name) and the tokenizer that ``transformers`` builds from the GGUF
-(``tokenizer.json``, ``tokenizer_config.json`` with the chat template).
+(``tokenizer.json``, ``tokenizer_config.json`` with the chat template), and beside them, in
+``gguf_blocks/``, every linear-layer tensor of a served block format as the file holds it
+(:mod:`cluster.models.gguf_blocks`), for ``model.quantization: gguf``.
 
 Invariants:
 
@@ -34,12 +36,13 @@ from gguf.quants import dequantize
 from safetensors.torch import save_file
 from transformers import AutoTokenizer, LlamaConfig
 
+from cluster.models.gguf_blocks import FORMAT_OF_TYPE, write_blocks
 from cluster.models.hf_folder import ModelLoadError
 
 logger = logging.getLogger(__name__)
 
 SUPPORTED_ARCHITECTURES = ("llama",)  # llama covers SmolLM, Llama 1/2/3, Mistral
-_FORMAT_VERSION = 1  # bump when the converted layout changes: old cache entries are then ignored
+_FORMAT_VERSION = 2  # bump when the converted layout changes: old cache entries are then ignored
 
 _GLOBAL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 _LAYER_NAMES = {
@@ -89,6 +92,7 @@ def write_hf_folder(gguf_path: Path, out_dir: Path) -> None:
     config = build_llama_config(reader, gguf_path)
     tensors = dict(iter_hf_tensors(reader, config, gguf_path))
     save_file(tensors, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
+    write_blocks(out_dir, dict(iter_quantized_rows(reader, config)))
     config.save_pretrained(str(out_dir))
     _save_tokenizer(reader, gguf_path, out_dir)
 
@@ -209,6 +213,22 @@ def iter_hf_tensors(reader: Any, config: LlamaConfig, gguf_path: Path) -> Iterat
         elif ".self_attn.k_proj." in name:
             weight = unpermute_rope_rows(weight, config.num_key_value_heads)
         yield name, torch.from_numpy(np.array(weight, dtype=np.float32, order="C"))  # copies out of the mmap
+
+
+def iter_quantized_rows(reader: Any, config: LlamaConfig) -> Iterator[tuple[str, tuple[torch.Tensor, str]]]:
+    """Yield ``(HF name, (raw rows [N, row_bytes] uint8, format name))`` for every 2-D tensor held in a
+    served block format, Q and K rows un-permuted as in :func:`iter_hf_tensors`; bytes, never widened."""
+    for t in reader.tensors:
+        fmt = FORMAT_OF_TYPE.get(int(t.tensor_type))
+        name = hf_tensor_name(t.name)
+        if fmt is None or name is None or len(t.shape) != 2:
+            continue
+        rows = np.asarray(t.data, dtype=np.uint8).reshape(int(t.shape[1]), -1)
+        if ".self_attn.q_proj." in name:
+            rows = unpermute_rope_rows(rows, config.num_attention_heads)
+        elif ".self_attn.k_proj." in name:
+            rows = unpermute_rope_rows(rows, config.num_key_value_heads)
+        yield name, (torch.from_numpy(np.array(rows, order="C")), fmt.name)  # copies out of the mmap
 
 
 def _expected_shapes(config: LlamaConfig) -> dict[str, tuple[int, ...]]:

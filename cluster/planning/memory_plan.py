@@ -98,10 +98,15 @@ def _dtype_bytes(name: str, device_kind: str) -> tuple[str, int]:
 # Bytes a weight of each quantization: int8 (plus a float32 scale a row, negligible); int4 half a
 # byte plus a float16 scale and offset per 64 inputs.
 _QUANTIZED_BYTES = {"int8": 1.0, "int8-dynamic": 1.0, "int4": 0.5 + 4 / 64}
+_GGUF_BLOCK_BYTES = 34 / 32  # gguf: the largest served block format (Q8_0) a weight, an upper bound
 
 
 def _weight_bytes(shape: ModelShape, dtype_bytes: int, quantization: str, tp: int) -> int:
-    """One rank's share: linear layers and the vocabulary are split over ``tp`` ranks."""
+    """One rank's share: linear layers and the vocabulary are split over ``tp`` ranks. ``gguf`` keeps the
+    widened weights and, beside them, the file's blocks of every linear layer and the LM head."""
+    if quantization == "gguf":
+        blocks = shape.linear_params + (shape.embedding_params if shape.tie_word_embeddings else 0)
+        return _weight_bytes(shape, dtype_bytes, "none", tp) + int(blocks * _GGUF_BLOCK_BYTES) // tp
     per_param = _QUANTIZED_BYTES.get(quantization, dtype_bytes)
     linear = int(shape.linear_params * per_param)
     if quantization != "none" and shape.tie_word_embeddings:
@@ -120,7 +125,7 @@ def _cpu_packed_bytes(shape: ModelShape, dtype: str, quantization: str, batch_in
     GEMMs of several rows faster in float32 (``float32_compute_rows``). A tensor-parallel rank keeps
     its shards' plain weights beside their packs and does not pack the LM head."""
     torch_dtype = getattr(torch, dtype)
-    if quantization != "none" or not onednn_packs(torch_dtype):
+    if quantization not in ("none", "gguf") or not onednn_packs(torch_dtype):
         return 0
     element = _DTYPE_BYTES[dtype]
     if batch_invariant:

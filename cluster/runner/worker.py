@@ -17,7 +17,9 @@ from cluster.models.loader import load_hf_config, load_tokenizer_if_present, res
 from cluster.models.registry import build_model, engine_max_model_len, resolve_dtype
 from cluster.parallel.group import TPGroup
 from cluster.parallel.layers import pack_parallel_linears
+from cluster.models.gguf_blocks import read_blocks
 from cluster.quant.apply import quantize_linears
+from cluster.quant.gguf_linear import use_gguf_blocks
 from cluster.quant.checkpoint import dequantized, folder_scheme
 from cluster.runner.attention_choice import choose_attention
 from cluster.runner.model_runner import KVCacheSpec, ModelRunner, free_device_memory, num_blocks_for_budget
@@ -110,7 +112,9 @@ def load_model(config: TandemConfig, device: torch.device, tp: TPGroup | None = 
         weights = iter_weights(source)
         model.load_weights(dequantized(weights) if stored_scheme else weights)
     scheme = config.model.quantization if config.model.quantization != "none" else (stored_scheme or "none")
-    if scheme != "none":
+    if scheme == "gguf":
+        _use_gguf_blocks(model, source, hf_config, device, tp)
+    elif scheme != "none":
         quantize_linears(model, scheme)
     pack_linears(model, device, dtype, config.model.batch_invariant)
     attach_decode_ops(model, device, dtype, config.model.batch_invariant)
@@ -124,6 +128,22 @@ def load_model(config: TandemConfig, device: torch.device, tp: TPGroup | None = 
     spec = KVCacheSpec(model.num_layers, model.num_kv_heads, model.head_dim, config.cache.block_size, dtype,
                        cache_dtype)
     return LoadedModel(model, hf_config, tokenizer, dtype, max_model_len, spec, lora)
+
+
+def _use_gguf_blocks(model, source, hf_config, device: torch.device, tp: TPGroup | None) -> None:
+    """``model.quantization: gguf``: the linear layers compute from the GGUF file's own blocks on the CPU."""
+    if tp is not None:
+        raise ValueError("model.quantization: gguf runs in one process, not split over tensor-parallel ranks")
+    blocks = read_blocks(source.path)
+    if not blocks:
+        raise ValueError(f"model.quantization: gguf serves a GGUF file's quantized weights as they are, and "
+                         f"{source.name} has none in a served format (Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K); "
+                         "give a .gguf file or the embedded model, or set model.quantization: none")
+    if device.type != "cpu":
+        logger.warning("model.quantization: gguf computes from the blocks on the CPU only; on %s the layers "
+                       "keep the widened weights", device.type)
+        return
+    use_gguf_blocks(model, blocks, bool(getattr(hf_config, "tie_word_embeddings", False)))
 
 
 def on_demand_lora_bytes(config: TandemConfig, loaded: LoadedModel) -> int:

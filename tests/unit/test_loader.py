@@ -52,8 +52,10 @@ def llama_cpp_permute(weight: np.ndarray, num_heads: int) -> np.ndarray:
     return weight.reshape(num_heads, 2, head_dim // 2, *weight.shape[1:]).swapaxes(1, 2).reshape(weight.shape)
 
 
-def write_tiny_gguf(path: Path, model: LlamaForCausalLM, arch: str = "llama") -> None:
-    """Write ``model`` as llama.cpp would: GGUF names, F32 tensors, permuted Q/K, a BPE tokenizer."""
+def write_tiny_gguf(path: Path, model: LlamaForCausalLM, arch: str = "llama", transform=None) -> None:
+    """Write ``model`` as llama.cpp would: GGUF names, F32 tensors, permuted Q/K, a BPE tokenizer.
+    ``transform(gguf_name, tensor)``: what to write for a 2-D tensor instead, the array itself or
+    ``(raw block bytes, GGMLQuantizationType)``."""
     cfg = model.config
     w = gguf.GGUFWriter(str(path), arch)
     w.add_block_count(cfg.num_hidden_layers)
@@ -78,10 +80,18 @@ def write_tiny_gguf(path: Path, model: LlamaForCausalLM, arch: str = "llama") ->
     w.add_eos_token_id(2)
     w.add_chat_template(CHAT_TEMPLATE)
     sd = {k: v.detach().numpy().astype(np.float32) for k, v in model.state_dict().items()}
-    w.add_tensor("token_embd.weight", sd["model.embed_tokens.weight"])
-    w.add_tensor("output_norm.weight", sd["model.norm.weight"])
+
+    def add(name: str, tensor: np.ndarray) -> None:
+        out = transform(name, tensor) if transform is not None and tensor.ndim == 2 else tensor
+        if isinstance(out, tuple):
+            w.add_tensor(name, out[0], raw_shape=out[0].shape, raw_dtype=out[1])
+        else:
+            w.add_tensor(name, out)
+
+    add("token_embd.weight", sd["model.embed_tokens.weight"])
+    add("output_norm.weight", sd["model.norm.weight"])
     if not cfg.tie_word_embeddings:
-        w.add_tensor("output.weight", sd["lm_head.weight"])
+        add("output.weight", sd["lm_head.weight"])
     gguf_names = {v: k for k, v in gguf_convert._LAYER_NAMES.items()}
     for i in range(cfg.num_hidden_layers):
         for hf, g in gguf_names.items():
@@ -90,7 +100,7 @@ def write_tiny_gguf(path: Path, model: LlamaForCausalLM, arch: str = "llama") ->
                 tensor = llama_cpp_permute(tensor, cfg.num_attention_heads)
             elif g == "attn_k":
                 tensor = llama_cpp_permute(tensor, cfg.num_key_value_heads)
-            w.add_tensor(f"blk.{i}.{g}.weight", tensor)
+            add(f"blk.{i}.{g}.weight", tensor)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()

@@ -1,0 +1,353 @@
+// y[M, N] = x[M, K] @ W[N, K]^T (+ bias) for few rows M (1 to 16) with W held as a GGUF file holds it:
+// each row of W a run of ggml blocks (Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K; cluster/quant/gguf_blocks.py
+// describes the bytes), never widened. Decode steps are bound by reading W, and these formats are 4.5-8.5
+// bits a weight.
+//
+// x is quantized first, every row on its own: each run of 32 inputs to int8 codes with one float32 scale
+// (max |x| / 127, codes rounded to nearest) and the codes' sum (and sums per 16 for Q6_K), as llama.cpp
+// does for these formats. A 32-weight chunk of W then meets a row of x in integer arithmetic: unsigned
+// codes times signed x bytes (`vpmaddubsw`, pairs summed into 16 bits, which cannot overflow for codes
+// below 64 or int8 codes), the pairs summed into 8 int32 lanes; the chunk's float scale(s) multiply
+// those lanes into a float32 accumulator per row, and the chunk's offset (Q4_0's -8, Q4_1's m, the
+// K-quants' mins, Q6_K's -32) is added once per chunk through the sum of x's codes.
+//
+// A thread takes a contiguous range of W's rows and reads it as one stream; each weight row is decoded
+// once per block of up to 4 rows of x, which reuse it from registers. Every row of x is computed by the
+// same instructions in the same order whatever M is, so a row's result never depends on the rows beside
+// it (a verification row equals a decode row). x and y share a dtype, float32 or bfloat16. 256-bit
+// integer vectors (AVX2), which AVX-512 CPUs have too.
+#include <ATen/Parallel.h>
+#include <immintrin.h>
+#include <torch/extension.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <vector>
+
+namespace {
+
+constexpr int64_t kMaxRows = 16;
+constexpr int kRowBlock = 4;
+constexpr int kChunk = 32;  // inputs per x scale: every format's scales change at a multiple of it
+
+enum Format : int64_t { kQ4_0 = 2, kQ4_1 = 3, kQ8_0 = 8, kQ4_K = 12, kQ5_K = 13, kQ6_K = 14 };
+
+struct FormatInfo {
+  int block;  // weights per block
+  int bytes;  // bytes per block
+};
+
+FormatInfo info_of(int64_t format) {
+  switch (format) {
+    case kQ4_0: return {32, 18};
+    case kQ4_1: return {32, 20};
+    case kQ8_0: return {32, 34};
+    case kQ4_K: return {256, 144};
+    case kQ5_K: return {256, 176};
+    case kQ6_K: return {256, 210};
+    default: return {0, 0};
+  }
+}
+
+inline float half_at(const uint8_t* p) {
+  uint16_t bits;
+  std::memcpy(&bits, p, 2);
+  return _cvtsh_ss(bits);
+}
+
+// x's rows quantized per chunk of 32: codes [M, K], scales and code sums [M, K / 32], sums per 16 [M, K / 16].
+struct QuantizedX {
+  std::vector<int8_t> codes;
+  std::vector<float> scale;
+  std::vector<int32_t> sum32, sum16;
+  int64_t K;
+};
+
+template <typename X>
+inline void load_chunk(const X* x, float out[kChunk]) {
+  for (int i = 0; i < kChunk; ++i) out[i] = static_cast<float>(x[i]);
+}
+
+QuantizedX quantize_x(const torch::Tensor& x) {
+  const int64_t M = x.size(0), K = x.size(1), chunks = K / kChunk;
+  QuantizedX q{std::vector<int8_t>(M * K), std::vector<float>(M * chunks), std::vector<int32_t>(M * chunks),
+               std::vector<int32_t>(M * K / 16), K};
+  const bool bf16 = x.scalar_type() == at::kBFloat16;
+  const float* xf = bf16 ? nullptr : x.data_ptr<float>();
+  const at::BFloat16* xb = bf16 ? x.data_ptr<at::BFloat16>() : nullptr;
+  const __m256 sign_mask = _mm256_set1_ps(-0.0f);
+  const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+  alignas(32) float vals[kChunk];
+  for (int64_t c = 0; c < M * chunks; ++c) {
+    if (bf16) load_chunk(xb + c * kChunk, vals); else load_chunk(xf + c * kChunk, vals);
+    __m256 v[4], amax = _mm256_setzero_ps();
+    for (int i = 0; i < 4; ++i) {
+      v[i] = _mm256_load_ps(vals + 8 * i);
+      amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign_mask, v[i]));
+    }
+    __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
+    m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+    m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
+    const float max_abs = _mm_cvtss_f32(m4);
+    const float d = max_abs / 127.f;
+    const __m256 inv = _mm256_set1_ps(max_abs > 0.f ? 127.f / max_abs : 0.f);
+    __m256i i32[4];
+    for (int i = 0; i < 4; ++i)  // nearest, ties to even (the default rounding mode)
+      i32[i] = _mm256_cvtps_epi32(_mm256_mul_ps(v[i], inv));
+    // int32 -> int8 in order: the packs interleave 128-bit lanes, the permute puts them back
+    const __m256i p16a = _mm256_packs_epi32(i32[0], i32[1]), p16b = _mm256_packs_epi32(i32[2], i32[3]);
+    const __m256i p8 = _mm256_permutevar8x32_epi32(_mm256_packs_epi16(p16a, p16b), order);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(q.codes.data() + c * kChunk), p8);
+    q.scale[c] = d;
+    int32_t s0 = 0, s1 = 0;
+    const int8_t* codes = q.codes.data() + c * kChunk;
+    for (int i = 0; i < 16; ++i) s0 += codes[i];
+    for (int i = 16; i < 32; ++i) s1 += codes[i];
+    q.sum16[2 * c] = s0;
+    q.sum16[2 * c + 1] = s1;
+    q.sum32[c] = s0 + s1;
+  }
+  return q;
+}
+
+inline __m256i dot_u8s8(__m256i w_u8, __m256i x_s8) {  // 32 products summed into 8 int32 lanes
+  return _mm256_madd_epi16(_mm256_maddubs_epi16(w_u8, x_s8), _mm256_set1_epi16(1));
+}
+
+inline __m256i load32(const void* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
+
+// 16 bytes -> 32 codes: the low nibbles (weights 0-15), then the high ones (16-31).
+inline __m256i nibbles16(const uint8_t* p) {
+  const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(v, 4), v), _mm256_set1_epi8(15));
+}
+inline __m256i low4(__m256i v) { return _mm256_and_si256(v, _mm256_set1_epi8(15)); }
+inline __m256i high4(__m256i v) { return _mm256_and_si256(_mm256_srli_epi16(v, 4), _mm256_set1_epi8(15)); }
+
+inline float hsum(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+// Pointers of rows m0.. of quantized x, and the per-row accumulators of one weight row.
+template <int R>
+struct RowState {
+  const int8_t* codes[R];
+  const float* scale[R];
+  const int32_t* sum32[R];
+  const int32_t* sum16[R];
+  __m256 acc[R];
+  float extra[R];
+
+  RowState(const QuantizedX& q, int64_t m0) {
+    const int64_t chunks = q.K / kChunk;
+    for (int m = 0; m < R; ++m) {
+      codes[m] = q.codes.data() + (m0 + m) * q.K;
+      scale[m] = q.scale.data() + (m0 + m) * chunks;
+      sum32[m] = q.sum32.data() + (m0 + m) * chunks;
+      sum16[m] = q.sum16.data() + (m0 + m) * 2 * chunks;
+      acc[m] = _mm256_setzero_ps();
+      extra[m] = 0.f;
+    }
+  }
+  // Chunk c of unsigned codes w with float scale `ws` and offset `wo` (w = ws * q + wo).
+  inline void add_unsigned(int64_t c, __m256i w, float ws, float wo) {
+    for (int m = 0; m < R; ++m) {
+      const __m256i dot = dot_u8s8(w, load32(codes[m] + c * kChunk));
+      acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_set1_ps(ws * scale[m][c]), acc[m]);
+      extra[m] += wo * scale[m][c] * static_cast<float>(sum32[m][c]);
+    }
+  }
+};
+
+template <int R>
+inline void row_q4_0(const uint8_t* w, int64_t chunks, RowState<R>& s) {
+  for (int64_t c = 0; c < chunks; ++c, w += 18) {
+    _mm_prefetch(reinterpret_cast<const char*>(w) + 4096, _MM_HINT_T0);
+    const float d = half_at(w);
+    s.add_unsigned(c, nibbles16(w + 2), d, -8.f * d);
+  }
+}
+
+template <int R>
+inline void row_q4_1(const uint8_t* w, int64_t chunks, RowState<R>& s) {
+  for (int64_t c = 0; c < chunks; ++c, w += 20) {
+    _mm_prefetch(reinterpret_cast<const char*>(w) + 4096, _MM_HINT_T0);
+    s.add_unsigned(c, nibbles16(w + 4), half_at(w), half_at(w + 2));
+  }
+}
+
+template <int R>
+inline void row_q8_0(const uint8_t* w, int64_t chunks, RowState<R>& s) {
+  for (int64_t c = 0; c < chunks; ++c, w += 34) {
+    _mm_prefetch(reinterpret_cast<const char*>(w) + 4096, _MM_HINT_T0);
+    const float d = half_at(w);
+    const __m256i q = load32(w + 2);
+    const __m256i q_abs = _mm256_sign_epi8(q, q);
+    for (int m = 0; m < R; ++m) {  // |w| * (x with w's sign): the unsigned-by-signed product
+      const __m256i x = _mm256_sign_epi8(load32(s.codes[m] + c * kChunk), q);
+      const __m256i dot = dot_u8s8(q_abs, x);
+      s.acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_set1_ps(d * s.scale[m][c]), s.acc[m]);
+    }
+  }
+}
+
+// The eight 6-bit (scale, min) pairs of a Q4_K / Q5_K block.
+inline void k_scales(const uint8_t* p, int sc[8], int mn[8]) {
+  for (int j = 0; j < 4; ++j) {
+    sc[j] = p[j] & 63;
+    mn[j] = p[j + 4] & 63;
+    sc[j + 4] = (p[j + 8] & 15) | ((p[j] >> 6) << 4);
+    mn[j + 4] = (p[j + 8] >> 4) | ((p[j + 4] >> 6) << 4);
+  }
+}
+
+template <int R, bool kFifthBit>
+inline void row_k(const uint8_t* w, int64_t chunks, RowState<R>& s) {
+  constexpr int kBytes = kFifthBit ? 176 : 144;
+  for (int64_t c0 = 0; c0 < chunks; c0 += 8, w += kBytes) {
+    _mm_prefetch(reinterpret_cast<const char*>(w) + 4096, _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(w) + 4096 + 64, _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(w) + 4096 + 128, _MM_HINT_T0);
+    const float d = half_at(w), dmin = half_at(w + 2);
+    int sc[8], mn[8];
+    k_scales(w + 4, sc, mn);
+    const uint8_t* qs = w + (kFifthBit ? 48 : 16);
+    const __m256i qh = kFifthBit ? load32(w + 16) : _mm256_setzero_si256();
+    for (int g = 0; g < 4; ++g) {
+      const __m256i bytes = load32(qs + 32 * g);
+      for (int half = 0; half < 2; ++half) {
+        const int j = 2 * g + half;
+        __m256i q = half ? high4(bytes) : low4(bytes);
+        if (kFifthBit) {
+          const __m256i bit = _mm256_set1_epi8(static_cast<char>(1 << j));
+          const __m256i set = _mm256_cmpeq_epi8(_mm256_and_si256(qh, bit), bit);
+          q = _mm256_or_si256(q, _mm256_and_si256(set, _mm256_set1_epi8(16)));
+        }
+        s.add_unsigned(c0 + j, q, d * static_cast<float>(sc[j]), -dmin * static_cast<float>(mn[j]));
+      }
+    }
+  }
+}
+
+template <int R>
+inline void row_q6_k(const uint8_t* w, int64_t chunks, RowState<R>& s) {
+  for (int64_t c0 = 0; c0 < chunks; c0 += 8, w += 210) {
+    for (int line = 0; line < 4; ++line) _mm_prefetch(reinterpret_cast<const char*>(w) + 4096 + 64 * line, _MM_HINT_T0);
+    const float d = half_at(w + 208);
+    const int8_t* scales = reinterpret_cast<const int8_t*>(w + 192);
+    for (int c = 0; c < 8; ++c) {
+      const int h = c / 4, r = c % 4;
+      const __m256i ql = load32(w + 64 * h + 32 * (r % 2));
+      const __m256i qh = load32(w + 128 + 32 * h);
+      const __m256i high = _mm256_and_si256(_mm256_srli_epi16(qh, 2 * r), _mm256_set1_epi8(3));
+      const __m256i q = _mm256_or_si256(r < 2 ? low4(ql) : high4(ql), _mm256_slli_epi16(high, 4));  // 0..63
+      const int sa = scales[2 * c], sb = scales[2 * c + 1];
+      const __m256i sv = _mm256_set_m128i(_mm_set1_epi16(static_cast<int16_t>(sb)),
+                                          _mm_set1_epi16(static_cast<int16_t>(sa)));
+      const int64_t chunk = c0 + c;
+      for (int m = 0; m < R; ++m) {  // each 16-weight half's products times its scale, in integers
+        const __m256i pairs = _mm256_maddubs_epi16(q, load32(s.codes[m] + chunk * kChunk));
+        const __m256i dot = _mm256_madd_epi16(pairs, sv);
+        const float dx = d * s.scale[m][chunk];
+        s.acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_set1_ps(dx), s.acc[m]);
+        s.extra[m] -= 32.f * dx *
+                      static_cast<float>(sa * s.sum16[m][2 * chunk] + sb * s.sum16[m][2 * chunk + 1]);
+      }
+    }
+  }
+}
+
+template <int R>
+inline void weight_row(int64_t format, const uint8_t* w, int64_t chunks, RowState<R>& s) {
+  switch (format) {
+    case kQ4_0: row_q4_0(w, chunks, s); break;
+    case kQ4_1: row_q4_1(w, chunks, s); break;
+    case kQ8_0: row_q8_0(w, chunks, s); break;
+    case kQ4_K: row_k<R, false>(w, chunks, s); break;
+    case kQ5_K: row_k<R, true>(w, chunks, s); break;
+    default: row_q6_k(w, chunks, s); break;
+  }
+}
+
+template <int R, typename Y>
+inline void rows_against(int64_t format, const uint8_t* w, const QuantizedX& q, int64_t m0, int64_t n, int64_t N,
+                         const float* bias, Y* y) {
+  RowState<R> s(q, m0);
+  weight_row<R>(format, w, q.K / kChunk, s);
+  const float b = bias ? bias[n] : 0.f;
+  for (int m = 0; m < R; ++m) y[(m0 + m) * N + n] = static_cast<Y>(hsum(s.acc[m]) + s.extra[m] + b);
+}
+
+template <typename Y>
+void run(int64_t format, const uint8_t* w, int64_t row_bytes, const QuantizedX& q, int64_t M, int64_t N,
+         const float* bias, Y* y) {
+  at::parallel_for(0, N, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t n = begin; n < end; ++n) {
+      const uint8_t* row = w + n * row_bytes;
+      for (int64_t m0 = 0; m0 < M; m0 += kRowBlock) {
+        switch (std::min<int64_t>(kRowBlock, M - m0)) {
+          case 4: rows_against<4>(format, row, q, m0, n, N, bias, y); break;
+          case 3: rows_against<3>(format, row, q, m0, n, N, bias, y); break;
+          case 2: rows_against<2>(format, row, q, m0, n, N, bias, y); break;
+          default: rows_against<1>(format, row, q, m0, n, N, bias, y); break;
+        }
+      }
+    }
+  });
+}
+
+torch::Tensor linear(torch::Tensor x, torch::Tensor weight, int64_t format, std::optional<torch::Tensor> bias) {
+  const FormatInfo fi = info_of(format);
+  TORCH_CHECK(fi.block > 0, "gguf_gemm.linear: ggml type ", format,
+              " is not served; served: Q4_0 (2), Q4_1 (3), Q8_0 (8), Q4_K (12), Q5_K (13), Q6_K (14)");
+  TORCH_CHECK(x.device().is_cpu() && weight.device().is_cpu(), "gguf_gemm.linear runs on the CPU");
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "gguf_gemm.linear: x must be a contiguous [rows, in_features]");
+  TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16,
+              "gguf_gemm.linear: x must be float32 or bfloat16");
+  TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == at::kByte && weight.is_contiguous(),
+              "gguf_gemm.linear: the weight must be a contiguous uint8 [out_features, row_bytes]");
+  const int64_t M = x.size(0), K = x.size(1), N = weight.size(0);
+  TORCH_CHECK(M >= 1 && M <= kMaxRows, "gguf_gemm.linear takes 1 to ", kMaxRows, " rows, got ", M);
+  TORCH_CHECK(K % fi.block == 0 && weight.size(1) == K / fi.block * fi.bytes, "gguf_gemm.linear: x has ", K,
+              " features, the weight's rows ", weight.size(1), " bytes of ", fi.bytes, "-byte blocks of ", fi.block);
+  std::vector<float> bias_f32;
+  if (bias.has_value() && bias->defined()) {
+    TORCH_CHECK(bias->numel() == N, "gguf_gemm.linear: bias has ", bias->numel(), " values, need ", N);
+    const torch::Tensor b = bias->to(at::kFloat).contiguous();
+    bias_f32.assign(b.data_ptr<float>(), b.data_ptr<float>() + N);
+  }
+  const QuantizedX q = quantize_x(x);
+  torch::Tensor y = torch::empty({M, N}, x.options());
+  const float* b = bias_f32.empty() ? nullptr : bias_f32.data();
+  const uint8_t* w = weight.data_ptr<uint8_t>();
+  if (y.scalar_type() == at::kFloat)
+    run(format, w, weight.size(1), q, M, N, b, y.data_ptr<float>());
+  else
+    run(format, w, weight.size(1), q, M, N, b, y.data_ptr<at::BFloat16>());
+  return y;
+}
+
+// The int8 codes, scales and sums x is quantized to (for tests: the reference computes from them).
+std::vector<torch::Tensor> quantize_activations(torch::Tensor x) {
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.size(1) % kChunk == 0 &&
+                  (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16),
+              "gguf_gemm.quantize_activations: a contiguous float32 or bfloat16 [rows, K], K a multiple of 32");
+  const QuantizedX q = quantize_x(x);
+  const int64_t M = x.size(0), chunks = x.size(1) / kChunk;
+  torch::Tensor codes = torch::empty({M, x.size(1)}, torch::kChar), scale = torch::empty({M, chunks}, torch::kFloat);
+  std::copy(q.codes.begin(), q.codes.end(), codes.data_ptr<int8_t>());
+  std::copy(q.scale.begin(), q.scale.end(), scale.data_ptr<float>());
+  return {codes, scale};
+}
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("linear", &linear, "y = x @ W.T (+ bias) for 1 to max_rows rows, W as ggml blocks of the given type");
+  m.def("quantize_activations", &quantize_activations, "x's int8 codes and scales per 32 inputs");
+  m.attr("max_rows") = kMaxRows;
+}
