@@ -28,6 +28,8 @@ from dataclasses import asdict, dataclass
 
 import torch
 import torch.nn.functional as F
+from gguf import GGMLQuantizationType
+from gguf.quants import quantize as gguf_quantize
 from rich.console import Console
 from rich.progress import Progress
 from rich.table import Table
@@ -37,11 +39,13 @@ from cluster.bench.benchmark import Benchmark
 from cluster.bench.quant_quality import PERPLEXITY_TEXT, compare, reference_of
 from cluster.bench.spec import run_closed_loop
 from cluster.engine.llm import LLM
-from cluster.kernels.build import lowbit_gemm
+from cluster.kernels.build import gguf_gemm, lowbit_gemm
 from cluster.kernels.packed_linear import PackedLinear, can_pack
+from cluster.models.gguf_blocks import block_format
 from cluster.models.loader import load_hf_config, resolve_model
 from cluster.profiling.calibration import CALIBRATION_PROMPTS
 from cluster.profiling.edit_prompts import build_prompt_ids
+from cluster.quant.gguf_linear import BlockPart, GGUFLinear
 from cluster.quant.int4_linear import Int4Linear
 from cluster.quant.int8_linear import Int8Linear, fbgemm_available, int8pack_dtype, quantize_weight
 from cluster.shared.sampling_params import SamplingParams
@@ -53,9 +57,13 @@ CONFIGS = {  # name -> engine overrides
     "int8-dynamic": {"quantization": "int8-dynamic"},
     "kv-int8": {"kv_cache_dtype": "int8"},
     "int8+kv-int8": {"quantization": "int8", "kv_cache_dtype": "int8"},
+    "gguf": {"quantization": "gguf"},  # the GGUF file's own blocks (a .gguf model or the embedded one)
 }
+# Configurations whose decode steps compute otherwise than their prompts: compared as decoding runs.
+STEPWISE = {"gguf"}
 KERNELS = ("float32", "float32-packed", "int8pack-bf16", "int8-widened", "int8-dynamic-fbgemm", "int8-lowbit",
-           "int4-lowbit")
+           "int4-lowbit", "gguf-Q4_1", "gguf-Q8_0")
+GGUF_KERNEL_FORMATS = ("Q4_1", "Q8_0")  # the embedded model's: Q4_1 layers, a Q8_0 embedding (its tied head)
 
 
 @dataclass(frozen=True)
@@ -76,6 +84,9 @@ def add_quant_args(parser: argparse.ArgumentParser) -> None:
                         help=f"engine configurations (default {','.join(CONFIGS)})")
     parser.add_argument("--output-len", type=positive_int, default=64, help="engine: output tokens per request")
     parser.add_argument("--continuation-len", type=positive_int, default=32, help="quality: greedy tokens per prompt")
+    parser.add_argument("--quality-prompts", type=positive_int, default=len(CALIBRATION_PROMPTS),
+                        help=f"quality: prompts (the {len(CALIBRATION_PROMPTS)} calibration prompts, then the "
+                        "edit prompts of bench spec)")
     parser.add_argument("--repeats", type=positive_int, default=30, help="kernel: timed calls per cell")
     parser.add_argument("--threads", type=positive_int, help="torch.set_num_threads (default: torch's choice)")
     parser.add_argument("--skip", type=lambda t: set(t.split(",")), default=set(),
@@ -110,7 +121,17 @@ def _kernel_fns(in_features: int, out_features: int, dtype: torch.dtype):
     has_lowbit = lowbit_gemm() is not None
     fns["int8-lowbit"] = (lambda x: int8_layer(x.to(dtype))) if has_lowbit and int8_layer.packed_int8 is not None else None
     fns["int4-lowbit"] = (lambda x: int4_layer(x.to(dtype))) if has_lowbit and int4_layer is not None else None
+    for name in GGUF_KERNEL_FORMATS:
+        fns[f"gguf-{name}"] = _gguf_layer(weight, name, dtype) if gguf_gemm() is not None else None
     return fns
+
+
+def _gguf_layer(weight: torch.Tensor, name: str, dtype: torch.dtype):
+    """The weight quantized by the gguf package into ``name`` blocks, as a layer fed ``dtype`` x."""
+    fmt = block_format(name)
+    raw = torch.from_numpy(gguf_quantize(weight.numpy(), GGMLQuantizationType[name]))
+    layer = GGUFLinear(torch.nn.Linear(weight.shape[1], weight.shape[0], bias=False), [BlockPart(raw, fmt)])
+    return lambda x: layer(x.to(dtype))
 
 
 def measure_kernels(hf_config, rows: list[int], repeats: int, dtype: torch.dtype = torch.float32, progress=None,
@@ -123,7 +144,7 @@ def measure_kernels(hf_config, rows: list[int], repeats: int, dtype: torch.dtype
             for kernel in KERNELS:
                 fn = fns[kernel]
                 micros = None
-                if kernel.endswith("lowbit") and n > 16:  # the layer widens its weights past 16 rows
+                if (kernel.endswith("lowbit") or kernel.startswith("gguf")) and n > 16:  # widened past 16 rows
                     fn = None
                 if fn is not None:
                     with torch.inference_mode():
@@ -157,15 +178,18 @@ def decode_step_totals(cells: list[KernelCell], hf_config) -> list[dict]:
     return [{"rows": r, "kernel": k, "ms": v} for (r, k), v in totals.items()]
 
 
-def measure_quality(model: str, configs: list[str], continuation_len: int, dtype: str = "float32") -> dict[str, dict]:
+def measure_quality(model: str, configs: list[str], continuation_len: int, dtype: str = "float32",
+                    num_prompts: int = len(CALIBRATION_PROMPTS)) -> dict[str, dict]:
     def llm(**overrides):
-        return LLM(model, dtype=dtype, device="cpu", num_blocks=128, enable_prefix_caching=False, **overrides)
+        return LLM(model, dtype=dtype, device="cpu", num_blocks=256, enable_prefix_caching=False, **overrides)
 
     reference = llm()
     tokenizer = reference.engine.worker.tokenizer
     prompts = [tokenizer.encode(tokenizer.apply_chat_template([{"role": "user", "content": p}], tokenize=False,
                                                               add_generation_prompt=True), add_special_tokens=False)
-               for p in CALIBRATION_PROMPTS]
+               for p in CALIBRATION_PROMPTS[:num_prompts]]
+    if num_prompts > len(prompts):
+        prompts += build_prompt_ids(tokenizer, num_prompts - len(prompts))[0]
     engine = reference.engine
     greedy = SamplingParams(max_tokens=continuation_len, temperature=0, ignore_eos=True)
     ids = [engine.add_request(p, greedy) for p in prompts]
@@ -179,7 +203,7 @@ def measure_quality(model: str, configs: list[str], continuation_len: int, dtype
     for name in configs:
         if name == "full":
             continue
-        report = compare(ref, llm(**CONFIGS[name]).engine.worker)
+        report = compare(ref, llm(**CONFIGS[name]).engine.worker, stepwise=name in STEPWISE)
         results[name] = {**asdict(report), "perplexity_change": report.perplexity_change}
         gc.collect()
     return results
@@ -227,7 +251,8 @@ def measure_quant(args: argparse.Namespace, console: Console) -> dict:
         result["decode_step_linear_ms"] = decode_step_totals(cells, hf_config)
     if "quality" not in args.skip:
         console.print(f"quality: teacher-forced comparison with {args.dtype} ...")
-        result["quality"] = measure_quality(args.model, args.configs, args.continuation_len, args.dtype)
+        result["quality"] = measure_quality(args.model, args.configs, args.continuation_len, args.dtype,
+                                            args.quality_prompts)
     if "engine" not in args.skip:
         console.print("engine: closed-loop decoding ...")
         result["engine"] = measure_engine(args.model, args.configs, args.batch_sizes, args.output_len, args.dtype)
@@ -248,11 +273,13 @@ def print_quant(console: Console, result: dict) -> None:
         console.print(table)
     if "quality" in result:
         table = Table(title=f"quality against the unquantized model in {dtype} (teacher-forced)")
-        for col in ("config", "top-1 agreement", "perplexity", f"{dtype} perplexity", "change"):
+        for col in ("config", "top-1 agreement", "perplexity", f"{dtype} perplexity", "change",
+                    "largest top-1 logprob move"):
             table.add_column(col, justify="right")
         for name, q in result["quality"].items():
             table.add_row(name, f"{q['top1_agreement']:.3f} of {q['num_agreement_tokens']}", f"{q['perplexity']:.3f}",
-                          f"{q['reference_perplexity']:.3f}", f"{q['perplexity_change'] * 100:+.2f}%")
+                          f"{q['reference_perplexity']:.3f}", f"{q['perplexity_change'] * 100:+.2f}%",
+                          f"{q['max_top1_logprob_difference']:.3f}")
         console.print(table)
     if "engine" in result:
         table = Table(title="engine decoding (output tok/s, closed loop)")

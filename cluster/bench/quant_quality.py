@@ -10,7 +10,11 @@ Two measures, both teacher-forced (every model sees the same token sequence):
   (``data/perplexity.txt``), split into windows of at most ``window`` tokens.
 
 Both read logits straight from a :class:`~cluster.runner.worker.Worker`'s runner over a
-private block table, so no scheduler or sampler is involved.
+private block table, so no scheduler or sampler is involved. A candidate whose decode steps
+compute differently from its prompts (``model.quantization: gguf``: blocks for few rows, widened
+weights for many) is compared ``stepwise``: the prompt in one pass, then one token a pass, as
+decoding runs; the report then also gives the largest difference of the reference's top-1 token's
+log-probability.
 """
 
 from __future__ import annotations
@@ -33,6 +37,7 @@ class QualityReport:
     perplexity: float
     reference_perplexity: float
     num_perplexity_tokens: int
+    max_top1_logprob_difference: float  # over continuation positions: |log p(reference's top-1)| moved by
 
     @property
     def perplexity_change(self) -> float:
@@ -53,6 +58,21 @@ def sequence_logits(worker, token_ids: list[int]) -> torch.Tensor:
     return runner.forward_logits([chunk], [list(range(num_blocks))])
 
 
+def stepwise_logits(worker, token_ids: list[int], prompt_len: int) -> torch.Tensor:
+    """As :func:`sequence_logits`, but ``token_ids[:prompt_len]`` in one pass and every later token in
+    a pass of its own (a decode step's single row)."""
+    runner = worker.runner
+    num_blocks = -(-len(token_ids) // runner.spec.block_size)
+    if num_blocks > runner.num_blocks:
+        raise ValueError(f"a sequence of {len(token_ids)} tokens needs {num_blocks} KV blocks; "
+                         f"the pool has {runner.num_blocks}")
+    table = [list(range(num_blocks))]
+    parts = [runner.forward_logits([SeqChunk(list(token_ids[:prompt_len]), 0, prompt_len)], table)]
+    for pos in range(prompt_len, len(token_ids)):
+        parts.append(runner.forward_logits([SeqChunk([token_ids[pos]], pos, 1)], table))
+    return torch.cat(parts)
+
+
 @dataclass(frozen=True)
 class Reference:
     """What the full-precision model says, computed once and compared against each candidate."""
@@ -60,6 +80,7 @@ class Reference:
     sequences: list[list[int]]  # prompt + the reference's greedy continuation
     prompt_lens: list[int]
     top1: list[torch.Tensor]  # per sequence: [continuation_len] argmax at each continuation position
+    top1_logprobs: list[torch.Tensor]  # per sequence: [continuation_len] log-probability of that argmax
     text_ids: list[int]
     perplexity: float
     window: int
@@ -69,35 +90,46 @@ def reference_of(worker, sequences: list[list[int]], prompt_lens: list[int], tex
                  window: int = 256) -> Reference:
     """``sequences`` are the prompts followed by ``worker``'s own greedy continuations (make
     them with the engine, greedy)."""
-    top1 = [sequence_logits(worker, ids)[start - 1: -1].argmax(dim=-1) for ids, start in zip(sequences, prompt_lens)]
-    return Reference(sequences, prompt_lens, top1, text_ids, perplexity(worker, text_ids, window), window)
+    logprobs = [torch.log_softmax(sequence_logits(worker, ids)[start - 1: -1].float(), dim=-1)
+                for ids, start in zip(sequences, prompt_lens)]
+    top1 = [lp.argmax(dim=-1) for lp in logprobs]
+    top1_logprobs = [lp.gather(1, t[:, None])[:, 0] for lp, t in zip(logprobs, top1)]
+    return Reference(sequences, prompt_lens, top1, top1_logprobs, text_ids, perplexity(worker, text_ids, window),
+                     window)
 
 
-def perplexity(worker, token_ids: list[int], window: int) -> float:
+def perplexity(worker, token_ids: list[int], window: int, stepwise: bool = False) -> float:
     """exp(mean NLL) of ``token_ids[1:]``, windows of ``window`` tokens (each window's
-    first token is context only)."""
+    first token is context only); ``stepwise``: each window's tokens a pass each."""
     nll, count = 0.0, 0
     for start in range(0, len(token_ids) - 1, window - 1):
         ids = token_ids[start: start + window]
         if len(ids) < 2:
             break
-        logprobs = torch.log_softmax(sequence_logits(worker, ids)[:-1], dim=-1)
+        logits = stepwise_logits(worker, ids, 1) if stepwise else sequence_logits(worker, ids)
+        logprobs = torch.log_softmax(logits[:-1].float(), dim=-1)
         targets = torch.tensor(ids[1:], device=logprobs.device)
         nll -= float(logprobs.gather(1, targets[:, None]).sum())
         count += len(ids) - 1
     return math.exp(nll / count)
 
 
-def compare(reference: Reference, candidate) -> QualityReport:
+def compare(reference: Reference, candidate, stepwise: bool = False) -> QualityReport:
     """Top-1 agreement of ``candidate`` with the reference over the continuations, and its
-    perplexity on the reference's text."""
+    perplexity on the reference's text (``stepwise``: as decoding computes them, above)."""
     agree = total = 0
-    for ids, start, expected in zip(reference.sequences, reference.prompt_lens, reference.top1):
-        got = sequence_logits(candidate, ids)[start - 1: -1].argmax(dim=-1)
-        agree += int((got == expected).sum())
+    largest = 0.0
+    for ids, start, expected, expected_logprobs in zip(reference.sequences, reference.prompt_lens, reference.top1,
+                                                        reference.top1_logprobs):
+        logits = stepwise_logits(candidate, ids, start) if stepwise else sequence_logits(candidate, ids)
+        logprobs = torch.log_softmax(logits[start - 1: -1].float(), dim=-1)
+        agree += int((logprobs.argmax(dim=-1) == expected).sum())
         total += expected.numel()
+        moved = (logprobs.gather(1, expected[:, None])[:, 0] - expected_logprobs).abs()
+        largest = max(largest, float(moved.max()))
     return QualityReport(
         top1_agreement=agree / total, num_agreement_tokens=total,
-        perplexity=perplexity(candidate, reference.text_ids, reference.window),
+        perplexity=perplexity(candidate, reference.text_ids, reference.window, stepwise),
         reference_perplexity=reference.perplexity, num_perplexity_tokens=len(reference.text_ids) - 1,
+        max_top1_logprob_difference=largest,
     )

@@ -30,6 +30,7 @@ namespace {
 constexpr int64_t kMaxRows = 16;
 constexpr int kRowBlock = 4;
 constexpr int kChunk = 32;  // inputs per x scale: every format's scales change at a multiple of it
+constexpr int64_t kPrefetchBytes = 4096;  // how far ahead of its reads a thread asks for its stream
 
 enum Format : int64_t { kQ4_0 = 2, kQ4_1 = 3, kQ8_0 = 8, kQ4_K = 12, kQ5_K = 13, kQ6_K = 14 };
 
@@ -166,7 +167,7 @@ struct RowState {
 template <int R>
 inline void row_q4_0(const uint8_t* w, int64_t chunks, RowState<R>& s) {
   for (int64_t c = 0; c < chunks; ++c, w += 18) {
-    _mm_prefetch(reinterpret_cast<const char*>(w) + 4096, _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(w) + kPrefetchBytes, _MM_HINT_T0);
     const float d = half_at(w);
     s.add_unsigned(c, nibbles16(w + 2), d, -8.f * d);
   }
@@ -175,7 +176,7 @@ inline void row_q4_0(const uint8_t* w, int64_t chunks, RowState<R>& s) {
 template <int R>
 inline void row_q4_1(const uint8_t* w, int64_t chunks, RowState<R>& s) {
   for (int64_t c = 0; c < chunks; ++c, w += 20) {
-    _mm_prefetch(reinterpret_cast<const char*>(w) + 4096, _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(w) + kPrefetchBytes, _MM_HINT_T0);
     s.add_unsigned(c, nibbles16(w + 4), half_at(w), half_at(w + 2));
   }
 }
@@ -183,7 +184,7 @@ inline void row_q4_1(const uint8_t* w, int64_t chunks, RowState<R>& s) {
 template <int R>
 inline void row_q8_0(const uint8_t* w, int64_t chunks, RowState<R>& s) {
   for (int64_t c = 0; c < chunks; ++c, w += 34) {
-    _mm_prefetch(reinterpret_cast<const char*>(w) + 4096, _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(w) + kPrefetchBytes, _MM_HINT_T0);
     const float d = half_at(w);
     const __m256i q = load32(w + 2);
     const __m256i q_abs = _mm256_sign_epi8(q, q);
@@ -209,9 +210,9 @@ template <int R, bool kFifthBit>
 inline void row_k(const uint8_t* w, int64_t chunks, RowState<R>& s) {
   constexpr int kBytes = kFifthBit ? 176 : 144;
   for (int64_t c0 = 0; c0 < chunks; c0 += 8, w += kBytes) {
-    _mm_prefetch(reinterpret_cast<const char*>(w) + 4096, _MM_HINT_T0);
-    _mm_prefetch(reinterpret_cast<const char*>(w) + 4096 + 64, _MM_HINT_T0);
-    _mm_prefetch(reinterpret_cast<const char*>(w) + 4096 + 128, _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(w) + kPrefetchBytes, _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(w) + kPrefetchBytes + 64, _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(w) + kPrefetchBytes + 128, _MM_HINT_T0);
     const float d = half_at(w), dmin = half_at(w + 2);
     int sc[8], mn[8];
     k_scales(w + 4, sc, mn);
@@ -236,7 +237,7 @@ inline void row_k(const uint8_t* w, int64_t chunks, RowState<R>& s) {
 template <int R>
 inline void row_q6_k(const uint8_t* w, int64_t chunks, RowState<R>& s) {
   for (int64_t c0 = 0; c0 < chunks; c0 += 8, w += 210) {
-    for (int line = 0; line < 4; ++line) _mm_prefetch(reinterpret_cast<const char*>(w) + 4096 + 64 * line, _MM_HINT_T0);
+    for (int line = 0; line < 4; ++line) _mm_prefetch(reinterpret_cast<const char*>(w) + kPrefetchBytes + 64 * line, _MM_HINT_T0);
     const float d = half_at(w + 208);
     const int8_t* scales = reinterpret_cast<const int8_t*>(w + 192);
     for (int c = 0; c < 8; ++c) {
@@ -300,6 +301,172 @@ void run(int64_t format, const uint8_t* w, int64_t row_bytes, const QuantizedX& 
   });
 }
 
+// --- Tiles of 8 weight rows (cluster/quant/gguf_tiles.py lays them out) ------------------------------
+//
+// Q4_0, Q4_1 and Q8_0 rows repacked, values unchanged, so that one 256-bit vector holds 4 consecutive codes
+// of each of 8 rows (row r in 32-bit lane r): a broadcast of 4 of x's bytes against it gives, through
+// `vpmaddubsw` and `vpmaddwd`, each row's partial dot product in its own lane, and a chunk's 8 rows come
+// out as one vector with no horizontal sums. A tile is one chunk of 32 inputs of 8 rows:
+//   affine4 (Q4_0, Q4_1): 128 bytes of codes (vector v: step v in the low nibbles, step v + 4 in the high
+//     ones; step s = inputs 4s..4s+3), then float16 scale[8] and offset[8] (w = scale * q + offset;
+//     Q4_0's offset is -8 * d, exact in float16);
+//   int8 (Q8_0): 256 bytes of codes (vector s = step s), then float16 scale[8].
+// A group of 8 rows is its K / 32 tiles in order: one stream.
+
+constexpr int kTileRows = 8;
+constexpr int kAffine4Bytes = 128 + 32;
+constexpr int kInt8Bytes = 256 + 16;
+
+inline __m256 load_halves8(const uint8_t* p) {
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+inline __m256i broadcast4(const int8_t* p) {
+  int32_t v;
+  std::memcpy(&v, p, 4);
+  return _mm256_set1_epi32(v);
+}
+
+template <int R>
+struct TileRows {  // rows m0.. of quantized x against one group of 8 weight rows
+  const int8_t* codes[R];
+  const float* scale[R];
+  const int32_t* sum32[R];
+  __m256 acc[R];
+  TileRows(const QuantizedX& q, int64_t m0) {
+    const int64_t chunks = q.K / kChunk;
+    for (int m = 0; m < R; ++m) {
+      codes[m] = q.codes.data() + (m0 + m) * q.K;
+      scale[m] = q.scale.data() + (m0 + m) * chunks;
+      sum32[m] = q.sum32.data() + (m0 + m) * chunks;
+      acc[m] = _mm256_setzero_ps();
+    }
+  }
+};
+
+template <int R>
+inline void group_affine4(const uint8_t* tile, int64_t chunks, TileRows<R>& t) {
+  const __m256i low_mask = _mm256_set1_epi8(15), ones = _mm256_set1_epi16(1);
+  for (int64_t c = 0; c < chunks; ++c, tile += kAffine4Bytes) {
+    _mm_prefetch(reinterpret_cast<const char*>(tile) + kPrefetchBytes, _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(tile) + kPrefetchBytes + 64, _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(tile) + kPrefetchBytes + 128, _MM_HINT_T0);
+    __m256i q[8];
+    for (int v = 0; v < 4; ++v) {
+      const __m256i bytes = load32(tile + 32 * v);
+      q[v] = _mm256_and_si256(bytes, low_mask);
+      q[v + 4] = _mm256_and_si256(_mm256_srli_epi16(bytes, 4), low_mask);
+    }
+    const __m256 scale = load_halves8(tile + 128), offset = load_halves8(tile + 144);
+    for (int m = 0; m < R; ++m) {
+      const int8_t* x = t.codes[m] + c * kChunk;
+      // 4-bit codes: 8 steps of pair sums stay below 8 * 2 * 15 * 127 < 2^15 in 16 bits
+      __m256i pairs = _mm256_maddubs_epi16(q[0], broadcast4(x));
+      for (int s = 1; s < 8; ++s) pairs = _mm256_add_epi16(pairs, _mm256_maddubs_epi16(q[s], broadcast4(x + 4 * s)));
+      const __m256 dot = _mm256_cvtepi32_ps(_mm256_madd_epi16(pairs, ones));
+      const float dx = t.scale[m][c];
+      t.acc[m] = _mm256_fmadd_ps(dot, _mm256_mul_ps(scale, _mm256_set1_ps(dx)), t.acc[m]);
+      t.acc[m] = _mm256_fmadd_ps(offset, _mm256_set1_ps(dx * static_cast<float>(t.sum32[m][c])), t.acc[m]);
+    }
+  }
+}
+
+template <int R>
+inline void group_int8(const uint8_t* tile, int64_t chunks, TileRows<R>& t) {
+  const __m256i ones = _mm256_set1_epi16(1);
+  for (int64_t c = 0; c < chunks; ++c, tile += kInt8Bytes) {
+    for (int line = 0; line < 5; ++line) _mm_prefetch(reinterpret_cast<const char*>(tile) + kPrefetchBytes + 64 * line, _MM_HINT_T0);
+    __m256i q[8], q_abs[8];
+    for (int s = 0; s < 8; ++s) {
+      q[s] = load32(tile + 32 * s);
+      q_abs[s] = _mm256_sign_epi8(q[s], q[s]);
+    }
+    const __m256 scale = load_halves8(tile + 256);
+    for (int m = 0; m < R; ++m) {
+      const int8_t* x = t.codes[m] + c * kChunk;
+      __m256i dot = _mm256_setzero_si256();
+      for (int s = 0; s < 8; ++s) {  // |w| * (x with w's sign); pair sums up to 2 * 128 * 127 fit 16 bits once
+        const __m256i xs = _mm256_sign_epi8(broadcast4(x + 4 * s), q[s]);
+        dot = _mm256_add_epi32(dot, _mm256_madd_epi16(_mm256_maddubs_epi16(q_abs[s], xs), ones));
+      }
+      t.acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_mul_ps(scale, _mm256_set1_ps(t.scale[m][c])), t.acc[m]);
+    }
+  }
+}
+
+template <int R, typename Y>
+inline void tile_rows_against(bool affine4, const uint8_t* group, const QuantizedX& q, int64_t m0, int64_t n0,
+                              int64_t N, const float* bias, Y* y) {
+  TileRows<R> t(q, m0);
+  const int64_t chunks = q.K / kChunk;
+  if (affine4) group_affine4<R>(group, chunks, t); else group_int8<R>(group, chunks, t);
+  const int valid = static_cast<int>(std::min<int64_t>(kTileRows, N - n0));
+  for (int m = 0; m < R; ++m) {
+    alignas(32) float out[kTileRows];
+    _mm256_store_ps(out, t.acc[m]);
+    for (int r = 0; r < valid; ++r) y[(m0 + m) * N + n0 + r] = static_cast<Y>(out[r] + (bias ? bias[n0 + r] : 0.f));
+  }
+}
+
+template <typename Y>
+void run_tiles(bool affine4, const uint8_t* tiles, int64_t group_bytes, const QuantizedX& q, int64_t M, int64_t N,
+               const float* bias, Y* y) {
+  const int64_t groups = (N + kTileRows - 1) / kTileRows;
+  at::parallel_for(0, groups, 4, [&](int64_t begin, int64_t end) {
+    for (int64_t g = begin; g < end; ++g) {
+      const uint8_t* group = tiles + g * group_bytes;
+      for (int64_t m0 = 0; m0 < M; m0 += kRowBlock) {
+        switch (std::min<int64_t>(kRowBlock, M - m0)) {
+          case 4: tile_rows_against<4>(affine4, group, q, m0, g * kTileRows, N, bias, y); break;
+          case 3: tile_rows_against<3>(affine4, group, q, m0, g * kTileRows, N, bias, y); break;
+          case 2: tile_rows_against<2>(affine4, group, q, m0, g * kTileRows, N, bias, y); break;
+          default: tile_rows_against<1>(affine4, group, q, m0, g * kTileRows, N, bias, y); break;
+        }
+      }
+    }
+  });
+}
+
+std::vector<float> checked_bias(const std::optional<torch::Tensor>& bias, int64_t N, const char* name) {
+  std::vector<float> out;
+  if (bias.has_value() && bias->defined()) {
+    TORCH_CHECK(bias->numel() == N, name, ": bias has ", bias->numel(), " values, need ", N);
+    const torch::Tensor b = bias->to(at::kFloat).contiguous();
+    out.assign(b.data_ptr<float>(), b.data_ptr<float>() + N);
+  }
+  return out;
+}
+
+void check_x(const torch::Tensor& x, const char* name) {
+  TORCH_CHECK(x.device().is_cpu(), name, " runs on the CPU");
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), name, ": x must be a contiguous [rows, in_features]");
+  TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16, name,
+              ": x must be float32 or bfloat16");
+  TORCH_CHECK(x.size(0) >= 1 && x.size(0) <= kMaxRows, name, " takes 1 to ", kMaxRows, " rows, got ", x.size(0));
+  TORCH_CHECK(x.size(1) % kChunk == 0, name, ": in_features ", x.size(1), " is not a multiple of ", kChunk);
+}
+
+// kind: 0 affine4 (Q4_0, Q4_1), 1 int8 (Q8_0); tiles: uint8 [ceil(N / 8), K / 32 * tile bytes].
+torch::Tensor linear_tiles(torch::Tensor x, torch::Tensor tiles, int64_t kind, int64_t out_features,
+                           std::optional<torch::Tensor> bias) {
+  const char* name = "gguf_gemm.linear_tiles";
+  check_x(x, name);
+  TORCH_CHECK(kind == 0 || kind == 1, name, ": kind is 0 (affine4) or 1 (int8), got ", kind);
+  const int64_t M = x.size(0), K = x.size(1), N = out_features;
+  const int64_t tile_bytes = kind == 0 ? kAffine4Bytes : kInt8Bytes;
+  TORCH_CHECK(tiles.dim() == 2 && tiles.scalar_type() == at::kByte && tiles.is_contiguous() &&
+                  tiles.size(0) == (N + kTileRows - 1) / kTileRows && tiles.size(1) == K / kChunk * tile_bytes,
+              name, ": the tiles must be laid out by cluster.quant.gguf_tiles for ", N, " rows of ", K, " inputs");
+  const std::vector<float> bias_f32 = checked_bias(bias, N, name);
+  const QuantizedX q = quantize_x(x);
+  torch::Tensor y = torch::empty({M, N}, x.options());
+  const float* b = bias_f32.empty() ? nullptr : bias_f32.data();
+  if (y.scalar_type() == at::kFloat)
+    run_tiles(kind == 0, tiles.data_ptr<uint8_t>(), tiles.size(1), q, M, N, b, y.data_ptr<float>());
+  else
+    run_tiles(kind == 0, tiles.data_ptr<uint8_t>(), tiles.size(1), q, M, N, b, y.data_ptr<at::BFloat16>());
+  return y;
+}
+
 torch::Tensor linear(torch::Tensor x, torch::Tensor weight, int64_t format, std::optional<torch::Tensor> bias) {
   const FormatInfo fi = info_of(format);
   TORCH_CHECK(fi.block > 0, "gguf_gemm.linear: ggml type ", format,
@@ -348,6 +515,7 @@ std::vector<torch::Tensor> quantize_activations(torch::Tensor x) {
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("linear", &linear, "y = x @ W.T (+ bias) for 1 to max_rows rows, W as ggml blocks of the given type");
+  m.def("linear_tiles", &linear_tiles, "the same on Q4_0 / Q4_1 (kind 0) or Q8_0 (kind 1) rows in tiles of 8");
   m.def("quantize_activations", &quantize_activations, "x's int8 codes and scales per 32 inputs");
   m.attr("max_rows") = kMaxRows;
 }

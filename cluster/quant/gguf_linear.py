@@ -24,6 +24,7 @@ from torch import nn
 
 from cluster.kernels.build import gguf_gemm
 from cluster.models.gguf_blocks import BlockFormat, row_bytes
+from cluster.quant.gguf_tiles import tile_rows
 
 logger = logging.getLogger(__name__)
 
@@ -62,8 +63,12 @@ class GGUFLinear(nn.Module):
                                  f"{self.in_features} weights")
         self.dense = dense
         self.formats = [p.fmt for p in merged]
-        for i, part in enumerate(merged):
-            self.register_buffer(f"blocks_{i}", part.raw.contiguous())
+        self._kernel = gguf_gemm() if dense.weight.device.type == "cpu" else None
+        # On the CPU the formats with a tile layout keep only their tiles (the same bytes, reordered).
+        tiles = [tile_rows(p.raw, p.fmt) if self._kernel is not None else None for p in merged]
+        self.tile_kinds = [None if t is None else t.kind for t in tiles]
+        for i, (part, tiled) in enumerate(zip(merged, tiles)):
+            self.register_buffer(f"blocks_{i}", part.raw.contiguous() if tiled is None else tiled.data)
         starts = [0]
         for part in merged:
             starts.append(starts[-1] + part.raw.shape[0])
@@ -71,10 +76,10 @@ class GGUFLinear(nn.Module):
         bias = dense.bias
         self._bias_parts = [None if bias is None else bias.detach()[a:b].float().contiguous()
                             for a, b in zip(starts, starts[1:])]
-        self._kernel = gguf_gemm() if dense.weight.device.type == "cpu" else None
 
     @property
     def blocks(self) -> list[torch.Tensor]:
+        """Each part's bytes: the file's rows, or their tiles where ``tile_kinds`` names a kind."""
         return [getattr(self, f"blocks_{i}") for i in range(len(self.formats))]
 
     @property
@@ -86,8 +91,13 @@ class GGUFLinear(nn.Module):
                 torch.float32, torch.bfloat16):
             return self.dense(x)
         x = x.contiguous()
-        outs = [self._kernel.linear(x, raw, fmt.ggml_type, bias)
-                for raw, fmt, bias in zip(self.blocks, self.formats, self._bias_parts)]
+        outs = []
+        for i, (data, fmt, kind, bias) in enumerate(zip(self.blocks, self.formats, self.tile_kinds, self._bias_parts)):
+            if kind is None:
+                outs.append(self._kernel.linear(x, data, fmt.ggml_type, bias))
+            else:
+                rows = self._row_starts[i + 1] - self._row_starts[i]
+                outs.append(self._kernel.linear_tiles(x, data, kind, rows, bias))
         return outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
 
     def extra_repr(self) -> str:

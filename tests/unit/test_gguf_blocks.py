@@ -114,3 +114,27 @@ def test_kernel_refuses_bad_calls_with_what_was_wrong():
         kernel.linear(torch.randn(1, 96), raw, 3, None)
     with pytest.raises(RuntimeError, match="bias has 3 values"):
         kernel.linear(torch.randn(1, 64), raw, 3, torch.zeros(3))
+
+
+@needs_kernel
+@pytest.mark.parametrize("name", ["Q4_0", "Q4_1", "Q8_0"])
+@pytest.mark.parametrize("rows", [1, 4, 7, 16])
+def test_tiles_of_8_rows_give_the_rows_kernel_values(name, rows):
+    """The tile layout only reorders the bytes: the products equal the float64 reference as the rows' do,
+    with out_features not a multiple of 8 (zero rows pad the last tile)."""
+    from cluster.quant.gguf_tiles import tile_rows
+
+    raw = random_rows(name, 29, 576, seed=rows)
+    x = torch.randn(rows, 576, generator=torch.Generator().manual_seed(rows)).to(torch.bfloat16)
+    bias = torch.randn(29, generator=torch.Generator().manual_seed(9))
+    tiles = tile_rows(raw, FORMATS[name])
+    assert tiles.data.shape[0] == 4
+    y = kernel.linear_tiles(x, tiles.data, tiles.kind, 29, bias)
+    expected = _reference(x.float(), raw, name) + bias.double()
+    magnitude = x.double().abs() @ dequantize_rows(raw, block_format(name)).double().abs().T
+    assert y.dtype == torch.bfloat16
+    assert ((y.double() - expected).abs() <= magnitude * 1e-5 + 1e-5 + expected.abs() * 2 ** -8).all()
+    # a row alone gets the same bits as beside others
+    assert torch.equal(kernel.linear_tiles(x[-1:].contiguous(), tiles.data, tiles.kind, 29, bias), y[-1:])
+    with pytest.raises(RuntimeError, match="laid out by cluster.quant.gguf_tiles"):
+        kernel.linear_tiles(x, tiles.data, tiles.kind, 33, bias)
