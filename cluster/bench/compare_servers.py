@@ -123,10 +123,16 @@ def start_tandem(name: str, config_path: str | Path, speculation: bool, python: 
 def start_vllm_anchor(name: str, script: str | Path, speculation_config: dict | None,
                       extra_args: list[str], env: dict[str, str] | None = None) -> RunningServer:
     """vLLM's CPU server through the anchor script; ``env`` adds variables (e.g. its core placement)."""
+    args = [*extra_args, "--speculative-config", json.dumps(speculation_config)] if speculation_config else extra_args
+    return start_anchor(name, script, args, env, "vllm-serve")
+
+
+def start_anchor(name: str, script: str | Path, extra_args: list[str], env: dict[str, str] | None,
+                 log_prefix: str) -> RunningServer:
+    """A peer's server through its anchor script (``serve PORT ARGS`` prints the pid last, ``stop PID``
+    ends it; its log is ``<anchors>/<log_prefix>-PORT.log``): vllm_cpu.sh, llamacpp_cpu.sh."""
     port = free_port()
     cmd = [str(script), "serve", str(port), *extra_args]
-    if speculation_config:
-        cmd += ["--speculative-config", json.dumps(speculation_config)]
     started = subprocess.run(cmd, capture_output=True, text=True, timeout=START_TIMEOUT_S,
                              env={**os.environ, **(env or {})})
     lines = started.stdout.strip().splitlines()
@@ -146,7 +152,7 @@ def start_vllm_anchor(name: str, script: str | Path, speculation_config: dict | 
                 return
             time.sleep(0.5)
 
-    return RunningServer(name, f"http://127.0.0.1:{port}", stop, root / f"vllm-serve-{port}.log")
+    return RunningServer(name, f"http://127.0.0.1:{port}", stop, root / f"{log_prefix}-{port}.log")
 
 
 def python_with_vllm() -> str | None:

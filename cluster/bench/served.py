@@ -30,6 +30,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import subprocess
 import sys
 import tempfile
@@ -41,7 +42,8 @@ from rich.console import Console
 
 from cluster.bench.benchmark import Benchmark
 from cluster.bench.compare import DEFAULT_ANCHOR
-from cluster.bench.compare_servers import python_with_vllm, start_or_report, start_tandem, start_vllm_anchor
+from cluster.bench.compare_servers import (python_with_vllm, start_anchor, start_or_report, start_tandem,
+                                          start_vllm_anchor)
 from cluster.bench.offline import concrete_dtype
 from cluster.bench.spec_vllm import VLLM_ALL_CORES
 from cluster.bench.proc_cpu import ProcessCpuSampler
@@ -52,6 +54,8 @@ from cluster.config import group_engine_config, load_config
 from cluster.models.loader import load_tokenizer, resolve_model
 
 VLLM_PLACEMENTS = {"vllm-default": {}, "vllm-all-cores": VLLM_ALL_CORES}
+LLAMACPP_ANCHOR = DEFAULT_ANCHOR.with_name("llamacpp_cpu.sh")
+# llama-server as the anchor starts it: 2 threads (-t, -tb), 16 slots of continuous batching (-np 16, -c 32768)
 WARM_CONCURRENCY = 8  # requests in flight while a server answers --warm-prompts
 
 
@@ -174,9 +178,11 @@ def measure_served(args: argparse.Namespace, console: Console) -> dict:
         raise ValueError("--speculation-alternatives are served in the A/B rounds: give --speculation-ab ROUNDS too")
     if args.rounds < 1:
         raise ValueError(f"--rounds must be at least 1, got {args.rounds}")
-    if args.rounds > 1 and (args.speculation_ab or args.skip_vllm):
-        raise ValueError("--rounds alternates Tandem with vLLM: it takes neither --speculation-ab (its own rounds) "
-                         "nor --skip-vllm")
+    if args.rounds > 1 and (args.speculation_ab or (args.skip_vllm and not args.llamacpp)):
+        raise ValueError("--rounds alternates Tandem with its peers: it takes neither --speculation-ab (its own rounds) "
+                         "nor --skip-vllm without --llamacpp")
+    if args.llamacpp and not Path(args.llamacpp_script).is_file():
+        raise ValueError(f"the llama.cpp anchor script {args.llamacpp_script} does not exist (--llamacpp-script)")
     runs = speculation_runs(args)
     alternatives = {name: str(config) for name, config, _ in runs[1:-1]}
     work = Path(tempfile.mkdtemp(prefix="tandem-served-"))
@@ -199,6 +205,9 @@ def measure_served(args: argparse.Namespace, console: Console) -> dict:
             for name, env in ((name, VLLM_PLACEMENTS[name]) for name in args.vllm_placements):
                 systems[name + suffix] = _measure_system(args, console, name + suffix, lambda n=name, e=env: (
                     start_vllm_anchor(n, args.vllm_script, speculative, vllm_args, e)), work, False)
+        if args.llamacpp:
+            systems["llamacpp" + suffix] = _measure_system(args, console, "llamacpp" + suffix, lambda: start_anchor(
+                "llamacpp", args.llamacpp_script, shlex.split(args.llamacpp_args), None, "llama-server"), work, False)
     offline = {}
     for cell in cells(args):
         if cell["rate"] == "inf" and not args.skip_offline:
@@ -211,6 +220,7 @@ def measure_served(args: argparse.Namespace, console: Console) -> dict:
             "speculation_gain": speculation_gains(systems),
             "speculation_gain_alternatives": {name: speculation_gains(systems, name) for name in alternatives},
             "vllm_ratios": server_ratios(systems),
+            "llamacpp_ratios": server_ratios(systems, "llamacpp"),
               "settings": {"client": "vllm.benchmarks.serve (backend vllm, streamed completions, "
                                      + ("EOS honoured, " if args.honor_eos else "ignore_eos, ")
                                      + ("no sampling settings sent: temperature 1)" if args.temperature is None
@@ -224,7 +234,10 @@ def measure_served(args: argparse.Namespace, console: Console) -> dict:
                            "vllm": {"dtype": args.vllm_dtype, "max_num_seqs": args.max_num_seqs,
                                     "placements": {name: VLLM_PLACEMENTS[name] for name in args.vllm_placements}},
                            "tandem": "tandem serve CONFIG: every core to the engine replica (num_cpus), "
-                                     "engine core process, direct ingress"}}
+                                     "engine core process, direct ingress",
+                           "llamacpp": None if not args.llamacpp else
+                           "llama-server on the model's GGUF file, 2 threads, 16 slots of 2,048 tokens (continuous "
+                           "batching)" + (f", {args.llamacpp_args}" if args.llamacpp_args else "")}}
 
 
 def speculation_runs(args: argparse.Namespace) -> list[tuple[str, Path, bool]]:
@@ -317,7 +330,12 @@ def add_served_args(parser: argparse.ArgumentParser) -> None:
         help="vLLM's core placements to serve (default both; the better one per cell is compared)")
     add("--python-vllm", default=None, help="interpreter with vLLM for the client (default: the vLLM tier's)")
     add("--tokenizer", default=None, help="tokenizer folder for the client (default: the anchor's model folder)")
-    add("--skip-vllm", action="store_true", help="measure Tandem only")
+    add("--skip-vllm", action="store_true", help="no vLLM server")
+    add("--llamacpp", action="store_true",
+        help="also serve llama.cpp's llama-server (the llamacpp_cpu.sh anchor, after its setup) in every round")
+    add("--llamacpp-args", default="", metavar="ARGS",
+        help="llama-server's own arguments beyond the anchor's, one string: --llamacpp-args='--spec-type ngram-mod'")
+    add("--llamacpp-script", type=Path, default=LLAMACPP_ANCHOR, help="llama.cpp's CPU anchor script")
     add("--cell-timeout-s", type=float, default=900.0)
 
 

@@ -1,6 +1,7 @@
-"""The tables of ``tandem bench served``: per cell, Tandem beside both vLLM placements and the
-better of them (in each round, with ``--rounds``, and the median of the rounds' ratios), the
-served / offline ratio, and where Tandem's CPU time went."""
+"""The tables of ``tandem bench served``: per cell, Tandem beside each peer (both vLLM placements and the
+better of them; llama.cpp's server) in each round, with ``--rounds``, and the median of the rounds'
+ratios), the served / offline ratio, and where Tandem's CPU time went. A peer's runs are the systems
+whose names start with its prefix (``vllm``, ``llamacpp``)."""
 
 from __future__ import annotations
 
@@ -23,31 +24,34 @@ FIGURES = {
 GOAL_FIGURES = ("output_throughput", "mean_ttft_ms", "p99_ttft_ms", "median_tpot_ms", "p99_tpot_ms")
 
 
-def best_vllm(systems: dict, cell: str, names: list[str] | None = None) -> str | None:
-    """The vLLM run (of ``names``, default every one) with the higher output throughput in ``cell``."""
+PEERS = ("vllm", "llamacpp")
+
+
+def best_vllm(systems: dict, cell: str, names: list[str] | None = None, peer: str = "vllm") -> str | None:
+    """The run of ``peer`` (of ``names``, default every one) with the higher output throughput in ``cell``."""
     candidates = [(systems[name][cell]["output_throughput"], name) for name in (names or systems)
-                  if name.startswith("vllm") and isinstance(systems[name].get(cell), dict)
+                  if name.startswith(peer) and isinstance(systems[name].get(cell), dict)
                   and systems[name][cell].get("output_throughput")]
     return max(candidates)[1] if candidates else None
 
 
-def server_rounds(systems: dict) -> list[tuple[str, list[str]]]:
-    """Each round's Tandem run and the vLLM runs beside it: ``tandem`` with every ``vllm-*`` (one
+def server_rounds(systems: dict, peer: str = "vllm") -> list[tuple[str, list[str]]]:
+    """Each round's Tandem run and the peer's runs beside it: ``tandem`` with every ``vllm-*`` (one
     round), or ``tandem #r`` with ``vllm-* #r`` (``--rounds``)."""
     if "tandem" in systems:
-        return [("tandem", [n for n in systems if n.startswith("vllm") and "#" not in n])]
+        return [("tandem", [n for n in systems if n.startswith(peer) and "#" not in n])]
     rounds = sorted(int(n.split("#")[1]) for n in systems if n.startswith("tandem #"))
-    paired = [(f"tandem #{r}", [n for n in systems if n.startswith("vllm") and n.endswith(f" #{r}")]) for r in rounds]
-    return [pair for pair in paired if pair[1]]  # a speculation A/B's rounds have no vLLM beside them
+    paired = [(f"tandem #{r}", [n for n in systems if n.startswith(peer) and n.endswith(f" #{r}")]) for r in rounds]
+    return [pair for pair in paired if pair[1]]  # a speculation A/B's rounds have no peer beside them
 
 
-def server_ratios(systems: dict) -> dict[str, dict[str, dict]]:
-    """Per cell and goal figure: Tandem / the round's better vLLM placement in each round, their
+def server_ratios(systems: dict, peer: str = "vllm") -> dict[str, dict[str, dict]]:
+    """Per cell and goal figure: Tandem / the round's better run of ``peer`` in each round, their
     median, and whether Tandem is ahead by that median."""
     out: dict[str, dict[str, dict]] = {}
-    for index, (tandem, vllm_names) in enumerate(server_rounds(systems)):
+    for index, (tandem, vllm_names) in enumerate(server_rounds(systems, peer)):
         for cell, figures in systems[tandem].items():
-            best = best_vllm(systems, cell, vllm_names) if isinstance(figures, dict) else None
+            best = best_vllm(systems, cell, vllm_names, peer) if isinstance(figures, dict) else None
             for key, judged in (verdicts(figures, systems[best][cell]) if best else {}).items():
                 entry = out.setdefault(cell, {}).setdefault(key, {"rounds": []})
                 entry["rounds"] += [None] * (index - len(entry["rounds"])) + [judged["ratio"]]
@@ -116,15 +120,23 @@ def print_served_report(console, report: dict) -> None:
     systems = report["systems"]
     if any(name.startswith("tandem-no-spec") for name in systems):
         print_speculation_ab(console, report)
-    rounds = server_rounds(systems)
-    if not rounds:
-        return
     settings = report.get("settings", {})
     if "vllm" in settings:
         console.print(f"what each got: tandem: {settings['tandem']}; vLLM: dtype {settings['vllm']['dtype']}, "
                       f"--max-num-seqs {settings['vllm']['max_num_seqs']}, placements "
                       f"{', '.join(settings['vllm']['placements'])}; client: {settings['client']}")
-    ratios = server_ratios(systems)
+    if settings.get("llamacpp"):
+        console.print(f"llama.cpp: {settings['llamacpp']}")
+    for peer in PEERS:
+        _print_peer(console, report, peer)
+
+
+def _print_peer(console, report: dict, peer: str) -> None:
+    systems = report["systems"]
+    rounds = server_rounds(systems, peer)
+    if not rounds:
+        return
+    ratios = server_ratios(systems, peer)
     several = len(rounds) > 1
     for cell in systems[rounds[0][0]]:
         failed = [(t, systems[t][cell]) for t, _ in rounds
@@ -133,10 +145,11 @@ def print_served_report(console, report: dict) -> None:
             console.print(f"[red]{tandem} {cell}:[/] {figures.get('error') if isinstance(figures, dict) else figures}")
         if len(failed) == len(rounds):
             continue
-        bests = [best_vllm(systems, cell, names) for _, names in rounds]
-        caption = ("better vLLM placement per round: " + ", ".join(str(b) for b in bests)
+        bests = [best_vllm(systems, cell, names, peer) for _, names in rounds]
+        caption = (f"better {peer} run per round: " + ", ".join(str(b) for b in bests)
                    + "; ratio = tandem / that one" + ("; judged by the median ratio over rounds" if several else ""))
-        table = Table(title=f"{cell} (vLLM's client)", box=box.SIMPLE_HEAD, show_edge=False, caption=caption)
+        table = Table(title=f"{cell}: tandem and {peer} (vLLM's client)", box=box.SIMPLE_HEAD, show_edge=False,
+                      caption=caption)
         table.add_column("figure")
         names = [name for tandem, vllm_names in rounds for name in (tandem, *vllm_names)]
         for name in names:

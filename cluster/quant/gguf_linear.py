@@ -2,12 +2,12 @@
 
 A layer keeps the rows of its weight as the file holds them (:mod:`cluster.models.gguf_blocks`; a
 stacked projection such as ``qkv_proj`` keeps one part per run of rows in one format) and, beside
-them, ``dense``: the same values widened to the model's dtype, the layer the model had. Calls of
-up to the kernel's ``max_rows`` rows on the CPU (decode steps, verification of drafts) run
-``gguf_gemm`` on the blocks, reading 4.5-8.5 bits a weight instead of 16 or 32; longer calls
-(prompts, large batches), where arithmetic and not the weight's bytes bounds a step, and every
-call on other devices take ``dense`` (packed for the CPU by ``pack_linears`` like any other
-layer), so they cost what they cost before.
+them, ``dense``: the same values widened to the model's dtype, the layer the model had. Calls of up
+to ``max_rows`` rows on the CPU (decode steps, verification of drafts; at most the kernel's 16, as
+:mod:`cluster.quant.gguf_rows` measured) run ``gguf_gemm`` on the blocks, reading 4.5-8.5 bits a
+weight instead of 16 or 32; longer calls (prompts, large batches), where arithmetic and not the
+weight's bytes bounds a step, and every call on other devices take ``dense`` (packed for the CPU by
+``pack_linears`` like any other layer), so they cost what they cost before.
 
 The kernel quantizes each row of x to int8 per 32 inputs (as llama.cpp does for these formats), so
 its results differ from ``dense``'s by that rounding; every row is computed alike whatever shares
@@ -64,6 +64,7 @@ class GGUFLinear(nn.Module):
         self.dense = dense
         self.formats = [p.fmt for p in merged]
         self._kernel = gguf_gemm() if dense.weight.device.type == "cpu" else None
+        self.max_rows = self._kernel.max_rows if self._kernel is not None else 0  # the rows probe may lower it
         # On the CPU the formats with a tile layout keep only their tiles (the same bytes, reordered).
         tiles = [tile_rows(p.raw, p.fmt) if self._kernel is not None else None for p in merged]
         self.tile_kinds = [None if t is None else t.kind for t in tiles]
@@ -87,7 +88,7 @@ class GGUFLinear(nn.Module):
         return sum(b.numel() for b in self.blocks)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [num_tokens, in] -> [num_tokens, out]
-        if self._kernel is None or not 0 < x.shape[0] <= self._kernel.max_rows or x.dtype not in (
+        if self._kernel is None or not 0 < x.shape[0] <= self.max_rows or x.dtype not in (
                 torch.float32, torch.bfloat16):
             return self.dense(x)
         x = x.contiguous()

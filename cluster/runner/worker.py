@@ -20,6 +20,7 @@ from cluster.parallel.layers import pack_parallel_linears
 from cluster.models.gguf_blocks import read_blocks
 from cluster.quant.apply import quantize_linears
 from cluster.quant.gguf_linear import use_gguf_blocks
+from cluster.quant.gguf_rows import choose_gguf_rows
 from cluster.quant.checkpoint import dequantized, folder_scheme
 from cluster.runner.attention_choice import choose_attention
 from cluster.runner.model_runner import KVCacheSpec, ModelRunner, free_device_memory, num_blocks_for_budget
@@ -117,6 +118,8 @@ def load_model(config: TandemConfig, device: torch.device, tp: TPGroup | None = 
     elif scheme != "none":
         quantize_linears(model, scheme)
     pack_linears(model, device, dtype, config.model.batch_invariant)
+    if scheme == "gguf":
+        choose_gguf_rows(model, dtype)
     attach_decode_ops(model, device, dtype, config.model.batch_invariant)
     if tp is not None:
         pack_parallel_linears(model, device, dtype)

@@ -178,3 +178,30 @@ def test_rounds_need_vllm_and_no_speculation_ab(tmp_path):
             assert wanted in str(err)
         else:
             raise AssertionError(f"{argv} was taken")
+
+
+def test_llamacpp_is_a_peer_of_its_own_beside_vllm():
+    import io
+
+    from rich.console import Console
+
+    from cluster.bench.served import add_served_args
+    from cluster.bench.served_report import print_served_report, server_ratios, server_rounds
+
+    systems = {}
+    for r, figures in enumerate([(100.0, 100.0, 50.0, 400.0), (90.0, 110.0, 60.0, 400.0)], start=1):
+        tandem, llamacpp = _round(*figures)
+        systems[f"tandem #{r}"], systems[f"llamacpp #{r}"] = tandem, llamacpp
+        systems[f"vllm-all-cores #{r}"] = _round(*figures)[1] | {}
+    assert server_rounds(systems, "llamacpp")[0] == ("tandem #1", ["llamacpp #1"])
+    ratios = server_ratios(systems, "llamacpp")["random @ 2/s"]
+    assert ratios["output_throughput"]["rounds"] == [2.0, 1.5] and ratios["mean_ttft_ms"]["ahead"]
+    out = io.StringIO()
+    print_served_report(Console(file=out, width=250), {"systems": systems, "offline": {}})
+    assert "tandem and vllm" in out.getvalue() and "tandem and llamacpp" in out.getvalue()
+    import argparse
+
+    parser = argparse.ArgumentParser()
+    add_served_args(parser)
+    args = parser.parse_args(["--llamacpp", "--llamacpp-args=--spec-type ngram-mod"])
+    assert args.llamacpp and args.llamacpp_args == "--spec-type ngram-mod"
