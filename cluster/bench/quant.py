@@ -58,9 +58,10 @@ CONFIGS = {  # name -> engine overrides
     "kv-int8": {"kv_cache_dtype": "int8"},
     "int8+kv-int8": {"quantization": "int8", "kv_cache_dtype": "int8"},
     "gguf": {"quantization": "gguf"},  # the GGUF file's own blocks (a .gguf model or the embedded one)
+    "gguf-int8": {"quantization": "gguf", "gguf_activations": "int8"},  # the same, 8-bit activations alone
 }
 # Configurations whose decode steps compute otherwise than their prompts: compared as decoding runs.
-STEPWISE = {"gguf"}
+STEPWISE = {"gguf", "gguf-int8"}
 KERNELS = ("float32", "float32-packed", "int8pack-bf16", "int8-widened", "int8-dynamic-fbgemm", "int8-lowbit",
            "int4-lowbit", "gguf-Q4_1", "gguf-Q8_0")
 GGUF_KERNEL_FORMATS = ("Q4_1", "Q8_0")  # the embedded model's: Q4_1 layers, a Q8_0 embedding (its tied head)
@@ -130,7 +131,8 @@ def _gguf_layer(weight: torch.Tensor, name: str, dtype: torch.dtype):
     """The weight quantized by the gguf package into ``name`` blocks, as a layer fed ``dtype`` x."""
     fmt = block_format(name)
     raw = torch.from_numpy(gguf_quantize(weight.numpy(), GGMLQuantizationType[name]))
-    layer = GGUFLinear(torch.nn.Linear(weight.shape[1], weight.shape[0], bias=False), [BlockPart(raw, fmt)])
+    layer = GGUFLinear(torch.nn.Linear(weight.shape[1], weight.shape[0], bias=False), [BlockPart(raw, fmt)],
+                       residual=True)
     return lambda x: layer(x.to(dtype))
 
 

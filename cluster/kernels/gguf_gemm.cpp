@@ -57,12 +57,15 @@ inline float half_at(const uint8_t* p) {
   return _cvtsh_ss(bits);
 }
 
-// x's rows quantized per chunk of 32: codes [M, K], scales and code sums [M, K / 32], sums per 16 [M, K / 16].
+// x's rows quantized per chunk of 32: codes [R, K], scales and code sums [R, K / 32], sums per 16 [R, K / 16],
+// where R = M rows of x, or 2M with the residual: row 2m is x's row m, row 2m + 1 what its codes missed
+// (x - scale * codes, quantized the same way), so the two rows' products add up to x's with about 15 bits.
 struct QuantizedX {
   std::vector<int8_t> codes;
   std::vector<float> scale;
   std::vector<int32_t> sum32, sum16;
   int64_t K;
+  int per_row;  // internal rows per row of x: 1, or 2 with the residual
 };
 
 template <typename X>
@@ -70,46 +73,71 @@ inline void load_chunk(const X* x, float out[kChunk]) {
   for (int i = 0; i < kChunk; ++i) out[i] = static_cast<float>(x[i]);
 }
 
-QuantizedX quantize_x(const torch::Tensor& x) {
+// 32 values -> int8 codes rounded to nearest of max |v| / 127 (the scale returned) and their sums per 16.
+inline float quantize_chunk(const float* vals, int8_t* codes, int32_t* sum16) {
+  const __m256 sign_mask = _mm256_set1_ps(-0.0f);
+  const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+  __m256 v[4], amax = _mm256_setzero_ps();
+  for (int i = 0; i < 4; ++i) {
+    v[i] = _mm256_loadu_ps(vals + 8 * i);
+    amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign_mask, v[i]));
+  }
+  __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
+  m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+  m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
+  const float max_abs = _mm_cvtss_f32(m4);
+  const __m256 inv = _mm256_set1_ps(max_abs > 0.f ? 127.f / max_abs : 0.f);
+  __m256i i32[4];
+  for (int i = 0; i < 4; ++i)  // nearest, ties to even (the default rounding mode)
+    i32[i] = _mm256_cvtps_epi32(_mm256_mul_ps(v[i], inv));
+  // int32 -> int8 in order: the packs interleave 128-bit lanes, the permute puts them back
+  const __m256i p16a = _mm256_packs_epi32(i32[0], i32[1]), p16b = _mm256_packs_epi32(i32[2], i32[3]);
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(codes),
+                      _mm256_permutevar8x32_epi32(_mm256_packs_epi16(p16a, p16b), order));
+  int32_t s0 = 0, s1 = 0;
+  for (int i = 0; i < 16; ++i) s0 += codes[i];
+  for (int i = 16; i < 32; ++i) s1 += codes[i];
+  sum16[0] = s0;
+  sum16[1] = s1;
+  return max_abs / 127.f;
+}
+
+QuantizedX quantize_x(const torch::Tensor& x, bool residual) {
   const int64_t M = x.size(0), K = x.size(1), chunks = K / kChunk;
-  QuantizedX q{std::vector<int8_t>(M * K), std::vector<float>(M * chunks), std::vector<int32_t>(M * chunks),
-               std::vector<int32_t>(M * K / 16), K};
+  const int per_row = residual ? 2 : 1;
+  const int64_t R = M * per_row;
+  QuantizedX q{std::vector<int8_t>(R * K), std::vector<float>(R * chunks), std::vector<int32_t>(R * chunks),
+               std::vector<int32_t>(R * K / 16), K, per_row};
   const bool bf16 = x.scalar_type() == at::kBFloat16;
   const float* xf = bf16 ? nullptr : x.data_ptr<float>();
   const at::BFloat16* xb = bf16 ? x.data_ptr<at::BFloat16>() : nullptr;
-  const __m256 sign_mask = _mm256_set1_ps(-0.0f);
-  const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
   alignas(32) float vals[kChunk];
-  for (int64_t c = 0; c < M * chunks; ++c) {
-    if (bf16) load_chunk(xb + c * kChunk, vals); else load_chunk(xf + c * kChunk, vals);
-    __m256 v[4], amax = _mm256_setzero_ps();
-    for (int i = 0; i < 4; ++i) {
-      v[i] = _mm256_load_ps(vals + 8 * i);
-      amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign_mask, v[i]));
+  for (int64_t m = 0; m < M; ++m) {
+    for (int64_t c = 0; c < chunks; ++c) {
+      const int64_t at = m * K + c * kChunk;
+      if (bf16) load_chunk(xb + at, vals); else load_chunk(xf + at, vals);
+      for (int part = 0; part < per_row; ++part) {
+        const int64_t row = m * per_row + part, index = row * chunks + c;
+        int8_t* codes = q.codes.data() + row * K + c * kChunk;
+        const float d = quantize_chunk(vals, codes, q.sum16.data() + 2 * index);
+        q.scale[index] = d;
+        q.sum32[index] = q.sum16[2 * index] + q.sum16[2 * index + 1];
+        for (int i = 0; i < kChunk; ++i) vals[i] -= d * static_cast<float>(codes[i]);  // what the codes missed
+      }
     }
-    __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
-    m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
-    m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
-    const float max_abs = _mm_cvtss_f32(m4);
-    const float d = max_abs / 127.f;
-    const __m256 inv = _mm256_set1_ps(max_abs > 0.f ? 127.f / max_abs : 0.f);
-    __m256i i32[4];
-    for (int i = 0; i < 4; ++i)  // nearest, ties to even (the default rounding mode)
-      i32[i] = _mm256_cvtps_epi32(_mm256_mul_ps(v[i], inv));
-    // int32 -> int8 in order: the packs interleave 128-bit lanes, the permute puts them back
-    const __m256i p16a = _mm256_packs_epi32(i32[0], i32[1]), p16b = _mm256_packs_epi32(i32[2], i32[3]);
-    const __m256i p8 = _mm256_permutevar8x32_epi32(_mm256_packs_epi16(p16a, p16b), order);
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(q.codes.data() + c * kChunk), p8);
-    q.scale[c] = d;
-    int32_t s0 = 0, s1 = 0;
-    const int8_t* codes = q.codes.data() + c * kChunk;
-    for (int i = 0; i < 16; ++i) s0 += codes[i];
-    for (int i = 16; i < 32; ++i) s1 += codes[i];
-    q.sum16[2 * c] = s0;
-    q.sum16[2 * c + 1] = s1;
-    q.sum32[c] = s0 + s1;
   }
   return q;
+}
+
+// y[m, n] = the sum of x's row m's internal rows' products (+ bias), from sums [R, N].
+template <typename Y>
+void finish_rows(const QuantizedX& q, const std::vector<float>& sums, int64_t M, int64_t N, const float* bias, Y* y) {
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t n = 0; n < N; ++n) {
+      float total = 0.f;
+      for (int part = 0; part < q.per_row; ++part) total += sums[(m * q.per_row + part) * N + n];
+      y[m * N + n] = static_cast<Y>(total + (bias ? bias[n] : 0.f));
+    }
 }
 
 inline __m256i dot_u8s8(__m256i w_u8, __m256i x_s8) {  // 32 products summed into 8 int32 lanes
@@ -274,27 +302,25 @@ inline void weight_row(int64_t format, const uint8_t* w, int64_t chunks, RowStat
   }
 }
 
-template <int R, typename Y>
+template <int R>
 inline void rows_against(int64_t format, const uint8_t* w, const QuantizedX& q, int64_t m0, int64_t n, int64_t N,
-                         const float* bias, Y* y) {
+                         float* y) {
   RowState<R> s(q, m0);
   weight_row<R>(format, w, q.K / kChunk, s);
-  const float b = bias ? bias[n] : 0.f;
-  for (int m = 0; m < R; ++m) y[(m0 + m) * N + n] = static_cast<Y>(hsum(s.acc[m]) + s.extra[m] + b);
+  for (int m = 0; m < R; ++m) y[(m0 + m) * N + n] = hsum(s.acc[m]) + s.extra[m];
 }
 
-template <typename Y>
-void run(int64_t format, const uint8_t* w, int64_t row_bytes, const QuantizedX& q, int64_t M, int64_t N,
-         const float* bias, Y* y) {
+// sums [M, N] of M internal rows of q against every weight row.
+void run(int64_t format, const uint8_t* w, int64_t row_bytes, const QuantizedX& q, int64_t M, int64_t N, float* y) {
   at::parallel_for(0, N, 16, [&](int64_t begin, int64_t end) {
     for (int64_t n = begin; n < end; ++n) {
       const uint8_t* row = w + n * row_bytes;
       for (int64_t m0 = 0; m0 < M; m0 += kRowBlock) {
         switch (std::min<int64_t>(kRowBlock, M - m0)) {
-          case 4: rows_against<4>(format, row, q, m0, n, N, bias, y); break;
-          case 3: rows_against<3>(format, row, q, m0, n, N, bias, y); break;
-          case 2: rows_against<2>(format, row, q, m0, n, N, bias, y); break;
-          default: rows_against<1>(format, row, q, m0, n, N, bias, y); break;
+          case 4: rows_against<4>(format, row, q, m0, n, N, y); break;
+          case 3: rows_against<3>(format, row, q, m0, n, N, y); break;
+          case 2: rows_against<2>(format, row, q, m0, n, N, y); break;
+          default: rows_against<1>(format, row, q, m0, n, N, y); break;
         }
       }
     }
@@ -393,9 +419,9 @@ inline void group_int8(const uint8_t* tile, int64_t chunks, TileRows<R>& t) {
   }
 }
 
-template <int R, typename Y>
+template <int R>
 inline void tile_rows_against(bool affine4, const uint8_t* group, const QuantizedX& q, int64_t m0, int64_t n0,
-                              int64_t N, const float* bias, Y* y) {
+                              int64_t N, float* y) {
   TileRows<R> t(q, m0);
   const int64_t chunks = q.K / kChunk;
   if (affine4) group_affine4<R>(group, chunks, t); else group_int8<R>(group, chunks, t);
@@ -403,27 +429,38 @@ inline void tile_rows_against(bool affine4, const uint8_t* group, const Quantize
   for (int m = 0; m < R; ++m) {
     alignas(32) float out[kTileRows];
     _mm256_store_ps(out, t.acc[m]);
-    for (int r = 0; r < valid; ++r) y[(m0 + m) * N + n0 + r] = static_cast<Y>(out[r] + (bias ? bias[n0 + r] : 0.f));
+    for (int r = 0; r < valid; ++r) y[(m0 + m) * N + n0 + r] = out[r];
   }
 }
 
-template <typename Y>
 void run_tiles(bool affine4, const uint8_t* tiles, int64_t group_bytes, const QuantizedX& q, int64_t M, int64_t N,
-               const float* bias, Y* y) {
+               float* y) {
   const int64_t groups = (N + kTileRows - 1) / kTileRows;
   at::parallel_for(0, groups, 4, [&](int64_t begin, int64_t end) {
     for (int64_t g = begin; g < end; ++g) {
       const uint8_t* group = tiles + g * group_bytes;
       for (int64_t m0 = 0; m0 < M; m0 += kRowBlock) {
         switch (std::min<int64_t>(kRowBlock, M - m0)) {
-          case 4: tile_rows_against<4>(affine4, group, q, m0, g * kTileRows, N, bias, y); break;
-          case 3: tile_rows_against<3>(affine4, group, q, m0, g * kTileRows, N, bias, y); break;
-          case 2: tile_rows_against<2>(affine4, group, q, m0, g * kTileRows, N, bias, y); break;
-          default: tile_rows_against<1>(affine4, group, q, m0, g * kTileRows, N, bias, y); break;
+          case 4: tile_rows_against<4>(affine4, group, q, m0, g * kTileRows, N, y); break;
+          case 3: tile_rows_against<3>(affine4, group, q, m0, g * kTileRows, N, y); break;
+          case 2: tile_rows_against<2>(affine4, group, q, m0, g * kTileRows, N, y); break;
+          default: tile_rows_against<1>(affine4, group, q, m0, g * kTileRows, N, y); break;
         }
       }
     }
   });
+}
+
+torch::Tensor finish(const QuantizedX& q, const std::vector<float>& sums, const std::vector<float>& bias,
+                     const torch::Tensor& x, int64_t N) {
+  const int64_t M = x.size(0);
+  torch::Tensor y = torch::empty({M, N}, x.options());
+  const float* b = bias.empty() ? nullptr : bias.data();
+  if (y.scalar_type() == at::kFloat)
+    finish_rows(q, sums, M, N, b, y.data_ptr<float>());
+  else
+    finish_rows(q, sums, M, N, b, y.data_ptr<at::BFloat16>());
+  return y;
 }
 
 std::vector<float> checked_bias(const std::optional<torch::Tensor>& bias, int64_t N, const char* name) {
@@ -447,7 +484,7 @@ void check_x(const torch::Tensor& x, const char* name) {
 
 // kind: 0 affine4 (Q4_0, Q4_1), 1 int8 (Q8_0); tiles: uint8 [ceil(N / 8), K / 32 * tile bytes].
 torch::Tensor linear_tiles(torch::Tensor x, torch::Tensor tiles, int64_t kind, int64_t out_features,
-                           std::optional<torch::Tensor> bias) {
+                           std::optional<torch::Tensor> bias, bool residual) {
   const char* name = "gguf_gemm.linear_tiles";
   check_x(x, name);
   TORCH_CHECK(kind == 0 || kind == 1, name, ": kind is 0 (affine4) or 1 (int8), got ", kind);
@@ -457,55 +494,38 @@ torch::Tensor linear_tiles(torch::Tensor x, torch::Tensor tiles, int64_t kind, i
                   tiles.size(0) == (N + kTileRows - 1) / kTileRows && tiles.size(1) == K / kChunk * tile_bytes,
               name, ": the tiles must be laid out by cluster.quant.gguf_tiles for ", N, " rows of ", K, " inputs");
   const std::vector<float> bias_f32 = checked_bias(bias, N, name);
-  const QuantizedX q = quantize_x(x);
-  torch::Tensor y = torch::empty({M, N}, x.options());
-  const float* b = bias_f32.empty() ? nullptr : bias_f32.data();
-  if (y.scalar_type() == at::kFloat)
-    run_tiles(kind == 0, tiles.data_ptr<uint8_t>(), tiles.size(1), q, M, N, b, y.data_ptr<float>());
-  else
-    run_tiles(kind == 0, tiles.data_ptr<uint8_t>(), tiles.size(1), q, M, N, b, y.data_ptr<at::BFloat16>());
-  return y;
+  const QuantizedX q = quantize_x(x, residual);
+  std::vector<float> sums(M * q.per_row * N);
+  run_tiles(kind == 0, tiles.data_ptr<uint8_t>(), tiles.size(1), q, M * q.per_row, N, sums.data());
+  return finish(q, sums, bias_f32, x, N);
 }
 
-torch::Tensor linear(torch::Tensor x, torch::Tensor weight, int64_t format, std::optional<torch::Tensor> bias) {
+torch::Tensor linear(torch::Tensor x, torch::Tensor weight, int64_t format, std::optional<torch::Tensor> bias,
+                     bool residual) {
   const FormatInfo fi = info_of(format);
   TORCH_CHECK(fi.block > 0, "gguf_gemm.linear: ggml type ", format,
               " is not served; served: Q4_0 (2), Q4_1 (3), Q8_0 (8), Q4_K (12), Q5_K (13), Q6_K (14)");
-  TORCH_CHECK(x.device().is_cpu() && weight.device().is_cpu(), "gguf_gemm.linear runs on the CPU");
-  TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "gguf_gemm.linear: x must be a contiguous [rows, in_features]");
-  TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16,
-              "gguf_gemm.linear: x must be float32 or bfloat16");
-  TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == at::kByte && weight.is_contiguous(),
-              "gguf_gemm.linear: the weight must be a contiguous uint8 [out_features, row_bytes]");
+  check_x(x, "gguf_gemm.linear");
+  TORCH_CHECK(weight.device().is_cpu() && weight.dim() == 2 && weight.scalar_type() == at::kByte && weight.is_contiguous(),
+              "gguf_gemm.linear: the weight must be a contiguous CPU uint8 [out_features, row_bytes]");
   const int64_t M = x.size(0), K = x.size(1), N = weight.size(0);
-  TORCH_CHECK(M >= 1 && M <= kMaxRows, "gguf_gemm.linear takes 1 to ", kMaxRows, " rows, got ", M);
   TORCH_CHECK(K % fi.block == 0 && weight.size(1) == K / fi.block * fi.bytes, "gguf_gemm.linear: x has ", K,
               " features, the weight's rows ", weight.size(1), " bytes of ", fi.bytes, "-byte blocks of ", fi.block);
-  std::vector<float> bias_f32;
-  if (bias.has_value() && bias->defined()) {
-    TORCH_CHECK(bias->numel() == N, "gguf_gemm.linear: bias has ", bias->numel(), " values, need ", N);
-    const torch::Tensor b = bias->to(at::kFloat).contiguous();
-    bias_f32.assign(b.data_ptr<float>(), b.data_ptr<float>() + N);
-  }
-  const QuantizedX q = quantize_x(x);
-  torch::Tensor y = torch::empty({M, N}, x.options());
-  const float* b = bias_f32.empty() ? nullptr : bias_f32.data();
-  const uint8_t* w = weight.data_ptr<uint8_t>();
-  if (y.scalar_type() == at::kFloat)
-    run(format, w, weight.size(1), q, M, N, b, y.data_ptr<float>());
-  else
-    run(format, w, weight.size(1), q, M, N, b, y.data_ptr<at::BFloat16>());
-  return y;
+  const std::vector<float> bias_f32 = checked_bias(bias, N, "gguf_gemm.linear");
+  const QuantizedX q = quantize_x(x, residual);
+  std::vector<float> sums(M * q.per_row * N);
+  run(format, weight.data_ptr<uint8_t>(), weight.size(1), q, M * q.per_row, N, sums.data());
+  return finish(q, sums, bias_f32, x, N);
 }
 
 // The int8 codes, scales and sums x is quantized to (for tests: the reference computes from them).
-std::vector<torch::Tensor> quantize_activations(torch::Tensor x) {
+std::vector<torch::Tensor> quantize_activations(torch::Tensor x, bool residual) {
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.size(1) % kChunk == 0 &&
                   (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16),
               "gguf_gemm.quantize_activations: a contiguous float32 or bfloat16 [rows, K], K a multiple of 32");
-  const QuantizedX q = quantize_x(x);
-  const int64_t M = x.size(0), chunks = x.size(1) / kChunk;
-  torch::Tensor codes = torch::empty({M, x.size(1)}, torch::kChar), scale = torch::empty({M, chunks}, torch::kFloat);
+  const QuantizedX q = quantize_x(x, residual);
+  const int64_t R = x.size(0) * q.per_row, chunks = x.size(1) / kChunk;
+  torch::Tensor codes = torch::empty({R, x.size(1)}, torch::kChar), scale = torch::empty({R, chunks}, torch::kFloat);
   std::copy(q.codes.begin(), q.codes.end(), codes.data_ptr<int8_t>());
   std::copy(q.scale.begin(), q.scale.end(), scale.data_ptr<float>());
   return {codes, scale};
@@ -514,8 +534,10 @@ std::vector<torch::Tensor> quantize_activations(torch::Tensor x) {
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("linear", &linear, "y = x @ W.T (+ bias) for 1 to max_rows rows, W as ggml blocks of the given type");
+  m.def("linear", &linear, "y = x @ W.T (+ bias) for 1 to max_rows rows, W as ggml blocks of the given type; "
+        "residual: x's codes and what they missed (about 15 bits) instead of its codes alone (8)");
   m.def("linear_tiles", &linear_tiles, "the same on Q4_0 / Q4_1 (kind 0) or Q8_0 (kind 1) rows in tiles of 8");
-  m.def("quantize_activations", &quantize_activations, "x's int8 codes and scales per 32 inputs");
+  m.def("quantize_activations", &quantize_activations,
+        "x's int8 codes and scales per 32 inputs (with the residual: rows 2m and 2m + 1 for x's row m)");
   m.attr("max_rows") = kMaxRows;
 }

@@ -9,9 +9,12 @@ weight instead of 16 or 32; longer calls (prompts, large batches), where arithme
 weight's bytes bounds a step, and every call on other devices take ``dense`` (packed for the CPU by
 ``pack_linears`` like any other layer), so they cost what they cost before.
 
-The kernel quantizes each row of x to int8 per 32 inputs (as llama.cpp does for these formats), so
-its results differ from ``dense``'s by that rounding; every row is computed alike whatever shares
-the call, so a verification row reproduces a decode row and speculation stays exact.
+The kernel quantizes each row of x to int8 per 32 inputs (as llama.cpp does for these formats) and,
+with ``residual`` (``model.gguf_activations: int8+residual``, the default), quantizes what those codes
+missed the same way and adds both products: about 15 bits of each activation instead of 8, at up to
+twice the integer work. Its results differ from ``dense``'s by that rounding; every row is computed
+alike whatever shares the call, so a verification row reproduces a decode row and speculation
+stays exact.
 """
 
 from __future__ import annotations
@@ -45,7 +48,7 @@ class BlockPart(NamedTuple):
 class GGUFLinear(nn.Module):
     """``y = x @ W.T + b`` from GGUF blocks for few rows, from ``dense`` otherwise (module docstring)."""
 
-    def __init__(self, dense: nn.Linear, parts: list[BlockPart]) -> None:
+    def __init__(self, dense: nn.Linear, parts: list[BlockPart], residual: bool = True) -> None:
         super().__init__()
         self.in_features, self.out_features = dense.in_features, dense.out_features
         merged: list[BlockPart] = []
@@ -65,6 +68,7 @@ class GGUFLinear(nn.Module):
         self.formats = [p.fmt for p in merged]
         self._kernel = gguf_gemm() if dense.weight.device.type == "cpu" else None
         self.max_rows = self._kernel.max_rows if self._kernel is not None else 0  # the rows probe may lower it
+        self.residual = residual
         # On the CPU the formats with a tile layout keep only their tiles (the same bytes, reordered).
         tiles = [tile_rows(p.raw, p.fmt) if self._kernel is not None else None for p in merged]
         self.tile_kinds = [None if t is None else t.kind for t in tiles]
@@ -95,10 +99,10 @@ class GGUFLinear(nn.Module):
         outs = []
         for i, (data, fmt, kind, bias) in enumerate(zip(self.blocks, self.formats, self.tile_kinds, self._bias_parts)):
             if kind is None:
-                outs.append(self._kernel.linear(x, data, fmt.ggml_type, bias))
+                outs.append(self._kernel.linear(x, data, fmt.ggml_type, bias, self.residual))
             else:
                 rows = self._row_starts[i + 1] - self._row_starts[i]
-                outs.append(self._kernel.linear_tiles(x, data, kind, rows, bias))
+                outs.append(self._kernel.linear_tiles(x, data, kind, rows, bias, self.residual))
         return outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
 
     def extra_repr(self) -> str:
@@ -113,7 +117,7 @@ class GGUFReport(NamedTuple):
 
 
 def use_gguf_blocks(model: nn.Module, blocks: dict[str, tuple[torch.Tensor, BlockFormat]],
-                    tie_word_embeddings: bool) -> GGUFReport:
+                    tie_word_embeddings: bool, residual: bool = True) -> GGUFReport:
     """Give each linear layer of a Llama ``model`` whose every stacked tensor is in ``blocks`` (HF name
     -> raw rows and format) a :class:`GGUFLinear`; the LM head takes the embedding's blocks when tied.
     Call after loading and before ``pack_linears``. Layers missing a tensor keep their weights."""
@@ -126,7 +130,7 @@ def use_gguf_blocks(model: nn.Module, blocks: dict[str, tuple[torch.Tensor, Bloc
             if names is None or any(n not in blocks for n in names):
                 num_dense += 1
                 continue
-            layer = GGUFLinear(child, [BlockPart(*blocks[n]) for n in names])
+            layer = GGUFLinear(child, [BlockPart(*blocks[n]) for n in names], residual)
             setattr(module, child_name, layer)
             num_layers, block_bytes = num_layers + 1, block_bytes + layer.block_bytes
     logger.info("%d linear layers compute from the GGUF blocks (%.1f MB), %d keep widened weights", num_layers,

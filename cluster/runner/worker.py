@@ -114,7 +114,7 @@ def load_model(config: TandemConfig, device: torch.device, tp: TPGroup | None = 
         model.load_weights(dequantized(weights) if stored_scheme else weights)
     scheme = config.model.quantization if config.model.quantization != "none" else (stored_scheme or "none")
     if scheme == "gguf":
-        _use_gguf_blocks(model, source, hf_config, device, tp)
+        _use_gguf_blocks(model, source, hf_config, device, tp, config.model.gguf_activations == "int8+residual")
     elif scheme != "none":
         quantize_linears(model, scheme)
     pack_linears(model, device, dtype, config.model.batch_invariant)
@@ -133,7 +133,7 @@ def load_model(config: TandemConfig, device: torch.device, tp: TPGroup | None = 
     return LoadedModel(model, hf_config, tokenizer, dtype, max_model_len, spec, lora)
 
 
-def _use_gguf_blocks(model, source, hf_config, device: torch.device, tp: TPGroup | None) -> None:
+def _use_gguf_blocks(model, source, hf_config, device: torch.device, tp: TPGroup | None, residual: bool) -> None:
     """``model.quantization: gguf``: the linear layers compute from the GGUF file's own blocks on the CPU."""
     if tp is not None:
         raise ValueError("model.quantization: gguf runs in one process, not split over tensor-parallel ranks")
@@ -146,7 +146,7 @@ def _use_gguf_blocks(model, source, hf_config, device: torch.device, tp: TPGroup
         logger.warning("model.quantization: gguf computes from the blocks on the CPU only; on %s the layers "
                        "keep the widened weights", device.type)
         return
-    use_gguf_blocks(model, blocks, bool(getattr(hf_config, "tie_word_embeddings", False)))
+    use_gguf_blocks(model, blocks, bool(getattr(hf_config, "tie_word_embeddings", False)), residual)
 
 
 def on_demand_lora_bytes(config: TandemConfig, loaded: LoadedModel) -> int:
