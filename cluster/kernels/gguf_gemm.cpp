@@ -1,4 +1,4 @@
-// y[M, N] = x[M, K] @ W[N, K]^T (+ bias) for few rows M (1 to 16) with W held as a GGUF file holds it:
+// y[M, N] = x[M, K] @ W[N, K]^T (+ bias) for few rows M (1 to 64) with W held as a GGUF file holds it:
 // each row of W a run of ggml blocks (Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K; cluster/quant/gguf_blocks.py
 // describes the bytes), never widened. Decode steps are bound by reading W, and these formats are 4.5-8.5
 // bits a weight.
@@ -27,7 +27,7 @@
 
 namespace {
 
-constexpr int64_t kMaxRows = 16;
+constexpr int64_t kMaxRows = 64;
 constexpr int kRowBlock = 4;
 constexpr int kChunk = 32;  // inputs per x scale: every format's scales change at a multiple of it
 constexpr int64_t kPrefetchBytes = 4096;  // how far ahead of its reads a thread asks for its stream

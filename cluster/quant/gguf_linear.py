@@ -3,7 +3,7 @@
 A layer keeps the rows of its weight as the file holds them (:mod:`cluster.models.gguf_blocks`; a
 stacked projection such as ``qkv_proj`` keeps one part per run of rows in one format) and, beside
 them, ``dense``: the same values widened to the model's dtype, the layer the model had. Calls of up
-to ``max_rows`` rows on the CPU (decode steps, verification of drafts; at most the kernel's 16, as
+to ``max_rows`` rows on the CPU (decode steps, verification of drafts; at most the kernel's 64, as
 :mod:`cluster.quant.gguf_rows` measured) run ``gguf_gemm`` on the blocks, reading 4.5-8.5 bits a
 weight instead of 16 or 32; longer calls (prompts, large batches), where arithmetic and not the
 weight's bytes bounds a step, and every call on other devices take ``dense`` (packed for the CPU by

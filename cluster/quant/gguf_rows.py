@@ -1,4 +1,4 @@
-"""How many rows the GGUF blocks take in a loaded model: measured once on its own layers.
+"""How many rows (up to the kernel's 64) the GGUF blocks take in a loaded model: measured on its own layers.
 
 Up to ``GGUF_MIN_ROWS`` rows a :class:`~cluster.quant.gguf_linear.GGUFLinear` always computes from its
 blocks: every row is computed alike whatever the row count, so up to there a batch-1 verification of
@@ -23,7 +23,7 @@ from cluster.quant.gguf_linear import GGUFLinear
 logger = logging.getLogger(__name__)
 
 GGUF_MIN_ROWS = 9
-CANDIDATE_ROWS = (10, 12, 16)
+CANDIDATE_ROWS = (10, 12, 16, 24, 32, 48, 64)
 _PROBE_ROUNDS = 3
 _PROBE_LAYER = "gate_up_proj"
 

@@ -149,7 +149,7 @@ def test_vllm_groups_refuse_gguf_with_a_clear_line():
 def test_the_blocks_take_at_least_a_k8_verification_and_the_rows_can_be_fixed(gguf_model, monkeypatch):
     probed = _worker(gguf_model, quantization="gguf")
     rows = {m.max_rows for m in probed.runner.model.modules() if isinstance(m, GGUFLinear)}
-    assert len(rows) == 1 and rows.pop() in (9, 10, 12, 16)
+    assert len(rows) == 1 and rows.pop() in (9, 10, 12, 16, 24, 32, 48, 64)
     monkeypatch.setenv("TANDEM_GGUF_ROWS", "0")  # never the blocks: the widened weights' logits exactly
     off = _worker(gguf_model, quantization="gguf")
     ids = _prompts(lengths=(6,))[0]
