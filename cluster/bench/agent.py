@@ -119,9 +119,11 @@ def compare(records: list[TurnRecord], plain: list[TurnRecord]) -> dict:
 def engine_configs(config: TandemConfig, methods: list[str], batch_invariant: bool, max_num_seqs: int,
                    max_model_len: int) -> dict[str, TandemConfig]:
     """Plain decoding, then one config per method: ``shipped`` is the config's own speculation,
-    another name the config's speculative section with that method."""
+    another name the config's speculative section with that method. Batch-invariant engines run the
+    full-precision model (``model.quantization: none``, whatever the config's)."""
+    precision = {"quantization": "none"} if batch_invariant else {}
     base = with_overrides(config, batch_invariant=batch_invariant, max_model_len=max_model_len,
-                          max_num_seqs=max(max_num_seqs, config.scheduler.max_num_seqs))
+                          max_num_seqs=max(max_num_seqs, config.scheduler.max_num_seqs), **precision)
     configs = {"plain": with_overrides(base, method="none")}
     for method in methods:
         name = f"shipped ({config.speculative.method})" if method == "shipped" else method

@@ -16,6 +16,10 @@
 // same instructions in the same order whatever M is, so a row's result never depends on the rows beside
 // it (a verification row equals a decode row). x and y share a dtype, float32 or bfloat16. 256-bit
 // integer vectors (AVX2), which AVX-512 CPUs have too.
+//
+// With `residual`, what x's codes missed (x - scale * codes) is quantized the same way as a second
+// internal row and the two rows' products added: about 15 bits of x instead of 8, twice the integer
+// work. Q4_0, Q4_1 and Q8_0 run from tiles of 8 rows instead (below).
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 #include <torch/extension.h>
@@ -161,7 +165,8 @@ inline float hsum(__m256 v) {
   return _mm_cvtss_f32(s);
 }
 
-// Pointers of rows m0.. of quantized x, and the per-row accumulators of one weight row.
+// Pointers of rows m0.. of quantized x, and the per-row accumulators of one weight row (or, for tiles,
+// one group of 8 weight rows, a lane each).
 template <int R>
 struct RowState {
   const int8_t* codes[R];
@@ -353,24 +358,7 @@ inline __m256i broadcast4(const int8_t* p) {
 }
 
 template <int R>
-struct TileRows {  // rows m0.. of quantized x against one group of 8 weight rows
-  const int8_t* codes[R];
-  const float* scale[R];
-  const int32_t* sum32[R];
-  __m256 acc[R];
-  TileRows(const QuantizedX& q, int64_t m0) {
-    const int64_t chunks = q.K / kChunk;
-    for (int m = 0; m < R; ++m) {
-      codes[m] = q.codes.data() + (m0 + m) * q.K;
-      scale[m] = q.scale.data() + (m0 + m) * chunks;
-      sum32[m] = q.sum32.data() + (m0 + m) * chunks;
-      acc[m] = _mm256_setzero_ps();
-    }
-  }
-};
-
-template <int R>
-inline void group_affine4(const uint8_t* tile, int64_t chunks, TileRows<R>& t) {
+inline void group_affine4(const uint8_t* tile, int64_t chunks, RowState<R>& t) {
   const __m256i low_mask = _mm256_set1_epi8(15), ones = _mm256_set1_epi16(1);
   for (int64_t c = 0; c < chunks; ++c, tile += kAffine4Bytes) {
     _mm_prefetch(reinterpret_cast<const char*>(tile) + kPrefetchBytes, _MM_HINT_T0);
@@ -397,7 +385,7 @@ inline void group_affine4(const uint8_t* tile, int64_t chunks, TileRows<R>& t) {
 }
 
 template <int R>
-inline void group_int8(const uint8_t* tile, int64_t chunks, TileRows<R>& t) {
+inline void group_int8(const uint8_t* tile, int64_t chunks, RowState<R>& t) {
   const __m256i ones = _mm256_set1_epi16(1);
   for (int64_t c = 0; c < chunks; ++c, tile += kInt8Bytes) {
     for (int line = 0; line < 5; ++line) _mm_prefetch(reinterpret_cast<const char*>(tile) + kPrefetchBytes + 64 * line, _MM_HINT_T0);
@@ -422,7 +410,7 @@ inline void group_int8(const uint8_t* tile, int64_t chunks, TileRows<R>& t) {
 template <int R>
 inline void tile_rows_against(bool affine4, const uint8_t* group, const QuantizedX& q, int64_t m0, int64_t n0,
                               int64_t N, float* y) {
-  TileRows<R> t(q, m0);
+  RowState<R> t(q, m0);
   const int64_t chunks = q.K / kChunk;
   if (affine4) group_affine4<R>(group, chunks, t); else group_int8<R>(group, chunks, t);
   const int valid = static_cast<int>(std::min<int64_t>(kTileRows, N - n0));

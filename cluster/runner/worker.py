@@ -11,17 +11,17 @@ import torch
 from cluster.config import TandemConfig
 from cluster.kernels.packed_linear import pack_linears
 from cluster.models.layers.cpu_ops import attach_decode_ops
+from cluster.models.gguf_blocks import read_blocks
 from cluster.models.hf_folder import iter_lazy_weights, iter_weights
 from cluster.models.lora import LoRAState, adapter_bytes, attach_lora, load_adapter
 from cluster.models.loader import load_hf_config, load_tokenizer_if_present, resolve_model
 from cluster.models.registry import build_model, engine_max_model_len, resolve_dtype
 from cluster.parallel.group import TPGroup
 from cluster.parallel.layers import pack_parallel_linears
-from cluster.models.gguf_blocks import read_blocks
 from cluster.quant.apply import quantize_linears
+from cluster.quant.checkpoint import dequantized, folder_scheme
 from cluster.quant.gguf_linear import use_gguf_blocks
 from cluster.quant.gguf_rows import choose_gguf_rows
-from cluster.quant.checkpoint import dequantized, folder_scheme
 from cluster.runner.attention_choice import choose_attention
 from cluster.runner.model_runner import KVCacheSpec, ModelRunner, free_device_memory, num_blocks_for_budget
 from cluster.shared.device import default_device

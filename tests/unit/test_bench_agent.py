@@ -30,4 +30,5 @@ def test_engines_are_plain_then_each_method_batch_invariant():
     assert list(configs) == ["plain", f"shipped ({config.speculative.method})", "suffix"]
     assert [c.speculative.method for c in configs.values()] == ["none", config.speculative.method, "suffix"]
     assert all(c.model.batch_invariant and c.model.max_model_len == 8192 for c in configs.values())
+    assert all(c.model.quantization == "none" for c in configs.values())  # batch-invariant: full precision
     assert configs["suffix"].speculative.num_speculative_tokens == config.speculative.num_speculative_tokens
