@@ -77,10 +77,9 @@ class GGUFLinear(nn.Module):
         starts = [0]
         for part in merged:
             starts.append(starts[-1] + part.raw.shape[0])
-        self._row_starts = starts
         bias = dense.bias
-        self._bias_parts = [None if bias is None else bias.detach()[a:b].float().contiguous()
-                            for a, b in zip(starts, starts[1:])]
+        self._calls = [(part.fmt, kind, b - a, None if bias is None else bias.detach()[a:b].float().contiguous())
+                       for part, kind, a, b in zip(merged, self.tile_kinds, starts, starts[1:])]
 
     @property
     def blocks(self) -> list[torch.Tensor]:
@@ -97,11 +96,11 @@ class GGUFLinear(nn.Module):
             return self.dense(x)
         x = x.contiguous()
         outs = []
-        for i, (data, fmt, kind, bias) in enumerate(zip(self.blocks, self.formats, self.tile_kinds, self._bias_parts)):
+        for i, (fmt, kind, rows, bias) in enumerate(self._calls):  # a decode step's hot path: no lookups
+            data = self._buffers[f"blocks_{i}"]
             if kind is None:
                 outs.append(self._kernel.linear(x, data, fmt.ggml_type, bias, self.residual))
             else:
-                rows = self._row_starts[i + 1] - self._row_starts[i]
                 outs.append(self._kernel.linear_tiles(x, data, kind, rows, bias, self.residual))
         return outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
 
