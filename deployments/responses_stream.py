@@ -13,13 +13,14 @@ import json
 import logging
 from typing import AsyncIterator, Awaitable, Callable
 
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse
 
 from cluster.api.openai_responses import ChoiceState
 from cluster.api.responses_output import ResponseEvents, ResponseIds, output_logprobs, response_object
 from cluster.api.responses_protocol import ResponsesRequest
 from cluster.api.tool_calls import ToolCallParser
 from cluster.routing.group_router import GroupRouter
+from deployments.closing_response import ClosingStreamingResponse
 from deployments.streams import ChoiceStream
 
 logger = logging.getLogger("ray.serve")
@@ -39,7 +40,7 @@ async def respond_response(stream: ChoiceStream, body: ResponsesRequest, model: 
         raise
     ids = ResponseIds()
     if body.stream:
-        return StreamingResponse(_events(stream, body, model, ids, make_parser, keep),
+        return ClosingStreamingResponse(_events(stream, body, model, ids, make_parser, keep),
                                  media_type="text/event-stream")
     state = ChoiceState(0)
     try:

@@ -27,7 +27,7 @@ import logging
 import time
 from typing import AsyncIterator, Callable
 
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse
 from ray.serve.exceptions import BackPressureError
 from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
 
@@ -36,6 +36,7 @@ from cluster.api.tool_calls import ToolCallParser
 from cluster.hosting.protocol import ENGINE_UNAVAILABLE, GenerateDelta, GenerateRequest
 from cluster.routing.group_router import GroupRouter
 from cluster.routing.stats import ReplicaStats
+from deployments.closing_response import ClosingStreamingResponse
 from deployments.feeds import DeltaFeeds
 
 logger = logging.getLogger("ray.serve")
@@ -241,7 +242,7 @@ async def respond(streams: list[ChoiceStream], body, chat: bool, model: str, rou
         _close_all(streams)
         raise
     if body.stream:
-        return StreamingResponse(_sse(streams, body, chat, model, make_parser, spec_metrics),
+        return ClosingStreamingResponse(_sse(streams, body, chat, model, make_parser, spec_metrics),
                                  media_type="text/event-stream")
     try:
         states = await asyncio.gather(*(_collect(s, make_parser) for s in streams))
