@@ -140,9 +140,10 @@ def test_decode_attention_over_long_contexts_and_every_head_shape(ops, dtype, nu
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_a_row_attends_the_same_alone_or_beside_others(ops, dtype):
     """A row's result depends on its own context only: bit for bit the same in a call of one row
-    and beside rows of other lengths (what keeps verification equal to plain decoding)."""
+    and beside rows of other lengths (what keeps verification equal to plain decoding). Alone, a
+    row of 128-255 keys is attended with its KV heads split over the threads."""
     gen = torch.Generator().manual_seed(8)
-    lens, context_slots, slot_mapping, cache = _paged_batch(dtype, gen, lens=(600, 5, 300, 70))
+    lens, context_slots, slot_mapping, cache = _paged_batch(dtype, gen, lens=(600, 5, 300, 70, 200))
     q = torch.randn(len(lens), 6 * 32, generator=gen).to(dtype)
     k, v = (torch.randn(len(lens), 2 * 32, generator=gen).to(dtype) for _ in range(2))
     together = ops.paged_decode_attention(q, k, v, cache.clone(), slot_mapping, context_slots, lens, 6, 0.2)
