@@ -23,32 +23,9 @@ from cluster.shared.json_logs import use_json_lines
 
 logger = logging.getLogger(__name__)
 
-ENGINE_NICENESS = 0  # the scheduling priority the core asks for (Ray starts its workers at nice 15)
-
-
-def take_engine_priority(niceness: int = ENGINE_NICENESS) -> str:
-    """Run every thread of this process at ``niceness`` where it is lower than the inherited one
-    and the process may lower it (CAP_SYS_NICE, or root on a host); say what happened.
-
-    A Ray worker and what it starts run at nice 15, below Ray's own daemons and anything else at
-    nice 0 on the node (a co-located client, exporters): on a CPU node every preemption of one
-    of the step's threads stalls the other at the next barrier, so the core that every token
-    waits for takes the priority of the node's control plane. Threads made later inherit it."""
-    current = os.getpriority(os.PRIO_PROCESS, 0)
-    if current <= niceness:
-        return f"the engine core runs at nice {current}"
-    try:
-        for tid in os.listdir("/proc/self/task") if os.path.isdir("/proc/self/task") else [0]:
-            os.setpriority(os.PRIO_PROCESS, int(tid), niceness)
-    except (PermissionError, OSError) as err:
-        return (f"the engine core runs at nice {current} as inherited ({type(err).__name__} lowering it to "
-                f"{niceness}: no CAP_SYS_NICE); processes at a lower niceness preempt its steps")
-    return f"the engine core runs at nice {niceness} (inherited {current})"
-
 
 def main(argv: list[str]) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s engine-core %(levelname)s %(message)s")
-    logger.info(take_engine_priority())
     conn = Connection(int(argv[0]))
     try:
         start: CoreStart = conn.recv()
