@@ -1,7 +1,9 @@
 """``tandem bench offline``: output tok/s of offline batch generation, Tandem next to its peers.
 
-The peers are Hugging Face ``transformers.generate`` and vLLM's ``LLM.generate`` (in its own
-environment, see :mod:`cluster.bench.offline_vllm`). All systems get the same prompt token ids (the model's tokenizer applied once to
+The peers are Hugging Face ``transformers.generate``, vLLM's ``LLM.generate`` (in its own
+environment, see :mod:`cluster.bench.offline_vllm`) and, with ``--llamacpp``, llama.cpp's
+``llama-bench`` at batch 1 beside Tandem on the GGUF file's own blocks (system ``tandem-gguf``,
+``model.quantization: gguf``; :mod:`cluster.bench.llama_bench`). All systems get the same prompt token ids (the model's tokenizer applied once to
 :data:`PROMPTS`), generate exactly ``output_len`` greedy tokens per request (EOS
 ignored), and run on the same weights in the same process, one model at a time.
 Every (system, dtype, batch size) cell has one short untimed warm-up, then the best
@@ -26,6 +28,8 @@ from rich.table import Table
 
 from cluster.bench.args import int_list, positive_int, timed
 from cluster.bench.benchmark import Benchmark
+from cluster.bench.compare import DEFAULT_ANCHOR
+from cluster.bench.llama_bench import anchor_gguf, default_llama_bench, run_llama_bench
 from cluster.bench.offline_vllm import DEFAULT_VLLM_PYTHON, VllmRunner
 from cluster.engine.llm import LLM
 from cluster.models.hf_folder import iter_weights
@@ -33,7 +37,7 @@ from cluster.models.loader import load_hf_config, load_tokenizer, resolve_model
 from cluster.models.registry import resolve_dtype
 from cluster.shared.sampling_params import SamplingParams
 
-SYSTEMS = ("tandem", "transformers", "vllm")
+SYSTEMS = ("tandem", "tandem-gguf", "transformers", "vllm")
 DTYPES = ("float32", "bfloat16", "float16")
 
 WARMUP_LEN = 8
@@ -111,13 +115,20 @@ def add_offline_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--output-len", type=positive_int, default=128, help="output tokens per request (EOS ignored)")
     parser.add_argument("--dtypes", type=_name_list(DTYPES), default=["float32", "bfloat16"])
     parser.add_argument("--systems", type=_name_list(SYSTEMS), default=["tandem", "transformers"],
-                        help="comma list of tandem, transformers, vllm (default: tandem,transformers; vllm "
-                             "needs its own environment, see --vllm-python)")
+                        help="comma list of tandem, tandem-gguf (the GGUF file's blocks), transformers, vllm "
+                             "(default: tandem,transformers; vllm needs its own environment, see --vllm-python)")
     parser.add_argument("--vllm-python", type=Path, default=None,
                         help="python of an environment with vLLM's CPU build (default: the vLLM test tier's, "
                              "built by tests/vllm/make_env.sh)")
     parser.add_argument("--vllm-eager", action="store_true",
                         help="run vLLM with enforce_eager (starts faster; its default compiles the model)")
+    parser.add_argument("--llamacpp", action="store_true",
+                        help="also llama.cpp's llama-bench at batch 1 on the same GGUF file (after the anchor's "
+                             "setup), beside tandem-gguf (added to --systems)")
+    parser.add_argument("--llama-bench", type=Path, default=None,
+                        help="the llama-bench binary (default: the one llamacpp_cpu.sh setup built)")
+    parser.add_argument("--llamacpp-script", type=Path, default=DEFAULT_ANCHOR.with_name("llamacpp_cpu.sh"),
+                        help="the llama.cpp anchor script, asked for the GGUF file")
     parser.add_argument("--repeats", type=positive_int, default=1, help="timed runs per cell; the best is reported")
     parser.add_argument("--threads", type=positive_int, help="torch.set_num_threads (default: torch's choice)")
     parser.add_argument("--kv-cache-memory", default="1GiB", help="Tandem's KV cache budget")
@@ -201,6 +212,9 @@ def params_read_per_token(source) -> int:
 
 
 def _runner(args, system: str, source, dtype: str, tp: int, tokenizer):
+    if system == "tandem-gguf":
+        return TandemRunner(str(source.path), dtype, max(args.batch_sizes), args.kv_cache_memory,
+                            quantization="gguf")
     if system.startswith("tandem"):
         return TandemRunner(str(source.path), dtype, max(args.batch_sizes), args.kv_cache_memory, tp)
     if system == "vllm":
@@ -226,6 +240,8 @@ def measure_cell(runner, system: str, dtype: str, prompt_ids: list[list[int]], o
 
 def measure_offline(args: argparse.Namespace, console: Console) -> dict:
     """Measure every cell; returns the JSON result."""
+    if args.llamacpp:  # the peer's binary and file first: a missing one fails before anything is loaded
+        peer_binary, peer_gguf = _llama_bench_inputs(args)
     if args.threads:
         torch.set_num_threads(args.threads)
     source = resolve_model(args.model)
@@ -238,6 +254,8 @@ def measure_offline(args: argparse.Namespace, console: Console) -> dict:
     num_params = params_read_per_token(source)
 
     cells: list[Cell] = []
+    if args.llamacpp and "tandem-gguf" not in args.systems:
+        args.systems = [*args.systems, "tandem-gguf"]
     systems = list(args.systems) + ([f"tandem-tp{args.tp}"] if args.tp > 1 else [])
     with Progress(console=console) as progress:
         task = progress.add_task("cells", total=len(args.dtypes) * len(systems) * len(args.batch_sizes))
@@ -256,11 +274,32 @@ def measure_offline(args: argparse.Namespace, console: Console) -> dict:
                 del runner
                 gc.collect()
 
-    return _result(args, source, cells, bandwidth, num_params, prompt_ids)
+    result = _result(args, source, cells, bandwidth, num_params, prompt_ids)
+    if args.llamacpp:
+        result["llamacpp"] = _llamacpp(args, cells, bandwidth, peer_binary, peer_gguf)
+    return result
+
+
+def _llama_bench_inputs(args) -> tuple[Path, Path]:
+    binary = args.llama_bench or default_llama_bench()
+    if binary is None or not Path(binary).is_file():
+        raise RuntimeError("no llama-bench: run `llamacpp_cpu.sh setup` (the llama.cpp anchor) or pass --llama-bench")
+    return Path(binary), anchor_gguf(args.llamacpp_script)
+
+
+def _llamacpp(args, cells: list[Cell], bandwidth: float, binary: Path, gguf: Path) -> dict:
+    """llama-bench's batch-1 decoding on the anchor's GGUF file, set beside tandem-gguf's batch-1 cells
+    and the file's bound (read bandwidth over the bytes of its tensors)."""
+    peer = run_llama_bench(binary, gguf, torch.get_num_threads(), args.output_len, args.repeats)
+    ours = {c.dtype: c.tok_per_s for c in cells if c.system == "tandem-gguf" and c.batch_size == 1}
+    return {**asdict(peer), "gguf": str(gguf), "bound_tok_per_s": bandwidth * 1e9 / peer.model_bytes,
+            "tandem_gguf_batch1": ours, "tandem_gguf_over_llamacpp": {d: r / peer.tok_per_s for d, r in ours.items()}}
 
 
 def print_offline(console: Console, result: dict) -> None:
     _print_table(console, result)
+    if result.get("llamacpp"):
+        _print_llamacpp_table(console, result["llamacpp"])
     if result["tensor_parallel"]:
         _print_tp_table(console, result, result["tensor_parallel"][0]["tp"])
 
@@ -281,8 +320,8 @@ def _result(args, source, cells: list[Cell], bandwidth: float, num_params: int, 
         bytes_per_token = num_params * getattr(torch, d).itemsize
         bound = bandwidth * 1e9 / bytes_per_token
         entry = {"dtype": d, "bytes_per_token": bytes_per_token, "bound_tok_per_s": bound}
-        for s in args.systems:
-            if (s, d, 1) in rate:
+        for s in args.systems:  # tandem-gguf reads the file's blocks: its bound is in the llamacpp section
+            if s != "tandem-gguf" and (s, d, 1) in rate:
                 entry[f"{s}_batch1_fraction"] = rate[(s, d, 1)] / bound
         bounds.append(entry)
     return {
@@ -321,6 +360,22 @@ def _print_tp_table(console, result: dict, tp: int) -> None:
     for row in result["tensor_parallel"]:
         table.add_row(row["dtype"], str(row["batch_size"]), f"{row['tp1_step_ms']:.2f}",
                       f"{row['tp_step_ms']:.2f}", f"{row['tp_over_tp1_step_latency']:.2f}")
+    console.print(table)
+
+
+def _print_llamacpp_table(console, peer: dict) -> None:
+    bound = peer["bound_tok_per_s"]
+    table = Table(title=f"batch 1 on the GGUF file's blocks ({peer['model_type']}), tok/s",
+                  caption=f"llama-bench {peer['build']}, {peer['threads']} threads, mean of its repetitions "
+                          f"(stddev {peer['stddev_tok_per_s']:.1f}); bound: read bandwidth / "
+                          f"{peer['model_bytes'] / 1e6:.1f} MB a token",
+                  box=box.SIMPLE_HEAD, show_edge=False)
+    for header in ("Tandem dtype", "Tandem gguf", "llama.cpp", "Tandem/llama.cpp", "bound", "Tandem/bound",
+                   "llama.cpp/bound"):
+        table.add_column(header, justify="left" if header == "Tandem dtype" else "right")
+    for dtype, ours in peer["tandem_gguf_batch1"].items():
+        table.add_row(dtype, f"{ours:.1f}", f"{peer['tok_per_s']:.1f}", f"{ours / peer['tok_per_s']:.2f}",
+                      f"{bound:.0f}", f"{ours / bound:.0%}", f"{peer['tok_per_s'] / bound:.0%}")
     console.print(table)
 
 
