@@ -44,6 +44,7 @@ from cluster.routing.stats import EngineLoad
 from cluster.routing.step_times import StepTimeTracker
 from cluster.shared.outputs import Logprob
 from cluster.shared.sampling_params import SamplingParams, check_priority
+from cluster.spec_decode.controller import BatchState, TableController
 from cluster.spec_decode.latency_model import power_of_two_sizes
 from cluster.spec_decode.profile_data import load_profile_if_present
 from cluster.spec_decode.suffix import suffix_problem
@@ -225,9 +226,8 @@ class VllmBackend:
     # ---- what the router, the metrics and the operator see ------------------------------------
     def _k_for_batch(self, batch_size: int) -> int:
         plan = self.settings.spec
-        if plan.policy == "batch-size-table":
-            covering = [b for b in sorted(plan.k_table) if b >= batch_size]
-            return plan.k_table[covering[0]] if covering else plan.k_table[max(plan.k_table)]
+        if plan.policy == "batch-size-table":  # the entry vLLM's ranges give it (batch_size_ranges)
+            return TableController(plan.k_table).choose_k(BatchState(batch_size, 0))
         return plan.num_speculative_tokens
 
     def _k_table(self, plan: SpecPlan) -> dict[int, int]:

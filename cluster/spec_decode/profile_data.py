@@ -110,13 +110,13 @@ def measured_model(grid: PassGrid) -> LatencyModel:
 
 
 def batch_size_ranges(table: dict[int, int]) -> list[list[int]]:
-    """``{1: 4, 4: 3, 16: 1}`` -> ``[[1, 1, 4], [2, 4, 3], [5, 16, 1]]``: each batch size of the
-    table covers the sizes above the previous one, as vLLM's inclusive ranges (first range at 1;
-    vLLM carries the last k on past the end)."""
-    ranges, start = [], 1
-    for b in sorted(table):
-        if b < start:
-            continue
-        ranges.append([start, int(b), int(table[b])])
-        start = int(b) + 1
+    """``{1: 4, 4: 3, 16: 1}`` -> ``[[1, 3, 4], [4, 15, 3], [16, 16, 1]]``: vLLM's inclusive ranges
+    for the k the native table controller picks (``TableController``: the largest entry not above
+    the batch size, the first entry below it). vLLM carries the last k on past the end."""
+    sizes = sorted(int(b) for b in table)
+    ranges = []
+    for i, b in enumerate(sizes):
+        start = 1 if i == 0 else b
+        end = sizes[i + 1] - 1 if i + 1 < len(sizes) else b
+        ranges.append([start, max(start, end), int(table[b])])
     return ranges

@@ -11,6 +11,7 @@ import pytest
 from cluster.backends.vllm_args import vllm_settings
 from cluster.backends.vllm_stats import VllmStatsRecorder
 from cluster.config import ConfigError, config_from_dict, group_engine_config
+from cluster.spec_decode.controller import BatchState, TableController
 from cluster.spec_decode.profile_data import batch_size_ranges
 from cluster.metrics.collector import MemorySink
 from cluster.routing.step_times import StepTimeTracker
@@ -34,9 +35,20 @@ def test_unknown_backend_is_an_error_naming_the_key():
         config_from_dict({"serve": {"groups": [{"engine": {"backend": "sglang"}}]}})
 
 
-def test_batch_size_ranges_cover_every_size_from_one():
-    assert batch_size_ranges({1: 4, 4: 3, 16: 1}) == [[1, 1, 4], [2, 4, 3], [5, 16, 1]]
-    assert batch_size_ranges({8: 2}) == [[1, 8, 2]]
+def _k_from_ranges(ranges: list[list[int]], batch_size: int) -> int:
+    """k for a batch size as vLLM reads its ranges: the range holding it, past the last the last k."""
+    held = [k for start, end, k in ranges if start <= batch_size <= end]
+    return held[0] if held else ranges[-1][2]
+
+
+@pytest.mark.parametrize("table", [{1: 4, 4: 3, 16: 1}, {8: 2}, {2: 5, 3: 4, 64: 0}, {1: 1}])
+def test_vllms_ranges_give_every_batch_size_the_k_the_native_table_picks(table):
+    ranges = batch_size_ranges(table)
+    assert ranges[0][0] == 1 and all(a[1] < b[0] for a, b in zip(ranges, ranges[1:]))  # from 1, in order
+    native = TableController(table)
+    for batch_size in range(1, 100):
+        assert _k_from_ranges(ranges, batch_size) == native.choose_k(BatchState(batch_size, 0)), batch_size
+    assert batch_size_ranges({1: 4, 4: 3, 16: 1}) == [[1, 3, 4], [4, 15, 3], [16, 16, 1]]
 
 
 def _config(**spec):
@@ -54,7 +66,7 @@ def test_ngram_with_a_table_becomes_vllms_batch_size_schedule(tmp_path):
     assert args["kv_cache_memory_bytes"] == 64 * 2**20 and args["enforce_eager"] is True
     assert args["speculative_config"] == {
         "method": "ngram", "num_speculative_tokens": 5, "prompt_lookup_min": 2, "prompt_lookup_max": 3,
-        "num_speculative_tokens_per_batch_size": [[1, 1, 5], [2, 4, 3], [5, 16, 1]]}
+        "num_speculative_tokens_per_batch_size": [[1, 3, 5], [4, 15, 3], [16, 16, 1]]}
     assert s.spec.policy == "batch-size-table"
     json.dumps(args)  # plain values only
 
