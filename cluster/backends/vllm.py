@@ -26,11 +26,15 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
+import tempfile
+from pathlib import Path
 from typing import AsyncIterator
 
 import torch
 
 from cluster.backends.vllm_args import SpecPlan, VllmSettings, vllm_settings
+from cluster.backends.vllm_k_schedule import ENV, OnlineSchedule, ScheduleFile
 from cluster.backends.vllm_lora import VllmAdapters
 from cluster.backends.vllm_stats import VllmStatsRecorder
 from cluster.config import TandemConfig
@@ -45,6 +49,7 @@ from cluster.routing.step_times import StepTimeTracker
 from cluster.shared.outputs import Logprob
 from cluster.shared.sampling_params import SamplingParams, check_priority
 from cluster.spec_decode.controller import BatchState, TableController
+from cluster.spec_decode.factory import build_controller
 from cluster.spec_decode.latency_model import power_of_two_sizes
 from cluster.spec_decode.profile_data import load_profile_if_present
 from cluster.spec_decode.suffix import suffix_problem
@@ -88,12 +93,17 @@ class VllmBackend:
             (logger.warning if plan.policy == "fixed-fallback" else logger.info)("group %s: %s", group.name, plan.note)
         self.step_times = StepTimeTracker(profile.latency_model if profile else None)
         self.max_num_seqs = config.scheduler.max_num_seqs
+        self.online = self._online_schedule(config, plan)
         self.recorder = VllmStatsRecorder(context.metrics_sink, self._k_for_batch, self._k_table(plan),
                                           self.step_times, plan.method != "none")
+        if self.online is not None:
+            self.recorder.on_step = self._observe_step
         self.recorder.capacity = self.capacity_tokens_per_second
         self.recorder.max_loras = self.settings.engine_args.get("max_loras") if self.settings.engine_args.get(
             "enable_lora") else None
         logger.info("group %s: starting vLLM %s with %s", group.name, vllm.__version__, self.settings.engine_args)
+        if self.online is not None:  # vLLM's engine-core process, started below, inherits it
+            os.environ[ENV] = str(self.online.file.path)
         self.engine = AsyncLLM.from_engine_args(AsyncEngineArgs(**self.settings.engine_args),
                                                 stat_loggers=[stat_logger(self.recorder.record)])
         self.max_model_len = int(self.engine.model_config.max_model_len)
@@ -224,8 +234,25 @@ class VllmBackend:
         await self.engine.abort(request_id)
 
     # ---- what the router, the metrics and the operator see ------------------------------------
+    def _online_schedule(self, config: TandemConfig, plan: SpecPlan) -> OnlineSchedule | None:
+        """The adaptive controller's table for vLLM's scheduler, in a file of this replica's own."""
+        if plan.policy != "adaptive-table":
+            return None
+        controller = build_controller(config)
+        folder = Path(tempfile.mkdtemp(prefix="tandem-vllm-k-"))
+        return OnlineSchedule(controller, power_of_two_sizes(self.max_num_seqs), plan.k_table,
+                              ScheduleFile(folder / "schedule.json"))
+
+    def _observe_step(self, batch_size: int, k: int, seconds: float, prefill_tokens: int, spec) -> None:
+        rewrites = self.online.rewrites
+        self.online.observe_step(batch_size, k, seconds, prefill_tokens, spec)
+        if self.online.rewrites != rewrites:  # the k per batch size the metrics show
+            self.recorder.k_table = self._k_table(self.settings.spec)
+
     def _k_for_batch(self, batch_size: int) -> int:
         plan = self.settings.spec
+        if self.online is not None:
+            return self.online.k_for_batch(batch_size)
         if plan.policy == "batch-size-table":  # the entry vLLM's ranges give it (batch_size_ranges)
             return TableController(plan.k_table).choose_k(BatchState(batch_size, 0))
         return plan.num_speculative_tokens
@@ -289,6 +316,8 @@ class VllmBackend:
 
     async def shutdown(self) -> None:
         self.engine.shutdown()
+        if self.online is not None:
+            shutil.rmtree(self.online.file.path.parent, ignore_errors=True)
 
 
 def stat_logger(record) -> type:

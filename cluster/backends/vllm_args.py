@@ -12,7 +12,7 @@ What maps:
 | ``speculative.method: ngram`` / ``draft`` / ``eagle3`` | ``speculative_config``: ``{method: ngram, prompt_lookup_min/max}`` / ``{method: draft_model, model}`` / ``{method: eagle3, model}`` (the head's folder) with ``num_speculative_tokens`` |
 | ``speculative.method: suffix`` and its ``suffix_decoding_*`` keys | ``speculative_config``: ``{method: suffix}`` with the same keys (vLLM needs ``arctic-inference`` in its environment) |
 | ``speculative.ngram_draft_per_match_token`` | nothing: vLLM's lookup drafts ``k`` tokens after every match, however short |
-| ``speculative.controller: table`` / ``adaptive`` with a profile | the profile's batch-size -> k table as ``num_speculative_tokens_per_batch_size`` (inclusive ranges ``[start, end, k]``), when the installed vLLM has that option; otherwise a fixed k (see :class:`SpecPlan`) |
+| ``speculative.controller: table`` / ``adaptive`` with a profile | the profile's batch-size -> k table as ``num_speculative_tokens_per_batch_size`` (inclusive ranges ``[start, end, k]``), when the installed vLLM has that option; otherwise a fixed k (see :class:`SpecPlan`). ``adaptive`` also names Tandem's ``scheduler_cls``, which takes the table the replica re-fits online (``vllm_k_schedule.py``) |
 | a group's ``tensor_parallel_size`` | ``tensor_parallel_size`` |
 | ``model.enforce_eager`` | ``enforce_eager`` |
 | ``engine.vllm_args`` | passed through last (e.g. ``enforce_eager``, ``quantization``) |
@@ -31,6 +31,9 @@ from dataclasses import dataclass, field
 from cluster.config import TandemConfig
 from cluster.spec_decode.profile_data import batch_size_ranges
 
+# vLLM's scheduler class for an adaptive controller's group (cluster/backends/vllm_scheduler.py)
+FOLLOWING_SCHEDULER = "cluster.backends.vllm_scheduler.following_scheduler"
+
 
 # speculative.method suffix: the keys vLLM's SpeculativeConfig takes under the same names
 SUFFIX_KEYS = ("suffix_decoding_max_tree_depth", "suffix_decoding_max_cached_requests",
@@ -42,7 +45,7 @@ class SpecPlan:
     """How speculation is set up in vLLM: ``policy`` as in ``SpecState`` and the note to log."""
 
     method: str  # "none", "ngram", "suffix", "draft" or "eagle3"
-    policy: str  # "none", "fixed", "batch-size-table" or "fixed-fallback"
+    policy: str  # "none", "fixed", "batch-size-table", "adaptive-table" or "fixed-fallback"
     num_speculative_tokens: int
     k_table: dict[int, int] = field(default_factory=dict)  # batch size -> k (the table asked for)
     note: str = ""
@@ -104,8 +107,10 @@ def vllm_settings(config: TandemConfig, tensor_parallel_size: int, model_path: s
             spec_args.update(method="eagle3", model=draft_path)
         else:
             spec_args.update(method="draft_model", model=draft_path)
-        if spec.policy == "batch-size-table":
+        if spec.policy in ("batch-size-table", "adaptive-table"):
             spec_args["num_speculative_tokens_per_batch_size"] = batch_size_ranges(spec.k_table)
+        if spec.policy == "adaptive-table":  # vLLM's scheduler, reading the table the replica re-fits
+            args["scheduler_cls"] = FOLLOWING_SCHEDULER
         args["speculative_config"] = spec_args
     args.update(config.engine.vllm_args)
     return VllmSettings(args, spec)
@@ -121,10 +126,13 @@ def _spec_plan(config: TandemConfig, table: dict[int, int] | None, has_schedule:
     table = {int(b): min(int(v), k) for b, v in table.items()}
     if not any(table.values()):
         return SpecPlan(sc.method, "fixed", k, table, f"the profiled table {table} never speculates; k is fixed at {k}")
+    if has_schedule and sc.controller == "adaptive":
+        note = (f"vLLM chooses k per batch size from a table Tandem's adaptive controller re-fits from vLLM's "
+                f"steps, starting from the profiled {table} (its scheduler reads the table again when it changes)")
+        return SpecPlan(sc.method, "adaptive-table", max(table.values()), table, note)
     if has_schedule:
         note = (f"vLLM chooses k per batch size from the profiled table {table} "
-                f"(num_speculative_tokens_per_batch_size); Tandem's online re-fitting ({sc.controller}) "
-                "does not run inside vLLM")
+                "(num_speculative_tokens_per_batch_size)")
         return SpecPlan(sc.method, "batch-size-table", max(table.values()), table, note)
     note = (f"the installed vLLM has no num_speculative_tokens_per_batch_size: k is fixed at {k} "
             f"instead of the profiled table {table}")

@@ -74,6 +74,8 @@ class VllmStatsRecorder:
         self.speculating = speculating
         self.capacity = capacity
         self.max_loras: int | None = None  # set when vLLM serves LoRA adapters
+        # called with (batch, k, seconds, prompt tokens, its SpecDecodingStats or None) after each timed step
+        self.on_step: Callable[[int, int, float, int, object], None] | None = None
         self.num_running = 0
         self.num_waiting = 0
         self.kv_cache_usage = 0.0
@@ -111,9 +113,12 @@ class VllmStatsRecorder:
         self.kv_cache_usage = float(stats.kv_cache_usage)
         batch = max(self.num_running, was_running)
         self.current_k = self.k_for_batch(max(1, batch)) if self.speculating else 0
+        spec = getattr(stats, "spec_decoding_stats", None)
         if self._last_step is not None and batch > 0:
             prefill = 0 if iteration_stats is None else int(iteration_stats.num_prompt_tokens)
             self.step_times.observe(batch, self.current_k, prefill, now - self._last_step)
+            if self.on_step is not None:
+                self.on_step(batch, self.current_k, now - self._last_step, prefill, spec)
         self._last_step = now if batch > 0 or self.num_waiting > 0 else None
         cache = getattr(stats, "prefix_cache_stats", None)
         if cache is not None and not getattr(cache, "reset", False):
@@ -124,7 +129,6 @@ class VllmStatsRecorder:
         if self.max_loras is not None and self.sink is not None:
             running, waiting = set(stats.running_lora_adapters), set(stats.waiting_lora_adapters)
             self.sink.set("lora_requests_info", time.time(), lora_info_labels(self.max_loras, running, waiting))
-        spec = getattr(stats, "spec_decoding_stats", None)
         if spec is not None:
             self._spec_step(spec)
         if self.speculating and batch > 0:
