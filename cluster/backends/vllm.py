@@ -35,12 +35,14 @@ import torch
 
 from cluster.backends.vllm_args import SpecPlan, VllmSettings, vllm_settings
 from cluster.backends.vllm_k_schedule import ENV, OnlineSchedule, ScheduleFile
+from cluster.backends.vllm_kv_events import KvEventSubscriber, PrefixIndex
 from cluster.backends.vllm_lora import VllmAdapters
 from cluster.backends.vllm_stats import VllmStatsRecorder
 from cluster.config import TandemConfig
 from cluster.config_serve import ReplicaGroupConfig
 from cluster.hosting.backend import BackendContext, EngineUnhealthyError, SpecState, error_param
 from cluster.hosting.protocol import ENGINE_UNAVAILABLE, ErrorInfo, GenerateDelta, GenerateRequest
+from cluster.kv.prefix_cache import engine_hash_seed
 from cluster.models.loader import load_hf_config, resolve_model
 from cluster.models.shipped_heads import resolve_head
 from cluster.routing.policy import peak_tokens_per_second
@@ -101,13 +103,20 @@ class VllmBackend:
         self.recorder.capacity = self.capacity_tokens_per_second
         self.recorder.max_loras = self.settings.engine_args.get("max_loras") if self.settings.engine_args.get(
             "enable_lora") else None
+        self.kv_index, endpoint = self._kv_events(config)
         logger.info("group %s: starting vLLM %s with %s", group.name, vllm.__version__, self.settings.engine_args)
         if self.online is not None:  # vLLM's engine-core process, started below, inherits it
             os.environ[ENV] = str(self.online.file.path)
-        self.engine = AsyncLLM.from_engine_args(AsyncEngineArgs(**self.settings.engine_args),
+        engine_args = dict(self.settings.engine_args)
+        if isinstance(engine_args.get("kv_events_config"), dict):
+            from vllm.config import KVEventsConfig
+
+            engine_args["kv_events_config"] = KVEventsConfig(**engine_args["kv_events_config"])
+        self.engine = AsyncLLM.from_engine_args(AsyncEngineArgs(**engine_args),
                                                 stat_loggers=[stat_logger(self.recorder.record)])
         self.max_model_len = int(self.engine.model_config.max_model_len)
         self.block_size = int(self.engine.vllm_config.cache_config.block_size or config.cache.block_size)
+        self.kv_events = None if self.kv_index is None else KvEventSubscriber(endpoint, self.kv_index)
         self.adapters = VllmAdapters(config, self.engine)
         self._num_pending = 0  # requests handed to vLLM that no step has reported yet
         self._num_inflight = 0  # requests between acknowledgement and last delta (or abort)
@@ -249,6 +258,24 @@ class VllmBackend:
         if self.online.rewrites != rewrites:  # the k per batch size the metrics show
             self.recorder.k_table = self._k_table(self.settings.spec)
 
+    def _kv_events(self, config: TandemConfig) -> tuple[PrefixIndex | None, str]:
+        """With prefix caching on, vLLM publishes its cache's block events to a socket of this
+        replica's (or where ``vllm_args.kv_events_config`` says), read into the index the router's
+        prefix affinity asks."""
+        if not config.cache.enable_prefix_caching:
+            return None, ""
+        args = self.settings.engine_args
+        own = args.get("kv_events_config")
+        if own is None:
+            folder = Path(tempfile.mkdtemp(prefix="tandem-vllm-kv-"))
+            own = args["kv_events_config"] = {"enable_kv_cache_events": True, "publisher": "zmq",
+                                              "endpoint": f"ipc://{folder}/events", "topic": ""}
+        if not own.get("enable_kv_cache_events") or own.get("publisher") != "zmq":
+            return None, ""
+        endpoint = str(own.get("endpoint", "tcp://*:5557")).replace("*", "127.0.0.1")
+        seed = engine_hash_seed(config.model.model, config.model.dtype, config.model.seed)
+        return PrefixIndex(config.cache.block_size, seed), endpoint
+
     def _k_for_batch(self, batch_size: int) -> int:
         plan = self.settings.spec
         if self.online is not None:
@@ -271,8 +298,10 @@ class VllmBackend:
             acceptance=r.spec.acceptance_rate, step_time_curve=self.step_times.curve(k, self.max_num_seqs),
             prefill_seconds_per_token=self.step_times.prefill_seconds_per_token,
             speed_factor=self.step_times.speed_factor,
-            # vLLM hashes blocks its own way: no prefix affinity to this group's replicas.
-            cached_prefix_hashes=frozenset(), block_size=self.block_size,
+            # vLLM's cached blocks named as the router names a prompt's (from vLLM's KV events)
+            cached_prefix_hashes=(frozenset() if self.kv_index is None
+                                  else self.kv_index.cached_prefix_hashes(prefix_depth)),
+            block_size=self.block_size,
             lora_adapters=self.adapters.loaded, lora_load_seconds=self.adapters.mean_load_seconds,
         )
 
@@ -316,6 +345,8 @@ class VllmBackend:
 
     async def shutdown(self) -> None:
         self.engine.shutdown()
+        if self.kv_events is not None:
+            self.kv_events.close()
         if self.online is not None:
             shutil.rmtree(self.online.file.path.parent, ignore_errors=True)
 
