@@ -298,10 +298,11 @@ class VllmBackend:
             acceptance=r.spec.acceptance_rate, step_time_curve=self.step_times.curve(k, self.max_num_seqs),
             prefill_seconds_per_token=self.step_times.prefill_seconds_per_token,
             speed_factor=self.step_times.speed_factor,
-            # vLLM's cached blocks named as the router names a prompt's (from vLLM's KV events)
+            # vLLM's cached blocks named as the router names a prompt's (from vLLM's KV events), in
+            # blocks of the group's size, which may be smaller than vLLM's
             cached_prefix_hashes=(frozenset() if self.kv_index is None
                                   else self.kv_index.cached_prefix_hashes(prefix_depth)),
-            block_size=self.block_size,
+            block_size=self.block_size if self.kv_index is None else self.kv_index.block_size,
             lora_adapters=self.adapters.loaded, lora_load_seconds=self.adapters.mean_load_seconds,
         )
 

@@ -39,6 +39,7 @@ def test_a_vllm_replica_publishes_the_names_of_the_prompts_it_cached():
             deadline = time.monotonic() + 30
             while not expected <= backend.load(8).cached_prefix_hashes and time.monotonic() < deadline:
                 await asyncio.sleep(0.2)
+            assert backend.load(8).block_size == 16  # the unit of the names, whatever vLLM's blocks are
             return (backend.load(8).cached_prefix_hashes, backend.load(2).cached_prefix_hashes,
                     (backend.kv_events.batches, backend.block_size, backend.kv_index.skipped))
         finally:
