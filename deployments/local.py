@@ -52,7 +52,7 @@ from deployments.ingress_port import binds
 
 logger = logging.getLogger(__name__)
 
-SHUTDOWN_TIMEOUT_S = 10.0
+SHUTDOWN_TIMEOUT_S = 30.0  # serve.shutdown itself; it overran 10 s on a loaded 2-core machine
 RAY_SHUTDOWN_TIMEOUT_S = 20.0  # ray.shutdown, and what drain's calls may overrun their own bound by
 READY_TIMEOUT_S = 120.0
 PORT_FREE_TIMEOUT_S = 75.0  # Linux holds an actively closed connection in TIME_WAIT for 60 s
