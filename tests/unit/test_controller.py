@@ -434,7 +434,7 @@ def test_profile_command_writes_a_profile_the_controllers_load(tiny_llama_dir, t
     assert len(profile.acceptance) == 3
     assert len(profile.coverage) == 3 and all(0.0 <= c <= 1.0 for c in profile.coverage)  # n-gram: measured
     table = profile.table  # vLLM's inclusive [start, end, k] ranges
-    assert profile.vllm_schedule() == [[1, 1, table[1]], [2, 2, table[2]], [3, 4, table[4]]]
+    assert profile.vllm_schedule() == [[1, 1, table[1]], [2, 3, table[2]], [4, 4, table[4]]]  # as TableController
     written = json.loads(out.read_text())
     assert written["draft"] == "ngram, short matches draft <= 1 per matched token"  # the default cap
     assert written["dtype"] in ("float32", "bfloat16")  # the dtype "auto" resolved to, as run
