@@ -26,32 +26,27 @@ from __future__ import annotations
 
 import logging
 import os
-import shutil
-import tempfile
-from pathlib import Path
 from typing import AsyncIterator
 
 import torch
 
 from cluster.backends.vllm_args import SpecPlan, VllmSettings, vllm_settings
-from cluster.backends.vllm_k_schedule import ENV, OnlineSchedule, ScheduleFile
-from cluster.backends.vllm_kv_events import KvEventSubscriber, PrefixIndex
+from cluster.backends.vllm_k_schedule import ENV, online_schedule
+from cluster.backends.vllm_kv_events import KvEventSubscriber, kv_events_setup, with_kv_events_config
 from cluster.backends.vllm_lora import VllmAdapters
+from cluster.backends.vllm_outputs import output_delta
 from cluster.backends.vllm_stats import VllmStatsRecorder
 from cluster.config import TandemConfig
 from cluster.config_serve import ReplicaGroupConfig
 from cluster.hosting.backend import BackendContext, EngineUnhealthyError, SpecState, error_param
 from cluster.hosting.protocol import ENGINE_UNAVAILABLE, ErrorInfo, GenerateDelta, GenerateRequest
-from cluster.kv.prefix_cache import engine_hash_seed
 from cluster.models.loader import load_hf_config, resolve_model
 from cluster.models.shipped_heads import resolve_head
 from cluster.routing.policy import peak_tokens_per_second
 from cluster.routing.stats import EngineLoad
 from cluster.routing.step_times import StepTimeTracker
-from cluster.shared.outputs import Logprob
 from cluster.shared.sampling_params import SamplingParams, check_priority
 from cluster.spec_decode.controller import BatchState, TableController
-from cluster.spec_decode.factory import build_controller
 from cluster.spec_decode.latency_model import power_of_two_sizes
 from cluster.spec_decode.profile_data import load_profile_if_present
 from cluster.spec_decode.suffix import suffix_problem
@@ -95,7 +90,9 @@ class VllmBackend:
             (logger.warning if plan.policy == "fixed-fallback" else logger.info)("group %s: %s", group.name, plan.note)
         self.step_times = StepTimeTracker(profile.latency_model if profile else None)
         self.max_num_seqs = config.scheduler.max_num_seqs
-        self.online = self._online_schedule(config, plan)
+        self.online = online_schedule(config, plan.policy, plan.k_table, self.max_num_seqs)
+        # the k vLLM runs at a batch size with a fixed table (the entry its ranges give it: batch_size_ranges)
+        self._table = TableController(plan.k_table) if plan.policy == "batch-size-table" else None
         self.recorder = VllmStatsRecorder(context.metrics_sink, self._k_for_batch, self._k_table(plan),
                                           self.step_times, plan.method != "none")
         if self.online is not None:
@@ -103,16 +100,11 @@ class VllmBackend:
         self.recorder.capacity = self.capacity_tokens_per_second
         self.recorder.max_loras = self.settings.engine_args.get("max_loras") if self.settings.engine_args.get(
             "enable_lora") else None
-        self.kv_index, endpoint = self._kv_events(config)
+        self.kv_index, endpoint = kv_events_setup(config, self.settings.engine_args)
         logger.info("group %s: starting vLLM %s with %s", group.name, vllm.__version__, self.settings.engine_args)
         if self.online is not None:  # vLLM's engine-core process, started below, inherits it
             os.environ[ENV] = str(self.online.file.path)
-        engine_args = dict(self.settings.engine_args)
-        if isinstance(engine_args.get("kv_events_config"), dict):
-            from vllm.config import KVEventsConfig
-
-            engine_args["kv_events_config"] = KVEventsConfig(**engine_args["kv_events_config"])
-        self.engine = AsyncLLM.from_engine_args(AsyncEngineArgs(**engine_args),
+        self.engine = AsyncLLM.from_engine_args(AsyncEngineArgs(**with_kv_events_config(self.settings.engine_args)),
                                                 stat_loggers=[stat_logger(self.recorder.record)])
         self.max_model_len = int(self.engine.model_config.max_model_len)
         self.block_size = int(self.engine.vllm_config.cache_config.block_size or config.cache.block_size)
@@ -172,7 +164,7 @@ class VllmBackend:
             yield GenerateDelta(accepted=True, num_prompt_tokens=len(request.prompt_token_ids))
             out = first
             while out is not None:
-                delta = _delta(out, num_output)
+                delta = output_delta(out, num_output)
                 num_output = delta.num_output_tokens
                 yield delta
                 if out.finished:
@@ -243,45 +235,18 @@ class VllmBackend:
         await self.engine.abort(request_id)
 
     # ---- what the router, the metrics and the operator see ------------------------------------
-    def _online_schedule(self, config: TandemConfig, plan: SpecPlan) -> OnlineSchedule | None:
-        """The adaptive controller's table for vLLM's scheduler, in a file of this replica's own."""
-        if plan.policy != "adaptive-table":
-            return None
-        controller = build_controller(config)
-        folder = Path(tempfile.mkdtemp(prefix="tandem-vllm-k-"))
-        return OnlineSchedule(controller, power_of_two_sizes(self.max_num_seqs), plan.k_table,
-                              ScheduleFile(folder / "schedule.json"))
-
     def _observe_step(self, batch_size: int, k: int, seconds: float, prefill_tokens: int, spec) -> None:
         rewrites = self.online.rewrites
         self.online.observe_step(batch_size, k, seconds, prefill_tokens, spec)
         if self.online.rewrites != rewrites:  # the k per batch size the metrics show
             self.recorder.k_table = self._k_table(self.settings.spec)
 
-    def _kv_events(self, config: TandemConfig) -> tuple[PrefixIndex | None, str]:
-        """With prefix caching on, vLLM publishes its cache's block events to a socket of this
-        replica's (or where ``vllm_args.kv_events_config`` says), read into the index the router's
-        prefix affinity asks."""
-        if not config.cache.enable_prefix_caching:
-            return None, ""
-        args = self.settings.engine_args
-        own = args.get("kv_events_config")
-        if own is None:
-            folder = Path(tempfile.mkdtemp(prefix="tandem-vllm-kv-"))
-            own = args["kv_events_config"] = {"enable_kv_cache_events": True, "publisher": "zmq",
-                                              "endpoint": f"ipc://{folder}/events", "topic": ""}
-        if not own.get("enable_kv_cache_events") or own.get("publisher") != "zmq":
-            return None, ""
-        endpoint = str(own.get("endpoint", "tcp://*:5557")).replace("*", "127.0.0.1")
-        seed = engine_hash_seed(config.model.model, config.model.dtype, config.model.seed)
-        return PrefixIndex(config.cache.block_size, seed), endpoint
-
     def _k_for_batch(self, batch_size: int) -> int:
         plan = self.settings.spec
         if self.online is not None:
             return self.online.k_for_batch(batch_size)
-        if plan.policy == "batch-size-table":  # the entry vLLM's ranges give it (batch_size_ranges)
-            return TableController(plan.k_table).choose_k(BatchState(batch_size, 0))
+        if self._table is not None:
+            return self._table.choose_k(BatchState(batch_size, 0))
         return plan.num_speculative_tokens
 
     def _k_table(self, plan: SpecPlan) -> dict[int, int]:
@@ -349,7 +314,7 @@ class VllmBackend:
         if self.kv_events is not None:
             self.kv_events.close()
         if self.online is not None:
-            shutil.rmtree(self.online.file.path.parent, ignore_errors=True)
+            self.online.close()
 
 
 def stat_logger(record) -> type:
@@ -408,31 +373,3 @@ def _profile(config: TandemConfig):
     if config.speculative.method == "none":
         return None
     return load_profile_if_present(config.speculative.profile)
-
-
-def _delta(out, num_output_before: int) -> GenerateDelta:
-    completion = out.outputs[0]
-    token_ids = list(completion.token_ids)
-    logprobs = None
-    if completion.logprobs is not None:
-        logprobs = [_position_logprobs(position) for position in completion.logprobs]
-    prompt_logprobs = None
-    if out.prompt_logprobs:  # vLLM's delta outputs after the first carry an empty list
-        prompt_logprobs = [None if position is None else _position_logprobs(position)
-                           for position in out.prompt_logprobs]
-    return GenerateDelta(
-        text=completion.text,
-        token_ids=token_ids,
-        logprobs=logprobs,
-        finish_reason=completion.finish_reason,
-        stop_reason=completion.stop_reason,
-        num_prompt_tokens=len(out.prompt_token_ids or ()),
-        num_output_tokens=num_output_before + len(token_ids),
-        num_cached_tokens=int(out.num_cached_tokens or 0),
-        prompt_logprobs=prompt_logprobs,
-    )
-
-
-def _position_logprobs(position) -> dict[int, Logprob]:
-    return {int(t): Logprob(float(lp.logprob), int(lp.rank) if lp.rank is not None else 0, lp.decoded_token)
-            for t, lp in position.items()}

@@ -15,10 +15,15 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
+import tempfile
 import time
 from pathlib import Path
 
+from cluster.config import TandemConfig
 from cluster.spec_decode.controller import AdaptiveController, BatchState, StepObservation, TableController
+from cluster.spec_decode.factory import build_controller
+from cluster.spec_decode.latency_model import power_of_two_sizes
 from cluster.spec_decode.profile_data import batch_size_ranges
 
 ENV = "TANDEM_VLLM_K_SCHEDULE"  # the file's path, as vLLM's engine-core process inherits it
@@ -80,12 +85,13 @@ class OnlineSchedule:
         self.batch_sizes = batch_sizes
         self.file = file
         self.table = dict(table)  # what the file holds now
+        self._lookup = TableController(self.table)
         self.rewrites = 0
         self._compared = float("-inf")
         file.write(batch_size_ranges(self.table))
 
     def k_for_batch(self, batch_size: int) -> int:
-        return TableController(self.table).choose_k(BatchState(batch_size, 0))
+        return self._lookup.choose_k(BatchState(batch_size, 0))
 
     def observe_step(self, batch_size: int, k: int, seconds: float, prefill_tokens: int, spec,
                      now: float | None = None) -> None:
@@ -102,6 +108,20 @@ class OnlineSchedule:
             self._compared = now
             table = self.controller.k_table(self.batch_sizes)
             if table != self.table:
-                self.table = table
+                self.table, self._lookup = table, TableController(table)
                 self.file.write(batch_size_ranges(table))
                 self.rewrites += 1
+
+    def close(self) -> None:
+        shutil.rmtree(self.file.path.parent, ignore_errors=True)
+
+
+def online_schedule(config: TandemConfig, policy: str, table: dict[int, int],
+                    max_num_seqs: int) -> OnlineSchedule | None:
+    """For a group whose plan is ``adaptive-table``: the adaptive controller (from the group's
+    profile) and the profiled ``table`` it starts from, in a file of the replica's own."""
+    if policy != "adaptive-table":
+        return None
+    folder = Path(tempfile.mkdtemp(prefix="tandem-vllm-k-"))
+    return OnlineSchedule(build_controller(config), power_of_two_sizes(max_num_seqs), table,
+                          ScheduleFile(folder / "schedule.json"))

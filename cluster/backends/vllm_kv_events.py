@@ -19,10 +19,12 @@ replica (it imports vLLM's event types and ZMQ, both in vLLM's environment).
 from __future__ import annotations
 
 import logging
+import tempfile
 import threading
 from collections import defaultdict
 
-from cluster.kv.prefix_cache import ROOT_HASH, xxh3_block_hash
+from cluster.config import TandemConfig
+from cluster.kv.prefix_cache import ROOT_HASH, engine_hash_seed, xxh3_block_hash
 from cluster.shared.request import cache_extra_keys
 
 logger = logging.getLogger(__name__)
@@ -91,6 +93,33 @@ class PrefixIndex:
                 depth += parts
                 level = [c for b in level for c in self._children.get(b, ()) if c in self._names]
         return frozenset(found)
+
+
+def kv_events_setup(config: TandemConfig, engine_args: dict) -> tuple[PrefixIndex | None, str]:
+    """With prefix caching on: vLLM's ``kv_events_config`` (added to ``engine_args`` unless they
+    name one: ZMQ on an ipc socket of this replica's own), the index the events go to and the
+    endpoint to read them from; (None, "") where vLLM publishes none."""
+    if not config.cache.enable_prefix_caching:
+        return None, ""
+    own = engine_args.get("kv_events_config")
+    if own is None:
+        folder = tempfile.mkdtemp(prefix="tandem-vllm-kv-")
+        own = engine_args["kv_events_config"] = {"enable_kv_cache_events": True, "publisher": "zmq",
+                                                 "endpoint": f"ipc://{folder}/events", "topic": ""}
+    if not own.get("enable_kv_cache_events") or own.get("publisher") != "zmq":
+        return None, ""
+    endpoint = str(own.get("endpoint", "tcp://*:5557")).replace("*", "127.0.0.1")
+    seed = engine_hash_seed(config.model.model, config.model.dtype, config.model.seed)
+    return PrefixIndex(config.cache.block_size, seed), endpoint
+
+
+def with_kv_events_config(engine_args: dict) -> dict:
+    """``engine_args`` with a ``kv_events_config`` given as a dict made vLLM's ``KVEventsConfig``."""
+    if not isinstance(engine_args.get("kv_events_config"), dict):
+        return engine_args
+    from vllm.config import KVEventsConfig  # vLLM's environment
+
+    return {**engine_args, "kv_events_config": KVEventsConfig(**engine_args["kv_events_config"])}
 
 
 class KvEventSubscriber:

@@ -29,7 +29,7 @@ from rich.table import Table
 from cluster.bench.args import int_list, positive_int, timed
 from cluster.bench.benchmark import Benchmark
 from cluster.bench.compare import DEFAULT_ANCHOR
-from cluster.bench.llama_bench import anchor_gguf, default_llama_bench, run_llama_bench
+from cluster.bench.llama_bench import llama_bench_inputs, llamacpp_beside, print_llamacpp_table
 from cluster.bench.offline_vllm import DEFAULT_VLLM_PYTHON, VllmRunner
 from cluster.engine.llm import LLM
 from cluster.models.hf_folder import iter_weights
@@ -241,7 +241,7 @@ def measure_cell(runner, system: str, dtype: str, prompt_ids: list[list[int]], o
 def measure_offline(args: argparse.Namespace, console: Console) -> dict:
     """Measure every cell; returns the JSON result."""
     if args.llamacpp:  # the peer's binary and file first: a missing one fails before anything is loaded
-        peer_binary, peer_gguf = _llama_bench_inputs(args)
+        peer_binary, peer_gguf = llama_bench_inputs(args.llama_bench, args.llamacpp_script)
     if args.threads:
         torch.set_num_threads(args.threads)
     source = resolve_model(args.model)
@@ -276,30 +276,15 @@ def measure_offline(args: argparse.Namespace, console: Console) -> dict:
 
     result = _result(args, source, cells, bandwidth, num_params, prompt_ids)
     if args.llamacpp:
-        result["llamacpp"] = _llamacpp(args, cells, bandwidth, peer_binary, peer_gguf)
+        ours = {c.dtype: c.tok_per_s for c in cells if c.system == "tandem-gguf" and c.batch_size == 1}
+        result["llamacpp"] = llamacpp_beside(peer_binary, peer_gguf, args.output_len, args.repeats, ours, bandwidth)
     return result
-
-
-def _llama_bench_inputs(args) -> tuple[Path, Path]:
-    binary = args.llama_bench or default_llama_bench()
-    if binary is None or not Path(binary).is_file():
-        raise RuntimeError("no llama-bench: run `llamacpp_cpu.sh setup` (the llama.cpp anchor) or pass --llama-bench")
-    return Path(binary), anchor_gguf(args.llamacpp_script)
-
-
-def _llamacpp(args, cells: list[Cell], bandwidth: float, binary: Path, gguf: Path) -> dict:
-    """llama-bench's batch-1 decoding on the anchor's GGUF file, set beside tandem-gguf's batch-1 cells
-    and the file's bound (read bandwidth over the bytes of its tensors)."""
-    peer = run_llama_bench(binary, gguf, torch.get_num_threads(), args.output_len, args.repeats)
-    ours = {c.dtype: c.tok_per_s for c in cells if c.system == "tandem-gguf" and c.batch_size == 1}
-    return {**asdict(peer), "gguf": str(gguf), "bound_tok_per_s": bandwidth * 1e9 / peer.model_bytes,
-            "tandem_gguf_batch1": ours, "tandem_gguf_over_llamacpp": {d: r / peer.tok_per_s for d, r in ours.items()}}
 
 
 def print_offline(console: Console, result: dict) -> None:
     _print_table(console, result)
     if result.get("llamacpp"):
-        _print_llamacpp_table(console, result["llamacpp"])
+        print_llamacpp_table(console, result["llamacpp"])
     if result["tensor_parallel"]:
         _print_tp_table(console, result, result["tensor_parallel"][0]["tp"])
 
@@ -360,22 +345,6 @@ def _print_tp_table(console, result: dict, tp: int) -> None:
     for row in result["tensor_parallel"]:
         table.add_row(row["dtype"], str(row["batch_size"]), f"{row['tp1_step_ms']:.2f}",
                       f"{row['tp_step_ms']:.2f}", f"{row['tp_over_tp1_step_latency']:.2f}")
-    console.print(table)
-
-
-def _print_llamacpp_table(console, peer: dict) -> None:
-    bound = peer["bound_tok_per_s"]
-    table = Table(title=f"batch 1 on the GGUF file's blocks ({peer['model_type']}), tok/s",
-                  caption=f"llama-bench {peer['build']}, {peer['threads']} threads, mean of its repetitions "
-                          f"(stddev {peer['stddev_tok_per_s']:.1f}); bound: read bandwidth / "
-                          f"{peer['model_bytes'] / 1e6:.1f} MB a token",
-                  box=box.SIMPLE_HEAD, show_edge=False)
-    for header in ("Tandem dtype", "Tandem gguf", "llama.cpp", "Tandem/llama.cpp", "bound", "Tandem/bound",
-                   "llama.cpp/bound"):
-        table.add_column(header, justify="left" if header == "Tandem dtype" else "right")
-    for dtype, ours in peer["tandem_gguf_batch1"].items():
-        table.add_row(dtype, f"{ours:.1f}", f"{peer['tok_per_s']:.1f}", f"{ours / peer['tok_per_s']:.2f}",
-                      f"{bound:.0f}", f"{ours / bound:.0%}", f"{peer['tok_per_s'] / bound:.0%}")
     console.print(table)
 
 
