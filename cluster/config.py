@@ -191,7 +191,7 @@ class EngineConfig(_Strict):
     """Which engine serves: Tandem's own (``native``) or vLLM's (``vllm``, the ``vllm`` extra).
 
     The other sections configure both; vLLM reads model, cache, scheduler, speculative
-    (n-gram or draft, k, and a profile's k table as ``num_speculative_tokens_per_batch_size``)
+    (n-gram, draft, suffix or EAGLE-3, k, and a profile's k table as ``num_speculative_tokens_per_batch_size``)
     and parallel, and ``vllm_args`` passes further keyword arguments to its ``AsyncEngineArgs``.
     """
 

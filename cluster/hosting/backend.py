@@ -50,7 +50,7 @@ class SpecState:
     for but the installed vLLM lacks it: k is fixed at ``num_speculative_tokens``).
     """
 
-    method: str  # "none", "ngram", "draft" or "eagle3"
+    method: str  # "none", "ngram", "draft", "suffix" or "eagle3"
     policy: str
     current_k: int
     k_table: dict[int, int]  # batch size -> k in force
