@@ -339,10 +339,16 @@ def stat_logger(record) -> type:
 def use_device_threads(config: TandemConfig) -> None:
     """vLLM's CPU workers take their thread count from OMP_NUM_THREADS (else vLLM picks one):
     ``device.num_threads``, when set, is passed on, so a replica runs vLLM with the threads
-    its profile was measured with."""
-    if config.device.num_threads:
-        os.environ["OMP_NUM_THREADS"] = str(config.device.num_threads)
-        torch.set_num_threads(config.device.num_threads)  # an in-process vLLM core keeps torch's count
+    its profile was measured with. With fewer threads than this process may use, the host is
+    shared with other replicas: vLLM's own binding (``VLLM_CPU_OMP_THREADS_BIND=auto``) pins
+    every replica's threads to the same first cores and leaves the others idle, so the threads
+    are left to the OS instead (``nobind``), unless the operator set the variable."""
+    threads = config.device.num_threads
+    if threads:
+        os.environ["OMP_NUM_THREADS"] = str(threads)
+        torch.set_num_threads(threads)  # an in-process vLLM core keeps torch's count
+        if threads < len(os.sched_getaffinity(0)):
+            os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
 
 
 def group_settings(config: TandemConfig, tensor_parallel_size: int,

@@ -170,3 +170,27 @@ def test_suffix_passes_vllms_own_keys():
         "method": "suffix", "num_speculative_tokens": 8, "suffix_decoding_max_tree_depth": 32,
         "suffix_decoding_max_cached_requests": 10000, "suffix_decoding_max_spec_factor": 1.0,
         "suffix_decoding_min_token_prob": 0.2}
+
+
+@pytest.mark.parametrize("threads, cores, preset, expected", [
+    (1, {0, 1}, None, "nobind"),  # a replica of one thread beside others: the OS places its threads
+    (2, {0, 1}, None, None),  # the whole host: vLLM's own binding
+    (1, {0, 1}, "0", "0"),  # the operator's choice stays
+])
+def test_replicas_sharing_a_host_leave_thread_placement_to_the_os(monkeypatch, threads, cores, preset, expected):
+    import torch
+
+    from cluster.backends.vllm import use_device_threads
+
+    monkeypatch.setattr("os.sched_getaffinity", lambda pid: cores)
+    monkeypatch.setattr(torch, "set_num_threads", lambda n: None)
+    monkeypatch.setenv("OMP_NUM_THREADS", "9")
+    if preset is None:
+        monkeypatch.delenv("VLLM_CPU_OMP_THREADS_BIND", raising=False)
+    else:
+        monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", preset)
+    use_device_threads(config_from_dict({"device": {"device": "cpu", "num_threads": threads}}))
+    import os
+
+    assert os.environ["OMP_NUM_THREADS"] == str(threads)
+    assert os.environ.get("VLLM_CPU_OMP_THREADS_BIND") == expected
