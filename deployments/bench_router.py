@@ -239,6 +239,13 @@ def print_router(console: Console, result: dict) -> None:
     if all("prefix_cache" in runs[p] for p in POLICIES):
         table.add_row("prefix cache hits / queried tokens",
                       *(f"{runs[p]['prefix_cache']['hit_rate']:.0%}" for p in POLICIES), "")
+    choices = {p: runs[p].get("router", {}).get("replica_choices") for p in POLICIES}
+    if choices[POLICIES[0]]:
+        table.add_row("in-group choices: ranked / fell back",
+                      *(f"{c.get('ranked', 0)} / {c.get('fallback', 0)}" if c else "-" for c in choices.values()), "")
+        table.add_row("  a prefix cached / the deepest first",
+                      *(f"{c.get('prefix_found', 0)} / {c.get('deepest_prefix_first', 0)}" if c else "-"
+                        for c in choices.values()), "")
     table.add_row("failed requests", *(str(runs[p]["summary"]["failed"]) for p in POLICIES), "")
     console.print(table)
 

@@ -14,6 +14,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from ray import serve
 
 from cluster.metrics.exposition import merge
+from cluster.routing import choice_counts
 from deployments.app_hub import application_hub
 from deployments.http_app import app
 from deployments.readiness import unready_groups
@@ -49,7 +50,7 @@ class OperationsRoutes:
     async def debug_router(self, request: Request):
         if (denied := self._check_key(request)) is not None:
             return denied
-        return self.router.snapshot()
+        return {**self.router.snapshot(), "replica_choices": dict(choice_counts.CHOICES)}
 
     @app.get("/debug/engines")
     async def debug_engines(self, request: Request):

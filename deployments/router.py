@@ -8,6 +8,7 @@ affinity). Serve tries the ranks in order, so a replica at its
 ``max_ongoing_requests`` falls through to the next best. An ingress's delta feed
 (``FeedRequest``) goes to the replica it names, a starting replica's ``WarmStartRequest``
 to any other.
+Every ranking is counted in :mod:`cluster.routing.choice_counts` (``/debug/router`` shows it).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from typing import List, Optional
 from ray.serve.request_router import FIFOMixin, PendingRequest, RequestRouter, RunningReplica
 
 from cluster.hosting.protocol import FeedRequest, GenerateRequest, WarmStartRequest
+from cluster.routing import choice_counts
 from cluster.routing.policy import power_of_two_choices, rank_replicas
 from cluster.routing.stats import Candidate, ReplicaStats
 
@@ -50,7 +52,9 @@ class TandemRequestRouter(FIFOMixin, RequestRouter):
         if request is None:  # not a generate call (debug and health routes)
             order = power_of_two_choices(candidates, self.rng)
         else:
-            order = rank_replicas(request, candidates, time.time(), self.rng, self.staleness_seconds).replica_ids
+            ranked = rank_replicas(request, candidates, time.time(), self.rng, self.staleness_seconds)
+            choice_counts.count_choice(ranked)
+            order = ranked.replica_ids
         return [[by_id[replica_id]] for replica_id in order]
 
     def _candidate(self, replica: RunningReplica) -> Candidate:
