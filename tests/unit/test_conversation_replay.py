@@ -10,15 +10,7 @@ import pytest
 
 from cluster.bench.conversation_replay import replay_conversations, summarize_turns
 from cluster.bench.serve_workload import BenchRequest
-from tests.unit.test_bench_serve import FakeServer
-
-
-@pytest.fixture
-def fake():
-    server = FakeServer()
-    server.start()
-    yield server
-    server.stop()
+from tests.unit.test_bench_serve import fake  # noqa: F401  (the fixture: a fake server on a free port)
 
 
 def _conversation(c: int, turns: int) -> list[BenchRequest]:
