@@ -97,8 +97,10 @@ class Conversations:
 
     turns: list[list[BenchRequest]]
     concurrency: int
+    rate: float | None  # conversations arriving per second (open loop); None: ``concurrency`` at a time
     think_s: float
     warmups: list[BenchRequest]
+    seed: int = 0  # of the arrivals
 
 
 def agentic_conversations(config: TandemConfig, args: argparse.Namespace) -> Conversations:
@@ -118,12 +120,14 @@ def agentic_conversations(config: TandemConfig, args: argparse.Namespace) -> Con
 
     measured = [turns(conv) for conv in convs[:args.conversations]]
     warmups = [turns(conv)[0] for conv in convs[args.conversations:args.conversations + args.num_warmups]]
-    return Conversations(measured, args.concurrent_conversations, args.think_time, warmups)
+    return Conversations(measured, args.concurrent_conversations, args.conversation_rate, args.think_time, warmups,
+                         args.seed)
 
 
 def _play(url: str, workload: ServeBenchOptions | Conversations) -> dict:
     if isinstance(workload, Conversations):
         replay = asyncio.run(replay_conversations(url, workload.turns, workload.concurrency,
+                                                  conversation_rate=workload.rate, seed=workload.seed,
                                                   think_s=workload.think_s, warmups=workload.warmups))
         summaries = summarize_turns(replay)
         return {"summary": summaries["all"], "turns": summaries,
@@ -223,8 +227,11 @@ def print_router(console: Console, result: dict) -> None:
     groups = ", ".join(f"{g['name']} ({g.get('num_replicas', 1)} x {_engine_name(g.get('engine'))}, "
                        f"step x{g['step_time_scale']:g})" for g in result["groups"])
     if settings.get("workload") == "agentic":
-        workload = (f"{settings['conversations']} agentic conversations, {settings['concurrent_conversations']} "
-                    f"at a time, each turn after the last answer (think time {settings['think_time']:g} s)")
+        rate = settings.get("conversation_rate")
+        start = (f"arriving at {rate:g}/s" if rate is not None
+                 else f"{settings['concurrent_conversations']} at a time")
+        workload = (f"{settings['conversations']} agentic conversations, {start}, each turn after the last "
+                    f"answer (think time {settings['think_time']:g} s)")
     else:
         workload = (f"{settings['num_prompts']} requests at {settings['request_rate']:g}/s "
                     f"(burstiness {settings['burstiness']:g}), {settings['input_len']} prompt words")
@@ -258,6 +265,8 @@ def add_router_args(parser: argparse.ArgumentParser) -> None:
         help="random: independent prompts at --request-rate; agentic: the agentic set's multi-turn conversations")
     add("--conversations", type=int, default=12, help="agentic: conversations played")
     add("--concurrent-conversations", type=int, default=4, help="agentic: conversations at a time")
+    add("--conversation-rate", type=float, default=None,
+        help="agentic: conversations arriving per second (Poisson, --seed) instead of a fixed number at a time")
     add("--think-time", type=float, default=0.0, help="agentic: seconds between an answer and the next turn")
     add("--num-prompts", type=int, default=120)
     add("--request-rate", type=float, default=2.0, help="requests/s, the same for both policies")

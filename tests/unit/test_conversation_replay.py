@@ -56,3 +56,16 @@ def test_bad_arguments_are_refused():
         asyncio.run(replay_conversations("http://127.0.0.1:9", [[BenchRequest("x", 1, 1)]], 0))
     with pytest.raises(ValueError, match="every conversation"):
         asyncio.run(replay_conversations("http://127.0.0.1:9", [[]], 1))
+
+
+def test_conversations_arriving_at_a_rate_all_start_and_keep_their_order(fake):
+    conversations = [_conversation(c, 3) for c in range(6)]
+    replay = asyncio.run(replay_conversations(fake.url, conversations, 1, conversation_rate=1e6, seed=3))
+    assert sorted((t.conversation, t.turn) for t in replay.turns) == [(c, t) for c in range(6) for t in range(3)]
+    assert fake.max_in_flight > 1  # all arrive at once: the open loop ignores the concurrency of 1
+    for c in range(6):
+        mine = sorted((t for t in replay.turns if t.conversation == c), key=lambda t: t.turn)
+        for before, after in zip(mine, mine[1:]):
+            assert after.record.start_s >= before.record.start_s + before.record.e2e_s
+    with pytest.raises(ValueError, match="conversation_rate"):
+        asyncio.run(replay_conversations(fake.url, conversations, 1, conversation_rate=0.0))
