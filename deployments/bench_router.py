@@ -8,7 +8,7 @@ latency percentiles per policy and the ratio tandem / pow2; the JSON holds both 
 
 Workloads: ``random`` (independent prompts at ``--request-rate``, through
 :func:`run_serve_benchmark`) and ``agentic`` (the agentic set's conversations replayed turn
-after turn, ``--concurrent-conversations`` at a time,
+after turn, ``--concurrent-conversations`` at a time or arriving at ``--conversation-rate``,
 :mod:`cluster.bench.conversation_replay`), whose table has first and later turns apart: a
 later turn's history sits in the prefix cache of the replica that served the turn before.
 

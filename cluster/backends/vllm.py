@@ -347,7 +347,8 @@ def use_device_threads(config: TandemConfig) -> None:
     if threads:
         os.environ["OMP_NUM_THREADS"] = str(threads)
         torch.set_num_threads(threads)  # an in-process vLLM core keeps torch's count
-        if threads < len(os.sched_getaffinity(0)):
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+        if threads < cores:
             os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
 
 

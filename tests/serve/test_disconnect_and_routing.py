@@ -65,3 +65,5 @@ def test_router_sends_the_larger_share_to_the_faster_group(server_url, async_cli
     assert share["fast"] > share["slow"], (share, after)
     speed = {r["group"]: r["speed_factor"] for r in after["replicas"].values()}
     assert set(speed) == {"fast", "slow"}
+    choices = after["replica_choices"]  # the router inside each group counted its rankings too
+    assert choices.get("ranked", 0) + choices.get("fallback", 0) >= 32, choices
