@@ -14,6 +14,7 @@ replica served the history before) are summarized apart (:func:`summarize_turns`
 from __future__ import annotations
 
 import asyncio
+import itertools
 import time
 from dataclasses import dataclass
 
@@ -64,8 +65,8 @@ async def replay_conversations(url: str, conversations: list[list[BenchRequest]]
                                       i, request, 0.0, time.perf_counter())
             if not warm.success:
                 raise RuntimeError(f"warm-up request failed: {warm.error}")
-        waiting = list(range(len(conversations)))
-        waiting.reverse()
+        waiting = list(reversed(range(len(conversations))))  # popped from the end: conversation 0 first
+        sent = itertools.count()  # each request's index, in the order sent
         done: list[TurnRecord] = []
         t0 = time.perf_counter()
 
@@ -74,7 +75,7 @@ async def replay_conversations(url: str, conversations: list[list[BenchRequest]]
                 if turn and think_s > 0:
                     await asyncio.sleep(think_s)
                 record = await send_request(session, endpoint_url, request_body(options, model, request),
-                                            "completions", len(done), request, time.perf_counter() - t0, t0)
+                                            "completions", next(sent), request, time.perf_counter() - t0, t0)
                 done.append(TurnRecord(c, turn, record))
                 if not record.success:
                     break  # the history the next turn extends was never answered
