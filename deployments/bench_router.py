@@ -39,7 +39,7 @@ from cluster.bench.conversation_replay import replay_conversations, summarize_tu
 from cluster.bench.serve import ServeBenchOptions, run_serve_benchmark
 from cluster.bench.serve_metrics import percentile_key
 from cluster.bench.serve_workload import BenchRequest
-from cluster.bench.workloads.agentic_prompts import conversation_prefixes, load_conversations, render_prompt
+from cluster.bench.workloads.agentic_prompts import agentic_prompt_texts, load_conversations
 from cluster.config import TandemConfig, config_from_dict, group_engine_config, load_config
 from cluster.models.loader import load_tokenizer, resolve_model
 
@@ -114,9 +114,8 @@ def agentic_conversations(config: TandemConfig, args: argparse.Namespace) -> Con
     tokenizer = load_tokenizer(resolve_model(model.model, model.cache_dir))
 
     def turns(conv) -> list[BenchRequest]:
-        texts = [render_prompt(tokenizer, prefix) for prefix in conversation_prefixes(conv.messages)]
         return [BenchRequest(text, args.output_len, len(tokenizer.encode(text, add_special_tokens=False)))
-                for text in texts]
+                for text in agentic_prompt_texts(tokenizer, [conv])]
 
     measured = [turns(conv) for conv in convs[:args.conversations]]
     warmups = [turns(conv)[0] for conv in convs[args.conversations:args.conversations + args.num_warmups]]
@@ -211,20 +210,15 @@ def measure_router(args: argparse.Namespace, console: Console) -> dict:
     for policy in POLICIES:
         runs[policy]["share"] = traffic_share(runs[policy]["router"])
     settings = {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items() if not callable(v)}
-    return {"config": settings, "groups": [g.model_dump() for g in config.serve.groups],
+    groups = [{**g.model_dump(), "backend": group_engine_config(config, g.name).engine.backend}
+              for g in config.serve.groups]
+    return {"config": settings, "groups": groups,
             "ratios": {key: values[-1] for key, _, values in report_rows(runs)}, "runs": runs}
-
-
-def _engine_name(engine) -> str:
-    """A group's engine as its config spells it: absent, a name, or a mapping with ``backend``."""
-    if isinstance(engine, dict):
-        return engine.get("backend") or "native"
-    return engine or "native"
 
 
 def print_router(console: Console, result: dict) -> None:
     settings, runs = result["config"], result["runs"]
-    groups = ", ".join(f"{g['name']} ({g.get('num_replicas', 1)} x {_engine_name(g.get('engine'))}, "
+    groups = ", ".join(f"{g['name']} ({g.get('num_replicas', 1)} x {g.get('backend', 'native')}, "
                        f"step x{g['step_time_scale']:g})" for g in result["groups"])
     if settings.get("workload") == "agentic":
         rate = settings.get("conversation_rate")

@@ -41,7 +41,7 @@ def test_a_conversation_run_shows_first_and_later_turns_and_cache_hits(tmp_path,
 
     result = {"config": {"workload": "agentic", "conversations": 6, "concurrent_conversations": 2,
                          "think_time": 0.0, "output_len": 16},
-              "groups": [{"name": "vllm", "num_replicas": 2, "engine": {"backend": "vllm"}, "step_time_scale": 1.0}],
+              "groups": [{"name": "vllm", "num_replicas": 2, "backend": "vllm", "step_time_scale": 1.0}],
               "runs": {"tandem": run(300.0, 0.8), "pow2": run(900.0, 0.6)}, "run": {"benchmark": "router"}}
     path = tmp_path / "router.json"
     path.write_text(json.dumps(result))
