@@ -34,6 +34,7 @@ defaults, move to free ports if another server holds them (the command says whic
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import signal
@@ -235,38 +236,50 @@ def _wait_for_http(url: str) -> None:
 
 
 def stop_bounded(app_name: str, drain_timeout_s: float) -> None:
-    """Drain, then stop Serve and Ray. Every step is bounded: should one hang (the raylet, the GCS
-    or the hub gone), the process exits anyway once ``drain_timeout_s`` plus ``SHUTDOWN_TIMEOUT_S``
-    plus ``RAY_SHUTDOWN_TIMEOUT_S`` have passed."""
-    bound = max(drain_timeout_s, 0) + SHUTDOWN_TIMEOUT_S + RAY_SHUTDOWN_TIMEOUT_S
+    """Drain, then stop Serve and Ray. Every phase is bounded on its own: should one hang (the
+    raylet, the GCS or the hub gone), the process exits anyway, the drain after ``drain_timeout_s``
+    plus ``RAY_SHUTDOWN_TIMEOUT_S`` (its calls' overrun), the shutdown after ``SHUTDOWN_TIMEOUT_S``
+    plus ``RAY_SHUTDOWN_TIMEOUT_S``; a drain that used its whole time leaves the shutdown all of its own."""
+    if not ray.is_initialized():  # stopped before Ray was up: whatever ray.init left behind goes
+        with _exit_after(RAY_SHUTDOWN_TIMEOUT_S, "stopping"):
+            ray.shutdown()
+        return
+    with _exit_after(max(drain_timeout_s, 0) + RAY_SHUTDOWN_TIMEOUT_S, "draining"):
+        drain(app_name, drain_timeout_s)
+    with _exit_after(SHUTDOWN_TIMEOUT_S + RAY_SHUTDOWN_TIMEOUT_S, "stopping"):
+        print("stopping: shutting Serve down (requests still in flight are aborted)", flush=True)
+        done = threading.Event()
 
+        def shut_down() -> None:
+            try:
+                serve.shutdown()
+            except Exception:  # Ray may already be going away
+                logger.exception("serve.shutdown failed")
+            done.set()
+
+        threading.Thread(target=shut_down, name="tandem-shutdown", daemon=True).start()
+        if not done.wait(SHUTDOWN_TIMEOUT_S):
+            print(f"Serve did not stop within {SHUTDOWN_TIMEOUT_S:.0f} s; stopping Ray", flush=True)
+        try:
+            ray.shutdown()
+        except Exception:  # the process is leaving either way: say so, and exit as stopped
+            logger.exception("ray.shutdown failed")
+
+
+@contextlib.contextmanager
+def _exit_after(bound_s: float, phase: str):
+    """Exit the process with status 1 should the block take more than ``bound_s``."""
     def give_up() -> None:
-        print(f"stopping took more than {bound:.0f} s (is Ray's raylet or GCS gone?): exiting", flush=True)
+        print(f"{phase} took more than {bound_s:.0f} s (is Ray's raylet or GCS gone?): exiting", flush=True)
         os._exit(1)
 
-    watchdog = threading.Timer(bound, give_up)
+    watchdog = threading.Timer(bound_s, give_up)
     watchdog.daemon = True
     watchdog.start()
-    if not ray.is_initialized():  # stopped before Ray was up: whatever ray.init left behind goes
-        ray.shutdown()
+    try:
+        yield
+    finally:
         watchdog.cancel()
-        return
-    drain(app_name, drain_timeout_s)
-    print("stopping: shutting Serve down (requests still in flight are aborted)", flush=True)
-    done = threading.Event()
-
-    def shut_down() -> None:
-        try:
-            serve.shutdown()
-        except Exception:  # Ray may already be going away
-            logger.exception("serve.shutdown failed")
-        done.set()
-
-    threading.Thread(target=shut_down, name="tandem-shutdown", daemon=True).start()
-    if not done.wait(SHUTDOWN_TIMEOUT_S):
-        print(f"Serve did not stop within {SHUTDOWN_TIMEOUT_S:.0f} s; stopping Ray", flush=True)
-    ray.shutdown()
-    watchdog.cancel()
 
 
 def drain(app_name: str, timeout_s: float) -> None:

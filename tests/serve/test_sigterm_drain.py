@@ -51,7 +51,7 @@ def test_sigterm_lets_the_stream_in_flight_finish(tiny_chat_model, tmp_path):
         assert refused.status_code == 503, log.read_text()[-4000:]
         assert refused.json()["error"]["code"] == "shutting_down"
         assert health.status_code == 503 and health.json() == {"status": "draining"}
-        assert proc.wait(timeout=120) == 0
+        assert proc.wait(timeout=120) == 0, log.read_text()[-4000:]
         text = log.read_text()
         assert "drained: no request in flight" in text, text[-4000:]
     finally:

@@ -91,7 +91,7 @@ def test_sigterm_exits_within_its_bounds_when_ray_is_gone(tiny_chat_model, tmp_p
         # A liveness bound, not a timing: the process must not hang past its own bounds (+ slack for a busy CI).
         bound = drain_timeout_s + SHUTDOWN_TIMEOUT_S + RAY_SHUTDOWN_TIMEOUT_S + 60
         server.process.wait(timeout=bound)
-        assert "stopping took more than" in server.log.read_text()
+        assert "s (is Ray's raylet or GCS gone?): exiting" in server.log.read_text()
     finally:
         server.stop()
         for pid in gcs:
