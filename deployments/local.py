@@ -241,7 +241,7 @@ def stop_bounded(app_name: str, drain_timeout_s: float) -> None:
     plus ``RAY_SHUTDOWN_TIMEOUT_S`` (its calls' overrun), the shutdown after ``SHUTDOWN_TIMEOUT_S``
     plus ``RAY_SHUTDOWN_TIMEOUT_S``; a drain that used its whole time leaves the shutdown all of its own."""
     if not ray.is_initialized():  # stopped before Ray was up: whatever ray.init left behind goes
-        with _exit_after(RAY_SHUTDOWN_TIMEOUT_S, "stopping"):
+        with _exit_after(SHUTDOWN_TIMEOUT_S + RAY_SHUTDOWN_TIMEOUT_S, "stopping"):
             ray.shutdown()
         return
     with _exit_after(max(drain_timeout_s, 0) + RAY_SHUTDOWN_TIMEOUT_S, "draining"):
