@@ -1,5 +1,5 @@
 // float32 vectors of the widest kind this build's CPU has (AVX-512 or AVX2 with FMA), loads
-// that widen bfloat16 to float32 (bfloat16 is the top half of a float32), and the few vector
+// that widen bfloat16 (and int8) to float32 (bfloat16 is the top half of a float32), and the few vector
 // functions the attention kernel needs (exp, a transposing horizontal sum).
 #pragma once
 
@@ -19,6 +19,9 @@ inline Vec vload(const float* p) { return _mm512_loadu_ps(p); }
 inline Vec vload(const at::BFloat16* p) {
   __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+}
+inline Vec vload(const int8_t* p) {
+  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
 }
 inline Vec vmul(Vec a, Vec b) { return _mm512_mul_ps(a, b); }
 inline Vec vadd(Vec a, Vec b) { return _mm512_add_ps(a, b); }
@@ -71,6 +74,9 @@ inline Vec vload(const float* p) { return _mm256_loadu_ps(p); }
 inline Vec vload(const at::BFloat16* p) {
   __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
   return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(raw), 16));
+}
+inline Vec vload(const int8_t* p) {
+  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
 }
 inline Vec vmul(Vec a, Vec b) { return _mm256_mul_ps(a, b); }
 inline Vec vadd(Vec a, Vec b) { return _mm256_add_ps(a, b); }

@@ -8,8 +8,9 @@ at ``slot_mapping``, then gathers every sequence's whole context through its blo
 table (``context_slots``) and runs SDPA with a mask that is causal within the
 sequence and hides padding. That path serves prefill, chunked prefill, decode and the
 verification of draft tokens on every device. On the CPU, steps of up to
-``SHORT_QUERY_MAX`` query tokens per sequence instead run ``cluster/kernels/decode_ops.cpp``
-(see :meth:`PagedAttention.decodes_in_kernel`), one query row at a time through the slot table,
+``SHORT_QUERY_MAX`` query tokens per sequence instead run ``cluster/kernels/decode_attention.h``
+(see :meth:`PagedAttention.decodes_in_kernel`), one query row at a time through the slot table
+(plain or int8 caches),
 and in bfloat16 longer queries run ``cluster/kernels/prefill_attention.cpp`` where it measured
 faster than SDPA (:meth:`PagedAttention.prefills_in_kernel`).
 A step mixing such short queries with longer ones (decodes beside a prompt's prefill)
@@ -84,9 +85,10 @@ class PagedAttention(torch.nn.Module):
                 out.index_copy_(0, tokens, part_out)
             return out
         if self.decodes_in_kernel(kv_cache, meta):
+            values, scales = _kernel_cache(kv_cache)
             return self.cpu_ops.paged_decode_attention(
-                q.contiguous(), k.contiguous(), v.contiguous(), kv_cache, meta.slot_mapping,
-                meta.row_context_slots, meta.row_context_lens, self.num_heads, self.scale)
+                q.contiguous(), k.contiguous(), v.contiguous(), values, meta.slot_mapping,
+                meta.row_context_slots, meta.row_context_lens, self.num_heads, self.scale, scales)
         new_k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
         new_v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
         if meta.flex is not None:
@@ -138,12 +140,11 @@ class PagedAttention(torch.nn.Module):
 
     def decodes_in_kernel(self, kv_cache, meta: AttentionMetadata) -> bool:
         """Whether this step runs in the compiled CPU kernel: a short-query step (decode or
-        draft verification: every query row has its own context) over a plain (not
-        quantized) KV cache, with the kernel attached. The kernel computes every row the
-        same way whatever the step holds, so a verified draft token gets bit for bit the
-        logits plain decoding would have given it."""
-        return (self.cpu_ops is not None and meta.row_context_lens is not None
-                and isinstance(kv_cache, torch.Tensor))
+        draft verification: every query row has its own context) over a plain or an int8
+        KV cache, with the kernel attached. The kernel computes every row the same way
+        whatever the step holds, so a verified draft token gets bit for bit the logits
+        plain decoding would have given it."""
+        return self.cpu_ops is not None and meta.row_context_lens is not None
 
     def prefills_in_kernel(self, kv_cache, meta: AttentionMetadata) -> bool:
         """Whether this step's queries attend in the compiled CPU prefill kernel: a step with
@@ -156,14 +157,15 @@ class PagedAttention(torch.nn.Module):
         self,
         qkv: torch.Tensor,  # [num_tokens, (num_heads + 2 * num_kv_heads) * head_dim]
         rope: tuple[torch.Tensor, torch.Tensor],  # cos, sin_signed: [num_tokens, 1, head_dim] each
-        kv_cache: torch.Tensor,  # [2, num_slots, num_kv_heads, head_dim]
+        kv_cache,  # [2, num_slots, num_kv_heads, head_dim] tensor, or an Int8LayerCache
         meta: AttentionMetadata,
     ) -> torch.Tensor:  # [num_tokens, num_heads * head_dim]
         """Rotary on Q and K, the K/V write and attention in one kernel call, one query row at
         a time; only where :meth:`decodes_in_kernel` holds."""
+        values, scales = _kernel_cache(kv_cache)
         return self.cpu_ops.rotary_decode_attention(
-            qkv.contiguous(), rope[0], rope[1], kv_cache, meta.slot_mapping, meta.row_context_slots,
-            meta.row_context_lens, self.num_heads, self.scale)
+            qkv.contiguous(), rope[0], rope[1], values, meta.slot_mapping, meta.row_context_slots,
+            meta.row_context_lens, self.num_heads, self.scale, scales)
 
     def _decode(
         self,
@@ -183,3 +185,11 @@ class PagedAttention(torch.nn.Module):
         probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(values.dtype)
         out = torch.matmul(probs, values.transpose(1, 2))  # [num_seqs, num_kv_heads, group, head_dim]
         return out.reshape(num_seqs, self.num_heads * self.head_dim)
+
+
+def _kernel_cache(kv_cache) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """What the compiled decode kernel reads: a plain cache tensor (no scales), or an int8 layer
+    cache's values [2, num_slots, num_kv_heads, head_dim] and scales [2, num_slots, num_kv_heads]."""
+    if isinstance(kv_cache, torch.Tensor):
+        return kv_cache, None
+    return kv_cache.values, kv_cache.scales

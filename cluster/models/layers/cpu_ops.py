@@ -11,7 +11,8 @@ attention of short-query steps (decode, draft verification, chunks of up to
 table, one query row at a time) instead of gathering the context and running batched
 matmuls; longer queries get their rotary in one call (``apply_rotary``). In bfloat16, attention also gets the compiled prefill attention for longer queries
 where it measured faster than SDPA (:func:`~cluster.kernels.prefill_choice.prefill_kernel_for`).
-Modules keep their torch code for every other case (CUDA, other dtypes, the int8 KV cache), so
+The attention kernel reads plain and int8 KV caches alike. Modules keep their torch code for
+every other case (CUDA, other dtypes), so
 the model code is the same everywhere.
 """
 
