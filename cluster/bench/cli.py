@@ -13,6 +13,7 @@ from rich.console import Console
 from cluster.bench.agent import AGENT
 from cluster.bench.benchmark import Benchmark, add_benchmark, publish
 from cluster.bench.compare import COMPARE
+from cluster.bench.long_context import LONG_CONTEXT
 from cluster.bench.lora import LORA
 from cluster.bench.offline import OFFLINE
 from cluster.bench.paper import PAPER
@@ -25,7 +26,7 @@ from cluster.bench.spec import SPEC
 from cluster.bench.structured import STRUCTURED
 
 BENCHMARKS = {b.name: b for b in (OFFLINE, PREFIX, PREFILL, SPEC, PAPER, QUANT, LORA, SERVE, SERVED, COMPARE,
-                                      STRUCTURED, AGENT)}
+                                      STRUCTURED, AGENT, LONG_CONTEXT)}
 
 
 def add_bench_parser(sub):

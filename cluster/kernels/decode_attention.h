@@ -111,43 +111,36 @@ struct ChunkState {
   float* acc;  // [num_heads, head_dim]
 };
 
-// Register tiles. Scores: G query heads x KB keys of accumulators, with G query vectors and one key
-// vector beside them. Values: G heads x CT vectors of a head, with G weights and CT value vectors.
-constexpr int kRegisters = kLanes == 16 ? 32 : 16;
+// Register tiles: G query heads by CT vectors of a head (4, or 2 for G = 8: G * CT at most 24 of
+// AVX-512's 32 registers; 1 where those do not divide the head), the query heads' vectors held
+// while keys stream past, the values' sums held while values do.
 template <int G>
-constexpr int score_tile_keys() {
-  constexpr int fit = (kRegisters - G - 1) / G;
-  return fit >= 8 ? 8 : fit >= 4 ? 4 : fit >= 2 ? 2 : 1;
-}
-template <int G>
-constexpr int value_tile_vectors() {
-  return 4 * G + G + 4 <= kRegisters ? 4 : 2 * G + G + 2 <= kRegisters ? 2 : 1;
+constexpr int tile_vectors() {
+  return G <= 4 ? 4 : 2;
 }
 
-// Scores of G query heads (query: [G, head_dim], rotated and scaled) against kLanes keys of a row,
-// at `slots` (the first m of them real), into scores[g * kChunkSlots + j]. Each key's products stay
-// vectors and kLanes keys are summed across their lanes together; each lane's arithmetic is the
-// same whichever tile and lane its key lands in.
-template <typename C, int G>
+// Scores of G query heads (query: [G, head_dim], rotated and scaled) against m <= kLanes keys of a
+// row at `slots`, into scores[g * kChunkSlots + j]. Each key's products stay vectors (in
+// `partial`), summed over the head CT vectors at a time, and kLanes keys are summed across their
+// lanes together; each key's arithmetic is the same whichever lane it lands in.
+template <typename C, int G, int CT>
 inline void score_keys(const C* keys, const float* key_scales, const int64_t* slots, int64_t m, int64_t kv_stride,
                        int64_t scale_stride, int64_t D, const float* query, float* partial, float* scores) {
-  constexpr int KB = score_tile_keys<G>();
-  for (int64_t jt = 0; jt < m; jt += KB) {
-    const C* key[KB];
-    for (int j = 0; j < KB; ++j) key[j] = keys + slots[std::min<int64_t>(jt + j, m - 1)] * kv_stride;
-    Vec acc[G][KB];
+  for (int64_t d0 = 0; d0 < D; d0 += CT * kLanes) {
+    Vec q[G][CT];
     for (int g = 0; g < G; ++g)
-      for (int j = 0; j < KB; ++j) acc[g][j] = vzero();
-    for (int64_t d = 0; d < D; d += kLanes) {
-      Vec q[G];
-      for (int g = 0; g < G; ++g) q[g] = vload(query + g * D + d);
-      for (int j = 0; j < KB; ++j) {
-        const Vec k = vload(key[j] + d);
-        for (int g = 0; g < G; ++g) acc[g][j] = vfma(q[g], k, acc[g][j]);
+      for (int c = 0; c < CT; ++c) q[g][c] = vload(query + g * D + d0 + c * kLanes);
+    for (int64_t j = 0; j < m; ++j) {
+      const C* key = keys + slots[j] * kv_stride + d0;
+      Vec k[CT];
+      for (int c = 0; c < CT; ++c) k[c] = vload(key + c * kLanes);
+      for (int g = 0; g < G; ++g) {
+        float* products = partial + (g * kLanes + j) * kLanes;
+        Vec dot = d0 ? vload(products) : vzero();
+        for (int c = 0; c < CT; ++c) dot = vfma(q[g][c], k[c], dot);
+        vstore(products, dot);
       }
     }
-    for (int g = 0; g < G; ++g)
-      for (int j = 0; j < KB; ++j) vstore(partial + (g * kLanes + jt + j) * kLanes, acc[g][j]);
   }
   float key_scale[kLanes] = {};
   if (key_scales)
@@ -196,14 +189,17 @@ struct Prefetch {
   int64_t next_count = 0;
 };
 
-// acc[g] = sum_j probs[g][j] * value_j over a row's n keys at `slots`, CT vectors of a head at a time.
+// acc[g] += sum_j probs[g][j] * value_j over n keys of a row at `slots` (acc from zero where
+// `first`), CT vectors of a head at a time. A row's values are weighed a block of keys at a time,
+// every row of a run in turn, so the block stays in L1 for all of them; each accumulator takes the
+// same steps (one FMA per key, in key order) however the keys are blocked.
 template <typename C, int G, int CT>
 inline void weigh_values(const C* values, const C* value_rows, const int64_t* slots, int64_t n, int64_t kv_stride,
-                         int64_t D, const float* probs, float* acc_out, Prefetch fetch) {
+                         int64_t D, const float* probs, float* acc_out, bool first, Prefetch fetch) {
   for (int64_t d0 = 0; d0 < D; d0 += CT * kLanes) {
     Vec acc[G][CT];
     for (int g = 0; g < G; ++g)
-      for (int c = 0; c < CT; ++c) acc[g][c] = vzero();
+      for (int c = 0; c < CT; ++c) acc[g][c] = first ? vzero() : vload(acc_out + g * D + d0 + c * kLanes);
     for (int64_t j = 0; j < n; ++j) {
       if (d0 == 0 && j + kPrefetchSlots < fetch.ahead_count)
         prefetch_row(value_rows + fetch.ahead[j + kPrefetchSlots] * kv_stride, kv_stride);
@@ -220,6 +216,10 @@ inline void weigh_values(const C* values, const C* value_rows, const int64_t* sl
       for (int c = 0; c < CT; ++c) vstore(acc_out + g * D + d0 + c * kLanes, acc[g][c]);
   }
 }
+
+// Keys of a value block: their V rows of one KV head (16 x head_dim values) stay in L1 while every
+// row of a run weighs them.
+constexpr int64_t kValueBlock = 16;
 
 // Whether row b reads row a's context and one token more (the next token of the same sequence):
 // such rows form a run that shares its chunks. Only where rows run together depends on this; each
@@ -320,7 +320,7 @@ void decode_attention(const DecodeBatch<T, C>& b, T* out) {
             for (size_t i = 0; i < rows.size(); ++i) {
               const int64_t n = std::min(lens[rows[i]], t0 + kChunkSlots) - t0;
               if (j0 < n)
-                score_keys<C, G>(keys, key_scales, b.context_slots + rows[i] * b.max_context + t0 + j0,
+                score_keys<C, G, CT>(keys, key_scales, b.context_slots + rows[i] * b.max_context + t0 + j0,
                                  std::min<int64_t>(kLanes, n - j0), kv_stride, scale_stride, D,
                                  query.data() + (i * heads + qh0) * D, partial.data(),
                                  scores.data() + i * G * kChunkSlots + j0);
@@ -339,8 +339,20 @@ void decode_attention(const DecodeBatch<T, C>& b, T* out) {
               if (value_scales)  // an int8 value's scale, into its weight
                 for (int64_t j = 0; j < n; ++j) probs[g * kChunkSlots + j] *= value_scales[slots[j] * scale_stride];
             }
-            weigh_values<C, G, CT>(values, b.value_cache, slots, n, kv_stride, D, probs, state.acc + qh0 * D,
-                                   i == 0 ? fetch : Prefetch{});
+          }
+          for (int64_t j0 = 0; j0 < n_last; j0 += kValueBlock) {
+            Prefetch block;  // the first row asks for what the pass asks for, a block at a time
+            if (reads) block.ahead = ahead + j0, block.ahead_count = n_last - j0;
+            if (leads && j0 < next.next_count) block.next = next.next + j0, block.next_count = next.next_count - j0;
+            block.next_count = std::min(block.next_count, kValueBlock);
+            for (size_t i = 0; i < rows.size(); ++i) {
+              const int64_t s = rows[i], n = std::min(lens[s], t0 + kChunkSlots) - t0;
+              if (j0 >= n) continue;
+              weigh_values<C, G, CT>(values, b.value_cache, b.context_slots + s * b.max_context + t0 + j0,
+                                     std::min(kValueBlock, n - j0), kv_stride, D,
+                                     scores.data() + i * G * kChunkSlots + j0, state_of(s, c).acc + qh0 * D,
+                                     j0 == 0, i == 0 ? block : Prefetch{});
+            }
           }
         }
       }
@@ -372,7 +384,7 @@ void decode_attention(const DecodeBatch<T, C>& b, T* out) {
 // (1 where CT does not divide the head). Few instantiations keep the first build short.
 template <typename T, typename C, int G>
 void decode_attention_tile(const DecodeBatch<T, C>& b, T* out) {
-  constexpr int CT = value_tile_vectors<G>();
+  constexpr int CT = tile_vectors<G>();
   if ((b.head_dim / kLanes) % CT == 0) return decode_attention<T, C, G, CT>(b, out);
   decode_attention<T, C, G, 1>(b, out);
 }

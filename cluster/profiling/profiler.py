@@ -45,7 +45,7 @@ def device_name(device: torch.device) -> str:
     return f"cpu: {platform.processor() or platform.machine()} ({torch.get_num_threads()} threads)"
 
 
-class _SyntheticBatch:
+class SyntheticBatch:
     """Block tables for ``b`` fake sequences, taken from the engine's pool and given back."""
 
     def __init__(self, engine: Engine, batch_size: int, num_tokens: int) -> None:
@@ -62,7 +62,7 @@ class _SyntheticBatch:
             self.engine.block_manager.free(rid)
 
 
-def _time_interleaved(fns: list, repeats: int, bar=None) -> list[float]:
+def time_interleaved(fns: list, repeats: int, bar=None) -> list[float]:
     """The median seconds of each of ``fns`` over ``repeats`` rounds, each round calling every
     one once in turn (after one warm-up call each). Taking the samples of a cell back to back
     let one slow spell on a shared machine (another process, a frequency dip) inflate every
@@ -136,10 +136,10 @@ def run_profile(
     groups = _batch_groups(engine, list(dict.fromkeys(batch_sizes)), context_len + max_k + 1)
     with tqdm(total=len(groups) * (repeats + 1) + 1, desc="profiling") as bar:
         for group in groups:
-            batches: dict[int, _SyntheticBatch] = {}
+            batches: dict[int, SyntheticBatch] = {}
             try:
                 for b in group:
-                    batches[b] = _SyntheticBatch(engine, b, context_len + max_k + 1)
+                    batches[b] = SyntheticBatch(engine, b, context_len + max_k + 1)
                 cells, fns, draft_passes = [], [], {}
                 for b, batch in batches.items():
                     for k in range(max_k + 1):
@@ -150,7 +150,7 @@ def run_profile(
                     cells.append((b, None))
                     fn, draft_passes[b] = _draft_pass(engine, batch.tables, b, context_len, max_k, vocab, gen)
                     fns.append(fn)
-                for (b, n), seconds in zip(cells, _time_interleaved(fns, repeats, bar)):
+                for (b, n), seconds in zip(cells, time_interleaved(fns, repeats, bar)):
                     if n is None:
                         draft_grid.append((b, seconds / draft_passes[b]))
                     else:

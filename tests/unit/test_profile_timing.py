@@ -29,7 +29,7 @@ def test_cells_are_timed_in_rounds_and_a_slow_spell_does_not_move_their_medians(
             clock.now += costs[name] * (3.0 if 7 <= len(calls) <= 9 else 1.0)
         return run
 
-    medians = profiler._time_interleaved([cell("a"), cell("b"), cell("c")], repeats=3)
+    medians = profiler.time_interleaved([cell("a"), cell("b"), cell("c")], repeats=3)
     assert calls == ["a", "b", "c"] * 4  # a warm-up round, then three rounds of every cell in turn
     assert medians == pytest.approx([0.010, 0.020, 0.030])
 
