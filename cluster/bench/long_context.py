@@ -114,18 +114,18 @@ def measure_long_context(args: argparse.Namespace, console: Console) -> dict:
 
 def print_long_context(console: Console, result: dict) -> None:
     ks = [str(k) for k in result["ks"]]
-    table = Table(title=f"decode and verify steps by context, {result['threads']} threads, median of "
-                        f"{result['repeats']}, ms (memory read speed {result['read_speed_gbps']} GB/s)",
+    table = Table(title=f"decode (k=0) and verify steps, ms: {result['threads']} threads, median of "
+                        f"{result['repeats']}; K/V floor: a plain step's K/V at {result['read_speed_gbps']} GB/s",
                   box=box.SIMPLE)
-    for column in ("K/V", "context", "batch", *(f"k={k}" for k in ks), "K/V a plain step", "K/V floor",
-                   *((f"k={ks[-1]} / k={ks[0]}",) if len(ks) > 1 else ())):
+    ratio = (f"k{ks[-1]}/k{ks[0]}",) if len(ks) > 1 else ()
+    for column in ("K/V", "context", "batch", *(f"k={k}" for k in ks), "K/V MB", "floor", *ratio):
         table.add_column(column, justify="right")
     for row in result["rows"]:
         steps = [row["step_ms"][k] for k in ks]
         kv = row["kv_cache_dtype"] if row["kv_cache_dtype"] != "auto" else row["compute_dtype"]
         cells = [kv, str(row["context"]), str(row["batch"]), *(f"{s:.1f}" for s in steps),
-                 f"{row['kv_bytes_plain_step'] / 1e6:.0f} MB", f"{row['kv_floor_ms']:.1f}"]
-        if len(ks) > 1:
+                 f"{row['kv_bytes_plain_step'] / 1e6:.0f}", f"{row['kv_floor_ms']:.1f}"]
+        if ratio:
             cells.append(f"{steps[-1] / steps[0]:.2f}x")
         table.add_row(*cells)
     console.print(table)
