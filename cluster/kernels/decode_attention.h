@@ -321,9 +321,9 @@ void decode_attention(const DecodeBatch<T, C>& b, T* out) {
               const int64_t n = std::min(lens[rows[i]], t0 + kChunkSlots) - t0;
               if (j0 < n)
                 score_keys<C, G, CT>(keys, key_scales, b.context_slots + rows[i] * b.max_context + t0 + j0,
-                                 std::min<int64_t>(kLanes, n - j0), kv_stride, scale_stride, D,
-                                 query.data() + (i * heads + qh0) * D, partial.data(),
-                                 scores.data() + i * G * kChunkSlots + j0);
+                                     std::min<int64_t>(kLanes, n - j0), kv_stride, scale_stride, D,
+                                     query.data() + (i * heads + qh0) * D, partial.data(),
+                                     scores.data() + i * G * kChunkSlots + j0);
             }
           }
           if (reads)  // the values' first rows, during the softmax

@@ -7,7 +7,8 @@
 // * paged_decode_attention, rotary_decode_attention: decode_attention.h's kernel, for float32,
 //   bfloat16 or int8 caches.
 //
-// Tensors are float32 or bfloat16 on the CPU (the cache also int8); build.py compiles this for the host CPU.
+// Tensors are float32 or bfloat16 on the CPU (the cache also int8); build.py compiles this for
+// the host CPU.
 #include <ATen/Parallel.h>
 #include <torch/extension.h>
 
