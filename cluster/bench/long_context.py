@@ -13,11 +13,19 @@ Beside each step: the K/V a plain step reads (every sequence's context once, eve
 the time that takes at this machine's read speed (torch summing a 1 GiB tensor on the same
 threads): the floor that K/V alone puts under a plain step. ``k=8 / k=0`` is what a verify step
 of 8 drafts costs against a plain one at the same batch.
+
+With ``--stall-thresholds``, also prompts beside decodes: per ``scheduler.long_prefill_token_threshold``
+(0: off), an engine (speculation and prefix caching off) with ``--stall-decodes`` requests decoding
+at ``--stall-context`` tokens, then one ``--stall-prompt``-token prompt arrives; the engine is
+stepped by hand until the prompt's first token, and each step is a wait every decoder had for its
+next token. Reported: the longest and median wait, and the prompt's TTFT.
 """
 
 from __future__ import annotations
 
 import argparse
+import random
+import statistics
 import time
 
 import torch
@@ -31,6 +39,7 @@ from cluster.config import load_config, with_overrides
 from cluster.engine.engine import Engine
 from cluster.profiling.profiler import SyntheticBatch, time_interleaved
 from cluster.runner.input_batch import SeqChunk
+from cluster.shared.sampling_params import SamplingParams
 from cluster.shared.cpu_info import cpu_flags
 
 
@@ -54,6 +63,13 @@ def add_long_context_args(parser: argparse.ArgumentParser) -> None:
                         help="the engine's KV pool: must hold the largest batch at the longest context")
     parser.add_argument("--repeats", type=positive_int, default=3, help="timed rounds per cell (median kept)")
     parser.add_argument("--threads", type=positive_int, help="torch.set_num_threads (default: torch's choice)")
+    parser.add_argument("--skip-steps", action="store_true", help="measure only the prompts beside decodes")
+    parser.add_argument("--stall-thresholds", type=_ints, default=[],
+                        help="long_prefill_token_threshold values for the prompts-beside-decodes part (0: off); "
+                             "none given: the part is skipped")
+    parser.add_argument("--stall-decodes", type=positive_int, default=8, help="requests decoding meanwhile")
+    parser.add_argument("--stall-context", type=positive_int, default=1000, help="their prompts' tokens")
+    parser.add_argument("--stall-prompt", type=positive_int, default=4000, help="the arriving prompt's tokens")
 
 
 def read_speed(threads: int) -> float:
@@ -73,13 +89,50 @@ def kv_bytes_per_token(engine: Engine) -> int:
     return spec.bytes_per_block // spec.block_size
 
 
+def measure_stalls(args: argparse.Namespace, console: Console) -> list[dict]:
+    """Waits of running decodes while a long prompt comes in, per long_prefill_token_threshold."""
+    rows = []
+    for threshold in args.stall_thresholds:
+        console.print(f"prompts beside decodes: long_prefill_token_threshold {threshold or 'off'}")
+        config = with_overrides(load_config(args.config), method="none", enable_prefix_caching=False,
+                                long_prefill_token_threshold=threshold, kv_cache_memory=args.kv_cache_memory,
+                                max_model_len=max(args.stall_context + 256, args.stall_prompt + 1))
+        engine = Engine(config)
+        rng = random.Random(0)
+
+        def tokens(n: int) -> list[int]:
+            return [rng.randrange(min(1000, engine.vocab_size // 4), engine.vocab_size) for _ in range(n)]
+
+        try:
+            params = SamplingParams(max_tokens=256, temperature=0, ignore_eos=True)
+            decoders = [engine.add_request(tokens(args.stall_context), params) for _ in range(args.stall_decodes)]
+            requests = engine.scheduler.requests
+            while any(requests[r].num_output_tokens == 0 for r in decoders):
+                engine.step()
+            engine.step()  # every decoder in its decode steps
+            prompt = engine.add_request(tokens(args.stall_prompt), SamplingParams(max_tokens=1, temperature=0))
+            started = last = time.perf_counter()
+            waits = []
+            while prompt in requests and requests[prompt].num_output_tokens == 0:
+                engine.step()
+                now = time.perf_counter()
+                waits.append(now - last)
+                last = now
+        finally:
+            engine.worker.close()
+        rows.append({"threshold": threshold, "ttft_s": round(last - started, 3), "steps": len(waits),
+                     "longest_wait_ms": round(max(waits) * 1e3, 1),
+                     "median_wait_ms": round(statistics.median(waits) * 1e3, 1)})
+    return rows
+
+
 def measure_long_context(args: argparse.Namespace, console: Console) -> dict:
     if args.threads:
         torch.set_num_threads(args.threads)
     speed = read_speed(torch.get_num_threads())
     longest = max(args.contexts) + max(args.ks) + 1
     rows = []
-    for kv_dtype in args.kv_cache_dtypes.split(","):
+    for kv_dtype in [] if args.skip_steps else args.kv_cache_dtypes.split(","):
         config = with_overrides(load_config(args.config), kv_cache_dtype=kv_dtype, method="none",
                                 max_model_len=longest, kv_cache_memory=args.kv_cache_memory)
         engine = Engine(config)
@@ -101,7 +154,8 @@ def measure_long_context(args: argparse.Namespace, console: Console) -> dict:
                     finally:
                         batch.close()
                     kv_bytes = b * context * per_token
-                    rows.append({"kv_cache_dtype": kv_dtype, "compute_dtype": str(runner.spec.dtype).removeprefix("torch."),
+                    rows.append({"kv_cache_dtype": kv_dtype,
+                                 "compute_dtype": str(runner.spec.dtype).removeprefix("torch."),
                                  "context": context, "batch": b,
                                  "step_ms": {str(k): round(s * 1e3, 2) for k, s in zip(args.ks, seconds)},
                                  "kv_bytes_plain_step": kv_bytes, "kv_floor_ms": round(kv_bytes / speed * 1e3, 2)})
@@ -109,7 +163,9 @@ def measure_long_context(args: argparse.Namespace, console: Console) -> dict:
             engine.worker.close()
     return {"config": args.config, "threads": torch.get_num_threads(), "read_speed_gbps": round(speed / 1e9, 1),
             "cpu_flags": " ".join(f for f in cpu_flags().split() if f.startswith(("avx512", "amx", "avx2"))),
-            "ks": args.ks, "repeats": args.repeats, "rows": rows}
+            "ks": args.ks, "repeats": args.repeats, "rows": rows,
+            "stalls": {"decodes": args.stall_decodes, "context": args.stall_context, "prompt": args.stall_prompt,
+                       "rows": measure_stalls(args, console)}}
 
 
 def print_long_context(console: Console, result: dict) -> None:
@@ -128,7 +184,18 @@ def print_long_context(console: Console, result: dict) -> None:
         if ratio:
             cells.append(f"{steps[-1] / steps[0]:.2f}x")
         table.add_row(*cells)
-    console.print(table)
+    if result["rows"]:
+        console.print(table)
+    stalls = result.get("stalls")
+    if stalls and stalls["rows"]:
+        table = Table(title=f"{stalls['decodes']} decodes at {stalls['context']} tokens while a {stalls['prompt']}-token "
+                            "prompt comes in", box=box.SIMPLE)
+        for column in ("threshold", "steps", "longest wait ms", "median wait ms", "prompt TTFT s"):
+            table.add_column(column, justify="right")
+        for row in stalls["rows"]:
+            table.add_row(str(row["threshold"] or "off"), str(row["steps"]), f"{row['longest_wait_ms']:.0f}",
+                          f"{row['median_wait_ms']:.0f}", f"{row['ttft_s']:.2f}")
+        console.print(table)
 
 
 LONG_CONTEXT = Benchmark("long-context", "decode and verify step time by context, batch, k and K/V dtype, beside "

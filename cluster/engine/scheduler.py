@@ -10,7 +10,9 @@ running requests (``max_num_seqs``):
    ``priority`` value, the newest among equals), as in vLLM.
 2. Then waiting requests, first come first served (``policy: priority``: by priority, lower
    first, then arrival; a preempted request queues by the same order), each with as much of its prompt
-   as the remaining budget allows (chunked prefill). While requests are running,
+   as the remaining budget allows (chunked prefill). In a step that also decodes, no prompt gets more
+   than ``long_prefill_token_threshold`` tokens (when set), running or newly admitted: a decode then
+   waits for at most that much prompt. While requests are running,
    waiting ones are admitted only when there are at least
    ``floor(num_running * waiting_served_ratio)`` of them, or the oldest has waited
    ``max_waiting_steps`` steps (TGI's ``waiting_served_ratio``). A step that had to
@@ -56,6 +58,7 @@ class Scheduler:
         self.requests: dict[str, Request] = {}
         self.num_preemptions = 0
         self.num_computed_tokens_total = 0  # tokens that went through the model
+        self._prompt_cap: int | None = None  # this step's most prompt tokens a request gets (None: no cap)
 
     # ---- queue management -------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -111,6 +114,8 @@ class Scheduler:
     def schedule(self, num_lookahead_tokens: int = 0) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
+        threshold = self.config.long_prefill_token_threshold
+        self._prompt_cap = threshold if threshold and any(self._decodes(r) for r in self.running) else None
 
         i = 0
         while i < len(self.running) and budget > 0:
@@ -187,9 +192,16 @@ class Scheduler:
         if num_computed is None:
             num_computed = request.num_computed_tokens
         remaining = request.num_tokens - num_computed
+        if self.config.enable_chunked_prefill and self._prompt_cap is not None and remaining > 1:
+            budget = min(budget, self._prompt_cap)  # a prompt beside decodes: a chunk of at most the cap
         if remaining <= budget:
             return remaining
         return budget if self.config.enable_chunked_prefill else 0
+
+    @staticmethod
+    def _decodes(request: Request) -> bool:
+        """Whether a running request's next step is a decode (one new token, drafts aside)."""
+        return request.num_output_tokens > 0 and request.num_tokens - request.num_computed_tokens == 1
 
     def num_draft_tokens(self, request: Request, k: int) -> int:
         """How many of ``k`` draft tokens this request can verify in its next step: none where

@@ -65,6 +65,32 @@ def test_decode_and_prefill_share_a_step():
     assert [(x.request.request_id, x.num_new_tokens) for x in out.scheduled] == [("a", 1), ("b", 15)]
 
 
+def _other_prompt(rid: str, prompt_len: int) -> Request:
+    """A prompt sharing no prefix with ``_request``'s (so nothing of it is cached)."""
+    return Request(rid, list(range(500, 500 + prompt_len)), SamplingParams(max_tokens=8), eos_token_id=2)
+
+
+def test_beside_decodes_a_prompt_gets_at_most_the_long_prefill_threshold():
+    s = _scheduler(num_blocks=32, max_num_batched_tokens=64, long_prefill_token_threshold=12)
+    s.add_request(_request("b", 30))
+    out, _ = _run_step(s)  # alone: the whole budget, no cap
+    assert [(x.request.request_id, x.num_new_tokens) for x in out.scheduled] == [("b", 30)]
+    s.add_request(_other_prompt("c", 40))
+    out, _ = _run_step(s)  # b decodes now: c's prompt comes 12 tokens a step
+    assert [(x.request.request_id, x.num_new_tokens) for x in out.scheduled] == [("b", 1), ("c", 12)]
+    out, _ = _run_step(s)  # c is running mid-prompt: still capped while b decodes
+    assert [(x.request.request_id, x.num_new_tokens) for x in out.scheduled] == [("b", 1), ("c", 12)]
+
+
+def test_without_the_threshold_a_prompt_beside_decodes_takes_what_the_budget_leaves():
+    s = _scheduler(num_blocks=32, max_num_batched_tokens=64)
+    s.add_request(_request("b", 30))
+    _run_step(s)
+    s.add_request(_other_prompt("c", 40))
+    out, _ = _run_step(s)
+    assert [(x.request.request_id, x.num_new_tokens) for x in out.scheduled] == [("b", 1), ("c", 40)]
+
+
 def test_finished_requests_leave_and_waiting_ones_take_their_place():
     s = _scheduler(max_num_seqs=1)
     s.add_request(_request("a", 3, max_tokens=2))
