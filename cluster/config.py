@@ -112,10 +112,9 @@ class SchedulerConfig(_Strict):
         0.0, ge=0, description="TGI's knob: while requests run, admit waiting ones only once there are "
         "at least running * ratio of them (or one waited 20 steps); 0 admits at once, like vLLM"
     )
-    long_prefill_token_threshold: int = Field(
-        0, ge=0, description="in a step that also decodes, a prompt's chunk is at most this many tokens, so a "
-        "running decode waits for no more prompt than that (0: off, chunks take what the token budget leaves; "
-        "vLLM caps every step by the same name)"
+    max_prompt_tokens_beside_decodes: int = Field(
+        0, ge=0, description="in a step that also decodes, prompts get at most this many tokens together, so a "
+        "running decode waits for no more prompt than that (0: off, prompts take what the token budget leaves)"
     )
     max_queued_requests: int | None = Field(None, ge=1)
     policy: Literal["fcfs", "priority"] = Field(

@@ -9,7 +9,7 @@ What maps:
 | ``cache.block_size``, ``enable_prefix_caching``, ``kv_cache_memory`` | ``block_size``, ``enable_prefix_caching``, ``kv_cache_memory_bytes`` |
 | ``scheduler.max_num_seqs``, ``max_num_batched_tokens``, ``enable_chunked_prefill`` | the same names |
 | ``scheduler.policy`` (``fcfs``, ``priority``) | ``scheduling_policy`` (a request's ``priority`` goes to ``generate``) |
-| ``scheduler.long_prefill_token_threshold`` | nothing: vLLM's option of that name caps a prompt's chunk in every step, not only beside decodes; set it in ``engine.vllm_args`` |
+| ``scheduler.max_prompt_tokens_beside_decodes`` | nothing: vLLM caps each long prompt's chunk in every step instead (``long_prefill_token_threshold``, set in ``engine.vllm_args``) |
 | ``speculative.method: ngram`` / ``draft`` / ``eagle3`` | ``speculative_config``: ``{method: ngram, prompt_lookup_min/max}`` / ``{method: draft_model, model}`` / ``{method: eagle3, model}`` (the head's folder) with ``num_speculative_tokens`` |
 | ``speculative.method: suffix`` and its ``suffix_decoding_*`` keys | ``speculative_config``: ``{method: suffix}`` with the same keys (vLLM needs ``arctic-inference`` in its environment) |
 | ``speculative.ngram_draft_per_match_token`` | nothing: vLLM's lookup drafts ``k`` tokens after every match, however short |

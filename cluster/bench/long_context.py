@@ -14,7 +14,7 @@ the time that takes at this machine's read speed (torch summing a 1 GiB tensor o
 threads): the floor that K/V alone puts under a plain step. ``k=8 / k=0`` is what a verify step
 of 8 drafts costs against a plain one at the same batch.
 
-With ``--stall-thresholds``, also prompts beside decodes: per ``scheduler.long_prefill_token_threshold``
+With ``--stall-caps``, also prompts beside decodes: per ``scheduler.max_prompt_tokens_beside_decodes``
 (0: off), an engine (speculation and prefix caching off) with ``--stall-decodes`` requests decoding
 at ``--stall-context`` tokens, then one ``--stall-prompt``-token prompt arrives; the engine is
 stepped by hand until the prompt's first token, and each step is a wait every decoder had for its
@@ -64,8 +64,8 @@ def add_long_context_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--repeats", type=positive_int, default=3, help="timed rounds per cell (median kept)")
     parser.add_argument("--threads", type=positive_int, help="torch.set_num_threads (default: torch's choice)")
     parser.add_argument("--skip-steps", action="store_true", help="measure only the prompts beside decodes")
-    parser.add_argument("--stall-thresholds", type=_ints, default=[],
-                        help="long_prefill_token_threshold values for the prompts-beside-decodes part (0: off); "
+    parser.add_argument("--stall-caps", type=_ints, default=[],
+                        help="scheduler.max_prompt_tokens_beside_decodes values for the prompts-beside-decodes part (0: off); "
                              "none given: the part is skipped")
     parser.add_argument("--stall-decodes", type=positive_int, default=8, help="requests decoding meanwhile")
     parser.add_argument("--stall-context", type=positive_int, default=1000, help="their prompts' tokens")
@@ -90,12 +90,12 @@ def kv_bytes_per_token(engine: Engine) -> int:
 
 
 def measure_stalls(args: argparse.Namespace, console: Console) -> list[dict]:
-    """Waits of running decodes while a long prompt comes in, per long_prefill_token_threshold."""
+    """Waits of running decodes while a long prompt comes in, per max_prompt_tokens_beside_decodes."""
     rows = []
-    for threshold in args.stall_thresholds:
-        console.print(f"prompts beside decodes: long_prefill_token_threshold {threshold or 'off'}")
+    for cap in args.stall_caps:
+        console.print(f"prompts beside decodes: max_prompt_tokens_beside_decodes {cap or 'off'}")
         config = with_overrides(load_config(args.config), method="none", enable_prefix_caching=False,
-                                long_prefill_token_threshold=threshold, kv_cache_memory=args.kv_cache_memory,
+                                max_prompt_tokens_beside_decodes=cap, kv_cache_memory=args.kv_cache_memory,
                                 max_model_len=max(args.stall_context + 256, args.stall_prompt + 1))
         engine = Engine(config)
         rng = random.Random(0)
@@ -120,7 +120,7 @@ def measure_stalls(args: argparse.Namespace, console: Console) -> list[dict]:
                 last = now
         finally:
             engine.worker.close()
-        rows.append({"threshold": threshold, "ttft_s": round(last - started, 3), "steps": len(waits),
+        rows.append({"cap": cap, "ttft_s": round(last - started, 3), "steps": len(waits),
                      "longest_wait_ms": round(max(waits) * 1e3, 1),
                      "median_wait_ms": round(statistics.median(waits) * 1e3, 1)})
     return rows
@@ -190,10 +190,10 @@ def print_long_context(console: Console, result: dict) -> None:
     if stalls and stalls["rows"]:
         table = Table(title=f"{stalls['decodes']} decodes at {stalls['context']} tokens while a {stalls['prompt']}-token "
                             "prompt comes in", box=box.SIMPLE)
-        for column in ("threshold", "steps", "longest wait ms", "median wait ms", "prompt TTFT s"):
+        for column in ("cap", "steps", "longest wait ms", "median wait ms", "prompt TTFT s"):
             table.add_column(column, justify="right")
         for row in stalls["rows"]:
-            table.add_row(str(row["threshold"] or "off"), str(row["steps"]), f"{row['longest_wait_ms']:.0f}",
+            table.add_row(str(row["cap"] or "off"), str(row["steps"]), f"{row['longest_wait_ms']:.0f}",
                           f"{row['median_wait_ms']:.0f}", f"{row['ttft_s']:.2f}")
         console.print(table)
 

@@ -10,9 +10,9 @@ running requests (``max_num_seqs``):
    ``priority`` value, the newest among equals), as in vLLM.
 2. Then waiting requests, first come first served (``policy: priority``: by priority, lower
    first, then arrival; a preempted request queues by the same order), each with as much of its prompt
-   as the remaining budget allows (chunked prefill). In a step that also decodes, no prompt gets more
-   than ``long_prefill_token_threshold`` tokens (when set), running or newly admitted: a decode then
-   waits for at most that much prompt. While requests are running,
+   as the remaining budget allows (chunked prefill). In a step that also decodes, prompts (running
+   or newly admitted) get at most ``max_prompt_tokens_beside_decodes`` tokens together (when set):
+   a decode then waits for at most that much prompt. While requests are running,
    waiting ones are admitted only when there are at least
    ``floor(num_running * waiting_served_ratio)`` of them, or the oldest has waited
    ``max_waiting_steps`` steps (TGI's ``waiting_served_ratio``). A step that had to
@@ -58,7 +58,7 @@ class Scheduler:
         self.requests: dict[str, Request] = {}
         self.num_preemptions = 0
         self.num_computed_tokens_total = 0  # tokens that went through the model
-        self._prompt_cap: int | None = None  # this step's most prompt tokens a request gets (None: no cap)
+        self._prompt_budget: int | None = None  # prompt tokens this step may still take (None: no cap)
 
     # ---- queue management -------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -114,8 +114,8 @@ class Scheduler:
     def schedule(self, num_lookahead_tokens: int = 0) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
-        threshold = self.config.long_prefill_token_threshold
-        self._prompt_cap = threshold if threshold and any(self._decodes(r) for r in self.running) else None
+        cap = self.config.max_prompt_tokens_beside_decodes
+        self._prompt_budget = cap if cap and any(self._decodes(r) for r in self.running) else None
 
         i = 0
         while i < len(self.running) and budget > 0:
@@ -192,11 +192,13 @@ class Scheduler:
         if num_computed is None:
             num_computed = request.num_computed_tokens
         remaining = request.num_tokens - num_computed
-        if self.config.enable_chunked_prefill and self._prompt_cap is not None and remaining > 1:
-            budget = min(budget, self._prompt_cap)  # a prompt beside decodes: a chunk of at most the cap
-        if remaining <= budget:
-            return remaining
-        return budget if self.config.enable_chunked_prefill else 0
+        prompt = self.config.enable_chunked_prefill and self._prompt_budget is not None and remaining > 1
+        if prompt:  # a prompt beside decodes: what is left of the step's prompt tokens
+            budget = min(budget, self._prompt_budget)
+        num_new = remaining if remaining <= budget else budget if self.config.enable_chunked_prefill else 0
+        if prompt:
+            self._prompt_budget -= num_new
+        return num_new
 
     @staticmethod
     def _decodes(request: Request) -> bool:

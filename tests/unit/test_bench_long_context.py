@@ -36,12 +36,12 @@ def test_every_cell_is_timed_for_both_kv_dtypes_beside_its_kv_bytes(tiny_llama_d
     assert "k2/k0" in capsys.readouterr().out
 
 
-def test_prompts_beside_decodes_come_in_chunks_of_the_threshold(tiny_llama_dir, tmp_path, capsys):
-    result = _run(tiny_llama_dir, tmp_path, "--skip-steps", "--stall-thresholds", "0,8", "--stall-decodes", "2",
+def test_prompts_beside_decodes_come_in_chunks_of_the_cap(tiny_llama_dir, tmp_path, capsys):
+    result = _run(tiny_llama_dir, tmp_path, "--skip-steps", "--stall-caps", "0,8", "--stall-decodes", "2",
                   "--stall-context", "20", "--stall-prompt", "40")
     assert result["rows"] == []
     off, capped = result["stalls"]["rows"]
-    assert (off["threshold"], capped["threshold"]) == (0, 8)
+    assert (off["cap"], capped["cap"]) == (0, 8)
     assert off["steps"] == 1 and capped["steps"] == 5  # 40 prompt tokens, 8 a step beside the decodes
     assert all(row["longest_wait_ms"] >= row["median_wait_ms"] > 0 and row["ttft_s"] > 0 for row in (off, capped))
     assert "prompt comes in" in capsys.readouterr().out

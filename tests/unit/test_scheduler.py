@@ -70,8 +70,8 @@ def _other_prompt(rid: str, prompt_len: int) -> Request:
     return Request(rid, list(range(500, 500 + prompt_len)), SamplingParams(max_tokens=8), eos_token_id=2)
 
 
-def test_beside_decodes_a_prompt_gets_at_most_the_long_prefill_threshold():
-    s = _scheduler(num_blocks=32, max_num_batched_tokens=64, long_prefill_token_threshold=12)
+def test_beside_decodes_prompts_get_at_most_the_cap_together():
+    s = _scheduler(num_blocks=32, max_num_batched_tokens=64, max_prompt_tokens_beside_decodes=12)
     s.add_request(_request("b", 30))
     out, _ = _run_step(s)  # alone: the whole budget, no cap
     assert [(x.request.request_id, x.num_new_tokens) for x in out.scheduled] == [("b", 30)]
@@ -80,9 +80,14 @@ def test_beside_decodes_a_prompt_gets_at_most_the_long_prefill_threshold():
     assert [(x.request.request_id, x.num_new_tokens) for x in out.scheduled] == [("b", 1), ("c", 12)]
     out, _ = _run_step(s)  # c is running mid-prompt: still capped while b decodes
     assert [(x.request.request_id, x.num_new_tokens) for x in out.scheduled] == [("b", 1), ("c", 12)]
+    s.add_request(Request("d", list(range(700, 720)), SamplingParams(max_tokens=8), eos_token_id=2))
+    out, _ = _run_step(s)  # c takes all 12: d waits
+    assert [(x.request.request_id, x.num_new_tokens) for x in out.scheduled] == [("b", 1), ("c", 12)]
+    out, _ = _run_step(s)  # two prompts beside b share the 12: c takes its last 4, d the other 8
+    assert [(x.request.request_id, x.num_new_tokens) for x in out.scheduled] == [("b", 1), ("c", 4), ("d", 8)]
 
 
-def test_without_the_threshold_a_prompt_beside_decodes_takes_what_the_budget_leaves():
+def test_without_the_cap_a_prompt_beside_decodes_takes_what_the_budget_leaves():
     s = _scheduler(num_blocks=32, max_num_batched_tokens=64)
     s.add_request(_request("b", 30))
     _run_step(s)
