@@ -217,9 +217,7 @@ inline void weigh_values(const C* values, const C* value_rows, const int64_t* sl
   }
 }
 
-// Keys of a value block: their V rows of one KV head (16 x head_dim values) stay in L1 while every
-// row of a run weighs them.
-constexpr int64_t kValueBlock = 16;
+constexpr int64_t kValueBlock = 16;  // keys whose V rows (one KV head) stay in L1 for a run's rows
 
 // Whether row b reads row a's context and one token more (the next token of the same sequence):
 // such rows form a run that shares its chunks. Only where rows run together depends on this; each
