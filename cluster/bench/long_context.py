@@ -10,7 +10,7 @@ step), through the engine's own runner. The cells of one (context, batch) run in
 after round (``--repeats``), so a slow spell hits all of them; the median is kept.
 
 Beside each step: the K/V a plain step reads (every sequence's context once, every layer) and
-the time that takes at this machine's read speed (torch summing a 1 GiB tensor on the same
+the time that takes at this machine's read speed (torch summing a 512 MiB tensor on the same
 threads): the floor that K/V alone puts under a plain step. ``k=8 / k=0`` is what a verify step
 of 8 drafts costs against a plain one at the same batch.
 
@@ -35,6 +35,7 @@ from rich.table import Table
 
 from cluster.bench.args import positive_int
 from cluster.bench.benchmark import Benchmark
+from cluster.bench.offline import measure_read_bandwidth
 from cluster.config import load_config, with_overrides
 from cluster.engine.engine import Engine
 from cluster.profiling.profiler import SyntheticBatch, time_interleaved
@@ -65,22 +66,11 @@ def add_long_context_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--threads", type=positive_int, help="torch.set_num_threads (default: torch's choice)")
     parser.add_argument("--skip-steps", action="store_true", help="measure only the prompts beside decodes")
     parser.add_argument("--stall-caps", type=_ints, default=[],
-                        help="scheduler.max_prompt_tokens_beside_decodes values for the prompts-beside-decodes part (0: off); "
-                             "none given: the part is skipped")
+                        help="scheduler.max_prompt_tokens_beside_decodes values for the prompts-beside-decodes "
+                             "part (0: off); none given: the part is skipped")
     parser.add_argument("--stall-decodes", type=positive_int, default=8, help="requests decoding meanwhile")
     parser.add_argument("--stall-context", type=positive_int, default=1000, help="their prompts' tokens")
     parser.add_argument("--stall-prompt", type=positive_int, default=4000, help="the arriving prompt's tokens")
-
-
-def read_speed(threads: int) -> float:
-    """Bytes a second torch reads summing a 1 GiB float32 tensor (best of 3) on ``threads`` threads."""
-    data = torch.ones(1 << 28)
-    best = float("inf")
-    for _ in range(3):
-        started = time.perf_counter()
-        data.sum()
-        best = min(best, time.perf_counter() - started)
-    return data.numel() * data.element_size() / best
 
 
 def kv_bytes_per_token(engine: Engine) -> int:
@@ -129,7 +119,7 @@ def measure_stalls(args: argparse.Namespace, console: Console) -> list[dict]:
 def measure_long_context(args: argparse.Namespace, console: Console) -> dict:
     if args.threads:
         torch.set_num_threads(args.threads)
-    speed = read_speed(torch.get_num_threads())
+    speed = measure_read_bandwidth() * 1e9  # bytes a second
     longest = max(args.contexts) + max(args.ks) + 1
     rows = []
     for kv_dtype in [] if args.skip_steps else args.kv_cache_dtypes.split(","):
@@ -188,8 +178,8 @@ def print_long_context(console: Console, result: dict) -> None:
         console.print(table)
     stalls = result.get("stalls")
     if stalls and stalls["rows"]:
-        table = Table(title=f"{stalls['decodes']} decodes at {stalls['context']} tokens while a {stalls['prompt']}-token "
-                            "prompt comes in", box=box.SIMPLE)
+        table = Table(title=f"{stalls['decodes']} decodes at {stalls['context']} tokens while a "
+                            f"{stalls['prompt']}-token prompt comes in", box=box.SIMPLE)
         for column in ("cap", "steps", "longest wait ms", "median wait ms", "prompt TTFT s"):
             table.add_column(column, justify="right")
         for row in stalls["rows"]:

@@ -269,16 +269,17 @@ void decode_attention(const DecodeBatch<T, C>& b, T* out) {
   const int64_t scale_stride = b.num_kv_heads;
   at::parallel_for(0, tasks * parts, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> query(widest * heads * D), scores(widest * G * kChunkSlots), partial(G * kLanes * kLanes);
-    std::vector<int64_t> rows;
+    std::vector<int64_t> rows, counts;
     for (int64_t task = begin; task < end; ++task) {
       const int64_t chunk = task / parts;
       const int64_t h_begin = parts == 1 ? 0 : task % parts, h_end = parts == 1 ? b.num_kv_heads : h_begin + 1;
       const int64_t run = std::upper_bound(task_first.begin(), task_first.end(), chunk) - task_first.begin() - 1;
       const int64_t c = chunk - task_first[run], t0 = c * kChunkSlots;
       rows.clear();
+      counts.clear();  // each row's keys in this chunk
       for (int64_t s = run_first[run]; s < run_first[run + 1]; ++s)
-        if (lens[s] > t0) rows.push_back(s);
-      const int64_t last = rows.back(), n_last = std::min(lens[last], t0 + kChunkSlots) - t0;
+        if (lens[s] > t0) rows.push_back(s), counts.push_back(std::min(lens[s], t0 + kChunkSlots) - t0);
+      const int64_t last = rows.back(), n_last = counts.back();
       for (size_t i = 0; i < rows.size(); ++i) {
         const int64_t s = rows[i];
         const T* cos = b.cos ? b.cos + s * D : nullptr;
@@ -316,10 +317,9 @@ void decode_attention(const DecodeBatch<T, C>& b, T* out) {
               if (j < fetch.next_count) prefetch_row(b.key_cache + fetch.next[j] * kv_stride, kv_stride);
             }
             for (size_t i = 0; i < rows.size(); ++i) {
-              const int64_t n = std::min(lens[rows[i]], t0 + kChunkSlots) - t0;
-              if (j0 < n)
+              if (j0 < counts[i])
                 score_keys<C, G, CT>(keys, key_scales, b.context_slots + rows[i] * b.max_context + t0 + j0,
-                                     std::min<int64_t>(kLanes, n - j0), kv_stride, scale_stride, D,
+                                     std::min<int64_t>(kLanes, counts[i] - j0), kv_stride, scale_stride, D,
                                      query.data() + (i * heads + qh0) * D, partial.data(),
                                      scores.data() + i * G * kChunkSlots + j0);
             }
@@ -328,7 +328,7 @@ void decode_attention(const DecodeBatch<T, C>& b, T* out) {
             for (int64_t t = 0; t < std::min(n_last, kPrefetchSlots); ++t)
               prefetch_row(b.value_cache + ahead[t] * kv_stride, kv_stride);
           for (size_t i = 0; i < rows.size(); ++i) {
-            const int64_t s = rows[i], n = std::min(lens[s], t0 + kChunkSlots) - t0;
+            const int64_t s = rows[i], n = counts[i];
             const int64_t* slots = b.context_slots + s * b.max_context + t0;
             const ChunkState state = state_of(s, c);
             float* probs = scores.data() + i * G * kChunkSlots;
@@ -344,7 +344,7 @@ void decode_attention(const DecodeBatch<T, C>& b, T* out) {
             if (leads && j0 < next.next_count) block.next = next.next + j0, block.next_count = next.next_count - j0;
             block.next_count = std::min(block.next_count, kValueBlock);
             for (size_t i = 0; i < rows.size(); ++i) {
-              const int64_t s = rows[i], n = std::min(lens[s], t0 + kChunkSlots) - t0;
+              const int64_t s = rows[i], n = counts[i];
               if (j0 >= n) continue;
               weigh_values<C, G, CT>(values, b.value_cache, b.context_slots + s * b.max_context + t0 + j0,
                                      std::min(kValueBlock, n - j0), kv_stride, D,

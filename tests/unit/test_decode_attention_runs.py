@@ -46,18 +46,12 @@ def test_verification_rows_read_their_sequence_together_and_each_row_as_alone(op
     n = len(lens)
     q = torch.randn(n, 6 * 32, generator=gen).to(dtype)
     k, v = (torch.randn(n, 2 * 32, generator=gen).to(dtype) for _ in range(2))
-    clone = lambda: (cache.clone(), None if scales is None else scales.clone())  # noqa: E731
-    together_cache, together_scales = clone()
-    together = ops.paged_decode_attention(q, k, v, together_cache, slot_mapping, context_slots, lens, 6, 0.2,
-                                          together_scales)
+    together = ops.paged_decode_attention(q, k, v, cache, slot_mapping, context_slots, lens, 6, 0.2, scales)
     for i in range(n):
-        alone_cache, alone_scales = clone()
-        # a row alone sees the K/V the rows before it wrote (its sequence's earlier drafts)
-        ops.paged_decode_attention(q[:i], k[:i], v[:i], alone_cache, slot_mapping[:i], context_slots[:i],
-                                   lens[:i], 6, 0.2, alone_scales) if i else None
-        alone = ops.paged_decode_attention(q[i : i + 1], k[i : i + 1], v[i : i + 1], alone_cache,
+        # the cache now holds every row's K/V; a row alone reads only the slots up to its own
+        alone = ops.paged_decode_attention(q[i : i + 1], k[i : i + 1], v[i : i + 1], cache.clone(),
                                            slot_mapping[i : i + 1], context_slots[i : i + 1].contiguous(),
-                                           lens[i : i + 1], 6, 0.2, alone_scales)
+                                           lens[i : i + 1], 6, 0.2, None if scales is None else scales.clone())
         assert torch.equal(alone[0], together[i]), f"row {i} (context {lens[i].item()})"
 
 
