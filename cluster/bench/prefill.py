@@ -57,6 +57,8 @@ def add_prefill_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-num-batched-tokens", type=positive_int, default=2048,
                         help="the engine's chunked-prefill budget per step")
     parser.add_argument("--kv-cache-memory", default="1GiB", help="the engine's KV cache budget")
+    parser.add_argument("--kv-cache-dtype", choices=("auto", "int8"), default="auto",
+                        help="the engine's K/V dtype (auto: the compute dtype); both paths read it")
     parser.add_argument("--seed", type=int, default=0)
 
 
@@ -68,7 +70,7 @@ def measure_prefill(args: argparse.Namespace, console: Console) -> dict:
     args.dtype = concrete_dtype(args.dtype, source)
     longest = max(prefix + new for prefix, new in args.cases)
     llm = LLM(str(source.path), dtype=args.dtype, device="cpu", enable_prefix_caching=True,
-              kv_cache_memory=args.kv_cache_memory, max_model_len=longest + 1,
+              kv_cache_memory=args.kv_cache_memory, kv_cache_dtype=args.kv_cache_dtype, max_model_len=longest + 1,
               max_num_batched_tokens=args.max_num_batched_tokens)
     engine = llm.engine
     layers = [m for m in engine.worker.runner.model.modules() if isinstance(m, PagedAttention)]
@@ -107,7 +109,8 @@ def measure_prefill(args: argparse.Namespace, console: Console) -> dict:
             row["sdpa_over_kernel"] = round(row["sdpa_best_ms"] / row["kernel_best_ms"], 3)
         rows.append(row)
     return {
-        "model": str(source.path), "dtype": args.dtype, "threads": torch.get_num_threads(),
+        "model": str(source.path), "dtype": args.dtype, "kv_cache_dtype": args.kv_cache_dtype,
+        "threads": torch.get_num_threads(),
         "cpu_flags": " ".join(f for f in cpu_flags().split() if f.startswith(("avx512", "amx", "avx2"))),
         "kernel_attached": kernel is not None, "rounds": args.rounds,
         "max_num_batched_tokens": args.max_num_batched_tokens, "load_average_before": load_average, "cases": rows,
@@ -116,7 +119,9 @@ def measure_prefill(args: argparse.Namespace, console: Console) -> dict:
 
 def print_prefill(console: Console, result: dict) -> None:
     kernel = result["kernel_attached"]
-    table = Table(title=f"prefill alone, {result['dtype']}, {result['threads']} threads, best (median) of "
+    kv = result.get("kv_cache_dtype", "auto")
+    table = Table(title=f"prefill alone, {result['dtype']}{'' if kv == 'auto' else f' ({kv} K/V)'}, "
+                        f"{result['threads']} threads, best (median) of "
                         f"{result['rounds']}, ms", box=box.SIMPLE)
     for column in ("cached", "new", "SDPA", *(("kernel", "SDPA / kernel") if kernel else ())):
         table.add_column(column, justify="right")

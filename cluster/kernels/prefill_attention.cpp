@@ -1,5 +1,8 @@
 // Prefill attention on the CPU: the rows of prompts (or of prompt chunks after a cached prefix)
 // attend causally to their paged context, bfloat16 in, float32 inside, in one call per layer.
+// The cache is bfloat16, or int8 with a float32 scale per (slot, KV head) (cluster/quant/kv_int8.py),
+// widened as it is packed exactly as Int8LayerCache.gather widens it: value * scale in float32,
+// rounded to bfloat16.
 //
 // torch's CPU flash kernel, which ran this before, spent most of its time outside its matrix
 // products (softmax, conversions, blocks of padded rows): on a 2-core Zen 4 EPYC, SmolLM2-135M's
@@ -73,13 +76,24 @@ inline __m256i to_bf16(__m512 v) {
 struct Prefill {
   const uint16_t* q;  // [num_tokens, num_heads * head_dim] bfloat16 bits
   int64_t q_stride;
-  const uint16_t *key_cache, *value_cache;  // [num_slots, num_kv_heads, head_dim] each
+  const uint16_t *key_cache, *value_cache;  // [num_slots, num_kv_heads, head_dim] each (bfloat16 caches)
+  const int8_t *key_int8, *value_int8;        // the same (int8 caches; null otherwise)
+  const float *key_scales, *value_scales;     // [num_slots, num_kv_heads] (int8 caches)
   const int64_t *context_slots, *query_lens, *context_lens;
   std::vector<int64_t> query_start;  // [num_seqs]: the first token of each sequence's rows
   std::vector<int64_t> packed_start;  // [num_seqs]: each sequence's offset in the packed copies (keys)
   int64_t num_seqs, num_heads, num_kv_heads, head_dim, max_context;
   float scale;
 };
+
+// D int8 values times their scale, in float32, rounded to bfloat16 (D a multiple of 16).
+inline void widen_int8(const int8_t* x, float scale, int64_t D, uint16_t* out) {
+  const __m512 s = _mm512_set1_ps(scale);
+  for (int64_t d = 0; d < D; d += 16) {
+    const __m512 f = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(x + d))));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + d), to_bf16(_mm512_mul_ps(f, s)));
+  }
+}
 
 inline int64_t padded_keys(int64_t context) { return (context + kKeyBlock - 1) / kKeyBlock * kKeyBlock; }
 
@@ -94,10 +108,18 @@ void pack_context(const Prefill& p, int64_t s, int64_t h, uint32_t* keys, uint32
     uint32_t* key_out = keys + block * pairs * 16 + lane;
     uint16_t* value_out = reinterpret_cast<uint16_t*>(values + (t / 2) * D) + (t % 2);
     if (t < context) {
-      const uint16_t* k = p.key_cache + slots[t] * kv_stride + h * D;
-      const uint16_t* v = p.value_cache + slots[t] * kv_stride + h * D;
       uint32_t words[256];  // head_dim <= 512 (checked)
-      std::memcpy(words, k, D * sizeof(uint16_t));
+      alignas(64) uint16_t widened[512];
+      const uint16_t* v;
+      if (p.key_int8 == nullptr) {
+        std::memcpy(words, p.key_cache + slots[t] * kv_stride + h * D, D * sizeof(uint16_t));
+        v = p.value_cache + slots[t] * kv_stride + h * D;
+      } else {
+        const int64_t at = slots[t] * p.num_kv_heads + h;
+        widen_int8(p.key_int8 + at * D, p.key_scales[at], D, reinterpret_cast<uint16_t*>(words));
+        widen_int8(p.value_int8 + at * D, p.value_scales[at], D, widened);
+        v = widened;
+      }
       for (int64_t i = 0; i < pairs; ++i) key_out[i * 16] = words[i];
       for (int64_t d = 0; d < D; ++d) value_out[2 * d] = v[d];
     } else {
@@ -260,16 +282,24 @@ constexpr bool kAvailable = false;
 
 torch::Tensor paged_prefill_attention(torch::Tensor q, torch::Tensor kv_cache, torch::Tensor context_slots,
                                       torch::Tensor query_lens, torch::Tensor context_lens, int64_t num_heads,
-                                      double scale) {
+                                      double scale, c10::optional<torch::Tensor> kv_scales) {
   // q: [num_tokens, num_heads * head_dim], the sequences' query rows one after another;
-  // kv_cache: [2, num_slots, num_kv_heads, head_dim], holding every context token's K/V already;
+  // kv_cache: [2, num_slots, num_kv_heads, head_dim], holding every context token's K/V already,
+  // bfloat16, or int8 with kv_scales [2, num_slots, num_kv_heads] float32;
   // context_slots: [num_seqs, max_context] int64; query_lens, context_lens: [num_seqs] int64. Row i
   // of sequence s sits at position context_lens[s] - query_lens[s] + i and sees the keys up to it.
   TORCH_CHECK(kAvailable, "paged_prefill_attention: this build has no AVX-512");
+  const bool int8 = kv_cache.scalar_type() == at::kChar;
   TORCH_CHECK(kv_cache.device().is_cpu() && kv_cache.dim() == 4 && kv_cache.size(0) == 2 && kv_cache.is_contiguous() &&
-                  kv_cache.scalar_type() == at::kBFloat16,
-              "paged_prefill_attention: kv_cache must be a contiguous bfloat16 CPU [2, slots, kv_heads, head_dim]");
+                  (int8 || kv_cache.scalar_type() == at::kBFloat16),
+              "paged_prefill_attention: kv_cache must be a contiguous bfloat16 or int8 CPU [2, slots, kv_heads, head_dim]");
   const int64_t num_kv_heads = kv_cache.size(2), head_dim = kv_cache.size(3), num_slots = kv_cache.size(1);
+  TORCH_CHECK(int8 == kv_scales.has_value(), "paged_prefill_attention: kv_scales go with an int8 kv_cache, and only there");
+  if (int8)
+    TORCH_CHECK(kv_scales->scalar_type() == at::kFloat && kv_scales->is_contiguous() && kv_scales->device().is_cpu() &&
+                    kv_scales->dim() == 3 && kv_scales->size(0) == 2 && kv_scales->size(1) == num_slots &&
+                    kv_scales->size(2) == num_kv_heads,
+                "paged_prefill_attention: kv_scales must be contiguous float32 CPU [2, slots, kv_heads]");
   TORCH_CHECK(head_dim % 64 == 0 && head_dim <= 512, "paged_prefill_attention: head_dim must be a multiple of 64, "
               "at most 512, got ", head_dim);
   TORCH_CHECK(num_heads > 0 && num_heads % num_kv_heads == 0,
@@ -301,8 +331,13 @@ torch::Tensor paged_prefill_attention(torch::Tensor q, torch::Tensor kv_cache, t
   Prefill p{};
   p.q = reinterpret_cast<const uint16_t*>(q.data_ptr<at::BFloat16>());
   p.q_stride = q.stride(0);
-  p.key_cache = reinterpret_cast<const uint16_t*>(kv_cache[0].data_ptr<at::BFloat16>());
-  p.value_cache = reinterpret_cast<const uint16_t*>(kv_cache[1].data_ptr<at::BFloat16>());
+  if (int8) {
+    p.key_int8 = kv_cache[0].data_ptr<int8_t>(), p.value_int8 = kv_cache[1].data_ptr<int8_t>();
+    p.key_scales = (*kv_scales)[0].data_ptr<float>(), p.value_scales = (*kv_scales)[1].data_ptr<float>();
+  } else {
+    p.key_cache = reinterpret_cast<const uint16_t*>(kv_cache[0].data_ptr<at::BFloat16>());
+    p.value_cache = reinterpret_cast<const uint16_t*>(kv_cache[1].data_ptr<at::BFloat16>());
+  }
   p.context_slots = slots, p.query_lens = qlens, p.context_lens = clens;
   p.query_start.resize(num_seqs);
   for (int64_t s = 0, start = 0; s < num_seqs; start += qlens[s], ++s) p.query_start[s] = start;
@@ -318,5 +353,7 @@ torch::Tensor paged_prefill_attention(torch::Tensor q, torch::Tensor kv_cache, t
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.attr("available") = kAvailable;
   m.def("paged_prefill_attention", &paged_prefill_attention,
-        "causal attention of prompt rows to their paged context (K/V already written), bfloat16");
+        "causal attention of prompt rows to their paged context (K/V already written), bfloat16 or int8 K/V",
+        py::arg("q"), py::arg("kv_cache"), py::arg("context_slots"), py::arg("query_lens"), py::arg("context_lens"),
+        py::arg("num_heads"), py::arg("scale"), py::arg("kv_scales") = py::none());
 }

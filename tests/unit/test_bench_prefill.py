@@ -27,14 +27,16 @@ def _run(folder, tmp_path, *extra) -> dict:
     return json.loads(out.read_text())
 
 
-def test_both_paths_time_every_case_in_bfloat16(tiny_folder, tmp_path, monkeypatch):
+@pytest.mark.parametrize("kv_dtype", ["auto", "int8"])
+def test_both_paths_time_every_case_in_bfloat16(tiny_folder, tmp_path, monkeypatch, kv_dtype):
     kernel = build.prefill_attention()
     if kernel is None:
         pytest.skip("prefill_attention needs AVX-512")
     # The engine attaches the kernel where its probe finds it faster; here it is attached regardless.
     monkeypatch.setattr("cluster.models.layers.cpu_ops.prefill_kernel_for", lambda *shape: kernel)
-    result = _run(tiny_folder, tmp_path, "--dtype", "bfloat16")
+    result = _run(tiny_folder, tmp_path, "--dtype", "bfloat16", "--kv-cache-dtype", kv_dtype)
     assert result["kernel_attached"] and result["dtype"] == "bfloat16" and result["run"]["benchmark"] == "prefill"
+    assert result["kv_cache_dtype"] == kv_dtype
     assert [(c["cached_tokens"], c["new_tokens"]) for c in result["cases"]] == [(0, 70), (40, 50)]
     for case in result["cases"]:
         assert len(case["sdpa_ms"]) == len(case["kernel_ms"]) == 2

@@ -8,6 +8,7 @@ import torch
 
 from cluster.kernels import build, prefill_choice
 from cluster.models.layers.attention import PagedAttention
+from cluster.quant.kv_int8 import Int8LayerCache
 from cluster.runner.input_batch import SeqChunk, prepare_inputs
 from cluster.shared.cpu_info import cpu_flags
 
@@ -106,6 +107,27 @@ def test_a_sequence_attends_the_same_alone_or_beside_others(kernel):
     assert torch.equal(together[90:], alone)
 
 
+def _int8(cache):
+    """The bfloat16 cache quantized as the engine's int8 cache, and that cache widened back."""
+    layer = Int8LayerCache(torch.zeros(cache.shape, dtype=torch.int8), torch.zeros(cache.shape[:3]), torch.bfloat16)
+    slots = torch.arange(cache.shape[1])
+    layer.write(slots, cache[0], cache[1])
+    return layer, torch.stack(layer.gather(slots))
+
+
+@pytest.mark.parametrize("case", ["chunk after a cached prefix", "one-row and odd-length queries"])
+def test_an_int8_cache_attends_exactly_as_its_widened_values(kernel, case):
+    num_heads, num_kv_heads, head_dim, query_lens, context_lens = CASES[case]
+    gen = torch.Generator().manual_seed(5)
+    cache, slots, qlens, clens = _paged(query_lens, context_lens, num_kv_heads, head_dim, gen)
+    int8, widened = _int8(cache)
+    q = (2 * torch.randn(sum(query_lens), num_heads * head_dim, generator=gen)).to(torch.bfloat16)
+    out = kernel.paged_prefill_attention(q, int8.values, slots, qlens, clens, num_heads, 0.125, int8.scales)
+    assert torch.equal(out, kernel.paged_prefill_attention(q, widened, slots, qlens, clens, num_heads, 0.125))
+    expected = _reference(q, widened, slots, qlens, clens, num_heads, 0.125)
+    assert (out.double() - expected).abs().max().item() < 2e-2
+
+
 def test_bad_input_is_refused_with_what_was_wrong(kernel):
     gen = torch.Generator().manual_seed(2)
     cache, slots, qlens, clens = _paged([10], [30], 3, 64, gen)
@@ -118,15 +140,24 @@ def test_bad_input_is_refused_with_what_was_wrong(kernel):
         kernel.paged_prefill_attention(q[:7], cache, slots, qlens, clens, 9, 0.125)
     with pytest.raises(RuntimeError, match="query length <= context length"):
         kernel.paged_prefill_attention(q, cache, slots, qlens, torch.tensor([5]), 9, 0.125)
-    with pytest.raises(RuntimeError, match="bfloat16 CPU"):
+    with pytest.raises(RuntimeError, match="bfloat16 or int8 CPU"):
         kernel.paged_prefill_attention(q.float(), cache.float(), slots, qlens, clens, 9, 0.125)
     with pytest.raises(RuntimeError, match="multiple of the KV heads"):
         kernel.paged_prefill_attention(q, cache, slots, qlens, clens, 8, 0.125)
+    int8, _ = _int8(cache)
+    with pytest.raises(RuntimeError, match="kv_scales go with an int8 kv_cache"):
+        kernel.paged_prefill_attention(q, int8.values, slots, qlens, clens, 9, 0.125)
+    with pytest.raises(RuntimeError, match="kv_scales go with an int8 kv_cache"):
+        kernel.paged_prefill_attention(q, cache, slots, qlens, clens, 9, 0.125, int8.scales)
+    with pytest.raises(RuntimeError, match="kv_scales must be contiguous float32"):
+        kernel.paged_prefill_attention(q, int8.values, slots, qlens, clens, 9, 0.125, int8.scales[:, :5])
 
 
-def test_paged_attention_runs_prompts_in_the_kernel_beside_decodes(kernel):
+@pytest.mark.parametrize("kv_dtype", ["bfloat16", "int8"])
+def test_paged_attention_runs_prompts_in_the_kernel_beside_decodes(kernel, kv_dtype):
     """A step of two decodes, a prompt chunk after a cached prefix and a whole prompt: the long
-    queries go to the kernel (counted), the result matches the SDPA path of the same module."""
+    queries go to the kernel (counted), the result matches the SDPA path of the same module,
+    on a bfloat16 cache and on an int8 one."""
     heads, kv_heads, head_dim, block = 9, 3, 64, 16
     chunks = [SeqChunk([5], 40, 1), SeqChunk(list(range(120)), 64, 1), SeqChunk([7], 9, 1),
               SeqChunk(list(range(300)), 0, 1)]
@@ -142,8 +173,15 @@ def test_paged_attention_runs_prompts_in_the_kernel_beside_decodes(kernel):
     k = torch.randn(tokens, kv_heads * head_dim, generator=gen).to(torch.bfloat16)
     v = torch.randn(tokens, kv_heads * head_dim, generator=gen).to(torch.bfloat16)
     cache = torch.randn(2, next_block * block, kv_heads, head_dim, generator=gen).to(torch.bfloat16)
+
+    def fresh():
+        if kv_dtype == "bfloat16":
+            return cache.clone()
+        int8, _ = _int8(cache)
+        return int8
+
     layer = PagedAttention(heads, kv_heads, head_dim, head_dim ** -0.5)
-    expected = layer(q, k, v, cache.clone(), meta)
+    expected = layer(q, k, v, fresh(), meta)
 
     calls = []
 
@@ -153,7 +191,7 @@ def test_paged_attention_runs_prompts_in_the_kernel_beside_decodes(kernel):
             return kernel.paged_prefill_attention(q, *args)
 
     layer.cpu_prefill = Counting()
-    out = layer(q, k, v, cache.clone(), meta)
+    out = layer(q, k, v, fresh(), meta)
     assert calls == [420]  # the two long queries in one call; the decodes took the other part
     torch.testing.assert_close(out.float(), expected.float(), atol=2e-2, rtol=2e-2)
 

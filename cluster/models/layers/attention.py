@@ -11,8 +11,8 @@ verification of draft tokens on every device. On the CPU, steps of up to
 ``SHORT_QUERY_MAX`` query tokens per sequence instead run ``cluster/kernels/decode_attention.h``
 (see :meth:`PagedAttention.decodes_in_kernel`), one query row at a time through the slot table
 (plain or int8 caches),
-and in bfloat16 longer queries run ``cluster/kernels/prefill_attention.cpp`` where it measured
-faster than SDPA (:meth:`PagedAttention.prefills_in_kernel`).
+and in bfloat16 (plain or int8 caches) longer queries run ``cluster/kernels/prefill_attention.cpp``
+where it measured faster than SDPA (:meth:`PagedAttention.prefills_in_kernel`).
 A step mixing such short queries with longer ones (decodes beside a prompt's prefill)
 attends in two parts (``AttentionMetadata.parts``), so decodes are never padded to a prompt.
 With ``model.attention: flex`` (CUDA's default) a step instead reads the cache in place
@@ -98,18 +98,16 @@ class PagedAttention(torch.nn.Module):
                                        self.scale)
             return out.reshape(num_tokens, self.num_heads * self.head_dim)
         if self.prefills_in_kernel(kv_cache, meta):
-            kv_cache[0].index_copy_(0, meta.slot_mapping, new_k)
-            kv_cache[1].index_copy_(0, meta.slot_mapping, new_v)
-            return self.cpu_prefill.paged_prefill_attention(q.contiguous(), kv_cache, meta.context_slots,
+            _write(kv_cache, meta.slot_mapping, new_k, new_v)
+            values, scales = _kernel_cache(kv_cache)
+            return self.cpu_prefill.paged_prefill_attention(q.contiguous(), values, meta.context_slots,
                                                             meta.query_lens, meta.context_lens, self.num_heads,
-                                                            self.scale)
+                                                            self.scale, scales)
         flat_slots = meta.context_slots.view(-1)
+        _write(kv_cache, meta.slot_mapping, new_k, new_v)
         if isinstance(kv_cache, torch.Tensor):
-            kv_cache[0].index_copy_(0, meta.slot_mapping, new_k)
-            kv_cache[1].index_copy_(0, meta.slot_mapping, new_v)
             keys, values = kv_cache[0].index_select(0, flat_slots), kv_cache[1].index_select(0, flat_slots)
         else:  # a quantized layer cache (cluster.quant.kv_int8.Int8LayerCache)
-            kv_cache.write(meta.slot_mapping, new_k, new_v)
             keys, values = kv_cache.gather(flat_slots)
         gather_shape = (meta.num_seqs, -1, self.num_kv_heads, self.head_dim)
         keys = keys.view(gather_shape)  # [num_seqs, ctx, num_kv_heads, head_dim]
@@ -148,10 +146,14 @@ class PagedAttention(torch.nn.Module):
 
     def prefills_in_kernel(self, kv_cache, meta: AttentionMetadata) -> bool:
         """Whether this step's queries attend in the compiled CPU prefill kernel: a step with
-        queries (prompts, prompt chunks) on the gathering path, over a plain bfloat16 KV cache,
+        queries (prompts, prompt chunks) on the gathering path, over a bfloat16 KV cache or an int8
+        one widened to bfloat16 (the kernel widens it exactly as :meth:`Int8LayerCache.gather` does),
         with the kernel attached (where it measured faster than SDPA: ``cluster.kernels.prefill_choice``)."""
-        return (self.cpu_prefill is not None and meta.query_lens is not None
-                and isinstance(kv_cache, torch.Tensor) and kv_cache.dtype == torch.bfloat16)
+        if self.cpu_prefill is None or meta.query_lens is None:
+            return False
+        if isinstance(kv_cache, torch.Tensor):
+            return kv_cache.dtype == torch.bfloat16
+        return kv_cache.compute_dtype == torch.bfloat16
 
     def rotary_decode(
         self,
@@ -185,6 +187,15 @@ class PagedAttention(torch.nn.Module):
         probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(values.dtype)
         out = torch.matmul(probs, values.transpose(1, 2))  # [num_seqs, num_kv_heads, group, head_dim]
         return out.reshape(num_seqs, self.num_heads * self.head_dim)
+
+
+def _write(kv_cache, slot_mapping: torch.Tensor, new_k: torch.Tensor, new_v: torch.Tensor) -> None:
+    """The step's new K/V [num_tokens, num_kv_heads, head_dim] into the cache at ``slot_mapping``."""
+    if isinstance(kv_cache, torch.Tensor):
+        kv_cache[0].index_copy_(0, slot_mapping, new_k)
+        kv_cache[1].index_copy_(0, slot_mapping, new_v)
+    else:  # a quantized layer cache (cluster.quant.kv_int8.Int8LayerCache)
+        kv_cache.write(slot_mapping, new_k, new_v)
 
 
 def _kernel_cache(kv_cache) -> tuple[torch.Tensor, torch.Tensor | None]:
