@@ -18,7 +18,10 @@ running requests (``max_num_seqs``):
    ``max_waiting_steps`` steps (TGI's ``waiting_served_ratio``). A step that had to
    preempt admits nothing. A new or preempted request first takes the longest cached
    prefix of its tokens from the prefix cache and is scheduled only for the rest (not one
-   that asks for its prompt's logprobs: its whole prompt runs, as in vLLM).
+   that asks for its prompt's logprobs: its whole prompt runs, as in vLLM). Where the
+   block after that prefix is one a running request is computing, it stays waiting (those
+   behind it may go first) and takes the block from the cache once computed, rather than
+   computing the same prefix twice.
 
 The scheduler decides; it never touches tensors.
 """
@@ -158,14 +161,18 @@ class Scheduler:
         return len(self.waiting) >= math.floor(len(self.running) * self.config.waiting_served_ratio)
 
     def _admit_waiting(self, out: SchedulerOutput, budget: int) -> None:
+        sharing: list[Request] = []  # waiting for blocks another request is computing
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.waiting[0]
             cached = NO_PREFIX
             # New or preempted: reuse cached blocks, unless the prompt's logprobs are asked for
             # (they need the logits at every prompt position, so the whole prompt runs).
-            reuse = request.sampling_params.prompt_logprobs is None
-            if request.num_computed_tokens == 0 and reuse:
+            reuse = request.num_computed_tokens == 0 and request.sampling_params.prompt_logprobs is None
+            if reuse:
                 cached = self.block_manager.find_cached_prefix(request)
+                if self.block_manager.computed_elsewhere(request, cached):
+                    sharing.append(self.waiting.popleft())
+                    continue
             num_new = self._num_new_tokens(request, budget, cached.num_tokens)
             if num_new == 0:
                 break
@@ -173,8 +180,9 @@ class Scheduler:
                 request.request_id, cached.num_tokens, num_new, cached=cached
             ):
                 break  # FCFS: no overtaking the head of the queue
-            if request.num_computed_tokens == 0 and reuse:
+            if reuse:
                 self.block_manager.record_lookup(request.num_tokens, cached.num_tokens)
+                self.block_manager.claim_in_flight(request, len(cached.block_ids))
             if cached.num_tokens:
                 request.num_computed_tokens = cached.num_tokens
                 if request.num_preemptions == 0:
@@ -187,6 +195,7 @@ class Scheduler:
             self.running.append(request)
             out.scheduled.append(ScheduledRequest(request, request.num_computed_tokens, num_new))
             budget -= num_new
+        self.waiting.extendleft(reversed(sharing))  # their places in the queue kept
 
     def _num_new_tokens(self, request: Request, budget: int, num_computed: int | None = None) -> int:
         if num_computed is None:

@@ -6,7 +6,10 @@ until the request is freed (finish, abort or preemption), which drops its refere
 
 With prefix caching, a new (or preempted) request first looks up the longest run of
 its full blocks that is cached, shares those blocks, and computes only the rest. A
-hit never covers the last token: its logits are needed to sample.
+hit never covers the last token: its logits are needed to sample. The blocks a running
+request is still computing are known by name too (:meth:`claim_in_flight`), so that a
+request whose next block another one is computing can wait for it instead of computing
+it again (:meth:`computed_elsewhere`).
 """
 
 from __future__ import annotations
@@ -15,7 +18,7 @@ from typing import NamedTuple
 
 from cluster.shared.request import Request
 from cluster.kv.block_pool import BlockPool
-from cluster.kv.prefix_cache import ROOT_HASH, BlockHasher, HashFunction, xxh3_block_hash
+from cluster.kv.prefix_cache import ROOT_HASH, BlockHash, BlockHasher, HashFunction, xxh3_block_hash
 
 
 def cdiv(a: int, b: int) -> int:
@@ -45,6 +48,9 @@ class BlockManager:
         self.hasher = BlockHasher(block_size, hash_seed, hash_fn)
         self.block_tables: dict[str, list[int]] = {}
         self._num_cached_in_table: dict[str, int] = {}  # leading blocks of a table already named
+        # Full blocks running requests will compute, by name: hash value -> (request id, name).
+        self._in_flight: dict[int, tuple[str, BlockHash]] = {}
+        self._in_flight_of: dict[str, list[int]] = {}  # request id -> the hash values it claimed
         self.prefix_cache_queries = 0  # tokens looked up
         self.prefix_cache_hits = 0  # tokens found
 
@@ -71,6 +77,29 @@ class BlockManager:
                 break
             blocks.append(block_id)
         return CachedPrefix(blocks, len(blocks) * self.block_size)
+
+    def computed_elsewhere(self, request: Request, cached: CachedPrefix) -> bool:
+        """Whether the block right after the request's ``cached`` prefix (from
+        :meth:`find_cached_prefix`) is one another running request is computing now: the
+        request then shares it by waiting a step or more rather than computing it too."""
+        index = len(cached.block_ids)
+        if not self.enable_caching or index >= min(len(request.block_hashes), (request.num_tokens - 1) // self.block_size):
+            return False
+        block_hash = request.block_hashes[index]
+        claim = self._in_flight.get(block_hash.value)
+        return claim is not None and claim[0] != request.request_id and claim[1].same_content(block_hash)
+
+    def claim_in_flight(self, request: Request, num_cached_blocks: int) -> None:
+        """Name the full blocks an admitted request will compute past its ``num_cached_blocks``
+        shared ones (as far as :meth:`find_cached_prefix` named them); each is released once
+        cached, or when the request frees its blocks."""
+        if not self.enable_caching:
+            return
+        claimed = self._in_flight_of.setdefault(request.request_id, [])
+        for block_hash in request.block_hashes[num_cached_blocks:]:
+            if block_hash.value not in self._in_flight:
+                self._in_flight[block_hash.value] = (request.request_id, block_hash)
+                claimed.append(block_hash.value)
 
     def record_lookup(self, num_tokens: int, num_hit_tokens: int) -> None:
         """Count one admitted request's lookup (a failed admission retries without counting)."""
@@ -121,7 +150,13 @@ class BlockManager:
         end = min(request.num_computed_tokens // self.block_size, len(table))
         for i in range(start, end):
             self.pool.cache_block(table[i], request.block_hashes[i])
+            self._release_claim(request.request_id, request.block_hashes[i].value)
         self._num_cached_in_table[request.request_id] = max(start, end)
+
+    def _release_claim(self, request_id: str, value: int) -> None:
+        claim = self._in_flight.get(value)
+        if claim is not None and claim[0] == request_id:
+            del self._in_flight[value]
 
     def cached_prefix_hashes(self, max_depth: int) -> frozenset[int]:
         """Hash values of cached blocks at depth ``< max_depth`` in the prefix tree, for
@@ -149,12 +184,17 @@ class BlockManager:
         """Release every block the request holds; a no-op for unknown ids."""
         table = self.block_tables.pop(request_id, None)
         self._num_cached_in_table.pop(request_id, None)
+        for value in self._in_flight_of.pop(request_id, ()):
+            self._release_claim(request_id, value)
         if table:
             # Tail first, so leaves enter the free queue (and are evicted) before parents.
             self.pool.free(list(reversed(table)))
 
     def check_invariants(self) -> None:
         self.pool.check_invariants()
+        for value, (request_id, _) in self._in_flight.items():
+            if request_id not in self.block_tables or value not in self._in_flight_of.get(request_id, ()):
+                raise AssertionError(f"block name {value} claimed by {request_id}, which holds no blocks")
         counts = [0] * self.pool.num_blocks
         for table in self.block_tables.values():
             for b in table:

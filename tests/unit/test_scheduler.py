@@ -112,7 +112,7 @@ def test_finished_requests_leave_and_waiting_ones_take_their_place():
 def test_preemption_takes_the_newest_and_it_is_recomputed():
     s = _scheduler(num_blocks=4, block_size=4)
     s.add_request(_request("old", 8, max_tokens=20))
-    s.add_request(_request("new", 8, max_tokens=20))
+    s.add_request(Request("new", list(range(500, 508)), SamplingParams(max_tokens=20), eos_token_id=2))
     _run_step(s)  # both prefilled: 2 blocks each, pool full
     out, _ = _run_step(s)  # old's 9th token needs a 3rd block -> new is preempted
     assert [r.request_id for r in out.preempted] == ["new"]
