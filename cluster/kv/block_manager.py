@@ -83,7 +83,8 @@ class BlockManager:
         :meth:`find_cached_prefix`) is one another running request is computing now: the
         request then shares it by waiting a step or more rather than computing it too."""
         index = len(cached.block_ids)
-        if not self.enable_caching or index >= min(len(request.block_hashes), (request.num_tokens - 1) // self.block_size):
+        max_blocks = min(len(request.block_hashes), (request.num_tokens - 1) // self.block_size)
+        if not self.enable_caching or index >= max_blocks:
             return False
         block_hash = request.block_hashes[index]
         claim = self._in_flight.get(block_hash.value)
