@@ -142,6 +142,10 @@ class SpeculativeConfig(_Strict):
     explore_budget: float = Field(
         0.001, ge=0, le=1, description="adaptive: the most its probes (one draft token more than the k held) "
         "may add to the mean predicted step time")
+    learn_past_k: bool = Field(
+        True, description="adaptive, with ngram or suffix: draft up to the largest k every step, verify the k held, "
+        "and score the rest against the tokens each request goes on to produce, so acceptance at every depth is "
+        "learnt without verifying it")
     verification: Literal["auto", "rejection", "coupled"] = Field(
         "auto", description="how drafts are checked: rejection sampling, or coupling (the target's own draw at each "
         "position with that position's seeded number; a seeded request's text is then the same whatever k). auto: "

@@ -28,7 +28,8 @@ from cluster.shared.sampled import SampledTokens
 from cluster.shared.request import Request, RequestStatus
 from cluster.shared.sampling_params import SamplingParams
 from cluster.spec_decode.controller import BatchState, StepObservation
-from cluster.spec_decode.factory import build_speculation
+from cluster.spec_decode.factory import build_speculation, lookahead_depth
+from cluster.spec_decode.lookahead import LookaheadDrafts
 from cluster.spec_decode.stats import SpecDecodeStats
 from cluster.spec_decode.suffix import SuffixProposer
 
@@ -65,6 +66,8 @@ class Engine:
         self.eos_token_id = self.worker.eos_token_id
         self.vocab_size = self.worker.vocab_size
         self.proposer, self.controller = build_speculation(config, self.worker)
+        depth = lookahead_depth(config, self.proposer, self.controller)
+        self.lookahead = LookaheadDrafts(self.proposer, depth) if depth else None
         self.spec_stats = SpecDecodeStats()
         self.grammars = Grammars(self.tokenizer, self.vocab_size, self.eos_token_id)
         self.inputs = InputProcessor(config, self.tokenizer, self.vocab_size, self.eos_token_id, self.max_model_len,
@@ -112,8 +115,7 @@ class Engine:
         self.adapters.drop(request_id)
         self.scheduler.finish_request(request_id, RequestStatus.FINISHED_ABORTED)
         self.worker.runner.free_request(request_id)
-        if self.proposer is not None:
-            self.proposer.free(request_id)
+        self._free_drafts(request_id)
         self.outputs.drop(request_id)
 
     @property
@@ -134,7 +136,9 @@ class Engine:
         out = self.scheduler.schedule(num_lookahead_tokens=k)
         tables = [self.block_manager.get_block_table(s.request.request_id) for s in out.scheduled]
         drafts = None
-        if any(s.num_draft_tokens for s in out.scheduled):
+        if self.lookahead is not None:
+            drafts = self.lookahead.propose(out.scheduled, tables, self.scheduler.num_draft_tokens)
+        elif any(s.num_draft_tokens for s in out.scheduled):
             drafts = self.proposer.propose(out.scheduled, tables)
         drafts, masks = self.grammars.prepare(out.scheduled, drafts)
         executing = time.perf_counter()
@@ -146,6 +150,8 @@ class Engine:
         if result.prompt_logprobs:
             self.outputs.add_prompt_logprobs(result.prompt_logprobs)
         self.scheduler.update(out, sampled)
+        if self.lookahead is not None:
+            self.lookahead.score([s.request for s in out.scheduled])
         if masks:
             self.grammars.advance([s.request for s in out.scheduled], self.scheduler)
         seconds = time.perf_counter() - started
@@ -179,9 +185,11 @@ class Engine:
                     self.spec_stats.record_request(proposed, accepted, s.num_draft_tokens)
                     s.request.spec_decode = s.request.spec_decode.add_step(s.num_draft_tokens, proposed, accepted)
                     verified.append((s.num_draft_tokens, proposed, accepted))
-        # Steps with prefill chunks are not what the latency model describes.
+        # Steps with prefill chunks are not what the latency model describes (drafts scored
+        # past k wait for the next step that is observed).
         if out.scheduled and all(s.num_new_tokens == 1 for s in out.scheduled):
-            self.controller.observe(StepObservation(len(out.scheduled), k, seconds, verified,
+            learnt = verified if self.lookahead is None else self.lookahead.take()
+            self.controller.observe(StepObservation(len(out.scheduled), k, seconds, learnt,
                                                     sum(p for _, p, _ in verified)))
 
     def _output(self, request: Request, sampled: SampledTokens) -> RequestOutput:
@@ -196,9 +204,14 @@ class Engine:
         output = self.outputs.build(request, sampled)
         if output.finished:
             self.worker.runner.free_request(request.request_id)
-            if self.proposer is not None:
-                self.proposer.free(request.request_id)
+            self._free_drafts(request.request_id)
         return output
+
+    def _free_drafts(self, request_id: str) -> None:
+        if self.proposer is not None:
+            self.proposer.free(request_id)
+        if self.lookahead is not None:
+            self.lookahead.free(request_id)
 
     def suffix_history(self, max_requests: int) -> list[list[int]]:
         """The latest finished responses a suffix proposer keeps for another replica's warm start,

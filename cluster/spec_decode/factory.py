@@ -88,6 +88,16 @@ def build_eagle3(config: TandemConfig, target_worker) -> Eagle3Proposer:
     return Eagle3Proposer(head, embed, runner)
 
 
+def lookahead_depth(config: TandemConfig, proposer, controller) -> int:
+    """How many tokens to draft every step for an adaptive controller to learn acceptance past the
+    k it verifies (:mod:`cluster.spec_decode.lookahead`): its largest k where the proposer drafts
+    one-hot tokens without a model pass and ``speculative.learn_past_k`` is on, else 0."""
+    if (not config.speculative.learn_past_k or not isinstance(controller, AdaptiveController)
+            or not getattr(proposer, "free_lookahead", False)):
+        return 0
+    return controller.max_k
+
+
 def profile_step_model(config: TandemConfig) -> tuple[LatencyModel | None, list[float] | None]:
     """The speculation profile's step-time model and coverage, whatever the controller
     ((None, None) without speculation or without a profile): what shapes the step-time curve

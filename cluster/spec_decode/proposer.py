@@ -5,6 +5,8 @@ the scheduler reserved room for, and returns up to that many tokens per request
 (fewer is fine). ``probs`` holds, per request, the distributions the drafts were
 sampled from (``[num_drafts, vocab_size]``), or is None when drafts are
 deterministic (n-gram lookup): the rejection sampler then treats them as one-hot.
+A proposer whose ``free_lookahead`` is True drafts one-hot tokens without a model pass, so
+drafting past the verified ``k`` costs next to nothing (``cluster.spec_decode.lookahead``).
 """
 
 from __future__ import annotations
@@ -31,6 +33,8 @@ class Proposer(Protocol):
 
 class NgramStepProposer:
     """Prompt lookup over each request's own tokens; no model, no KV cache."""
+
+    free_lookahead = True
 
     def __init__(self, min_n: int, max_n: int, draft_per_match_token: float | None = None) -> None:
         self.ngram = NgramProposer(min_n, max_n, draft_per_match_token)

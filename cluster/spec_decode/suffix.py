@@ -57,6 +57,8 @@ def suffix_cache_class():
 class SuffixProposer:
     """The engine's proposer for ``speculative.method: suffix`` (vLLM's keys and defaults)."""
 
+    free_lookahead = True  # one-hot drafts from the trees, no model pass
+
     def __init__(self, max_tree_depth: int = 24, max_cached_requests: int = 10000, max_spec_factor: float = 1.0,
                  min_token_prob: float = 0.1, warm_start_requests: int = 0) -> None:
         self.cache = suffix_cache_class()(max_tree_depth, max_cached_requests)
