@@ -1,14 +1,14 @@
 """vLLM's own serving benchmark client (``vllm.benchmarks.serve``), driven for ``tandem bench served``.
 
 Runs in an interpreter that has vLLM (the vLLM tier's environment): ``python -m
-cluster.bench.vllm_client --url URL --tokenizer DIR --dataset random|instructions|code|agentic
+cluster.bench.vllm_client --url URL --tokenizer DIR --dataset random|instructions|code|agentic[-long]
 --rate R --num-prompts N --output-len L --out JSON``. The workload is the one vLLM's documentation
 uses for serving figures: the ``vllm`` backend (completions, streamed), a fixed seed, outputs of
 exactly ``--output-len`` tokens (``--ignore-eos``; ``--honor-eos``: at most that many, each ending
 where the model ends it), no sampling settings sent (each server's defaults: temperature 1).
 ``random`` draws ``--input-len``-token prompts; the others are vLLM's ``custom`` dataset (a jsonl
 of ``{"prompt": ...}``): ``instructions`` reads Tandem's instruction prompts
-(``data/instructions.jsonl``), ``code`` and ``agentic`` the file ``tandem bench served`` wrote
+(``data/instructions.jsonl``), ``code`` and the agentic sets the file ``tandem bench served`` wrote
 (``--dataset-path``; :func:`cluster.bench.workloads.prompt_sets.write_vllm_dataset`), with
 ``--skip-chat-template`` where its prompts are already rendered. vLLM's client puts any other
 custom prompt through the chat template as one user message.
@@ -56,7 +56,7 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--url", required=True)
     parser.add_argument("--model", default="smollm2-135m-instruct")
     parser.add_argument("--tokenizer", required=True)
-    parser.add_argument("--dataset", choices=["random", "instructions", "code", "agentic"], default="random")
+    parser.add_argument("--dataset", choices=["random", "instructions", "code", "agentic", "agentic-long"], default="random")
     parser.add_argument("--dataset-path", type=Path, help="the custom dataset's jsonl (default for instructions: "
                                                           "data/instructions.jsonl)")
     parser.add_argument("--skip-chat-template", action="store_true",

@@ -206,7 +206,9 @@ def test_made_conversations_are_read_back_from_the_cache(tmp_path, monkeypatch):
 def test_served_datasets_are_custom_jsonl_files(tokenizer, tmp_path, monkeypatch):
     monkeypatch.setattr(prompt_sets, "human_eval_problems", lambda: PROBLEMS[:4])
     conversations = build_conversations(PROBLEMS, fake_generate([]), 2, 2, seed=0)
-    monkeypatch.setattr(prompt_sets, "load_conversations", lambda announce: conversations)
+    asked = []
+    monkeypatch.setattr(prompt_sets, "load_conversations",
+                        lambda params, announce: asked.append(params) or conversations)
     code = prompt_sets.write_vllm_dataset("code", tmp_path / "code.jsonl", tokenizer)
     rows = [json.loads(line) for line in code.path.read_text().splitlines()]
     assert not code.skip_chat_template  # vLLM's client applies the template, as for the instruction prompts
@@ -215,6 +217,9 @@ def test_served_datasets_are_custom_jsonl_files(tokenizer, tmp_path, monkeypatch
     rows = [json.loads(line) for line in agentic.path.read_text().splitlines()]
     assert agentic.skip_chat_template and len(rows) == 2 * 3  # three prefixes per two-turn conversation
     assert rows[1]["prompt"].startswith(f"<system>{SYSTEM_PROMPT}") and rows[1]["prompt"].endswith("<assistant>")
+    long = prompt_sets.write_vllm_dataset("agentic-long", tmp_path / "long.jsonl", tokenizer)
+    assert long.skip_chat_template and long.path.read_text() == agentic.path.read_text()
+    assert asked == [AgenticParams(), agentic_prompts.LONG] and agentic_prompts.LONG.num_turns == 10
 
 
 def test_warm_prompts_are_the_sets_last_and_never_in_the_measured_file(tokenizer, tmp_path, monkeypatch):
@@ -296,4 +301,4 @@ def test_every_set_is_a_choice_of_its_benchmark():
     from cluster.bench.spec import SPEC_PROMPT_SETS
 
     assert {"code", "agentic"} <= set(PROMPT_SETS) and {"code", "agentic"} <= set(SPEC_PROMPT_SETS)
-    assert set(prompt_sets.VLLM_DATASETS) == {"code", "agentic"}
+    assert set(prompt_sets.VLLM_DATASETS) == {"code", "agentic", "agentic-long"}

@@ -71,6 +71,9 @@ PLANS = (  # the tool of each turn, cycled beyond four
     ("run_tests", "search_code", "read_file", "edit_file"),
 )
 
+DESCRIPTION_LONG = ("the agentic conversations run 10 turns instead of 4: later prompts carry ten "
+                    "tool results, whole source files among them, and reach 5-8k tokens")
+
 # (conversations, the tool each must call) -> the assistant's next output text of each
 GenerateFn = Callable[[list[list[dict]], list[str]], list[str]]
 
@@ -91,6 +94,9 @@ class AgenticParams:
                 "mutations": agentic_tools.MUTATIONS,
                 "per_module": agentic_tools.PROBLEMS_PER_MODULE}
         return hashlib.sha256(json.dumps(what, sort_keys=True).encode()).hexdigest()[:16]
+
+
+LONG = AgenticParams(num_conversations=8, num_turns=10)  # the ``agentic-long`` set
 
 
 class AgentConversation(NamedTuple):

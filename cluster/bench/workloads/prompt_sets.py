@@ -4,7 +4,9 @@
   passage given in full);
 - ``calibration``: the profiler's chat requests (:mod:`cluster.profiling.calibration`);
 - ``code``: HumanEval function completions (:mod:`code_prompts`);
-- ``agentic``: tool-calling agent conversations (:mod:`agentic_prompts`).
+- ``agentic``: tool-calling agent conversations (:mod:`agentic_prompts`);
+- ``agentic-long``: fewer of them, 10 turns instead of 4, so their later prompts reach 5-8k
+  tokens (:data:`~agentic_prompts.LONG`).
 
 ``tandem bench spec`` takes ``--num-prompts`` of a set (cycling it), ``tandem bench paper`` the
 whole of ``edit`` and ``calibration`` and :data:`PAPER_NUM_PROMPTS` of the others, and
@@ -20,7 +22,8 @@ from pathlib import Path
 from typing import NamedTuple
 
 from cluster.bench.workloads.agentic_prompts import DESCRIPTION as AGENTIC
-from cluster.bench.workloads.agentic_prompts import agentic_prompt_texts, load_conversations
+from cluster.bench.workloads.agentic_prompts import DESCRIPTION_LONG as AGENTIC_LONG
+from cluster.bench.workloads.agentic_prompts import LONG, AgenticParams, agentic_prompt_texts, load_conversations
 from cluster.bench.workloads.code_prompts import DESCRIPTION as CODE
 from cluster.bench.workloads.code_prompts import code_messages, human_eval_problems
 from cluster.engine.llm import apply_chat_template
@@ -31,8 +34,10 @@ EDIT = ("each prompt asks to rewrite, summarize, proofread or continue a short p
         "in the prompt, so the output naturally repeats prompt text (where prompt lookup helps)")
 CALIBRATION = ("the profiler's calibration chat requests: a few quote text back (where prompt lookup helps), "
                "most are open-ended")
-DESCRIPTIONS = {"edit": EDIT, "calibration": CALIBRATION, "code": CODE, "agentic": AGENTIC}
-VLLM_DATASETS = ("code", "agentic")  # what tandem bench served writes for vLLM's client
+DESCRIPTIONS = {"edit": EDIT, "calibration": CALIBRATION, "code": CODE, "agentic": AGENTIC,
+                "agentic-long": AGENTIC_LONG}
+VLLM_DATASETS = ("code", "agentic", "agentic-long")  # what tandem bench served writes for vLLM's client
+AGENTIC_SETS = {"agentic": AgenticParams(), "agentic-long": LONG}
 PAPER_NUM_PROMPTS = 16  # of code and agentic in tandem bench paper (agentic: three conversations and a start)
 
 
@@ -63,8 +68,8 @@ def workload_prompt_ids(name: str, tokenizer, num_prompts: int | None = None,
     if name == "code":
         messages = code_messages(human_eval_problems(), num_prompts)
         return PromptIds(*build_prompt_ids(tokenizer, num_prompts, lambda i: messages[i]))
-    if name == "agentic":
-        texts = agentic_prompt_texts(tokenizer, load_conversations(announce=announce))
+    if name in AGENTIC_SETS:
+        texts = agentic_prompt_texts(tokenizer, load_conversations(AGENTIC_SETS[name], announce=announce))
         templated = bool(getattr(tokenizer, "chat_template", None))
         # A template holds any BOS it wants; plain text gets the tokenizer's own (as build_prompt_ids does).
         ids = [tokenizer.encode(texts[i % len(texts)], add_special_tokens=not templated) for i in range(num_prompts)]
@@ -73,12 +78,12 @@ def workload_prompt_ids(name: str, tokenizer, num_prompts: int | None = None,
 
 
 def served_prompt_texts(name: str, tokenizer, announce: Callable[[str], None] = print) -> list[str]:
-    """Every prompt of ``code`` or ``agentic`` as the text a server is sent, chat template applied."""
+    """Every prompt of ``code`` or an agentic set as the text a server is sent, chat template applied."""
     if name == "code":
         problems = human_eval_problems()
         return [apply_chat_template(tokenizer, m) for m in code_messages(problems, len(problems))]
-    if name == "agentic":
-        return agentic_prompt_texts(tokenizer, load_conversations(announce=announce))
+    if name in AGENTIC_SETS:
+        return agentic_prompt_texts(tokenizer, load_conversations(AGENTIC_SETS[name], announce=announce))
     raise ValueError(f"no served prompt set {name!r}; choose one of {', '.join(VLLM_DATASETS)}")
 
 
@@ -92,8 +97,8 @@ def write_vllm_dataset(name: str, path: Path, tokenizer, announce: Callable[[str
     if name == "code":
         problems = human_eval_problems()
         prompts = [m[0]["content"] for m in code_messages(problems, len(problems))]
-    elif name == "agentic":
-        prompts = agentic_prompt_texts(tokenizer, load_conversations(announce=announce))
+    elif name in AGENTIC_SETS:
+        prompts = agentic_prompt_texts(tokenizer, load_conversations(AGENTIC_SETS[name], announce=announce))
     else:
         raise ValueError(f"no vLLM dataset {name!r}; choose one of {', '.join(VLLM_DATASETS)}")
     if not 0 <= num_warm < len(prompts):
@@ -104,4 +109,4 @@ def write_vllm_dataset(name: str, path: Path, tokenizer, announce: Callable[[str
     if warm:
         warm_path = path.with_name(f"{path.stem}-warm{path.suffix}")
         warm_path.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in warm))
-    return VllmDataset(path, skip_chat_template=name == "agentic", warm_path=warm_path)
+    return VllmDataset(path, skip_chat_template=name in AGENTIC_SETS, warm_path=warm_path)
