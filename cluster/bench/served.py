@@ -38,6 +38,7 @@ import time
 import urllib.request
 from pathlib import Path
 
+from prometheus_client.parser import text_string_to_metric_families
 from rich.console import Console
 
 from cluster.bench.benchmark import Benchmark
@@ -117,6 +118,19 @@ def _timeline(url: str, seconds: float) -> dict | None:
     return first.get("summary")
 
 
+def _preemptions(url: str) -> float | None:
+    """The server's ``vllm:num_preemptions_total`` (Tandem's and vLLM's name), summed over its
+    replicas; None where it publishes none."""
+    try:
+        with urllib.request.urlopen(f"{url}/metrics", timeout=30) as response:
+            exposition = response.read().decode()
+    except OSError:
+        return None
+    values = [float(sample.value) for family in text_string_to_metric_families(exposition)
+              for sample in family.samples if sample.name == "vllm:num_preemptions_total"]
+    return sum(values) if values else None
+
+
 def _measure_system(args, console, name: str, start, work: Path, is_tandem: bool) -> dict:
     """Every cell on one server; with ``--fresh-server-per-cell`` on a server of its own each (so no
     cell finds another's prompts in the prefix cache or the suffix trees)."""
@@ -143,7 +157,11 @@ def _measure_cells(args, console, name: str, start, work: Path, is_tandem: bool,
                 out = work / ("".join(c for c in f"{name}-{cell['name']}" if c.isalnum() or c in "-_=.") + ".json")
                 warm_s = _warm(args, server.url, cell, out.with_name(f"warm-{out.name}"))
                 started = time.monotonic()
+                preempted = _preemptions(server.url)
                 results[cell["name"]] = _client(args, server.url, cell, out)
+                after = _preemptions(server.url)
+                if preempted is not None and after is not None:
+                    results[cell["name"]]["num_preemptions"] = after - preempted
                 if warm_s is not None:
                     results[cell["name"]]["warm_s"] = warm_s
             except Exception as err:

@@ -190,6 +190,8 @@ def _print_cpu(console, name: str, figures: dict) -> None:
         client = cpu.get("ended_children_percent")
         console.print(f"  {name}: CPU over the cell ({cpu['total_percent']:.0f}% of {cpu['cores'] * 100}%"
                       + ("" if client is None else f", and {client:.0f}% the client") + "): " + "; ".join(parts))
+    if figures.get("num_preemptions") is not None:
+        console.print(f"  {name}: {figures['num_preemptions']:.0f} preemptions over the cell")
     timeline = figures.get("engine_timeline")
     if timeline and timeline.get("num_steps"):
         console.print(f"  engine core over the cell ({timeline['num_steps']} steps): busy "

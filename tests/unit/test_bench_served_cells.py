@@ -205,3 +205,27 @@ def test_llamacpp_is_a_peer_of_its_own_beside_vllm():
     add_served_args(parser)
     args = parser.parse_args(["--llamacpp", "--llamacpp-args=--spec-type ngram-mod"])
     assert args.llamacpp and args.llamacpp_args == "--spec-type ngram-mod"
+
+
+def test_preemptions_are_read_from_the_servers_metrics(monkeypatch):
+    from cluster.bench import served
+
+    class Page:
+        def __init__(self, text: str) -> None:
+            self.text = text
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc) -> None:
+            pass
+
+        def read(self) -> bytes:
+            return self.text.encode()
+
+    two_replicas = ('# TYPE vllm:num_preemptions counter\nvllm:num_preemptions_total{replica="a"} 3.0\n'
+                    'vllm:num_preemptions_total{replica="b"} 2.0\n')
+    monkeypatch.setattr(served.urllib.request, "urlopen", lambda url, timeout: Page(two_replicas))
+    assert served._preemptions("http://h:1") == 5.0
+    monkeypatch.setattr(served.urllib.request, "urlopen", lambda url, timeout: Page("# nothing\n"))
+    assert served._preemptions("http://h:1") is None
