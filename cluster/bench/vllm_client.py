@@ -56,7 +56,8 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--url", required=True)
     parser.add_argument("--model", default="smollm2-135m-instruct")
     parser.add_argument("--tokenizer", required=True)
-    parser.add_argument("--dataset", choices=["random", "instructions", "code", "agentic", "agentic-long"], default="random")
+    parser.add_argument("--dataset", choices=["random", "instructions", "code", "agentic", "agentic-long"],
+                        default="random")
     parser.add_argument("--dataset-path", type=Path, help="the custom dataset's jsonl (default for instructions: "
                                                           "data/instructions.jsonl)")
     parser.add_argument("--skip-chat-template", action="store_true",
