@@ -27,7 +27,7 @@ def _parse(argv: list[str]) -> argparse.Namespace:
 
 
 @pytest.mark.parametrize("dataset, skip", [("random", False), ("instructions", False), ("code", False),
-                                           ("agentic", True)])
+                                           ("agentic", True), ("agentic-long", True)])
 def test_every_dataset_parses_as_vllm_reads_it(dataset, skip):
     path = None if dataset in ("random", "instructions") else f"/w/{dataset}.jsonl"
     parsed = _parse(vllm_client.client_args(_options(dataset=dataset, dataset_path=path, skip_chat_template=skip,
