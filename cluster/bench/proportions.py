@@ -11,7 +11,7 @@ random prompts of a fixed length (:func:`random_prompt_ids`).
 
 Pairs: ``paper`` is the paper's own (OPT-6.7B with OPT-125M, float16, for a GPU); ``cpu`` is
 a Llama pair scaled for a 2-core CPU (1B-class layers, few of them; docs/speculative-decoding.md
-gives their measured pass times); ``tiny`` is for tests and smoke runs.
+gives what they show); ``tiny`` is for tests and smoke runs.
 """
 
 from __future__ import annotations

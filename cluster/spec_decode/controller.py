@@ -154,7 +154,7 @@ class AdaptiveController:
         # at has jumped (a burst arrived or drained), and the hysteresis alone decides at once:
         # on the `cpu` proportions pair a burst took the batch from 5 to 32 right after a switch,
         # and the dwell held k = 3 for 4 steps of 3.5x plain decoding's time, 8% of the heavy
-        # phase's TPOT (docs/speculative-decoding.md).
+        # phase's TPOT (tandem bench paper --proportions cpu on a Zen 4).
         self.jump_ratio = jump_ratio
         self._batch_at_choice = 1  # the batch size the held k was chosen at
         # The weight of one request's sample at a position: 0.01 averages over ~100 samples,
@@ -197,7 +197,7 @@ class AdaptiveController:
         # the weight of ``prior_weight`` steps over a grid of (b, k), and the scale is 1 with
         # the weight of ``scale_prior_weight`` steps, a hundredth of one, so that the first
         # steps read a device that runs the profile's passes 3x slower (a CPU of the same kind
-        # as the profiled one measured so, docs/speculative-decoding.md); with one prior of 50
+        # as the profiled one measured so); with one prior of 50
         # steps and no scale, the model still put a 51 ms step at 33 ms after 128 steps.
         sizes_ks = [(b, k) for b in (1, 2, 4, 8, 16, 32, 64) for k in range(max_k + 1)]
         features = np.array([_step_features(b, k) for b, k in sizes_ks])
