@@ -11,7 +11,7 @@ length tokens and at most what the scheduler reserved (the batch's ``k``, the re
 each request drafts what its own evidence supports, often nothing.
 
 The trees are brought up to date lazily: before each proposal every scheduled request's new
-output tokens are appended (a step with no drafting asks nothing and adds nothing yet), and a
+output tokens are appended (a step that asks for no drafts, past k included, adds nothing yet), and a
 finished request's last tokens are appended when it is freed. Drafts are deterministic (one-hot
 to the rejection sampler), so every verification mode keeps the target's distribution.
 
