@@ -1,6 +1,7 @@
 """``tandem bench ...``: every benchmark registered on the one skeleton of
-:mod:`cluster.bench.benchmark`, and ``tandem bench show`` to print a saved result again.
-(``bench router`` needs Ray and is registered by ``cluster/cli.py`` from ``deployments/``.)"""
+:mod:`cluster.bench.benchmark`, ``tandem bench show`` to print a saved result again, and
+``tandem bench tables`` to make the docs' tables from kept results. (``bench router`` needs Ray
+and is registered by ``cluster/cli.py`` from ``deployments/``.)"""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from rich.console import Console
 from cluster.bench.agent import AGENT
 from cluster.bench.benchmark import Benchmark, add_benchmark, publish
 from cluster.bench.compare import COMPARE
+from cluster.bench.doc_tables import refresh_docs
 from cluster.bench.long_context import LONG_CONTEXT
 from cluster.bench.lora import LORA
 from cluster.bench.offline import OFFLINE
@@ -38,6 +40,10 @@ def add_bench_parser(sub):
     show.add_argument("result", type=Path, help="the JSON a tandem bench command wrote")
     show.add_argument("--plots", type=Path, help="draw the benchmark's figures into this folder")
     show.set_defaults(func=_show, benchmarks=dict(BENCHMARKS))
+    tables = bench.add_parser("tables", help="make the docs' figure tables again from their kept records")
+    tables.add_argument("--docs", type=Path, default=Path("docs"), help="the chapters' folder (default docs)")
+    tables.add_argument("--check", action="store_true", help="write nothing; fail where a table differs")
+    tables.set_defaults(func=_tables)
     return bench
 
 
@@ -46,6 +52,13 @@ def register_benchmark(bench, benchmark: Benchmark) -> None:
     ``add_bench_parser`` made; their ``show`` then knows it too."""
     add_benchmark(bench, benchmark)
     bench.choices["show"].get_default("benchmarks")[benchmark.name] = benchmark
+
+
+def _tables(args: argparse.Namespace) -> int:
+    stale = refresh_docs(args.docs, check=args.check)
+    for path in stale:
+        print(f"{path}: {'differs from its records' if args.check else 'tables made again'}")
+    return 1 if args.check and stale else 0
 
 
 def _show(args: argparse.Namespace) -> int:

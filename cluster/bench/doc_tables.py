@@ -1,0 +1,140 @@
+"""Figure tables in docs/ made from kept benchmark records (``tandem bench tables``).
+
+A chapter marks a table it takes from records with two comments:
+
+    <!-- table: served_cells records=records/served-agentic-zen4.json figures=output_throughput,median_tpot_ms -->
+    (the table, written by the command)
+    <!-- /table -->
+
+The records are the JSON the benchmarks write (``--json``), with their ``run`` stamp (command,
+commit, machine), kept beside the docs in ``docs/records/``. ``tandem bench tables`` writes every
+marked table again from its records, so a table never disagrees with its run and a run on another
+machine kind adds rows, not prose; ``--check`` writes nothing and fails where a table differs.
+
+Renderers (the word after ``table:``), and their options (``key=value``, lists comma-separated):
+
+- ``served_cells``: ``tandem bench served`` records, a row per cell, each figure's values for
+  ``systems`` (default every system of the first record, in its order) joined by " / ";
+  ``figures`` from :data:`SERVED_FIGURES`; ``labels``: per record, a note added to its rows' cell
+  names (``_`` for a space, ``-`` for none).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Callable
+from pathlib import Path
+
+# figure key -> (column title, value in the column's unit)
+SERVED_FIGURES: dict[str, tuple[str, Callable[[float], str]]] = {
+    "output_throughput": ("output tok/s", lambda v: f"{v:.1f}"),
+    "mean_ttft_ms": ("TTFT mean (s)", lambda v: f"{v / 1000:.2f}"),
+    "p99_ttft_ms": ("TTFT p99 (s)", lambda v: f"{v / 1000:.2f}"),
+    "median_tpot_ms": ("TPOT median (ms)", lambda v: f"{v:.1f}"),
+    "p99_tpot_ms": ("TPOT p99 (ms)", lambda v: f"{v:.1f}"),
+    "median_itl_ms": ("ITL median (ms)", lambda v: f"{v:.1f}"),
+    "num_preemptions": ("preemptions", lambda v: f"{v:.0f}"),
+}
+
+_BLOCK = re.compile(r"(<!-- table: (?P<spec>[^>]*?) -->\n)(?P<body>.*?)(<!-- /table -->)", re.S)
+
+
+def _options(spec: str) -> tuple[str, dict[str, str]]:
+    words = spec.split()
+    if not words:
+        raise ValueError("a table comment names no renderer: <!-- table: RENDERER key=value ... -->")
+    options = {}
+    for word in words[1:]:
+        key, sep, value = word.partition("=")
+        if not sep or not value:
+            raise ValueError(f"table option {word!r} is not key=value")
+        options[key] = value
+    return words[0], options
+
+
+def _provenance(name: str, record: dict) -> str:
+    run = record.get("run", {})
+    machine = run.get("machine", {})
+    commit = (run.get("code", {}).get("commit") or "?")[:7]
+    return (f"{name}: {machine.get('cpu', '?')} ({machine.get('cpu_kind', '?')}), {machine.get('cores_available', '?')} "
+            f"cores, commit {commit}, {run.get('started_utc', '?')[:10]}")
+
+
+def served_cells(records: list[tuple[str, dict]], options: dict[str, str]) -> str:
+    """A markdown table of ``tandem bench served`` records (see the module's docstring)."""
+    figures = options.get("figures", "output_throughput,mean_ttft_ms,median_tpot_ms,p99_tpot_ms").split(",")
+    unknown = [f for f in figures if f not in SERVED_FIGURES]
+    if unknown:
+        raise ValueError(f"unknown served figures {unknown}; choose from {', '.join(SERVED_FIGURES)}")
+    systems = options.get("systems", ",".join(records[0][1].get("systems", {}))).split(",")
+    labels = options.get("labels", "").split(",") if "labels" in options else ["-"] * len(records)
+    if len(labels) != len(records):
+        raise ValueError(f"labels has {len(labels)} entries for {len(records)} records")
+    lines = [f"| cell | {' | '.join(SERVED_FIGURES[f][0] for f in figures)} |",
+             "|" + "---|" * (len(figures) + 1)]
+    for (name, record), label in zip(records, labels):
+        found = record.get("systems", {})
+        missing = [s for s in systems if s not in found]
+        if missing:
+            raise ValueError(f"{name} has no system {missing} (it has {', '.join(found)})")
+        note = "" if label == "-" else f" ({label.replace('_', ' ')})"
+        for cell in found[systems[0]]:
+            values = []
+            for figure in figures:
+                title, fmt = SERVED_FIGURES[figure]
+                got = [found[s].get(cell, {}).get(figure) for s in systems]
+                values.append(" / ".join("-" if v is None else fmt(v) for v in got))
+            lines.append(f"| {cell}{note} | {' | '.join(values)} |")
+    lines.append("")
+    lines.append(f"({' / '.join(systems)}; " + "; ".join(_provenance(n, r) for n, r in records) + ")")
+    return "\n".join(lines) + "\n"
+
+
+RENDERERS: dict[str, Callable[[list[tuple[str, dict]], dict[str, str]], str]] = {"served_cells": served_cells}
+
+
+def render_block(spec: str, base: Path) -> str:
+    """The table a block's comment asks for, its records read relative to ``base``."""
+    renderer, options = _options(spec)
+    if renderer not in RENDERERS:
+        raise ValueError(f"unknown table renderer {renderer!r}; choose from {', '.join(RENDERERS)}")
+    if "records" not in options:
+        raise ValueError(f"table {renderer} names no records=...")
+    records = []
+    for name in options.pop("records").split(","):
+        try:
+            records.append((name, json.loads((base / name).read_text())))
+        except (OSError, json.JSONDecodeError) as err:
+            raise ValueError(f"cannot read the record {base / name}: {err}") from err
+    return RENDERERS[renderer](records, options)
+
+
+def refresh(path: Path) -> tuple[str, int]:
+    """``path``'s text with every marked table made again, and how many blocks changed."""
+    text = path.read_text()
+    changed = 0
+
+    def again(match: re.Match) -> str:
+        nonlocal changed
+        try:
+            body = render_block(match.group("spec"), path.parent)
+        except ValueError as err:
+            raise ValueError(f"{path}: {err}") from err
+        changed += body != match.group("body")
+        return match.group(1) + body + match.group(4)
+
+    return _BLOCK.sub(again, text), changed
+
+
+def refresh_docs(folder: Path, check: bool = False) -> list[Path]:
+    """Make every marked table in ``folder``'s chapters again (``check``: write nothing); the
+    chapters whose tables differed from their records."""
+    stale = []
+    for path in sorted(folder.glob("*.md")):
+        text, changed = refresh(path)
+        if changed:
+            stale.append(path)
+            if not check:
+                path.write_text(text)
+    return stale

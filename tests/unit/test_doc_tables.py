@@ -1,0 +1,73 @@
+"""``tandem bench tables``: the docs' marked tables made from kept benchmark records, and the
+repository's docs in step with their records."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from cluster.bench.doc_tables import refresh, refresh_docs, render_block
+
+DOCS = Path(__file__).resolve().parents[2] / "docs"
+
+
+def _record(tmp_path: Path, name: str, tandem_tpot: float, commit: str = "abcdef0123") -> str:
+    cells = {"rate @ 2/s": {"output_throughput": 81.25, "median_tpot_ms": tandem_tpot, "mean_ttft_ms": 8150.0}}
+    record = {"systems": {"tandem": cells, "vllm": {"rate @ 2/s": {"output_throughput": 74.7,
+                                                                     "median_tpot_ms": 83.9}}},
+              "run": {"started_utc": "2026-12-07T21:41:29+00:00", "code": {"commit": commit},
+                      "machine": {"cpu": "AMD EPYC", "cpu_kind": "AVX-512 with BF16", "cores_available": 2}}}
+    (tmp_path / name).write_text(json.dumps(record))
+    return name
+
+
+def test_a_served_table_has_a_row_per_cell_and_says_where_it_came_from(tmp_path):
+    name = _record(tmp_path, "a.json", 77.2)
+    table = render_block(f"served_cells records={name} figures=output_throughput,mean_ttft_ms,median_tpot_ms",
+                         tmp_path)
+    lines = table.splitlines()
+    assert lines[0] == "| cell | output tok/s | TTFT mean (s) | TPOT median (ms) |"
+    assert lines[2] == "| rate @ 2/s | 81.2 / 74.7 | 8.15 / - | 77.2 / 83.9 |"  # vLLM's record lacks TTFT
+    assert "a.json: AMD EPYC (AVX-512 with BF16), 2 cores, commit abcdef0, 2026-12-07" in lines[-1]
+    labelled = render_block(f"served_cells records={name},{name} labels=-,fresh_servers systems=tandem", tmp_path)
+    assert "| rate @ 2/s (fresh servers) |" in labelled and "/ 74.7" not in labelled
+
+
+def test_a_chapter_is_made_again_and_check_reports_a_table_that_drifted(tmp_path):
+    _record(tmp_path, "r.json", 77.2)
+    chapter = tmp_path / "c.md"
+    chapter.write_text("before\n<!-- table: served_cells records=r.json -->\nstale\n<!-- /table -->\nafter\n")
+    assert refresh_docs(tmp_path, check=True) == [chapter]
+    assert "stale" in chapter.read_text()  # check writes nothing
+    assert refresh_docs(tmp_path) == [chapter]
+    text = chapter.read_text()
+    assert text.startswith("before\n<!-- table: served_cells records=r.json -->\n| cell |")
+    assert text.endswith("<!-- /table -->\nafter\n") and "77.2 / 83.9" in text
+    assert refresh_docs(tmp_path, check=True) == []
+    _record(tmp_path, "r.json", 70.0)  # a new run of the record
+    assert refresh_docs(tmp_path, check=True) == [chapter]
+
+
+@pytest.mark.parametrize("spec, message", [
+    ("nonsense records=r.json", "unknown table renderer"),
+    ("served_cells", "names no records"),
+    ("served_cells records=missing.json", "cannot read the record"),
+    ("served_cells records=r.json figures=speed", "unknown served figures"),
+    ("served_cells records=r.json systems=tandem,sglang", "has no system"),
+    ("served_cells records=r.json labels=a,b", "labels has 2 entries"),
+    ("served_cells records", "is not key=value"),
+])
+def test_a_bad_table_comment_says_what_is_wrong(tmp_path, spec, message):
+    _record(tmp_path, "r.json", 77.2)
+    chapter = tmp_path / "c.md"
+    chapter.write_text(f"<!-- table: {spec} -->\n<!-- /table -->\n")
+    with pytest.raises(ValueError, match=message):
+        refresh(chapter)
+
+
+def test_the_repositorys_tables_agree_with_their_records():
+    assert list(DOCS.glob("records/*.json")), "docs/records holds the records the chapters' tables come from"
+    stale = refresh_docs(DOCS, check=True)
+    assert stale == [], f"run `tandem bench tables`: {[p.name for p in stale]} differ from their records"
