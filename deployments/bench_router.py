@@ -29,7 +29,6 @@ import socket
 import urllib.request
 from pathlib import Path
 
-from prometheus_client.parser import text_string_to_metric_families
 from rich import box
 from rich.console import Console
 from rich.table import Table
@@ -41,6 +40,7 @@ from cluster.bench.serve_metrics import percentile_key
 from cluster.bench.serve_workload import BenchRequest
 from cluster.bench.workloads.agentic_prompts import agentic_prompt_texts, load_conversations
 from cluster.config import TandemConfig, config_from_dict, group_engine_config, load_config
+from cluster.metrics.exposition import sample_total
 from cluster.models.loader import load_tokenizer, resolve_model
 
 POLICIES = ("tandem", "pow2")
@@ -80,12 +80,7 @@ def prefix_cache_counters(exposition: str) -> dict | None:
     """Prompt tokens looked up in the replicas' prefix caches and found there, summed over the
     replicas (vLLM's ``vllm:prefix_cache_queries`` / ``hits`` counters on the ingress's
     ``/metrics``), with their ratio; None where the engines publish no such counters."""
-    totals = {"queries": 0.0, "hits": 0.0}
-    for family in text_string_to_metric_families(exposition):
-        for sample in family.samples:
-            for what in totals:
-                if sample.name == f"vllm:prefix_cache_{what}_total":
-                    totals[what] += sample.value
+    totals = {what: sample_total(exposition, f"vllm:prefix_cache_{what}_total") or 0.0 for what in ("queries", "hits")}
     if not totals["queries"]:
         return None
     return {**totals, "hit_rate": totals["hits"] / totals["queries"]}

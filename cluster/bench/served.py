@@ -38,7 +38,6 @@ import time
 import urllib.request
 from pathlib import Path
 
-from prometheus_client.parser import text_string_to_metric_families
 from rich.console import Console
 
 from cluster.bench.benchmark import Benchmark
@@ -52,6 +51,7 @@ from cluster.bench.served_offline import offline_engine_figures
 from cluster.bench.served_report import FIGURES, print_served_report, server_ratios, speculation_gains
 from cluster.bench.workloads.prompt_sets import VLLM_DATASETS, VllmDataset, write_vllm_dataset
 from cluster.config import group_engine_config, load_config
+from cluster.metrics.exposition import sample_total
 from cluster.models.loader import load_tokenizer, resolve_model
 
 VLLM_PLACEMENTS = {"vllm-default": {}, "vllm-all-cores": VLLM_ALL_CORES}
@@ -126,9 +126,7 @@ def _preemptions(url: str) -> float | None:
             exposition = response.read().decode()
     except OSError:
         return None
-    values = [float(sample.value) for family in text_string_to_metric_families(exposition)
-              for sample in family.samples if sample.name == "vllm:num_preemptions_total"]
-    return sum(values) if values else None
+    return sample_total(exposition, "vllm:num_preemptions_total")
 
 
 def _measure_system(args, console, name: str, start, work: Path, is_tandem: bool) -> dict:

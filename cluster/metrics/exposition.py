@@ -1,4 +1,5 @@
-"""Merging the Prometheus text of several processes into the one page ``GET /metrics`` serves.
+"""Merging the Prometheus text of several processes into the one page ``GET /metrics`` serves,
+and reading a counter back from such a page.
 
 Each engine replica and ingress renders its own registry (``prometheus_sink.py``); the page
 puts every family once (one ``# HELP`` and ``# TYPE``) with the samples of all sources, each
@@ -40,3 +41,11 @@ class _Families:
 
     def collect(self):
         return self.families
+
+
+def sample_total(exposition: str, name: str) -> float | None:
+    """The sum of the samples named ``name`` (e.g. ``vllm:num_preemptions_total``) over every label
+    set of a ``/metrics`` page; None where the page has none."""
+    values = [sample.value for family in text_string_to_metric_families(exposition)
+              for sample in family.samples if sample.name == name]
+    return float(sum(values)) if values else None
