@@ -68,9 +68,7 @@ class LookaheadDrafts:
             return None
         drafts = {rid: tokens[: verified[rid]] for rid, tokens in proposal.token_ids.items()
                   if rid in verified and tokens}
-        probs = None if proposal.probs is None else {rid: p[: len(drafts[rid])] for rid, p in proposal.probs.items()
-                                                     if rid in drafts}
-        return DraftProposal(drafts, probs)
+        return DraftProposal(drafts, None)  # one-hot: the proposers wrapped have no distributions
 
     def score(self, requests: list[Request]) -> None:
         """Score the drafts of ``requests`` whose tokens now reach past them or differ from them."""
