@@ -13,7 +13,6 @@ from rich.console import Console
 
 from cluster.bench.agent import AGENT
 from cluster.bench.benchmark import Benchmark, add_benchmark, publish
-from cluster.bench.compare import COMPARE
 from cluster.bench.doc_tables import refresh_docs
 from cluster.bench.long_context import LONG_CONTEXT
 from cluster.bench.lora import LORA
@@ -27,8 +26,7 @@ from cluster.bench.served import SERVED
 from cluster.bench.spec import SPEC
 from cluster.bench.structured import STRUCTURED
 
-BENCHMARKS = {b.name: b for b in (OFFLINE, PREFIX, PREFILL, SPEC, PAPER, QUANT, LORA, SERVE, SERVED, COMPARE,
-                                      STRUCTURED, AGENT, LONG_CONTEXT)}
+BENCHMARKS = {b.name: b for b in (OFFLINE, PREFIX, PREFILL, SPEC, PAPER, QUANT, LORA, SERVE, SERVED, STRUCTURED, AGENT, LONG_CONTEXT)}
 
 
 def add_bench_parser(sub):

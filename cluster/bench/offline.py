@@ -28,7 +28,7 @@ from rich.table import Table
 
 from cluster.bench.args import int_list, positive_int, timed
 from cluster.bench.benchmark import Benchmark
-from cluster.bench.compare import DEFAULT_ANCHOR
+from cluster.bench.servers import DEFAULT_ANCHOR
 from cluster.bench.llama_bench import llama_bench_inputs, llamacpp_beside, print_llamacpp_table
 from cluster.bench.offline_vllm import DEFAULT_VLLM_PYTHON, VllmRunner
 from cluster.engine.llm import LLM

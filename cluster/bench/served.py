@@ -41,14 +41,12 @@ from pathlib import Path
 from rich.console import Console
 
 from cluster.bench.benchmark import Benchmark
-from cluster.bench.compare import DEFAULT_ANCHOR
-from cluster.bench.compare_servers import (python_with_vllm, start_anchor, start_or_report, start_tandem,
-                                          start_vllm_anchor)
 from cluster.bench.offline import concrete_dtype
-from cluster.bench.spec_vllm import VLLM_ALL_CORES
 from cluster.bench.proc_cpu import ProcessCpuSampler
 from cluster.bench.served_offline import offline_engine_figures
 from cluster.bench.served_report import FIGURES, print_served_report, server_ratios, speculation_gains
+from cluster.bench.servers import (DEFAULT_ANCHOR, VLLM_ALL_CORES, python_with_vllm, start_anchor, start_or_report,
+                                   start_tandem, start_vllm_anchor)
 from cluster.bench.workloads.prompt_sets import VLLM_DATASETS, VllmDataset, write_vllm_dataset
 from cluster.config import group_engine_config, load_config
 from cluster.metrics.exposition import sample_total
@@ -79,6 +77,8 @@ def _client(args, url: str, cell: dict, out: Path) -> dict:
            "--output-len", str(args.output_len), "--seed", str(args.seed), "--out", str(out)]
     if cell.get("concurrency"):
         cmd += ["--max-concurrency", str(cell["concurrency"])]
+    if cell.get("group"):  # a group of one Tandem cluster (--vllm-group)
+        cmd += ["--header", f"X-Tandem-Group={cell['group']}"]
     if args.temperature is not None:
         cmd += ["--temperature", str(args.temperature)]
     if args.honor_eos:
@@ -103,7 +103,7 @@ def _warm(args, url: str, cell: dict, out: Path) -> float | None:
         return None
     started = time.monotonic()
     _client(args, url, {"dataset": cell["dataset"], "rate": "inf", "num_prompts": args.warm_prompts,
-                        "concurrency": WARM_CONCURRENCY, "warm": True}, out)
+                        "concurrency": WARM_CONCURRENCY, "warm": True, "group": cell.get("group")}, out)
     return time.monotonic() - started
 
 
@@ -118,24 +118,43 @@ def _timeline(url: str, seconds: float) -> dict | None:
     return first.get("summary")
 
 
-def _preemptions(url: str) -> float | None:
-    """The server's ``vllm:num_preemptions_total`` (Tandem's and vLLM's name), summed over its
-    replicas; None where it publishes none."""
+# Counters a cell reads before and after it runs, by the names Tandem and vLLM both publish.
+COUNTERS = {"num_preemptions": "vllm:num_preemptions_total", "num_drafts": "vllm:spec_decode_num_drafts_total",
+            "num_draft_tokens": "vllm:spec_decode_num_draft_tokens_total",
+            "num_accepted_tokens": "vllm:spec_decode_num_accepted_tokens_total"}
+
+
+def _counters(url: str) -> dict[str, float]:
+    """The server's :data:`COUNTERS`, each summed over its replicas; those it does not publish left out."""
     try:
         with urllib.request.urlopen(f"{url}/metrics", timeout=30) as response:
             exposition = response.read().decode()
     except OSError:
-        return None
-    return sample_total(exposition, "vllm:num_preemptions_total")
+        return {}
+    totals = {key: sample_total(exposition, name) for key, name in COUNTERS.items()}
+    return {key: value for key, value in totals.items() if value is not None}
 
 
-def _measure_system(args, console, name: str, start, work: Path, is_tandem: bool) -> dict:
-    """Every cell on one server; with ``--fresh-server-per-cell`` on a server of its own each (so no
-    cell finds another's prompts in the prefix cache or the suffix trees)."""
+def counter_figures(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
+    """What a cell added to each counter, and the speculation's acceptance rate (accepted / drafted
+    tokens) and mean acceptance length (1 + accepted / drafts) where it drafted."""
+    out = {key: after[key] - before[key] for key in after if key in before}
+    if out.get("num_draft_tokens"):
+        out["acceptance_rate"] = out["num_accepted_tokens"] / out["num_draft_tokens"]
+    if out.get("num_drafts"):
+        out["mean_acceptance_length"] = 1 + out["num_accepted_tokens"] / out["num_drafts"]
+    return out
+
+
+def _measure_system(args, console, name: str, start, work: Path, is_tandem: bool, group: str | None = None) -> dict:
+    """Every cell on one server (each request pinned to ``group`` where given); with
+    ``--fresh-server-per-cell`` on a server of its own each (so no cell finds another's prompts in
+    the prefix cache or the suffix trees)."""
+    todo = [cell | {"group": group} for cell in cells(args)]
     if not args.fresh_server_per_cell:
-        return _measure_cells(args, console, name, start, work, is_tandem, cells(args))
+        return _measure_cells(args, console, name, start, work, is_tandem, todo)
     results = {}
-    for cell in cells(args):
+    for cell in todo:
         results.update(_measure_cells(args, console, name, start, work, is_tandem, [cell]))
     return results
 
@@ -155,11 +174,9 @@ def _measure_cells(args, console, name: str, start, work: Path, is_tandem: bool,
                 out = work / ("".join(c for c in f"{name}-{cell['name']}" if c.isalnum() or c in "-_=.") + ".json")
                 warm_s = _warm(args, server.url, cell, out.with_name(f"warm-{out.name}"))
                 started = time.monotonic()
-                preempted = _preemptions(server.url)
+                before = _counters(server.url)
                 results[cell["name"]] = _client(args, server.url, cell, out)
-                after = _preemptions(server.url)
-                if preempted is not None and after is not None:
-                    results[cell["name"]]["num_preemptions"] = after - preempted
+                results[cell["name"]].update(counter_figures(before, _counters(server.url)))
                 if warm_s is not None:
                     results[cell["name"]]["warm_s"] = warm_s
             except Exception as err:
@@ -199,6 +216,8 @@ def measure_served(args: argparse.Namespace, console: Console) -> dict:
                          "nor --skip-vllm without --llamacpp")
     if args.llamacpp and not Path(args.llamacpp_script).is_file():
         raise ValueError(f"the llama.cpp anchor script {args.llamacpp_script} does not exist (--llamacpp-script)")
+    if args.vllm_group:
+        return _measure_groups(args, console)
     runs = speculation_runs(args)
     alternatives = {name: str(config) for name, config, _ in runs[1:-1]}
     work = Path(tempfile.mkdtemp(prefix="tandem-served-"))
@@ -254,6 +273,38 @@ def measure_served(args: argparse.Namespace, console: Console) -> dict:
                            "llamacpp": None if not args.llamacpp else
                            "llama-server on the model's GGUF file, 2 threads, 16 slots of 2,048 tokens (continuous "
                            "batching)" + (f", {args.llamacpp_args}" if args.llamacpp_args else "")}}
+
+
+def _measure_groups(args: argparse.Namespace, console: Console) -> dict:
+    """``--vllm-group NAME``: CONFIG's cluster serves every cell pinned (``X-Tandem-Group``) to its first
+    native group, reported as ``tandem``, and again to the vLLM group NAME, reported as the peer
+    ``vllm-group``, each on a cluster started for it; the server runs in an interpreter with vLLM."""
+    config = load_config(args.config)
+    groups = {group.name: group for group in config.serve.groups}
+    vllm_engine = {name for name, group in groups.items() if group.engine.get("backend") == "vllm"}
+    if args.vllm_group not in vllm_engine:
+        raise ValueError(f"--vllm-group {args.vllm_group}: {args.config} has no replica group of that name with "
+                         f"engine: vllm (its groups: {', '.join(groups)})")
+    native = next((name for name in groups if name not in vllm_engine), None)
+    if native is None:
+        raise ValueError(f"--vllm-group: {args.config} has no native group to compare the vLLM group with")
+    if args.speculation_ab or args.rounds > 1 or args.llamacpp:
+        raise ValueError("--vllm-group compares two groups of one cluster: it takes no --speculation-ab, --rounds "
+                         "or --llamacpp")
+    python = python_with_vllm()
+    if python is None:
+        raise ValueError("a cluster with a vLLM group needs an interpreter with Tandem and vLLM: build the vLLM "
+                         "tier's environment (tests/vllm/make_env.sh)")
+    work = Path(tempfile.mkdtemp(prefix="tandem-served-"))
+    args.dataset_files = write_datasets(args, work, console)
+    systems = {name: _measure_system(args, console, name, lambda n=name: start_tandem(n, args.config, True, python), work,
+                                     True, group) for name, group in (("tandem", native),
+                                                                      ("vllm-group", args.vllm_group))}
+    return {"config": str(args.config), "machine_cores": _cores(), "systems": systems, "offline": {},
+            "vllm_ratios": server_ratios(systems), "settings": {
+                "client": "vllm.benchmarks.serve (backend vllm, streamed completions)", "groups": {
+                    "tandem": native, "vllm-group": args.vllm_group}, "server_python": python,
+                "input_len": args.input_len, "output_len": args.output_len, "seed": args.seed}}
 
 
 def speculation_runs(args: argparse.Namespace) -> list[tuple[str, Path, bool]]:
@@ -347,6 +398,8 @@ def add_served_args(parser: argparse.ArgumentParser) -> None:
     add("--python-vllm", default=None, help="interpreter with vLLM for the client (default: the vLLM tier's)")
     add("--tokenizer", default=None, help="tokenizer folder for the client (default: the anchor's model folder)")
     add("--skip-vllm", action="store_true", help="no vLLM server")
+    add("--vllm-group", metavar="NAME", help="CONFIG has a native group and the vLLM group NAME: serve the cells "
+        "through that one cluster pinned to each group in turn (X-Tandem-Group) instead of beside vLLM's server")
     add("--llamacpp", action="store_true",
         help="also serve llama.cpp's llama-server (the llamacpp_cpu.sh anchor, after its setup) in every round")
     add("--llamacpp-args", default="", metavar="ARGS",

@@ -192,6 +192,9 @@ def _print_cpu(console, name: str, figures: dict) -> None:
                       + ("" if client is None else f", and {client:.0f}% the client") + "): " + "; ".join(parts))
     if figures.get("num_preemptions") is not None:
         console.print(f"  {name}: {figures['num_preemptions']:.0f} preemptions over the cell")
+    if figures.get("acceptance_rate") is not None:
+        console.print(f"  {name}: drafts accepted {100 * figures['acceptance_rate']:.0f}%, "
+                      f"{figures['mean_acceptance_length']:.2f} tokens a drafting step")
     timeline = figures.get("engine_timeline")
     if timeline and timeline.get("num_steps"):
         console.print(f"  engine core over the cell ({timeline['num_steps']} steps): busy "

@@ -21,8 +21,8 @@ prefill included), TPOT per request as vLLM defines it ((last token time - first
 / (output tokens - 1)), averaged over requests; TTFT; the engine's speculative counters over the timed run (acceptance rate
 = accepted / drafted tokens, mean acceptance length = 1 + accepted / drafting steps); and
 output tokens per target step (steps without a draft count too). Speedup is tok/s over
-``k = 0`` at the same batch size. ``--vllm`` adds vLLM's CPU server as a peer
-(:mod:`spec_vllm`), measured over HTTP. ``--batch-invariant both`` measures every cell
+``k = 0`` at the same batch size. (vLLM's speculation is measured served, beside Tandem's
+server: ``tandem bench served --vllm-speculative-config``.) ``--batch-invariant both`` measures every cell
 twice, with ``model.batch_invariant`` off and on (one engine each, one after the other), and
 reports what the mode costs and whether greedy output then equals plain decoding's.
 ``--temperature T`` samples instead (each request seeded with its prompt's index), and
@@ -52,7 +52,6 @@ from cluster.bench.offline import DTYPES, concrete_dtype
 from cluster.bench.spec_cells import (ADAPTIVE_K, WARMUP_LEN, RequestTiming, SpecCell, SpecCounts, k_name,
                                       pool_rounds)
 from cluster.bench.spec_report import TANDEM_INVARIANT, TANDEM_REJECTION, build_result, print_tables
-from cluster.bench.spec_vllm import VllmResult, measure_vllm
 from cluster.bench.workloads.prompt_sets import DESCRIPTIONS, workload_prompt_ids
 from cluster.engine.llm import LLM
 from cluster.models.loader import load_tokenizer, resolve_model
@@ -60,7 +59,6 @@ from cluster.shared.sampling_params import SamplingParams
 from cluster.spec_decode.controller import AdaptiveController, FixedController
 from cluster.spec_decode.profile_data import SpeculationProfile
 
-DEFAULT_VLLM_SCRIPT = Path(__file__).resolve().parents[3] / "shared" / "anchors" / "vllm_cpu.sh"
 SPEC_PROMPT_SETS = ("edit", "code", "agentic")
 
 
@@ -103,9 +101,6 @@ def add_spec_args(parser: argparse.ArgumentParser) -> None:
                         help="speculative.verification; both: measure each cell coupled and by rejection sampling")
     parser.add_argument("--adaptive", type=Path, metavar="PROFILE",
                         help="also measure the adaptive controller started from this `tandem profile` JSON")
-    parser.add_argument("--vllm", action="store_true", help="also measure vLLM's CPU server (n-gram) as a peer")
-    parser.add_argument("--vllm-ks", type=k_list, default=[0, 2, 4], help="vLLM's speculation lengths")
-    parser.add_argument("--vllm-script", type=Path, default=DEFAULT_VLLM_SCRIPT, help="the vllm_cpu.sh anchor")
 
 
 def run_closed_loop(engine, prompt_ids: list[list[int]], output_len: int, concurrency: int,
@@ -240,8 +235,6 @@ def _controller(args, k: int):
 
 def measure_spec(args: argparse.Namespace, console: Console) -> dict:
     """Measure every cell; returns the JSON result."""
-    if args.vllm and args.temperature > 0:
-        raise ValueError("the vLLM peer is measured greedy: drop --vllm or --temperature")
     variants = engine_variants(args)
     args.suffix_cost = []  # per timed run with suffix drafts: the trees' cost
     if args.warm_tree and args.method != "suffix":
@@ -264,16 +257,11 @@ def measure_spec(args: argparse.Namespace, console: Console) -> dict:
     if any(w in prompt_ids for w in warm_ids):
         raise ValueError(f"--warm-tree {args.warm_tree}: the {args.prompts} set has too few prompts for "
                          f"{args.num_prompts} measured and {args.warm_tree} others")
-    vllm = VllmResult(enabled=False)
-    num_vllm = len(args.vllm_ks) * len(args.batch_sizes) if args.vllm else 0
     with Progress(console=console) as progress:
         cells_per_batch = len(args.ks) + (1 if args.adaptive else 0)
-        task = progress.add_task("loading", total=len(variants) * cells_per_batch * len(args.batch_sizes) * args.repeats
-                                 + num_vllm)
+        task = progress.add_task("loading", total=len(variants) * cells_per_batch * len(args.batch_sizes) * args.repeats)
         cells = [c for system, variant in variants
                  for c in _measure_tandem(args, source, prompt_ids, progress, task, system, variant, warm_ids)]
-        if args.vllm:
-            vllm = measure_vllm(args, prompt_ids, console, progress, task)
 
     load_average = {"start": list(load_average), "end": list(os.getloadavg())}
     if args.suffix_cost:
@@ -281,7 +269,7 @@ def measure_spec(args: argparse.Namespace, console: Console) -> dict:
                       + "; ".join(f"batch {c['batch_size']} k={c['k']}: {c['us_per_proposal']:.0f} us a step, "
                                   f"{c['us_per_token']:.1f} us a token, {100 * c['share_of_wall']:.2f}% of the run"
                                   for c in args.suffix_cost))
-    result = build_result(args, source, load_average, prompt_ids, prompt_format, cells, vllm,
+    result = build_result(args, source, load_average, prompt_ids, prompt_format, cells,
                           DESCRIPTIONS[args.prompts], WARMUP_LEN)
     result["settings"]["prompts"] = args.prompts
     if args.suffix_cost:
@@ -289,5 +277,5 @@ def measure_spec(args: argparse.Namespace, console: Console) -> dict:
     return result
 
 
-SPEC = Benchmark("spec", "tok/s and TPOT per batch size and k, with acceptance; vLLM as a peer",
+SPEC = Benchmark("spec", "tok/s and TPOT per batch size and k, with acceptance",
                  add_spec_args, measure_spec, print_tables)

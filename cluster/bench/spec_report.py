@@ -28,50 +28,33 @@ def print_tables(console, result: dict) -> None:
                "acc. len: tokens per drafting step (accepted + 1); tok/step: output tokens per target step, "
                f"steps without a draft included\nworkload: {settings['num_prompts']} prompts, {settings['workload']}; "
                f"prompts: {settings['prompt_format']}; prefix caching off")
-    ours = {(c["batch_size"], c["k"]): c for c in result["tandem"]["cells"]}
     sections = (("tandem", result["tandem"]), (TANDEM_INVARIANT, result["tandem_batch_invariant"]),
-                (TANDEM_REJECTION, result["tandem_rejection"]), ("vllm", result["vllm"]))
+                (TANDEM_REJECTION, result["tandem_rejection"]))
     for system, section in sections:
         if not section["cells"]:
             continue
-        is_tandem = system != "vllm"
-        if is_tandem:
-            invariant = system == TANDEM_INVARIANT or result["tandem"]["batch_invariant"]
-            title = (f"Tandem {settings['method']} speculation, {model} {settings['dtype']}, offline in-process"
-                     + (", batch-invariant" if invariant else "")
-                     + (", verified by rejection sampling" if system == TANDEM_REJECTION else "")
-                     + (", coupled verification" if system == "tandem" and result["tandem_rejection"]["cells"]
-                        else "") + f", {settings['sampling']}")
-        else:
-            title = (f"vLLM CPU server, n-gram speculation, {model} {settings['dtype']}, over HTTP "
-                     "(streaming /v1/completions, HTTP overhead included)")
-        table = Table(title=f"{title}, {settings['output_len']} tokens per request",
-                      caption=caption if is_tandem else "T/vLLM: Tandem's offline tok/s over vLLM's at the same "
-                      "batch and k; vLLM n-gram prompt lookup n = 1..4, prefix caching off",
+        invariant = system == TANDEM_INVARIANT or result["tandem"]["batch_invariant"]
+        title = (f"Tandem {settings['method']} speculation, {model} {settings['dtype']}, offline in-process"
+                 + (", batch-invariant" if invariant else "")
+                 + (", verified by rejection sampling" if system == TANDEM_REJECTION else "")
+                 + (", coupled verification" if system == "tandem" and result["tandem_rejection"]["cells"]
+                    else "") + f", {settings['sampling']}")
+        table = Table(title=f"{title}, {settings['output_len']} tokens per request", caption=caption,
                       box=box.SIMPLE_HEAD, show_edge=False)
-        headers = ["batch", "k", "tok/s", "TPOT ms", "TTFT ms", "accept", "acc. len",
-                   "tok/step" if is_tandem else "T/vLLM", "speedup"]
-        if is_tandem:
-            headers.append("= k0")  # requests whose tokens equal plain decoding's
-        for header in headers:
+        # = k0: requests whose tokens equal plain decoding's
+        for header in ("batch", "k", "tok/s", "TPOT ms", "TTFT ms", "accept", "acc. len", "tok/step", "speedup",
+                       "= k0"):
             table.add_column(header, justify="right")
         last_batch = None
         for c in section["cells"]:
             if last_batch is not None and c["batch_size"] != last_batch:
                 table.add_section()
             last_batch = c["batch_size"]
-            if is_tandem:
-                extra = fmt(c["tokens_per_step"], ".2f")
-            else:
-                t = ours.get((c["batch_size"], c["k"]))
-                extra = fmt(t["tok_per_s"] / c["tok_per_s"] if t else None, ".2f")
-            row = [str(c["batch_size"]), k_name(c["k"]), f"{c['tok_per_s']:.1f}", fmt(c["tpot_ms"], ".1f"),
-                   f"{c['ttft_ms']:.0f}", fmt(c["acceptance_rate"], ".0%"),
-                   fmt(c["mean_acceptance_length"], ".2f"), extra, fmt(c["speedup_vs_k0"], ".2f")]
-            if is_tandem:
-                same = c.get("identical_to_k0")
-                row.append("-" if same is None else f"{same}/{c['num_requests']}")
-            table.add_row(*row)
+            same = c.get("identical_to_k0")
+            table.add_row(str(c["batch_size"]), k_name(c["k"]), f"{c['tok_per_s']:.1f}", fmt(c["tpot_ms"], ".1f"),
+                          f"{c['ttft_ms']:.0f}", fmt(c["acceptance_rate"], ".0%"),
+                          fmt(c["mean_acceptance_length"], ".2f"), fmt(c["tokens_per_step"], ".2f"),
+                          fmt(c["speedup_vs_k0"], ".2f"), "-" if same is None else f"{same}/{c['num_requests']}")
         console.print(table)
     if result["batch_invariant_cost"]:
         table = Table(title="What model.batch_invariant costs (same cells, one run)", box=box.SIMPLE_HEAD,
@@ -102,8 +85,6 @@ def print_tables(console, result: dict) -> None:
                           percent(row["coupled_acceptance_rate"]), percent(row["rejection_acceptance_rate"]),
                           f"{row['coupled_identical_to_k0']}/{n}", f"{row['rejection_identical_to_k0']}/{n}")
         console.print(table)
-    for error in result["vllm"]["errors"]:
-        console.print(f"[bold red]vLLM peer failed:[/] {error}")
 
 
 def _with_speedups(cells: list) -> list[dict]:
@@ -115,17 +96,12 @@ def _with_speedups(cells: list) -> list[dict]:
                                            if (c.system, c.batch_size) in base else None)} for c in cells]
 
 
-def build_result(args, source, load_average, prompt_ids, prompt_format, cells: list, vllm, workload: str,
+def build_result(args, source, load_average, prompt_ids, prompt_format, cells: list, workload: str,
                  warmup_len: int) -> dict:
     """The JSON of one run: machine, settings, each engine's cells, the side-by-side comparisons."""
     invariant = [c for c in cells if c.system == TANDEM_INVARIANT]
     rejection = [c for c in cells if c.system == TANDEM_REJECTION]
     usual = [c for c in cells if c.system == "tandem"]
-    tandem = {(c.batch_size, c.k): c for c in usual or invariant}
-    comparison = [{"batch_size": v.batch_size, "k": v.k, "tandem_tok_per_s": t.tok_per_s,
-                   "vllm_tok_per_s": v.tok_per_s, "tandem_over_vllm": t.tok_per_s / v.tok_per_s,
-                   "tandem_tpot_ms": t.tpot_ms, "vllm_tpot_ms": v.tpot_ms}
-                  for v in vllm.cells for t in [tandem.get((v.batch_size, v.k))] if t is not None]
     return {
         "machine": {"cpu_count": os.cpu_count(), "processor": platform.processor() or platform.machine(),
                     "torch_version": torch.__version__, "threads": torch.get_num_threads(),
@@ -152,8 +128,6 @@ def build_result(args, source, load_average, prompt_ids, prompt_format, cells: l
         "tandem_rejection": {"mode": "offline, in-process engine, verification: rejection",
                              "cells": _with_speedups(rejection)},
         "verification_cost": _verification_cost(usual, rejection),
-        "vllm": vllm.to_json() | {"cells": _with_speedups(vllm.cells)},
-        "tandem_vs_vllm": comparison,
     }
 
 

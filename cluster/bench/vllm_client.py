@@ -37,6 +37,8 @@ def client_args(options: argparse.Namespace) -> list[str]:
         args += ["--max-concurrency", str(options.max_concurrency)]
     if getattr(options, "temperature", None) is not None:
         args += ["--temperature", str(options.temperature)]
+    if getattr(options, "header", None):
+        args += ["--header", *options.header]
     if options.dataset == "random":
         args += ["--dataset-name", "random", "--random-input-len", str(options.input_len),
                  "--random-output-len", str(options.output_len)]
@@ -71,6 +73,7 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--max-concurrency", type=int, help="requests in flight at most (default: no limit)")
     parser.add_argument("--temperature", type=float, help="sent with every request (default: the server's, 1)")
+    parser.add_argument("--header", action="append", help="KEY=VALUE sent with every request (e.g. X-Tandem-Group=vllm)")
     parser.add_argument("--out", type=Path, required=True)
     options = parser.parse_args(argv)
     # here, not at the top: vLLM is optional (the vllm extra); this runs in the vLLM tier's interpreter

@@ -33,6 +33,52 @@ def test_the_client_is_asked_for_the_concurrency_and_temperature():
     assert argv[argv.index("--temperature") + 1] == "0.0"
     del options.max_concurrency, options.temperature
     assert "--max-concurrency" not in client_args(options) and "--temperature" not in client_args(options)
+    options.header = ["X-Tandem-Group=vllm"]
+    argv = client_args(options)
+    assert argv[argv.index("--header") + 1] == "X-Tandem-Group=vllm"
+
+
+def test_a_vllm_group_is_served_pinned_beside_the_native_one(monkeypatch, tmp_path):
+    from cluster.bench import served
+
+    started, sent = [], []
+
+    class Server:
+        url = "http://h:1"
+
+        def stop(self) -> None:
+            pass
+
+    def client(args, url, cell, out):
+        sent.append((cell["name"], cell["group"]))
+        return {"output_throughput": 10.0 if cell["group"] == "native" else 8.0, "median_tpot_ms": 5.0}
+
+    monkeypatch.setattr(served, "python_with_vllm", lambda: "/venv/bin/python")
+    monkeypatch.setattr(served, "start_tandem", lambda name, config, spec, python: started.append(
+        (name, config, spec, python)) or Server())
+    monkeypatch.setattr(served, "_client", client)
+    monkeypatch.setattr(served, "_counters", lambda url: {})
+    monkeypatch.setattr(served, "_timeline", lambda url, seconds: None)
+    args = _args("configs/vllm-group.yaml", "--vllm-group", "vllm", "--datasets", "random", "--rates", "2")
+    import io
+
+    from rich.console import Console
+
+    console = Console(file=io.StringIO())
+    report = served._measure_groups(args, console)
+    assert [s[0] for s in started] == ["tandem", "vllm-group"]
+    assert {s[3] for s in started} == {"/venv/bin/python"} and all(s[2] for s in started)
+    assert sent == [("random @ 2/s", "native"), ("random @ 2/s", "vllm")]
+    assert report["vllm_ratios"]["random @ 2/s"]["output_throughput"]["median"] == 10.0 / 8.0
+    assert report["settings"]["groups"] == {"tandem": "native", "vllm-group": "vllm"}
+    for bad, words in ((("configs/vllm-group.yaml", "--vllm-group", "native"), "no replica group of that name"),
+                       (("configs/vllm-group.yaml", "--vllm-group", "vllm", "--rounds", "2"), "no --speculation-ab")):
+        try:
+            served._measure_groups(_args(*bad), console)
+        except ValueError as err:
+            assert words in str(err)
+        else:
+            raise AssertionError(f"{bad} was taken")
 
 
 def test_speculation_gain_is_the_ratio_of_the_rounds_means():
@@ -207,7 +253,7 @@ def test_llamacpp_is_a_peer_of_its_own_beside_vllm():
     assert args.llamacpp and args.llamacpp_args == "--spec-type ngram-mod"
 
 
-def test_preemptions_are_read_from_the_servers_metrics(monkeypatch):
+def test_counters_are_read_from_the_servers_metrics(monkeypatch):
     from cluster.bench import served
 
     class Page:
@@ -223,9 +269,22 @@ def test_preemptions_are_read_from_the_servers_metrics(monkeypatch):
         def read(self) -> bytes:
             return self.text.encode()
 
-    two_replicas = ('# TYPE vllm:num_preemptions counter\nvllm:num_preemptions_total{replica="a"} 3.0\n'
-                    'vllm:num_preemptions_total{replica="b"} 2.0\n')
-    monkeypatch.setattr(served.urllib.request, "urlopen", lambda url, timeout: Page(two_replicas))
-    assert served._preemptions("http://h:1") == 5.0
+    def page(preempted: float, drafts: float, drafted: float, accepted: float) -> str:
+        return (f'# TYPE vllm:num_preemptions counter\nvllm:num_preemptions_total{{replica="a"}} {preempted}\n'
+                'vllm:num_preemptions_total{replica="b"} 2.0\n'
+                f'# TYPE vllm:spec_decode_num_drafts counter\nvllm:spec_decode_num_drafts_total {drafts}\n'
+                f'# TYPE vllm:spec_decode_num_draft_tokens counter\nvllm:spec_decode_num_draft_tokens_total {drafted}\n'
+                '# TYPE vllm:spec_decode_num_accepted_tokens counter\n'
+                f'vllm:spec_decode_num_accepted_tokens_total {accepted}\n')
+
+    monkeypatch.setattr(served.urllib.request, "urlopen", lambda url, timeout: Page(page(3, 10, 40, 8)))
+    before = served._counters("http://h:1")
+    assert before == {"num_preemptions": 5.0, "num_drafts": 10.0, "num_draft_tokens": 40.0,
+                      "num_accepted_tokens": 8.0}
+    monkeypatch.setattr(served.urllib.request, "urlopen", lambda url, timeout: Page(page(4, 30, 120, 48)))
+    figures = served.counter_figures(before, served._counters("http://h:1"))
+    assert figures == {"num_preemptions": 1.0, "num_drafts": 20.0, "num_draft_tokens": 80.0,
+                       "num_accepted_tokens": 40.0, "acceptance_rate": 0.5, "mean_acceptance_length": 3.0}
     monkeypatch.setattr(served.urllib.request, "urlopen", lambda url, timeout: Page("# nothing\n"))
-    assert served._preemptions("http://h:1") is None
+    assert served._counters("http://h:1") == {}
+    assert served.counter_figures({}, {}) == {}  # a server that publishes none: nothing made up

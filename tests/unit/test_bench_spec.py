@@ -7,7 +7,6 @@ import json
 import pytest
 
 from cluster.bench.spec_cells import RequestTiming, SpecCounts, pool_rounds
-from cluster.bench.spec_vllm import VllmResult, free_port, parse_spec_counts
 from cluster.profiling.edit_prompts import PASSAGES, TASKS, build_prompt_ids
 from cluster.cli import main
 from cluster.models.tiny import save_tiny_model, save_tiny_tokenizer, tiny_llama_config
@@ -51,34 +50,6 @@ def test_every_cell_with_its_counters(tiny_folder, tmp_path):
             assert 1 <= cell["mean_acceptance_length"] <= k + 1
             assert sum(cell["accepted_per_position"]) == cell["num_accepted_tokens"]
             assert cell["speedup_vs_k0"] > 0
-    assert result["vllm"]["enabled"] is False and result["vllm"]["status"] == "off"
-    assert result["vllm"]["cells"] == [] and result["tandem_vs_vllm"] == []
-
-
-def test_missing_vllm_script_is_reported_and_tandem_still_written(tiny_folder, tmp_path, capsys):
-    out = tmp_path / "spec.json"
-    code = main(["bench", "spec", "--model", str(tiny_folder), "--batch-sizes", "1", "--ks", "0",
-                 "--output-len", "2", "--num-prompts", "2", "--vllm", "--vllm-script", str(tmp_path / "nope.sh"),
-                 "--json", str(out)])
-    assert code == 0
-    result = json.loads(out.read_text())
-    assert [c["output_tokens"] for c in result["tandem"]["cells"]] == [4]
-    assert result["vllm"]["status"] == "failed" and "nope.sh" in result["vllm"]["errors"][0]
-    assert "vLLM peer failed" in capsys.readouterr().out
-
-
-def test_vllm_that_cannot_start_is_reported_once(tiny_folder, tmp_path, capsys):
-    script = tmp_path / "vllm_cpu.sh"
-    script.write_text("#!/bin/sh\necho 'setup failed: no space left on device' >&2\nexit 1\n")
-    script.chmod(0o755)
-    out = tmp_path / "spec.json"
-    assert main(["bench", "spec", "--model", str(tiny_folder), "--batch-sizes", "1", "--ks", "0",
-                 "--output-len", "2", "--num-prompts", "1", "--vllm", "--vllm-ks", "0,2",
-                 "--vllm-script", str(script), "--json", str(out)]) == 0
-    vllm = json.loads(out.read_text())["vllm"]
-    assert vllm["status"] == "failed" and len(vllm["errors"]) == 2
-    assert "no space left on device" in vllm["errors"][0] and "k=[2] not tried" in vllm["errors"][1]
-    assert "no space left on device" in capsys.readouterr().out
 
 
 def test_prompts_hold_the_passage_and_match_the_chat_template(tiny_folder):
@@ -101,24 +72,6 @@ def test_counter_deltas_pad_positions():
     before = SpecCounts(2, 4, 1, (1,))
     after = SpecCounts(5, 10, 6, (3, 2, 1))
     assert after.minus(before) == SpecCounts(3, 6, 5, (2, 2, 1))
-    assert VllmResult(enabled=True).to_json()["status"] == "failed"
-
-
-def test_vllm_metrics_are_parsed():
-    labels = 'engine="0",model_name="m"'
-    text = "\n".join([
-        "# HELP vllm:spec_decode_num_drafts_total Number of spec decoding drafts.",
-        f"vllm:spec_decode_num_drafts_total{{{labels}}} 837.0",
-        f"vllm:spec_decode_num_drafts_created{{{labels}}} 1.76e+09",
-        f"vllm:spec_decode_num_draft_tokens_total{{{labels}}} 1674.0",
-        f"vllm:spec_decode_num_accepted_tokens_total{{{labels}}} 559.0",
-        f'vllm:spec_decode_num_accepted_tokens_per_pos_total{{{labels},position="1"}} 246.0',
-        f'vllm:spec_decode_num_accepted_tokens_per_pos_total{{{labels},position="0"}} 313.0',
-        f"vllm:generation_tokens_total{{{labels}}} 2048.0",
-    ])
-    assert parse_spec_counts(text) == SpecCounts(837, 1674, 559, (313, 246))
-    assert parse_spec_counts("vllm:generation_tokens_total 5.0") == SpecCounts()
-    assert 0 < free_port() < 65536
 
 
 @pytest.mark.parametrize("flag,value", [("--ks", "0,17"), ("--ks", "a"), ("--batch-sizes", "0"),

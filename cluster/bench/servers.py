@@ -1,5 +1,6 @@
-"""The servers ``tandem bench compare`` starts and stops: Tandem (``tandem serve`` on a
-config derived from the one given) and vLLM's CPU server (the ``vllm_cpu.sh`` anchor).
+"""The servers ``tandem bench served`` starts and stops: Tandem (``tandem serve`` on a config
+derived from the one given) and its peers through their anchor scripts (vLLM's CPU server,
+``vllm_cpu.sh``; llama.cpp's ``llama-server``, ``llamacpp_cpu.sh``).
 
 Each server runs in its own process group on a free loopback port and is stopped (and
 waited for) before the next one starts, so two systems never share the cores.
@@ -10,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -20,9 +22,11 @@ from pathlib import Path
 
 import yaml
 
-from cluster.bench.spec_vllm import free_port
-
+DEFAULT_ANCHOR = Path(__file__).resolve().parents[3] / "shared" / "anchors" / "vllm_cpu.sh"  # the peers' scripts' folder
 START_TIMEOUT_S = 1800  # a first start may convert the model or install vLLM
+# vLLM's CPU build reserves a core for its front end unless told not to: with this, its engine gets
+# every core, as Tandem's does (its better setting for serving on a 2-core machine, measured).
+VLLM_ALL_CORES = {"VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}
 
 
 @dataclass
@@ -31,6 +35,13 @@ class RunningServer:
     url: str
     stop: callable
     log: Path
+
+
+def free_port() -> int:
+    """A port the OS just handed out on 127.0.0.1 (free now; the server binds it moments later)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
 
 
 def start_or_report(console, name: str, start) -> "RunningServer | dict":
@@ -79,10 +90,9 @@ def _stop_group(process: subprocess.Popen) -> None:
         process.wait(timeout=30)
 
 
-def tandem_config_yaml(config_path: str | Path, speculation: bool, groups: list[dict] | None,
-                       out_dir: Path) -> tuple[Path, int]:
+def tandem_config_yaml(config_path: str | Path, speculation: bool, out_dir: Path) -> tuple[Path, int]:
     """A copy of ``config_path`` on a free port (and metrics port), optionally without
-    speculation or with other replica groups; profiles stay found beside the original."""
+    speculation; profiles stay found beside the original."""
     config_path = Path(config_path).resolve()
     data = yaml.safe_load(config_path.read_text()) or {}
     spec = data.setdefault("speculative", {})
@@ -93,8 +103,6 @@ def tandem_config_yaml(config_path: str | Path, speculation: bool, groups: list[
     port = free_port()
     serve = data.setdefault("serve", {})
     serve.update(port=port, proxy_port=free_port(), metrics_export_port=free_port(), host="127.0.0.1")
-    if groups is not None:
-        serve["groups"] = groups
     for group in serve.get("groups", []):
         if group.get("profile") and not Path(group["profile"]).is_absolute():
             group["profile"] = str((config_path.parent / group["profile"]).resolve())
@@ -103,10 +111,9 @@ def tandem_config_yaml(config_path: str | Path, speculation: bool, groups: list[
     return path, port
 
 
-def start_tandem(name: str, config_path: str | Path, speculation: bool, python: str,
-                 groups: list[dict] | None = None) -> RunningServer:
-    out_dir = Path(tempfile.mkdtemp(prefix="tandem-compare-"))
-    path, port = tandem_config_yaml(config_path, speculation, groups, out_dir)
+def start_tandem(name: str, config_path: str | Path, speculation: bool, python: str) -> RunningServer:
+    out_dir = Path(tempfile.mkdtemp(prefix="tandem-served-"))
+    path, port = tandem_config_yaml(config_path, speculation, out_dir)
     log = out_dir / "serve.log"
     with open(log, "wb") as sink:
         process = subprocess.Popen([python, "-m", "cluster.cli", "serve", str(path)], stdout=sink,
