@@ -17,6 +17,12 @@ Renderers (the word after ``table:``), and their options (``key=value``, lists c
   ``systems`` (default every system of the first record, in its order) joined by " / ";
   ``figures`` from :data:`SERVED_FIGURES`; ``labels``: per record, a note added to its rows' cell
   names (``_`` for a space, ``-`` for none).
+- ``rows``: any benchmark's record, a row per entry of the list at ``rows`` (a dotted path into the
+  record, e.g. ``tandem.cells``); ``columns`` are dotted paths into an entry, each with an optional
+  format after ``:`` (``tok_per_s:.1f``, ``acceptance_rate:.0%``); ``titles`` names them (``_`` for a
+  space; default the paths); ``where`` keeps the entries whose ``key:value`` conditions all hold
+  (``;`` between conditions, ``|`` between a key's accepted values); ``labels``: per record, the
+  first column's value for its rows (a column ``machine`` then opens the table).
 """
 
 from __future__ import annotations
@@ -91,7 +97,63 @@ def served_cells(records: list[tuple[str, dict]], options: dict[str, str]) -> st
     return "\n".join(lines) + "\n"
 
 
-RENDERERS: dict[str, Callable[[list[tuple[str, dict]], dict[str, str]], str]] = {"served_cells": served_cells}
+def _at(data, path: str):
+    """``data``'s value at the dotted ``path`` (None where any step is missing)."""
+    for step in path.split("."):
+        if isinstance(data, dict):
+            data = data.get(step)
+        elif isinstance(data, list) and step.isdigit() and int(step) < len(data):
+            data = data[int(step)]
+        else:
+            return None
+    return data
+
+
+def _conditions(text: str) -> list[tuple[str, set[str]]]:
+    out = []
+    for condition in filter(None, text.split(";")):
+        key, sep, values = condition.partition(":")
+        if not sep:
+            raise ValueError(f"where condition {condition!r} is not key:value")
+        out.append((key, set(values.split("|"))))
+    return out
+
+
+def rows(records: list[tuple[str, dict]], options: dict[str, str]) -> str:
+    """A markdown table of the entries of any record's list (see the module's docstring)."""
+    if "rows" not in options or "columns" not in options:
+        raise ValueError("a rows table needs rows=PATH and columns=PATH[:FORMAT],...")
+    columns = [column.partition(":")[::2] for column in options["columns"].split(",")]
+    titles = (options["titles"].replace("_", " ").split(",") if "titles" in options
+              else [path for path, _ in columns])
+    if len(titles) != len(columns):
+        raise ValueError(f"titles has {len(titles)} entries for {len(columns)} columns")
+    labels = options["labels"].replace("_", " ").split(",") if "labels" in options else None
+    if labels is not None and len(labels) != len(records):
+        raise ValueError(f"labels has {len(labels)} entries for {len(records)} records")
+    where = _conditions(options.get("where", ""))
+    lines = ["| " + " | ".join((["machine"] if labels else []) + titles) + " |",
+             "|" + "---|" * (len(titles) + bool(labels))]
+    for index, (name, record) in enumerate(records):
+        entries = _at(record, options["rows"])
+        if not isinstance(entries, list):
+            raise ValueError(f"{name} has no list at {options['rows']}")
+        for entry in entries:
+            if not all(str(_at(entry, key)) in accepted for key, accepted in where):
+                continue
+            values = []
+            for path, fmt in columns:
+                value = _at(entry, path)
+                values.append("-" if value is None else format(value, fmt) if fmt else str(value))
+            lines.append("| " + " | ".join(([labels[index]] if labels else []) + values) + " |")
+    if len(lines) == 2:
+        raise ValueError(f"no entries of {options['rows']} pass where={options.get('where')}")
+    lines.append("")
+    lines.append("(" + "; ".join(_provenance(n, r) for n, r in records) + ")")
+    return "\n".join(lines) + "\n"
+
+
+RENDERERS: dict[str, Callable[[list[tuple[str, dict]], dict[str, str]], str]] = {"served_cells": served_cells, "rows": rows}
 
 
 def render_block(spec: str, base: Path) -> str:

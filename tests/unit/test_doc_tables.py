@@ -35,6 +35,25 @@ def test_a_served_table_has_a_row_per_cell_and_says_where_it_came_from(tmp_path)
     assert "| rate @ 2/s (fresh servers) |" in labelled and "/ 74.7" not in labelled
 
 
+def test_a_rows_table_takes_chosen_columns_of_any_records_list(tmp_path):
+    run = {"started_utc": "2026-12-08T01:00:00+00:00", "code": {"commit": "1234567abc"},
+           "machine": {"cpu": "Xeon", "cpu_kind": "AVX2", "cores_available": 2}}
+    cells = [{"batch_size": 1, "k": 0, "tok_per_s": 50.04, "acceptance_rate": None, "extra": {"steps": 3}},
+             {"batch_size": 1, "k": 4, "tok_per_s": 81.55, "acceptance_rate": 0.4567, "extra": {"steps": 2}},
+             {"batch_size": 8, "k": 4, "tok_per_s": 301.0, "acceptance_rate": 0.5, "extra": {}}]
+    (tmp_path / "spec.json").write_text(json.dumps({"tandem": {"cells": cells}, "run": run}))
+    table = render_block("rows records=spec.json rows=tandem.cells columns=batch_size,k,tok_per_s:.1f,"
+                         "acceptance_rate:.0%,extra.steps titles=batch,k,tok/s,accepted,target_steps where=batch_size:1",
+                         tmp_path)
+    lines = table.splitlines()
+    assert lines[0] == "| batch | k | tok/s | accepted | target steps |"
+    assert lines[2:4] == ["| 1 | 0 | 50.0 | - | 3 |", "| 1 | 4 | 81.5 | 46% | 2 |"] and len(lines) == 6
+    assert "spec.json: Xeon (AVX2), 2 cores, commit 1234567, 2026-12-08" in lines[-1]
+    two = render_block("rows records=spec.json,spec.json rows=tandem.cells columns=k labels=Zen_4,Xeon "
+                       "where=batch_size:8;k:2|4", tmp_path).splitlines()
+    assert two[0] == "| machine | k |" and two[2:4] == ["| Zen 4 | 4 |", "| Xeon | 4 |"]
+
+
 def test_a_chapter_is_made_again_and_check_reports_a_table_that_drifted(tmp_path):
     _record(tmp_path, "r.json", 77.2)
     chapter = tmp_path / "c.md"
@@ -58,6 +77,10 @@ def test_a_chapter_is_made_again_and_check_reports_a_table_that_drifted(tmp_path
     ("served_cells records=r.json systems=tandem,sglang", "has no system"),
     ("served_cells records=r.json labels=a,b", "labels has 2 entries"),
     ("served_cells records", "is not key=value"),
+    ("rows records=r.json columns=a", "needs rows=PATH"),
+    ("rows records=r.json rows=systems columns=a", "has no list at systems"),
+    ("rows records=r.json rows=run.x columns=a", "has no list at run.x"),
+    ("rows records=r.json rows=cells columns=a,b titles=x", "titles has 1 entries"),
 ])
 def test_a_bad_table_comment_says_what_is_wrong(tmp_path, spec, message):
     _record(tmp_path, "r.json", 77.2)
