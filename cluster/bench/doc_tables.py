@@ -22,7 +22,7 @@ Renderers (the word after ``table:``), and their options (``key=value``, lists c
   format after ``:`` (``tok_per_s:.1f``, ``acceptance_rate:.0%``); ``titles`` names them (``_`` for a
   space; default the paths); ``where`` keeps the entries whose ``key:value`` conditions all hold
   (``;`` between conditions, ``|`` between a key's accepted values); ``labels``: per record, the
-  first column's value for its rows (a column ``machine`` then opens the table).
+  first column's value for its rows, under the title ``label_title`` (default ``run``).
 """
 
 from __future__ import annotations
@@ -132,7 +132,8 @@ def rows(records: list[tuple[str, dict]], options: dict[str, str]) -> str:
     if labels is not None and len(labels) != len(records):
         raise ValueError(f"labels has {len(labels)} entries for {len(records)} records")
     where = _conditions(options.get("where", ""))
-    lines = ["| " + " | ".join((["machine"] if labels else []) + titles) + " |",
+    label_title = options.get("label_title", "run").replace("_", " ")
+    lines = ["| " + " | ".join(([label_title] if labels else []) + titles) + " |",
              "|" + "---|" * (len(titles) + bool(labels))]
     for index, (name, record) in enumerate(records):
         entries = _at(record, options["rows"])

@@ -25,6 +25,9 @@ GOAL_FIGURES = ("output_throughput", "mean_ttft_ms", "p99_ttft_ms", "median_tpot
 
 
 PEERS = ("vllm", "llamacpp")
+# per-cell counters read from the servers' /metrics: (key, label, scale)
+COUNTER_ROWS = (("acceptance_rate", "drafts accepted (%)", 100), ("mean_acceptance_length", "tokens a drafting step", 1),
+                ("num_preemptions", "preemptions", 1))
 
 
 def best_vllm(systems: dict, cell: str, names: list[str] | None = None, peer: str = "vllm") -> str | None:
@@ -113,6 +116,10 @@ def print_speculation_ab(console, report: dict) -> None:
         for key, (label, _) in FIGURES.items():
             table.add_row(label, *[_fmt(systems[n].get(cell, {}).get(key)) for n in names],
                           *[_fmt(gains[base].get(cell, {}).get(key)) for base in bases])
+        for key, label, scale in COUNTER_ROWS:  # read from each server's /metrics over the cell
+            values = [systems[n].get(cell, {}).get(key) for n in names]
+            if any(v is not None for v in values):
+                table.add_row(label, *[_fmt(None if v is None else v * scale) for v in values], *[""] * len(bases))
         console.print(table)
 
 

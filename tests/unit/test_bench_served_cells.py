@@ -131,7 +131,8 @@ def test_one_round_prints_the_gain_table_beside_the_vllm_table():
 
     cell = "code @ c=1"
     figures = {"median_tpot_ms": 10.0, "output_throughput": 90.0}
-    report = {"systems": {"tandem": {cell: figures}, "tandem:suffix": {cell: dict(figures, median_tpot_ms=5.0)},
+    report = {"systems": {"tandem": {cell: figures}, "tandem:suffix": {cell: dict(
+                              figures, median_tpot_ms=5.0, acceptance_rate=0.625, num_preemptions=3.0)},
                           "tandem-no-spec": {cell: {"median_tpot_ms": 20.0, "output_throughput": 45.0}}},
               "settings": {"speculation_alternatives": {"tandem:suffix": "suffix.yaml"}}}
     out = io.StringIO()
@@ -139,6 +140,9 @@ def test_one_round_prints_the_gain_table_beside_the_vllm_table():
     text = out.getvalue()
     assert "speculation against none" in text and "gain tandem:suffix" in text
     assert "4.0" in text and "2.0" in text  # suffix's and the config's TPOT gains
+    accepted = next(line for line in text.splitlines() if "drafts accepted" in line)
+    assert accepted.split()[3:] == ["-", "62.5", "-"]  # per run, as read from its server's /metrics
+    assert "preemptions" in text and "tokens a drafting step" not in text  # no run had it
 
 
 def test_the_client_ignores_eos_unless_the_bench_honours_it():

@@ -50,8 +50,10 @@ def test_a_rows_table_takes_chosen_columns_of_any_records_list(tmp_path):
     assert lines[2:4] == ["| 1 | 0 | 50.0 | - | 3 |", "| 1 | 4 | 81.5 | 46% | 2 |"] and len(lines) == 6
     assert "spec.json: Xeon (AVX2), 2 cores, commit 1234567, 2026-12-08" in lines[-1]
     two = render_block("rows records=spec.json,spec.json rows=tandem.cells columns=k labels=Zen_4,Xeon "
-                       "where=batch_size:8;k:2|4", tmp_path).splitlines()
+                       "label_title=machine where=batch_size:8;k:2|4", tmp_path).splitlines()
     assert two[0] == "| machine | k |" and two[2:4] == ["| Zen 4 | 4 |", "| Xeon | 4 |"]
+    assert render_block("rows records=spec.json rows=tandem.cells columns=k labels=a where=k:4",
+                        tmp_path).splitlines()[0] == "| run | k |"
 
 
 def test_a_chapter_is_made_again_and_check_reports_a_table_that_drifted(tmp_path):
