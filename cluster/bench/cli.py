@@ -39,7 +39,7 @@ def add_bench_parser(sub):
     show.add_argument("--plots", type=Path, help="draw the benchmark's figures into this folder")
     show.set_defaults(func=_show, benchmarks=dict(BENCHMARKS))
     tables = bench.add_parser("tables", help="make the docs' figure tables again from their kept records")
-    tables.add_argument("--docs", type=Path, default=Path("docs"), help="the chapters' folder (default docs)")
+    tables.add_argument("--docs", type=Path, default=Path("docs"), help="the chapters' folder (default docs; the README beside it too)")
     tables.add_argument("--check", action="store_true", help="write nothing; fail where a table differs")
     tables.set_defaults(func=_tables)
     return bench

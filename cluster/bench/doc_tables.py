@@ -8,8 +8,9 @@ A chapter marks a table it takes from records with two comments:
 
 The records are the JSON the benchmarks write (``--json``), with their ``run`` stamp (command,
 commit, machine), kept beside the docs in ``docs/records/``. ``tandem bench tables`` writes every
-marked table again from its records, so a table never disagrees with its run and a run on another
-machine kind adds rows, not prose; ``--check`` writes nothing and fails where a table differs.
+marked table of the chapters and of the README beside their folder again from its records, so a
+table never disagrees with its run and a run on another machine kind adds rows, not prose;
+``--check`` writes nothing and fails where a table differs.
 
 Renderers (the word after ``table:``), and their options (``key=value``, lists comma-separated):
 
@@ -22,7 +23,9 @@ Renderers (the word after ``table:``), and their options (``key=value``, lists c
   format after ``:`` (``tok_per_s:.1f``, ``acceptance_rate:.0%``); ``titles`` names them (``_`` for a
   space; default the paths); ``where`` keeps the entries whose ``key:value`` conditions all hold
   (``;`` between conditions, ``|`` between a key's accepted values); ``labels``: per record, the
-  first column's value for its rows, under the title ``label_title`` (default ``run``).
+  first column's value for its rows, under the title ``label_title`` (default ``run``); ``pivot``
+  (``KEY:PATH[:FORMAT]``) makes a column of each value of the entries' KEY, holding their PATH, so
+  the entries that agree on ``columns`` share a row.
 """
 
 from __future__ import annotations
@@ -119,6 +122,10 @@ def _conditions(text: str) -> list[tuple[str, set[str]]]:
     return out
 
 
+def _cell(value, fmt: str) -> str:
+    return "-" if value is None else format(value, fmt) if fmt else str(value)
+
+
 def rows(records: list[tuple[str, dict]], options: dict[str, str]) -> str:
     """A markdown table of the entries of any record's list (see the module's docstring)."""
     if "rows" not in options or "columns" not in options:
@@ -131,30 +138,41 @@ def rows(records: list[tuple[str, dict]], options: dict[str, str]) -> str:
     labels = options["labels"].replace("_", " ").split(",") if "labels" in options else None
     if labels is not None and len(labels) != len(records):
         raise ValueError(f"labels has {len(labels)} entries for {len(records)} records")
+    pivot_key, _, pivot_value = options.get("pivot", "").partition(":")
+    pivot_path, _, pivot_fmt = pivot_value.partition(":")
+    if pivot_key and not pivot_path:
+        raise ValueError("pivot is KEY:VALUE_PATH[:FORMAT]")
     where = _conditions(options.get("where", ""))
-    label_title = options.get("label_title", "run").replace("_", " ")
-    lines = ["| " + " | ".join(([label_title] if labels else []) + titles) + " |",
-             "|" + "---|" * (len(titles) + bool(labels))]
+    table: dict[tuple, dict[str, str]] = {}  # the row's leading cells -> pivot column -> cell
+    pivots: list[str] = []
     for index, (name, record) in enumerate(records):
         entries = _at(record, options["rows"])
         if not isinstance(entries, list):
             raise ValueError(f"{name} has no list at {options['rows']}")
-        for entry in entries:
+        for number, entry in enumerate(entries):
             if not all(str(_at(entry, key)) in accepted for key, accepted in where):
                 continue
-            values = []
-            for path, fmt in columns:
-                value = _at(entry, path)
-                values.append("-" if value is None else format(value, fmt) if fmt else str(value))
-            lines.append("| " + " | ".join(([labels[index]] if labels else []) + values) + " |")
-    if len(lines) == 2:
+            lead = tuple(([labels[index]] if labels else []) + [_cell(_at(entry, path), fmt) for path, fmt in columns])
+            if not pivot_key:
+                table[(index, number, *lead)] = {}
+                continue
+            column = str(_at(entry, pivot_key))
+            pivots += [column] if column not in pivots else []
+            table.setdefault((index, *lead), {})[column] = _cell(_at(entry, pivot_path), pivot_fmt)
+    if not table:
         raise ValueError(f"no entries of {options['rows']} pass where={options.get('where')}")
+    head = ([options.get("label_title", "run").replace("_", " ")] if labels else []) + titles + pivots
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for key, by_pivot in table.items():
+        lead = key[1:] if pivot_key else key[2:]
+        lines.append("| " + " | ".join([*lead, *(by_pivot.get(p, "-") for p in pivots)]) + " |")
     lines.append("")
     lines.append("(" + "; ".join(_provenance(n, r) for n, r in records) + ")")
     return "\n".join(lines) + "\n"
 
 
-RENDERERS: dict[str, Callable[[list[tuple[str, dict]], dict[str, str]], str]] = {"served_cells": served_cells, "rows": rows}
+RENDERERS: dict[str, Callable[[list[tuple[str, dict]], dict[str, str]], str]] = {"served_cells": served_cells,
+                                                                                  "rows": rows}
 
 
 def render_block(spec: str, base: Path) -> str:
@@ -191,10 +209,11 @@ def refresh(path: Path) -> tuple[str, int]:
 
 
 def refresh_docs(folder: Path, check: bool = False) -> list[Path]:
-    """Make every marked table in ``folder``'s chapters again (``check``: write nothing); the
-    chapters whose tables differed from their records."""
+    """Make every marked table in ``folder``'s chapters and the README beside the folder again
+    (``check``: write nothing); the files whose tables differed from their records."""
     stale = []
-    for path in sorted(folder.glob("*.md")):
+    readme = folder.parent / "README.md"
+    for path in sorted(folder.glob("*.md")) + ([readme] if readme.is_file() else []):
         text, changed = refresh(path)
         if changed:
             stale.append(path)

@@ -9,7 +9,7 @@ import json
 import jsonschema
 import pytest
 
-from cluster.bench.json_schemas import random_schemas
+from tests.json_schemas import random_schemas
 from cluster.engine.llm import LLM, apply_chat_template
 from cluster.shared.sampling_params import SamplingParams
 from cluster.structured.constraint import StructuredOutputs

@@ -54,6 +54,9 @@ def test_a_rows_table_takes_chosen_columns_of_any_records_list(tmp_path):
     assert two[0] == "| machine | k |" and two[2:4] == ["| Zen 4 | 4 |", "| Xeon | 4 |"]
     assert render_block("rows records=spec.json rows=tandem.cells columns=k labels=a where=k:4",
                         tmp_path).splitlines()[0] == "| run | k |"
+    pivoted = render_block("rows records=spec.json rows=tandem.cells columns=batch_size titles=batch "
+                           "pivot=k:tok_per_s:.0f", tmp_path).splitlines()
+    assert pivoted[:4] == ["| batch | 0 | 4 |", "|---|---|---|", "| 1 | 50 | 82 |", "| 8 | - | 301 |"]
 
 
 def test_a_chapter_is_made_again_and_check_reports_a_table_that_drifted(tmp_path):
@@ -71,6 +74,16 @@ def test_a_chapter_is_made_again_and_check_reports_a_table_that_drifted(tmp_path
     assert refresh_docs(tmp_path, check=True) == [chapter]
 
 
+def test_the_readme_beside_the_chapters_is_made_too(tmp_path):
+    docs = tmp_path / "docs"
+    docs.mkdir()
+    _record(docs, "r.json", 77.2)
+    readme = tmp_path / "README.md"
+    readme.write_text("# X\n<!-- table: served_cells records=docs/r.json -->\n<!-- /table -->\n")
+    assert refresh_docs(docs) == [readme]
+    assert "77.2 / 83.9" in readme.read_text()
+
+
 @pytest.mark.parametrize("spec, message", [
     ("nonsense records=r.json", "unknown table renderer"),
     ("served_cells", "names no records"),
@@ -83,6 +96,7 @@ def test_a_chapter_is_made_again_and_check_reports_a_table_that_drifted(tmp_path
     ("rows records=r.json rows=systems columns=a", "has no list at systems"),
     ("rows records=r.json rows=run.x columns=a", "has no list at run.x"),
     ("rows records=r.json rows=cells columns=a,b titles=x", "titles has 1 entries"),
+    ("rows records=r.json rows=cells columns=a pivot=k", "pivot is KEY:VALUE_PATH"),
 ])
 def test_a_bad_table_comment_says_what_is_wrong(tmp_path, spec, message):
     _record(tmp_path, "r.json", 77.2)

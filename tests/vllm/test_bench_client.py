@@ -42,3 +42,9 @@ def test_every_dataset_parses_as_vllm_reads_it(dataset, skip):
 def test_honoured_eos_parses_as_vllm_reads_it():
     parsed = _parse(vllm_client.client_args(_options(dataset="instructions", honor_eos=True)))
     assert not parsed.ignore_eos and parsed.custom_output_len == 16
+
+
+def test_a_group_header_parses_as_vllm_reads_it():
+    parsed = _parse(vllm_client.client_args(_options(header=["X-Tandem-Group=vllm"])))
+    assert parsed.header == ["X-Tandem-Group=vllm"]  # vLLM's client splits KEY=VALUE into each request's headers
+    assert not getattr(_parse(vllm_client.client_args(_options())), "header", None)

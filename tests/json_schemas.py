@@ -1,4 +1,4 @@
-"""Random JSON schemas for structured-output tests and benchmarks: nested objects, arrays,
+"""Random JSON schemas for the structured-output tests: nested objects, arrays,
 enums, bounded numbers and strings, drawn from a seeded ``random.Random``.
 
 Every schema is satisfiable and every value it admits is short (strings and arrays carry
