@@ -126,21 +126,25 @@ COUNTERS = {"num_preemptions": "vllm:num_preemptions_total", "num_drafts": "vllm
             "num_accepted_tokens": "vllm:spec_decode_num_accepted_tokens_total"}
 
 
-def _counters(url: str) -> dict[str, float]:
-    """The server's :data:`COUNTERS`, each summed over its replicas; those it does not publish left out."""
+def _counters(url: str) -> dict[str, float] | None:
+    """The server's :data:`COUNTERS`, each summed over its replicas (those it has not published yet
+    left out); None where the page cannot be read."""
     try:
         with urllib.request.urlopen(f"{url}/metrics", timeout=30) as response:
             exposition = response.read().decode()
     except OSError:
-        return {}
+        return None
     totals = {key: sample_total(exposition, name) for key, name in COUNTERS.items()}
     return {key: value for key, value in totals.items() if value is not None}
 
 
-def counter_figures(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
-    """What a cell added to each counter, and the speculation's acceptance rate (accepted / drafted
-    tokens) and mean acceptance length (1 + accepted / drafts) where it drafted."""
-    out = {key: after[key] - before[key] for key in after if key in before}
+def counter_figures(before: dict[str, float] | None, after: dict[str, float] | None) -> dict[str, float]:
+    """What a cell added to each counter (one the server first published during the cell started at
+    0), and the speculation's acceptance rate (accepted / drafted tokens) and mean acceptance length
+    (1 + accepted / drafts) where it drafted; nothing where either page could not be read."""
+    if before is None or after is None:
+        return {}
+    out = {key: value - before.get(key, 0.0) for key, value in after.items()}
     if out.get("num_draft_tokens"):
         out["acceptance_rate"] = out["num_accepted_tokens"] / out["num_draft_tokens"]
     if out.get("num_drafts"):

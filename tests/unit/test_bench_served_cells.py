@@ -290,5 +290,14 @@ def test_counters_are_read_from_the_servers_metrics(monkeypatch):
     assert figures == {"num_preemptions": 1.0, "num_drafts": 20.0, "num_draft_tokens": 80.0,
                        "num_accepted_tokens": 40.0, "acceptance_rate": 0.5, "mean_acceptance_length": 3.0}
     monkeypatch.setattr(served.urllib.request, "urlopen", lambda url, timeout: Page("# nothing\n"))
-    assert served._counters("http://h:1") == {}
+    fresh = served._counters("http://h:1")
+    assert fresh == {}  # a fresh server that has not published its counters yet
+    assert served.counter_figures(fresh, {"num_preemptions": 2.0}) == {"num_preemptions": 2.0}  # they start at 0
     assert served.counter_figures({}, {}) == {}  # a server that publishes none: nothing made up
+
+    def unreadable(url, timeout):
+        raise OSError("connection refused")
+
+    monkeypatch.setattr(served.urllib.request, "urlopen", unreadable)
+    assert served._counters("http://h:1") is None
+    assert served.counter_figures(None, {"num_preemptions": 2.0}) == {}  # a total is not a cell's share
