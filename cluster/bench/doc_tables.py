@@ -19,7 +19,7 @@ Renderers (the word after ``table:``), and their options (``key=value``, lists c
   ``figures`` from :data:`SERVED_FIGURES`; ``labels``: per record, a note added to its rows' cell
   names (``_`` for a space, ``-`` for none).
 - ``rows``: any benchmark's record, a row per entry of the list at ``rows`` (a dotted path into the
-  record, e.g. ``tandem.cells``); ``columns`` are dotted paths into an entry, each with an optional
+  record, e.g. ``tandem.cells``; of a mapping of mappings, each value with its name as ``key``); ``columns`` are dotted paths into an entry, each with an optional
   format after ``:`` (``tok_per_s:.1f``, ``acceptance_rate:.0%``); ``titles`` names them (``_`` for a
   space; default the paths); ``where`` keeps the entries whose ``key:value`` conditions all hold
   (``;`` between conditions, ``|`` between a key's accepted values); ``labels``: per record, the
@@ -62,12 +62,17 @@ def _options(spec: str) -> tuple[str, dict[str, str]]:
     return words[0], options
 
 
-def _provenance(name: str, record: dict) -> str:
-    run = record.get("run", {})
-    machine = run.get("machine", {})
-    commit = (run.get("code", {}).get("commit") or "?")[:7]
-    return (f"{name}: {machine.get('cpu', '?')} ({machine.get('cpu_kind', '?')}), {machine.get('cores_available', '?')} "
-            f"cores, commit {commit}, {run.get('started_utc', '?')[:10]}")
+def _provenance(records: list[tuple[str, dict]]) -> str:
+    """Where the records came from: their names grouped by machine, commit and day."""
+    groups: dict[str, list[str]] = {}
+    for name, record in records:
+        run = record.get("run", {})
+        machine = run.get("machine", {})
+        commit = (run.get("code", {}).get("commit") or "?")[:7]
+        where = (f"{machine.get('cpu', '?')} ({machine.get('cpu_kind', '?')}), {machine.get('cores_available', '?')} "
+                 f"cores, commit {commit}, {run.get('started_utc', '?')[:10]}")
+        groups.setdefault(where, []).append(name)
+    return "; ".join(f"{', '.join(names)}: {where}" for where, names in groups.items())
 
 
 def served_cells(records: list[tuple[str, dict]], options: dict[str, str]) -> str:
@@ -96,7 +101,7 @@ def served_cells(records: list[tuple[str, dict]], options: dict[str, str]) -> st
                 values.append(" / ".join("-" if v is None else fmt(v) for v in got))
             lines.append(f"| {cell}{note} | {' | '.join(values)} |")
     lines.append("")
-    lines.append(f"({' / '.join(systems)}; " + "; ".join(_provenance(n, r) for n, r in records) + ")")
+    lines.append(f"({' / '.join(systems)}; {_provenance(records)})")
     return "\n".join(lines) + "\n"
 
 
@@ -147,6 +152,8 @@ def rows(records: list[tuple[str, dict]], options: dict[str, str]) -> str:
     pivots: list[str] = []
     for index, (name, record) in enumerate(records):
         entries = _at(record, options["rows"])
+        if isinstance(entries, dict) and all(isinstance(v, dict) for v in entries.values()):
+            entries = [{"key": key, **value} for key, value in entries.items()]
         if not isinstance(entries, list):
             raise ValueError(f"{name} has no list at {options['rows']}")
         for number, entry in enumerate(entries):
@@ -167,7 +174,7 @@ def rows(records: list[tuple[str, dict]], options: dict[str, str]) -> str:
         lead = key[1:] if pivot_key else key[2:]
         lines.append("| " + " | ".join([*lead, *(by_pivot.get(p, "-") for p in pivots)]) + " |")
     lines.append("")
-    lines.append("(" + "; ".join(_provenance(n, r) for n, r in records) + ")")
+    lines.append(f"({_provenance(records)})")
     return "\n".join(lines) + "\n"
 
 

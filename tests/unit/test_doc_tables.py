@@ -32,6 +32,11 @@ def test_a_served_table_has_a_row_per_cell_and_says_where_it_came_from(tmp_path)
     assert lines[2] == "| rate @ 2/s | 81.2 / 74.7 | 8.15 / - | 77.2 / 83.9 |"  # vLLM's record lacks TTFT
     assert "a.json: AMD EPYC (AVX-512 with BF16), 2 cores, commit abcdef0, 2026-12-07" in lines[-1]
     labelled = render_block(f"served_cells records={name},{name} labels=-,fresh_servers systems=tandem", tmp_path)
+    assert labelled.splitlines()[-1].endswith("(tandem; a.json, a.json: AMD EPYC (AVX-512 with BF16), 2 cores, "
+                                              "commit abcdef0, 2026-12-07)")  # one machine, commit, day: said once
+    _record(tmp_path, "b.json", 70.0, commit="9876543210")
+    assert "a.json: AMD EPYC (AVX-512 with BF16), 2 cores, commit abcdef0, 2026-12-07; b.json: AMD EPYC " in (
+        render_block("served_cells records=a.json,b.json", tmp_path).splitlines()[-1])
     assert "| rate @ 2/s (fresh servers) |" in labelled and "/ 74.7" not in labelled
 
 
@@ -57,6 +62,11 @@ def test_a_rows_table_takes_chosen_columns_of_any_records_list(tmp_path):
     pivoted = render_block("rows records=spec.json rows=tandem.cells columns=batch_size titles=batch "
                            "pivot=k:tok_per_s:.0f", tmp_path).splitlines()
     assert pivoted[:4] == ["| batch | 0 | 4 |", "|---|---|---|", "| 1 | 50 | 82 |", "| 8 | - | 301 |"]
+    (tmp_path / "quant.json").write_text(json.dumps({"quality": {"int8": {"top1": 0.977}, "int4": {"top1": 0.5}},
+                                                     "run": run}))
+    named = render_block("rows records=quant.json rows=quality columns=key,top1:.1% titles=weights,top-1",
+                         tmp_path).splitlines()
+    assert named[2:4] == ["| int8 | 97.7% |", "| int4 | 50.0% |"]
 
 
 def test_a_chapter_is_made_again_and_check_reports_a_table_that_drifted(tmp_path):
@@ -93,7 +103,7 @@ def test_the_readme_beside_the_chapters_is_made_too(tmp_path):
     ("served_cells records=r.json labels=a,b", "labels has 2 entries"),
     ("served_cells records", "is not key=value"),
     ("rows records=r.json columns=a", "needs rows=PATH"),
-    ("rows records=r.json rows=systems columns=a", "has no list at systems"),
+    ("rows records=r.json rows=run.machine columns=a", "has no list at run.machine"),
     ("rows records=r.json rows=run.x columns=a", "has no list at run.x"),
     ("rows records=r.json rows=cells columns=a,b titles=x", "titles has 1 entries"),
     ("rows records=r.json rows=cells columns=a pivot=k", "pivot is KEY:VALUE_PATH"),
