@@ -26,7 +26,8 @@ from cluster.bench.served import SERVED
 from cluster.bench.spec import SPEC
 from cluster.bench.structured import STRUCTURED
 
-BENCHMARKS = {b.name: b for b in (OFFLINE, PREFIX, PREFILL, SPEC, PAPER, QUANT, LORA, SERVE, SERVED, STRUCTURED, AGENT, LONG_CONTEXT)}
+BENCHMARKS = {b.name: b for b in (OFFLINE, PREFIX, PREFILL, SPEC, PAPER, QUANT, LORA, SERVE, SERVED, STRUCTURED, AGENT,
+                                  LONG_CONTEXT)}
 
 
 def add_bench_parser(sub):
@@ -39,7 +40,8 @@ def add_bench_parser(sub):
     show.add_argument("--plots", type=Path, help="draw the benchmark's figures into this folder")
     show.set_defaults(func=_show, benchmarks=dict(BENCHMARKS))
     tables = bench.add_parser("tables", help="make the docs' figure tables again from their kept records")
-    tables.add_argument("--docs", type=Path, default=Path("docs"), help="the chapters' folder (default docs; the README beside it too)")
+    tables.add_argument("--docs", type=Path, default=Path("docs"),
+                        help="the chapters' folder (default docs; the README beside it too)")
     tables.add_argument("--check", action="store_true", help="write nothing; fail where a table differs")
     tables.set_defaults(func=_tables)
     return bench

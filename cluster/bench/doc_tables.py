@@ -19,9 +19,10 @@ Renderers (the word after ``table:``), and their options (``key=value``, lists c
   ``figures`` from :data:`SERVED_FIGURES`; ``labels``: per record, a note added to its rows' cell
   names (``_`` for a space, ``-`` for none).
 - ``rows``: any benchmark's record, a row per entry of the list at ``rows`` (a dotted path into the
-  record, e.g. ``tandem.cells``; of a mapping of mappings, each value with its name as ``key``); ``columns`` are dotted paths into an entry, each with an optional
-  format after ``:`` (``tok_per_s:.1f``, ``acceptance_rate:.0%``); ``titles`` names them (``_`` for a
-  space; default the paths); ``where`` keeps the entries whose ``key:value`` conditions all hold
+  record, e.g. ``tandem.cells``; of a mapping of mappings, each value with its name as ``key``);
+  ``columns`` are dotted paths into an entry, each with an optional format after ``:``
+  (``tok_per_s:.1f``, ``acceptance_rate:.0%``); ``titles`` names them (``_`` for a space; default
+  the paths); ``where`` keeps the entries whose ``key:value`` conditions all hold
   (``;`` between conditions, ``|`` between a key's accepted values); ``labels``: per record, the
   first column's value for its rows, under the title ``label_title`` (default ``run``); ``pivot``
   (``KEY:PATH[:FORMAT]``) makes a column of each value of the entries' KEY, holding their PATH, so
@@ -217,13 +218,13 @@ def refresh(path: Path) -> tuple[str, int]:
 
 def refresh_docs(folder: Path, check: bool = False) -> list[Path]:
     """Make every marked table in ``folder``'s chapters and the README beside the folder again
-    (``check``: write nothing); the files whose tables differed from their records."""
-    stale = []
+    (``check``: write nothing); the files whose tables differed from their records. Every table is
+    made before any file is written, so a bad block or a missing record leaves every file as it was."""
     readme = folder.parent / "README.md"
-    for path in sorted(folder.glob("*.md")) + ([readme] if readme.is_file() else []):
-        text, changed = refresh(path)
-        if changed:
-            stale.append(path)
-            if not check:
+    made = [(path, *refresh(path)) for path in sorted(folder.glob("*.md")) + ([readme] if readme.is_file() else [])]
+    stale = [path for path, _, changed in made if changed]
+    if not check:
+        for path, text, changed in made:
+            if changed:
                 path.write_text(text)
     return stale

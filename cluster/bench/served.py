@@ -47,8 +47,8 @@ from cluster.bench.offline import concrete_dtype
 from cluster.bench.proc_cpu import ProcessCpuSampler
 from cluster.bench.served_offline import offline_engine_figures
 from cluster.bench.served_report import FIGURES, print_served_report, server_ratios, speculation_gains
-from cluster.bench.servers import (DEFAULT_ANCHOR, VLLM_ALL_CORES, python_with_vllm, start_anchor, start_or_report,
-                                   start_tandem, start_vllm_anchor)
+from cluster.bench.servers import (DEFAULT_ANCHOR, VLLM_ALL_CORES, python_with_vllm, start_anchor,
+                                   start_or_report, start_tandem, start_vllm_anchor)
 from cluster.bench.workloads.prompt_sets import VLLM_DATASETS, VllmDataset, write_vllm_dataset
 from cluster.config import group_engine_config, load_config
 from cluster.metrics.exposition import sample_total
@@ -152,7 +152,8 @@ def counter_figures(before: dict[str, float] | None, after: dict[str, float] | N
     return out
 
 
-def _measure_system(args, console, name: str, start, work: Path, is_tandem: bool, group: str | None = None) -> dict:
+def _measure_system(args, console, name: str, start, work: Path, is_tandem: bool,
+                    group: str | None = None) -> dict:
     """Every cell on one server (each request pinned to ``group`` where given); with
     ``--fresh-server-per-cell`` on a server of its own each (so no cell finds another's prompts in
     the prefix cache or the suffix trees)."""
@@ -303,9 +304,10 @@ def _measure_groups(args: argparse.Namespace, console: Console) -> dict:
                          "tier's environment (tests/vllm/make_env.sh)")
     work = Path(tempfile.mkdtemp(prefix="tandem-served-"))
     args.dataset_files = write_datasets(args, work, console)
-    systems = {name: _measure_system(args, console, name, lambda n=name: start_tandem(n, args.config, True, python), work,
-                                     True, group) for name, group in (("tandem", native),
-                                                                      ("vllm-group", args.vllm_group))}
+    systems = {}
+    for name, group in (("tandem", native), ("vllm-group", args.vllm_group)):
+        systems[name] = _measure_system(args, console, name, lambda n=name: start_tandem(n, args.config, True, python),
+                                        work, True, group)
     return {"config": str(args.config), "machine_cores": _cores(), "systems": systems, "offline": {},
             "vllm_ratios": server_ratios(systems), "settings": {
                 "client": "vllm.benchmarks.serve (backend vllm, streamed completions)", "groups": {

@@ -26,8 +26,8 @@ GOAL_FIGURES = ("output_throughput", "mean_ttft_ms", "p99_ttft_ms", "median_tpot
 
 PEERS = ("vllm", "llamacpp")
 # per-cell counters read from the servers' /metrics: (key, label, scale)
-COUNTER_ROWS = (("acceptance_rate", "drafts accepted (%)", 100), ("mean_acceptance_length", "tokens a drafting step", 1),
-                ("num_preemptions", "preemptions", 1))
+COUNTER_ROWS = (("acceptance_rate", "drafts accepted (%)", 100),
+                ("mean_acceptance_length", "tokens a drafting step", 1), ("num_preemptions", "preemptions", 1))
 
 
 def best_vllm(systems: dict, cell: str, names: list[str] | None = None, peer: str = "vllm") -> str | None:

@@ -22,7 +22,8 @@ from pathlib import Path
 
 import yaml
 
-DEFAULT_ANCHOR = Path(__file__).resolve().parents[3] / "shared" / "anchors" / "vllm_cpu.sh"  # the peers' scripts' folder
+# vLLM's anchor script; the other peers' scripts lie beside it
+DEFAULT_ANCHOR = Path(__file__).resolve().parents[3] / "shared" / "anchors" / "vllm_cpu.sh"
 START_TIMEOUT_S = 1800  # a first start may convert the model or install vLLM
 # vLLM's CPU build reserves a core for its front end unless told not to: with this, its engine gets
 # every core, as Tandem's does (its better setting for serving on a 2-core machine, measured).

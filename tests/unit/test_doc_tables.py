@@ -48,8 +48,8 @@ def test_a_rows_table_takes_chosen_columns_of_any_records_list(tmp_path):
              {"batch_size": 8, "k": 4, "tok_per_s": 301.0, "acceptance_rate": 0.5, "extra": {}}]
     (tmp_path / "spec.json").write_text(json.dumps({"tandem": {"cells": cells}, "run": run}))
     table = render_block("rows records=spec.json rows=tandem.cells columns=batch_size,k,tok_per_s:.1f,"
-                         "acceptance_rate:.0%,extra.steps titles=batch,k,tok/s,accepted,target_steps where=batch_size:1",
-                         tmp_path)
+                         "acceptance_rate:.0%,extra.steps titles=batch,k,tok/s,accepted,target_steps "
+                         "where=batch_size:1", tmp_path)
     lines = table.splitlines()
     assert lines[0] == "| batch | k | tok/s | accepted | target steps |"
     assert lines[2:4] == ["| 1 | 0 | 50.0 | - | 3 |", "| 1 | 4 | 81.5 | 46% | 2 |"] and len(lines) == 6
@@ -82,6 +82,16 @@ def test_a_chapter_is_made_again_and_check_reports_a_table_that_drifted(tmp_path
     assert refresh_docs(tmp_path, check=True) == []
     _record(tmp_path, "r.json", 70.0)  # a new run of the record
     assert refresh_docs(tmp_path, check=True) == [chapter]
+
+
+def test_a_missing_record_leaves_every_file_as_it_was(tmp_path):
+    _record(tmp_path, "r.json", 77.2)
+    first, second = tmp_path / "a.md", tmp_path / "b.md"
+    first.write_text("<!-- table: served_cells records=r.json -->\nstale\n<!-- /table -->\n")
+    second.write_text("<!-- table: served_cells records=gone.json -->\n<!-- /table -->\n")
+    with pytest.raises(ValueError, match="cannot read the record"):
+        refresh_docs(tmp_path)
+    assert "stale" in first.read_text()  # made, but not written: b.md's table could not be
 
 
 def test_the_readme_beside_the_chapters_is_made_too(tmp_path):
