@@ -134,7 +134,8 @@ def print_served_report(console, report: dict) -> None:
                       f"{', '.join(settings['vllm']['placements'])}; client: {settings['client']}")
     if settings.get("llamacpp"):
         console.print(f"llama.cpp: {settings['llamacpp']}")
-    for peer in PEERS:
+    served = [peer for peer in PEERS if any(names for _, names in server_rounds(systems, peer))]
+    for peer in served or PEERS[:1]:  # no peer served: Tandem's figures alone, once
         _print_peer(console, report, peer)
 
 

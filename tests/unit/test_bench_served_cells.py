@@ -71,6 +71,9 @@ def test_a_vllm_group_is_served_pinned_beside_the_native_one(monkeypatch, tmp_pa
     assert sent == [("random @ 2/s", "native"), ("random @ 2/s", "vllm")]
     assert report["vllm_ratios"]["random @ 2/s"]["output_throughput"]["median"] == 10.0 / 8.0
     assert report["settings"]["groups"] == {"tandem": "native", "vllm-group": "vllm"}
+    served.print_served_report(console, report)
+    printed = console.file.getvalue()
+    assert "tandem and vllm" in printed and "tandem and llamacpp" not in printed  # no table for a peer not served
     for bad, words in ((("configs/vllm-group.yaml", "--vllm-group", "native"), "no replica group of that name"),
                        (("configs/vllm-group.yaml", "--vllm-group", "vllm", "--rounds", "2"), "no --speculation-ab")):
         try:
