@@ -22,7 +22,7 @@ prefill included), TPOT per request as vLLM defines it ((last token time - first
 = accepted / drafted tokens, mean acceptance length = 1 + accepted / drafting steps); and
 output tokens per target step (steps without a draft count too). Speedup is tok/s over
 ``k = 0`` at the same batch size. (vLLM's speculation is measured served, beside Tandem's
-server: ``tandem bench served --vllm-speculative-config``.) ``--batch-invariant both`` measures every cell
+server: ``tandem bench served --vllm-speculative-config``.) ``--batch-invariant both`` measures each cell
 twice, with ``model.batch_invariant`` off and on (one engine each, one after the other), and
 reports what the mode costs and whether greedy output then equals plain decoding's.
 ``--temperature T`` samples instead (each request seeded with its prompt's index), and
@@ -259,7 +259,8 @@ def measure_spec(args: argparse.Namespace, console: Console) -> dict:
                          f"{args.num_prompts} measured and {args.warm_tree} others")
     with Progress(console=console) as progress:
         cells_per_batch = len(args.ks) + (1 if args.adaptive else 0)
-        task = progress.add_task("loading", total=len(variants) * cells_per_batch * len(args.batch_sizes) * args.repeats)
+        task = progress.add_task("loading",
+                                 total=len(variants) * cells_per_batch * len(args.batch_sizes) * args.repeats)
         cells = [c for system, variant in variants
                  for c in _measure_tandem(args, source, prompt_ids, progress, task, system, variant, warm_ids)]
 

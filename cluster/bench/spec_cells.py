@@ -1,9 +1,8 @@
 """The cells of ``tandem bench spec``: one (system, batch size, k) run each, from per-request timings.
 
-Shared by Tandem's side (:mod:`cluster.bench.spec`, :mod:`cluster.bench.paper_sweep`) and vLLM's
-(:mod:`cluster.bench.spec_vllm`), so both are summed up alike: output tok/s over wall time, TPOT
-per request as vLLM defines it ((last token time - first token time) / (output tokens - 1)),
-TTFT, and the speculative counters over the timed run.
+Shared by :mod:`cluster.bench.spec` and :mod:`cluster.bench.paper_sweep`, so both are summed up
+alike: output tok/s over wall time, TPOT per request as vLLM defines it ((last token time - first
+token time) / (output tokens - 1)), TTFT, and the speculative counters over the timed run.
 """
 
 from __future__ import annotations

@@ -73,7 +73,8 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--max-concurrency", type=int, help="requests in flight at most (default: no limit)")
     parser.add_argument("--temperature", type=float, help="sent with every request (default: the server's, 1)")
-    parser.add_argument("--header", action="append", help="KEY=VALUE sent with every request (e.g. X-Tandem-Group=vllm)")
+    parser.add_argument("--header", action="append",
+                        help="KEY=VALUE sent with every request (e.g. X-Tandem-Group=vllm)")
     parser.add_argument("--out", type=Path, required=True)
     options = parser.parse_args(argv)
     # here, not at the top: vLLM is optional (the vllm extra); this runs in the vLLM tier's interpreter
