@@ -1,8 +1,8 @@
 """Whether prompts' attention runs in the compiled prefill kernel (``prefill_attention.cpp``) here.
 
 torch's SDPA (its CPU flash kernel) ran every prefill before; the kernel of this package replaced
-it where it measured faster: on a 2-core Zen 4 EPYC (AVX-512-BF16, no AMX), SmolLM2-135M's shapes,
-2.2-3.5x (docs/cpu.md). Where torch's kernel has faster arithmetic than the kernel's (AMX, whose
+it where it measured faster: on a 2-core Zen 4 EPYC (AVX-512-BF16, no AMX) the whole model's
+prefill 1.07-1.74x (docs/cpu.md, from docs/records/prefill-zen4.json). Where torch's kernel has faster arithmetic than the kernel's (AMX, whose
 tiles torch's bfloat16 GEMMs can use) that may turn around, so the choice is measured once per
 process and attention shape: one causal prompt of ``_PROBE_TOKENS`` tokens both ways (about 30 ms),
 the kernel taken where it is the faster. ``TANDEM_PREFILL_KERNEL=0`` keeps SDPA (A/B runs), as does
