@@ -23,7 +23,7 @@ Last, Tandem's engine runs the saturation and closed-loop cells offline in this 
 same prompts' shapes and settings, all requests at once or as many in flight as the cell
 allows, ``served_offline.py``) and the report gives served / offline output throughput, TTFT
 and TPOT. Each cell also reads the servers' ``/metrics`` counters (preemptions, drafts, draft tokens
-accepted) before and after it. With ``--vllm-group NAME`` no peer server starts: CONFIG's cluster
+accepted) before and after it (``server_readings.py``). With ``--vllm-group NAME`` no peer server starts: CONFIG's cluster
 serves the cells pinned to its native group and to its vLLM group NAME in turn (``X-Tandem-Group``).
 """
 
@@ -37,7 +37,6 @@ import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
 from pathlib import Path
 
 from rich.console import Console
@@ -47,11 +46,11 @@ from cluster.bench.offline import concrete_dtype
 from cluster.bench.proc_cpu import ProcessCpuSampler
 from cluster.bench.served_offline import offline_engine_figures
 from cluster.bench.served_report import FIGURES, print_served_report, server_ratios, speculation_gains
+from cluster.bench.server_readings import counter_figures, read_counters, read_timeline
 from cluster.bench.servers import (DEFAULT_ANCHOR, VLLM_ALL_CORES, python_with_vllm, start_anchor,
                                    start_or_report, start_tandem, start_vllm_anchor)
 from cluster.bench.workloads.prompt_sets import VLLM_DATASETS, VllmDataset, write_vllm_dataset
 from cluster.config import group_engine_config, load_config
-from cluster.metrics.exposition import sample_total
 from cluster.models.loader import load_tokenizer, resolve_model
 
 VLLM_PLACEMENTS = {"vllm-default": {}, "vllm-all-cores": VLLM_ALL_CORES}
@@ -109,49 +108,6 @@ def _warm(args, url: str, cell: dict, out: Path) -> float | None:
     return time.monotonic() - started
 
 
-def _timeline(url: str, seconds: float) -> dict | None:
-    """The engine core's step summary over the last ``seconds`` (the cell just run)."""
-    try:
-        with urllib.request.urlopen(f"{url}/debug/timeline?last_seconds={seconds:.3f}", timeout=30) as response:
-            groups = json.loads(response.read())
-    except OSError:
-        return None
-    first = next(iter(groups.values()), {})
-    return first.get("summary")
-
-
-# Counters a cell reads before and after it runs, by the names Tandem and vLLM both publish.
-COUNTERS = {"num_preemptions": "vllm:num_preemptions_total", "num_drafts": "vllm:spec_decode_num_drafts_total",
-            "num_draft_tokens": "vllm:spec_decode_num_draft_tokens_total",
-            "num_accepted_tokens": "vllm:spec_decode_num_accepted_tokens_total"}
-
-
-def _counters(url: str) -> dict[str, float] | None:
-    """The server's :data:`COUNTERS`, each summed over its replicas (those it has not published yet
-    left out); None where the page cannot be read."""
-    try:
-        with urllib.request.urlopen(f"{url}/metrics", timeout=30) as response:
-            exposition = response.read().decode()
-    except OSError:
-        return None
-    totals = {key: sample_total(exposition, name) for key, name in COUNTERS.items()}
-    return {key: value for key, value in totals.items() if value is not None}
-
-
-def counter_figures(before: dict[str, float] | None, after: dict[str, float] | None) -> dict[str, float]:
-    """What a cell added to each counter (one the server first published during the cell started at
-    0), and the speculation's acceptance rate (accepted / drafted tokens) and mean acceptance length
-    (1 + accepted / drafts) where it drafted; nothing where either page could not be read."""
-    if before is None or after is None:
-        return {}
-    out = {key: value - before.get(key, 0.0) for key, value in after.items()}
-    if out.get("num_draft_tokens"):
-        out["acceptance_rate"] = out["num_accepted_tokens"] / out["num_draft_tokens"]
-    if out.get("num_drafts"):
-        out["mean_acceptance_length"] = 1 + out["num_accepted_tokens"] / out["num_drafts"]
-    return out
-
-
 def _measure_system(args, console, name: str, start, work: Path, is_tandem: bool,
                     group: str | None = None) -> dict:
     """Every cell on one server (each request pinned to ``group`` where given); with
@@ -181,9 +137,9 @@ def _measure_cells(args, console, name: str, start, work: Path, is_tandem: bool,
                 out = work / ("".join(c for c in f"{name}-{cell['name']}" if c.isalnum() or c in "-_=.") + ".json")
                 warm_s = _warm(args, server.url, cell, out.with_name(f"warm-{out.name}"))
                 started = time.monotonic()
-                before = _counters(server.url)
+                before = read_counters(server.url)
                 results[cell["name"]] = _client(args, server.url, cell, out)
-                results[cell["name"]].update(counter_figures(before, _counters(server.url)))
+                results[cell["name"]].update(counter_figures(before, read_counters(server.url)))
                 if warm_s is not None:
                     results[cell["name"]]["warm_s"] = warm_s
             except Exception as err:
@@ -192,7 +148,7 @@ def _measure_cells(args, console, name: str, start, work: Path, is_tandem: bool,
             results[cell["name"]]["cpu"] = sampler.stop()
             results[cell["name"]]["wall_s"] = time.monotonic() - started
             if is_tandem:
-                results[cell["name"]]["engine_timeline"] = _timeline(server.url, results[cell["name"]]["wall_s"])
+                results[cell["name"]]["engine_timeline"] = read_timeline(server.url, results[cell["name"]]["wall_s"])
     finally:
         server.stop()
     return results

@@ -57,8 +57,8 @@ def test_a_vllm_group_is_served_pinned_beside_the_native_one(monkeypatch, tmp_pa
     monkeypatch.setattr(served, "start_tandem", lambda name, config, spec, python: started.append(
         (name, config, spec, python)) or Server())
     monkeypatch.setattr(served, "_client", client)
-    monkeypatch.setattr(served, "_counters", lambda url: {})
-    monkeypatch.setattr(served, "_timeline", lambda url, seconds: None)
+    monkeypatch.setattr(served, "read_counters", lambda url: {})
+    monkeypatch.setattr(served, "read_timeline", lambda url, seconds: None)
     args = _args("configs/vllm-group.yaml", "--vllm-group", "vllm", "--datasets", "random", "--rates", "2")
     import io
 
@@ -261,7 +261,7 @@ def test_llamacpp_is_a_peer_of_its_own_beside_vllm():
 
 
 def test_counters_are_read_from_the_servers_metrics(monkeypatch):
-    from cluster.bench import served
+    from cluster.bench import server_readings as readings
 
     class Page:
         def __init__(self, text: str) -> None:
@@ -284,23 +284,23 @@ def test_counters_are_read_from_the_servers_metrics(monkeypatch):
                 '# TYPE vllm:spec_decode_num_accepted_tokens counter\n'
                 f'vllm:spec_decode_num_accepted_tokens_total {accepted}\n')
 
-    monkeypatch.setattr(served.urllib.request, "urlopen", lambda url, timeout: Page(page(3, 10, 40, 8)))
-    before = served._counters("http://h:1")
+    monkeypatch.setattr(readings.urllib.request, "urlopen", lambda url, timeout: Page(page(3, 10, 40, 8)))
+    before = readings.read_counters("http://h:1")
     assert before == {"num_preemptions": 5.0, "num_drafts": 10.0, "num_draft_tokens": 40.0,
                       "num_accepted_tokens": 8.0}
-    monkeypatch.setattr(served.urllib.request, "urlopen", lambda url, timeout: Page(page(4, 30, 120, 48)))
-    figures = served.counter_figures(before, served._counters("http://h:1"))
+    monkeypatch.setattr(readings.urllib.request, "urlopen", lambda url, timeout: Page(page(4, 30, 120, 48)))
+    figures = readings.counter_figures(before, readings.read_counters("http://h:1"))
     assert figures == {"num_preemptions": 1.0, "num_drafts": 20.0, "num_draft_tokens": 80.0,
                        "num_accepted_tokens": 40.0, "acceptance_rate": 0.5, "mean_acceptance_length": 3.0}
-    monkeypatch.setattr(served.urllib.request, "urlopen", lambda url, timeout: Page("# nothing\n"))
-    fresh = served._counters("http://h:1")
+    monkeypatch.setattr(readings.urllib.request, "urlopen", lambda url, timeout: Page("# nothing\n"))
+    fresh = readings.read_counters("http://h:1")
     assert fresh == {}  # a fresh server that has not published its counters yet
-    assert served.counter_figures(fresh, {"num_preemptions": 2.0}) == {"num_preemptions": 2.0}  # they start at 0
-    assert served.counter_figures({}, {}) == {}  # a server that publishes none: nothing made up
+    assert readings.counter_figures(fresh, {"num_preemptions": 2.0}) == {"num_preemptions": 2.0}  # they start at 0
+    assert readings.counter_figures({}, {}) == {}  # a server that publishes none: nothing made up
 
     def unreadable(url, timeout):
         raise OSError("connection refused")
 
-    monkeypatch.setattr(served.urllib.request, "urlopen", unreadable)
-    assert served._counters("http://h:1") is None
-    assert served.counter_figures(None, {"num_preemptions": 2.0}) == {}  # a total is not a cell's share
+    monkeypatch.setattr(readings.urllib.request, "urlopen", unreadable)
+    assert readings.read_counters("http://h:1") is None
+    assert readings.counter_figures(None, {"num_preemptions": 2.0}) == {}  # a total is not a cell's share
