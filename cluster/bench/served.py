@@ -23,8 +23,9 @@ Last, Tandem's engine runs the saturation and closed-loop cells offline in this 
 same prompts' shapes and settings, all requests at once or as many in flight as the cell
 allows, ``served_offline.py``) and the report gives served / offline output throughput, TTFT
 and TPOT. Each cell also reads the servers' ``/metrics`` counters (preemptions, drafts, draft tokens
-accepted) before and after it (``server_readings.py``). With ``--vllm-group NAME`` no peer server starts: CONFIG's cluster
-serves the cells pinned to its native group and to its vLLM group NAME in turn (``X-Tandem-Group``).
+accepted) before and after it (``server_readings.py``). With ``--vllm-group NAME`` no peer server
+starts: CONFIG's cluster serves the cells pinned to its native group and to its vLLM group NAME in
+turn (``X-Tandem-Group``).
 """
 
 from __future__ import annotations
